@@ -1,0 +1,142 @@
+"""GEMM dispatch: which backend runs a quantized GEMM, chosen in one place.
+
+Every backend takes the same contract: two operands, each a `QTensor`
+(payload + scales + layout) or a plain wide array, contracted over their
+``axis``, and returns the wide product with FP32 accumulation.
+
+* ``xla``: plain JAX. Per-tensor and row-wise FP8 run as an FP8
+  ``dot_general`` with ``preferred_element_type=float32`` and the scales
+  applied to the output; on GPUs XLA rewrites this pattern into the vendor
+  FP8 GEMM (cuBLASLt / hipBLASLt). Block-scaled formats (tiles, blocks, MX) are
+  emulated: dequantize to FP32, then one FP32 dot. The emulation is the
+  numerical reference for every other backend.
+* ``ffi``: native kernels from ``ffi/`` through XLA FFI (see `qlayers._native`).
+
+``QLAYERS_BACKEND=xla|ffi`` (or the ``backend=`` argument) forces a backend.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from qlayers.scaling import QTensor
+
+__all__ = ["gemm", "select", "report", "BACKENDS"]
+
+BACKENDS = ("xla", "ffi")
+
+
+def _native():
+  try:
+    from qlayers import _native  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return None
+  return _native
+
+
+def _ffi_supports(a, b) -> tuple[bool, str]:
+  native = _native()
+  if native is None or not hasattr(native, "supports") or not native.available():
+    why = native.unavailable_reason() if native else "qlayers._native missing"
+    return False, f"native library not available ({why})"
+  return native.supports(a, b)
+
+
+def select(a, b, backend: str | None = None,
+           platform: str | None = None) -> tuple[str, str]:
+  """Chooses the backend for a GEMM of ``a`` and ``b``: ``(name, reason)``."""
+  requested = backend or os.environ.get("QLAYERS_BACKEND") or None
+  if requested is not None and requested not in BACKENDS:
+    raise ValueError(f"Unknown backend {requested!r}; expected one of "
+                     f"{BACKENDS} (from the backend argument or "
+                     "QLAYERS_BACKEND).")
+  quantized = isinstance(a, QTensor)
+  if not quantized:
+    return "xla", "unquantized operands"
+  if requested == "xla":
+    return "xla", "forced"
+  ok, why = _ffi_supports(a, b)
+  if requested == "ffi":
+    if not ok:
+      raise ValueError(f"backend 'ffi' was forced but cannot run this GEMM: "
+                       f"{why}.")
+    return "ffi", "forced"
+  platform = platform or jax.default_backend()
+  if a.granularity in ("tensor", "row") and platform != "cpu":
+    return "xla", "XLA rewrites scaled FP8 dot_general to the vendor GEMM"
+  if ok and platform == "cpu" and a.granularity in ("tile", "block", "mx"):
+    return "ffi", "native CPU kernel decodes block formats in tiles"
+  return "xla", why if not ok else "default"
+
+
+def _scale_vector(q: QTensor) -> jax.Array:
+  """Row-wise scales of a 2-D operand as a vector over its free dim."""
+  if q.granularity == "tensor":
+    return q.scale
+  return jnp.squeeze(q.scale, axis=q.axis)
+
+
+def _dims(a_axis: int, b_axis: int):
+  return (((a_axis,), (b_axis,)), ((), ()))
+
+
+def xla_gemm(a, b, out_dtype, axes: tuple[int, int]) -> jax.Array:
+  """The ``xla`` backend (see module docstring)."""
+  dims = _dims(*axes)
+  if not isinstance(a, QTensor):
+    out = lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+    return out.astype(out_dtype)
+  if a.granularity in ("tensor", "row") and b.granularity in ("tensor", "row"):
+    out = lax.dot_general(a.payload, b.payload, dims,
+                          preferred_element_type=jnp.float32)
+    sa, sb = _scale_vector(a), _scale_vector(b)
+    if sa.ndim:
+      sa = sa[:, None]
+    if sb.ndim:
+      sb = sb[None, :]
+    return (out * sa * sb).astype(out_dtype)
+  ad = a.dequantize(jnp.float32)
+  bd = b.dequantize(jnp.float32)
+  out = lax.dot_general(ad, bd, dims, precision=lax.Precision.HIGHEST,
+                        preferred_element_type=jnp.float32)
+  return out.astype(out_dtype)
+
+
+def gemm(a, b, *, axes: tuple[int, int], out_dtype,
+         backend: str | None = None) -> jax.Array:
+  """Product of two 2-D operands contracted over ``axes`` (one per operand).
+
+  ``a`` and ``b`` are both `QTensor` (quantized along their contraction axis)
+  or both plain arrays. The result has shape ``(free dim of a, free dim of
+  b)`` and dtype ``out_dtype``; accumulation is FP32.
+  """
+  if isinstance(a, QTensor) != isinstance(b, QTensor):
+    raise TypeError("gemm operands must both be QTensor or both be arrays.")
+  if isinstance(a, QTensor) and (a.axis, b.axis) != tuple(axes):
+    raise ValueError(f"operands were quantized along axes {(a.axis, b.axis)}"
+                     f" but the GEMM contracts {tuple(axes)}.")
+  name, _ = select(a, b, backend)
+  if name == "ffi":
+    return _native().gemm(a, b, out_dtype=out_dtype)
+  return xla_gemm(a, b, out_dtype, axes)
+
+
+def report() -> dict:
+  """What is available and what would be chosen, per platform and format."""
+  native = _native()
+  info = {
+      "platform": jax.default_backend(),
+      "available": {
+          "xla": True,
+          "ffi": bool(native and native.available()),
+      },
+      "ffi_build": native.build_info() if native and native.available()
+                   else (native.unavailable_reason() if native else
+                         "qlayers._native missing"),
+      "forced": os.environ.get("QLAYERS_BACKEND"),
+  }
+  return info

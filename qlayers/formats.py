@@ -1,0 +1,301 @@
+"""Element formats: bit layouts, saturating casts, rounding and sub-byte packing.
+
+Every format here is a small floating-point code: FP8 (E4M3, E5M2 and the
+FNUZ variants used on MI300), the OCP MX element formats FP6 (E3M2, E2M3) and
+FP4 (E2M1), and the E8M0 power-of-two scale. `ml_dtypes` is the reference for
+every encoding; the tests check each code against it.
+
+Casts saturate: values are clipped to +-max before they are converted, because
+XLA and ml_dtypes give NaN (E4M3) or Inf (E5M2) on overflow. Rounding is
+round-to-nearest-even, or stochastic with an explicit PRNG key.
+
+Formats without a JAX dtype (FP6, and FP4 where a platform cannot compute on
+it) travel as uint8 codes, packed: E2M1 two per byte (element 2i in the low
+nibble), E3M2/E2M3 four per three bytes (24-bit little-endian word
+``v0 | v1 << 6 | v2 << 12 | v3 << 18``), always along the last axis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+__all__ = [
+    "Format",
+    "E4M3",
+    "E5M2",
+    "E4M3FNUZ",
+    "E5M2FNUZ",
+    "E3M2",
+    "E2M3",
+    "E2M1",
+    "E8M0",
+    "get_format",
+    "FORMATS",
+    "saturate",
+    "round_to_format",
+    "cast",
+    "encode",
+    "decode",
+    "pack",
+    "unpack",
+    "packed_size",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Format:
+  """A floating-point element format.
+
+  Attributes:
+    name: short name (``"e4m3"``, ``"e2m1"``, ...).
+    ebits: exponent bits.
+    mbits: explicit mantissa bits.
+    bias: exponent bias.
+    max: largest finite value.
+    emax: exponent of ``max`` (``floor(log2(max))``), the OCP ``emax_elem``.
+    min_normal: smallest positive normal value.
+    min_subnormal: smallest positive value (subnormal; equals ``min_normal``
+      for formats without subnormals).
+    dtype: the JAX dtype holding it, or ``None`` when it only travels as codes.
+    np_dtype: the ml_dtypes reference type.
+    has_nan: whether any code is NaN.
+    signed: whether there is a sign bit (E8M0 has none).
+  """
+
+  name: str
+  ebits: int
+  mbits: int
+  bias: int
+  max: float
+  min_normal: float
+  min_subnormal: float
+  dtype: object
+  np_dtype: object
+  has_nan: bool
+  signed: bool = True
+
+  @property
+  def bits(self) -> int:
+    return int(self.signed) + self.ebits + self.mbits
+
+  @property
+  def emax(self) -> int:
+    return int(np.floor(np.log2(self.max)))
+
+  @property
+  def emin(self) -> int:
+    """Exponent of the smallest normal value."""
+    return int(np.log2(self.min_normal))
+
+  @property
+  def packed(self) -> bool:
+    """True when payloads of this format are stored as packed uint8 codes."""
+    return self.bits < 8
+
+  def __repr__(self) -> str:
+    return f"Format({self.name})"
+
+
+def _info(np_dtype):
+  fi = ml_dtypes.finfo(np_dtype)
+  return dict(
+      max=float(fi.max),
+      min_normal=float(fi.smallest_normal),
+      min_subnormal=float(fi.smallest_subnormal),
+  )
+
+
+# Bit layouts and biases: OCP 8-bit floating point spec (E4M3/E5M2), OCP MX
+# v1.0 section 5.3 (E3M2, E2M3, E2M1, E8M0); FNUZ variants as in ml_dtypes.
+E4M3 = Format("e4m3", 4, 3, 7, dtype=jnp.float8_e4m3fn,
+              np_dtype=ml_dtypes.float8_e4m3fn, has_nan=True,
+              **_info(ml_dtypes.float8_e4m3fn))
+E5M2 = Format("e5m2", 5, 2, 15, dtype=jnp.float8_e5m2,
+              np_dtype=ml_dtypes.float8_e5m2, has_nan=True,
+              **_info(ml_dtypes.float8_e5m2))
+E4M3FNUZ = Format("e4m3fnuz", 4, 3, 8, dtype=jnp.float8_e4m3fnuz,
+                  np_dtype=ml_dtypes.float8_e4m3fnuz, has_nan=True,
+                  **_info(ml_dtypes.float8_e4m3fnuz))
+E5M2FNUZ = Format("e5m2fnuz", 5, 2, 16, dtype=jnp.float8_e5m2fnuz,
+                  np_dtype=ml_dtypes.float8_e5m2fnuz, has_nan=True,
+                  **_info(ml_dtypes.float8_e5m2fnuz))
+E3M2 = Format("e3m2", 3, 2, 3, dtype=None, np_dtype=ml_dtypes.float6_e3m2fn,
+              has_nan=False, **_info(ml_dtypes.float6_e3m2fn))
+E2M3 = Format("e2m3", 2, 3, 1, dtype=None, np_dtype=ml_dtypes.float6_e2m3fn,
+              has_nan=False, **_info(ml_dtypes.float6_e2m3fn))
+E2M1 = Format("e2m1", 2, 1, 1, dtype=None, np_dtype=ml_dtypes.float4_e2m1fn,
+              has_nan=False, **_info(ml_dtypes.float4_e2m1fn))
+# E8M0: unsigned, exponent only, 2**(code - 127); 0xFF is NaN; no zero.
+E8M0 = Format("e8m0", 8, 0, 127, max=2.0**127, min_normal=2.0**-127,
+              min_subnormal=2.0**-127, dtype=jnp.float8_e8m0fnu,
+              np_dtype=ml_dtypes.float8_e8m0fnu, has_nan=True, signed=False)
+
+FORMATS = {f.name: f for f in
+           (E4M3, E5M2, E4M3FNUZ, E5M2FNUZ, E3M2, E2M3, E2M1, E8M0)}
+_ALIASES = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2",
+            "fp8_e4m3": "e4m3", "fp8_e5m2": "e5m2",
+            "float8_e4m3fnuz": "e4m3fnuz", "float8_e5m2fnuz": "e5m2fnuz",
+            "fp6_e3m2": "e3m2", "fp6_e2m3": "e2m3", "fp4": "e2m1",
+            "fp4_e2m1": "e2m1", "float4_e2m1fn": "e2m1"}
+
+
+def get_format(fmt: Format | str) -> Format:
+  """Returns the `Format` named ``fmt`` (or ``fmt`` itself)."""
+  if isinstance(fmt, Format):
+    return fmt
+  key = _ALIASES.get(str(fmt).lower(), str(fmt).lower())
+  if key not in FORMATS:
+    raise ValueError(
+        f"Unknown element format {fmt!r}; known: {sorted(FORMATS)}.")
+  return FORMATS[key]
+
+
+def saturate(x: jax.Array, fmt: Format | str) -> jax.Array:
+  """Clips ``x`` to ``[-max, max]`` of ``fmt``; NaN stays NaN, +-Inf saturate."""
+  fmt = get_format(fmt)
+  m = jnp.asarray(fmt.max, x.dtype)
+  return jnp.clip(x, -m, m)
+
+
+def _ulp(x: jax.Array, fmt: Format) -> jax.Array:
+  """Grid spacing of ``fmt`` at each |x| (subnormal spacing below min normal)."""
+  _, e = jnp.frexp(jnp.abs(x))  # |x| = m * 2**e, m in [0.5, 1)
+  e = jnp.maximum(e - 1, fmt.emin)
+  return jnp.ldexp(jnp.ones_like(x), e - fmt.mbits)
+
+
+def round_to_format(x: jax.Array, fmt: Format | str, *,
+                    key: jax.Array | None = None) -> jax.Array:
+  """Rounds ``x`` (float32) onto the value grid of ``fmt``, saturating.
+
+  Round-to-nearest-even without ``key``; with ``key``, stochastic rounding:
+  each value rounds up with probability equal to its distance from the grid
+  point below, divided by the spacing (unbiased in expectation). The result is
+  float32 holding exactly representable values, so a later ``astype`` to the
+  format's dtype (or `encode`) is exact.
+  """
+  fmt = get_format(fmt)
+  x = saturate(x.astype(jnp.float32), fmt)
+  ulp = _ulp(x, fmt)
+  if key is None:
+    r = jnp.round(x / ulp) * ulp  # lax.round defaults to half-to-even here
+  else:
+    u = jax.random.uniform(key, x.shape, jnp.float32)
+    r = jnp.floor(x / ulp + u) * ulp
+  return saturate(r, fmt)
+
+
+def cast(x: jax.Array, fmt: Format | str, *,
+         key: jax.Array | None = None) -> jax.Array:
+  """Saturating cast of ``x`` to ``fmt``.
+
+  Returns an array of the format's JAX dtype (FP8, E8M0), or uint8 codes
+  (unpacked, one per element) for FP6/FP4. Round-to-nearest-even unless a
+  stochastic-rounding ``key`` is given.
+  """
+  fmt = get_format(fmt)
+  if fmt is E8M0:
+    raise ValueError("Use scaling.e8m0_encode for E8M0 scales, not cast().")
+  if fmt.packed:
+    return encode(round_to_format(x, fmt, key=key), fmt)
+  if key is None:
+    # XLA's convert rounds to nearest even; saturating first avoids NaN/Inf.
+    return saturate(x, fmt).astype(fmt.dtype)
+  return round_to_format(x, fmt, key=key).astype(fmt.dtype)
+
+
+def encode(values: jax.Array, fmt: Format | str) -> jax.Array:
+  """Bit codes (uint8) of values already on ``fmt``'s grid (see `round_to_format`).
+
+  NaN maps to code 0 for formats without NaN (the MX scale carries it).
+  """
+  fmt = get_format(fmt)
+  v = values.astype(jnp.float32)
+  sign = jnp.signbit(v).astype(jnp.uint32)
+  mag = jnp.abs(jnp.where(jnp.isnan(v), 0.0, v))
+  _, e = jnp.frexp(mag)
+  e = e - 1
+  normal = mag >= fmt.min_normal
+  exp_field = jnp.where(normal, e + fmt.bias, 0)
+  mant = jnp.where(normal, jnp.ldexp(mag, -e) - 1.0, mag / fmt.min_subnormal)
+  mant = jnp.where(normal, mant * (1 << fmt.mbits), mant)
+  code = ((sign << (fmt.bits - 1))
+          | (exp_field.astype(jnp.uint32) << fmt.mbits)
+          | mant.astype(jnp.uint32))
+  return code.astype(jnp.uint8)
+
+
+@functools.lru_cache(maxsize=None)
+def _decode_table(name: str) -> np.ndarray:
+  fmt = get_format(name)
+  codes = np.arange(1 << fmt.bits, dtype=np.uint8)
+  return codes.view(fmt.np_dtype).astype(np.float32)
+
+
+def decode(codes: jax.Array, fmt: Format | str,
+           dtype=jnp.float32) -> jax.Array:
+  """Values of uint8 ``codes`` of ``fmt`` (one code per element, unpacked)."""
+  fmt = get_format(fmt)
+  if codes.dtype != jnp.uint8:
+    raise TypeError(f"decode expects uint8 codes, got {codes.dtype}.")
+  table = jnp.asarray(_decode_table(fmt.name))
+  return table[codes.astype(jnp.int32)].astype(dtype)
+
+
+def _group(fmt: Format) -> tuple[int, int]:
+  """(elements, bytes) of one packing group."""
+  if fmt.bits == 4:
+    return 2, 1
+  if fmt.bits == 6:
+    return 4, 3
+  raise ValueError(f"{fmt.name} is not a packed format.")
+
+
+def packed_size(n: int, fmt: Format | str) -> int:
+  """Bytes holding ``n`` packed elements of ``fmt`` along the last axis."""
+  fmt = get_format(fmt)
+  elems, nbytes = _group(fmt)
+  if n % elems:
+    raise ValueError(
+        f"{fmt.name} packs {elems} values together; the last dimension "
+        f"({n}) must be a multiple of {elems}.")
+  return n // elems * nbytes
+
+
+def pack(codes: jax.Array, fmt: Format | str) -> jax.Array:
+  """Packs unpacked uint8 ``codes`` of a 4- or 6-bit format along the last axis."""
+  fmt = get_format(fmt)
+  elems, nbytes = _group(fmt)
+  n = codes.shape[-1]
+  packed_size(n, fmt)  # validates
+  c = codes.astype(jnp.uint32).reshape(*codes.shape[:-1], n // elems, elems)
+  word = functools.reduce(
+      jnp.bitwise_or, [c[..., i] << (fmt.bits * i) for i in range(elems)])
+  out = jnp.stack([(word >> (8 * b)) & 0xFF for b in range(nbytes)], axis=-1)
+  return out.astype(jnp.uint8).reshape(*codes.shape[:-1], n // elems * nbytes)
+
+
+def unpack(packed: jax.Array, fmt: Format | str) -> jax.Array:
+  """Exact inverse of `pack`: uint8 bytes -> one uint8 code per element."""
+  fmt = get_format(fmt)
+  elems, nbytes = _group(fmt)
+  if packed.dtype != jnp.uint8:
+    raise TypeError(f"unpack expects uint8, got {packed.dtype}.")
+  nb = packed.shape[-1]
+  if nb % nbytes:
+    raise ValueError(
+        f"Packed {fmt.name} rows hold groups of {nbytes} bytes; got {nb}.")
+  b = packed.astype(jnp.uint32).reshape(*packed.shape[:-1], nb // nbytes,
+                                         nbytes)
+  word = functools.reduce(
+      jnp.bitwise_or, [b[..., i] << (8 * i) for i in range(nbytes)])
+  mask = (1 << fmt.bits) - 1
+  out = jnp.stack([(word >> (fmt.bits * i)) & mask for i in range(elems)],
+                  axis=-1)
+  return out.astype(jnp.uint8).reshape(*packed.shape[:-1], nb // nbytes * elems)

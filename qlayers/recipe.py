@@ -1,0 +1,265 @@
+"""Recipes: which format and scaling each operand of each GEMM gets.
+
+A linear layer runs three GEMMs per training step:
+
+* Fprop ``y = x @ w`` (operands ``x`` and ``w``, contracted over K),
+* Dgrad ``dx = g @ w.T`` (``g`` and ``w``, contracted over N),
+* Wgrad ``dw = x.T @ g`` (``x`` and ``g``, contracted over the tokens M),
+
+where ``g`` is the output gradient. A `Recipe` gives every operand of every
+GEMM its own `QuantSpec` (or ``None`` for no quantization). Named recipes are
+TOML files in ``recipes/``; ``qlayers.recipe("fp8_delayed")`` loads one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.resources
+import os
+import pathlib
+import tomllib
+from typing import Any, Literal
+
+import jax.numpy as jnp
+
+from qlayers.scaling import QuantSpec
+
+__all__ = ["GemmRecipe", "Recipe", "recipe", "available_recipes", "validate"]
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16,
+           "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GemmRecipe:
+  """Operand specs of one GEMM (``None``: that operand stays wide).
+
+  Attributes:
+    lhs: spec of the left operand (x in Fprop/Wgrad, g in Dgrad).
+    rhs: spec of the right operand (w in Fprop/Dgrad, g in Wgrad).
+    out_dtype: stored output dtype; ``None`` means the layer's compute dtype
+      for Fprop/Dgrad and FP32 for Wgrad.
+    accum_dtype: accumulator dtype (FP32 is the only one supported).
+  """
+
+  lhs: QuantSpec | None = None
+  rhs: QuantSpec | None = None
+  out_dtype: str | None = None
+  accum_dtype: str = "float32"
+
+  @property
+  def quantized(self) -> bool:
+    return self.lhs is not None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Recipe:
+  """A complete low-precision training recipe.
+
+  Attributes:
+    name: recipe name.
+    description: one line on what it is for.
+    fprop, dgrad, wgrad: the three GEMMs.
+    scaling: ``current`` (amax of the tensor being cast) or ``delayed``
+      (per-tensor scales from an amax history kept as layer state).
+    amax_history_len: delayed scaling history length (TE default 1024).
+    amax_compute_algo: ``max`` or ``most_recent``.
+    compute_dtype: dtype of unquantized GEMM inputs and layer outputs.
+    save_quantized_wgrad_input: keep the Wgrad input ``x`` quantized (FP8)
+      between forward and backward instead of in ``compute_dtype``.
+    loss_scaling: ``none`` or ``dynamic`` (FP16 needs it).
+
+  Example:
+    >>> import qlayers
+    >>> r = qlayers.recipe("fp8_delayed")
+    >>> r.fprop.lhs.format, r.dgrad.lhs.format
+    ('e4m3', 'e5m2')
+  """
+
+  name: str = "custom"
+  description: str = ""
+  fprop: GemmRecipe = GemmRecipe()
+  dgrad: GemmRecipe = GemmRecipe()
+  wgrad: GemmRecipe = GemmRecipe()
+  scaling: Literal["current", "delayed"] = "current"
+  amax_history_len: int = 1024
+  amax_compute_algo: Literal["max", "most_recent"] = "max"
+  compute_dtype: str = "bfloat16"
+  save_quantized_wgrad_input: bool = False
+  loss_scaling: Literal["none", "dynamic"] = "none"
+
+  def __post_init__(self):
+    validate(self)
+
+  @property
+  def quantized(self) -> bool:
+    return any(g.quantized for g in (self.fprop, self.dgrad, self.wgrad))
+
+  @property
+  def delayed(self) -> bool:
+    return self.scaling == "delayed" and self.quantized
+
+  @property
+  def dtype(self):
+    return _DTYPES[self.compute_dtype]
+
+  @property
+  def stochastic(self) -> bool:
+    return any(s is not None and s.stochastic for s in self.specs().values())
+
+  def specs(self) -> dict[str, QuantSpec | None]:
+    """Operand specs keyed ``fprop.x``, ``fprop.w``, ``dgrad.g``, ..."""
+    return {"fprop.x": self.fprop.lhs, "fprop.w": self.fprop.rhs,
+            "dgrad.g": self.dgrad.lhs, "dgrad.w": self.dgrad.rhs,
+            "wgrad.x": self.wgrad.lhs, "wgrad.g": self.wgrad.rhs}
+
+  def replace(self, **changes) -> "Recipe":
+    """A copy with ``changes`` applied (and validated)."""
+    return dataclasses.replace(self, **changes)
+
+
+def validate(r: Recipe) -> None:
+  """Raises ValueError with an actionable message if ``r`` is inconsistent."""
+  where = f"recipe {r.name!r}"
+  if r.scaling not in ("current", "delayed"):
+    raise ValueError(f"{where}: scaling must be 'current' or 'delayed', got "
+                     f"{r.scaling!r}.")
+  if r.amax_compute_algo not in ("max", "most_recent"):
+    raise ValueError(f"{where}: amax_compute_algo must be 'max' or "
+                     f"'most_recent', got {r.amax_compute_algo!r}.")
+  if not isinstance(r.amax_history_len, int) or r.amax_history_len < 1:
+    raise ValueError(f"{where}: amax_history_len must be a positive int.")
+  if r.compute_dtype not in _DTYPES:
+    raise ValueError(f"{where}: compute_dtype must be one of "
+                     f"{sorted(_DTYPES)}, got {r.compute_dtype!r}.")
+  if r.loss_scaling not in ("none", "dynamic"):
+    raise ValueError(f"{where}: loss_scaling must be 'none' or 'dynamic'.")
+  for gname in ("fprop", "dgrad", "wgrad"):
+    g = getattr(r, gname)
+    if (g.lhs is None) != (g.rhs is None):
+      raise ValueError(
+          f"{where}: {gname} quantizes one operand only; quantize both "
+          "operands of a GEMM or neither.")
+    if g.accum_dtype != "float32":
+      raise ValueError(f"{where}: {gname}.accum_dtype must be float32 "
+                       f"(got {g.accum_dtype!r}).")
+    if g.out_dtype is not None and g.out_dtype not in _DTYPES:
+      raise ValueError(f"{where}: {gname}.out_dtype must be one of "
+                       f"{sorted(_DTYPES)} or unset.")
+    if g.quantized and g.lhs.format == "e5m2" and g.rhs.format == "e5m2":
+      raise ValueError(
+          f"{where}: {gname} would multiply E5M2 by E5M2, which loses too "
+          "much precision; keep one operand E4M3 (HYBRID: E5M2 for "
+          "gradients only).")
+  if r.delayed:
+    for role, spec in r.specs().items():
+      if spec is not None and spec.granularity != "tensor":
+        raise ValueError(
+            f"{where}: delayed scaling keeps one scale per tensor, but "
+            f"{role} uses granularity {spec.granularity!r}; use "
+            "scaling='current' for row/tile/block/mx.")
+  if r.compute_dtype == "float16" and r.loss_scaling != "dynamic":
+    raise ValueError(f"{where}: float16 compute needs loss_scaling='dynamic' "
+                     "(gradients underflow otherwise).")
+
+
+# ----------------------------------------------------------------------------
+# Loading
+
+
+def _recipes_dirs() -> list[pathlib.Path]:
+  dirs = []
+  env = os.environ.get("QLAYERS_RECIPES")
+  if env:
+    dirs.append(pathlib.Path(env))
+  pkg = pathlib.Path(str(importlib.resources.files("qlayers"))) / "recipes"
+  dirs.append(pkg)
+  dirs.append(pathlib.Path(__file__).resolve().parent.parent / "recipes")
+  return [d for d in dirs if d.is_dir()]
+
+
+def available_recipes() -> list[str]:
+  """Names of the recipes shipped with qlayers."""
+  names = set()
+  for d in _recipes_dirs():
+    names.update(p.stem for p in d.glob("*.toml"))
+  return sorted(names)
+
+
+_GEMM_ROLES = {"fprop": ("x", "w"), "dgrad": ("g", "w"), "wgrad": ("x", "g")}
+
+
+def _spec(table: Any, where: str) -> QuantSpec | None:
+  if table is None or table is False:
+    return None
+  if not isinstance(table, dict):
+    raise ValueError(f"{where}: expected a table of QuantSpec fields.")
+  known = {f.name for f in dataclasses.fields(QuantSpec)}
+  unknown = set(table) - known
+  if unknown:
+    raise ValueError(f"{where}: unknown keys {sorted(unknown)}; known: "
+                     f"{sorted(known)}.")
+  try:
+    return QuantSpec(**table)
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"{where}: {e}") from None
+
+
+def from_dict(data: dict, source: str = "<dict>") -> Recipe:
+  """Builds a `Recipe` from the TOML-shaped dict ``data``."""
+  data = dict(data)
+  defaults = data.pop("defaults", {})
+  kwargs = {}
+  for gname, (lrole, rrole) in _GEMM_ROLES.items():
+    table = dict(data.pop(gname, {}))
+    out_dtype = table.pop("out_dtype", None)
+    accum = table.pop("accum_dtype", "float32")
+    unknown = set(table) - {lrole, rrole}
+    if unknown:
+      raise ValueError(f"{source}: [{gname}] takes operands {lrole!r} and "
+                       f"{rrole!r}, not {sorted(unknown)}.")
+
+    def merged(role, gname=gname, table=table):
+      t = table.get(role)
+      if t is None:
+        return None
+      return {**defaults, **t}
+
+    kwargs[gname] = GemmRecipe(
+        lhs=_spec(merged(lrole), f"{source}: {gname}.{lrole}"),
+        rhs=_spec(merged(rrole), f"{source}: {gname}.{rrole}"),
+        out_dtype=out_dtype, accum_dtype=accum)
+  known = {f.name for f in dataclasses.fields(Recipe)}
+  unknown = set(data) - known
+  if unknown:
+    raise ValueError(f"{source}: unknown recipe keys {sorted(unknown)}.")
+  return Recipe(**data, **kwargs)
+
+
+def recipe(name_or_path: "str | os.PathLike | Recipe", **changes) -> Recipe:
+  """Loads a recipe by name (``"fp8_delayed"``) or from a TOML file path.
+
+  Keyword ``changes`` override top-level fields, e.g.
+  ``recipe("fp8_delayed", amax_history_len=16)``.
+  """
+  if isinstance(name_or_path, Recipe):
+    return name_or_path.replace(**changes) if changes else name_or_path
+  text = str(name_or_path)
+  path = pathlib.Path(text)
+  if not (text.endswith(".toml") or path.is_file()):
+    for d in _recipes_dirs():
+      if (d / f"{text}.toml").is_file():
+        path = d / f"{text}.toml"
+        break
+    else:
+      raise ValueError(f"Unknown recipe {text!r}; available: "
+                       f"{available_recipes()} (or pass a .toml path).")
+  if not path.is_file():
+    raise FileNotFoundError(f"Recipe file {path} does not exist.")
+  try:
+    data = tomllib.loads(path.read_text())
+  except tomllib.TOMLDecodeError as e:
+    raise ValueError(f"{path}: not valid TOML: {e}") from None
+  data.setdefault("name", path.stem)
+  r = from_dict(data, str(path))
+  return r.replace(**changes) if changes else r

@@ -1,0 +1,187 @@
+"""Element formats against ml_dtypes: every code, rounding, saturation, packing."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from qlayers import formats as F
+
+ALL = [F.E4M3, F.E5M2, F.E4M3FNUZ, F.E5M2FNUZ, F.E3M2, F.E2M3, F.E2M1]
+PACKED = [F.E3M2, F.E2M3, F.E2M1]
+
+
+def _codes(fmt):
+  codes = np.arange(1 << fmt.bits, dtype=np.uint8)
+  return codes, codes.view(fmt.np_dtype).astype(np.float32)
+
+
+def _reference_cast(x, fmt):
+  """ml_dtypes cast after saturation, as uint8 codes."""
+  x = np.clip(np.asarray(x, np.float32), -fmt.max, fmt.max)
+  return x.astype(fmt.np_dtype).view(np.uint8)
+
+
+def _our_codes(x, fmt):
+  out = F.cast(jnp.asarray(x, jnp.float32), fmt)
+  if fmt.packed:
+    return np.asarray(out)
+  return np.asarray(jax.lax.bitcast_convert_type(out, jnp.uint8))
+
+
+@pytest.mark.parametrize("fmt", ALL, ids=lambda f: f.name)
+def test_format_constants_match_ml_dtypes(fmt):
+  fi = ml_dtypes.finfo(fmt.np_dtype)
+  assert fmt.max == float(fi.max)
+  assert fmt.min_normal == float(fi.smallest_normal)
+  assert fmt.min_subnormal == float(fi.smallest_subnormal)
+  assert fmt.bits == fi.bits
+  assert fmt.mbits == fi.nmant
+
+
+def test_named_constants():
+  assert (F.E4M3.max, F.E5M2.max, F.E3M2.max, F.E2M3.max, F.E2M1.max) == (
+      448.0, 57344.0, 28.0, 7.5, 6.0)
+  assert F.E4M3FNUZ.max == 240.0 and F.E5M2FNUZ.max == 57344.0
+  # OCP MX v1.0 emax_elem.
+  assert [f.emax for f in (F.E4M3, F.E5M2, F.E3M2, F.E2M3, F.E2M1)] == [
+      8, 15, 4, 2, 2]
+  assert F.get_format("float8_e4m3fn") is F.E4M3
+  with pytest.raises(ValueError, match="Unknown element format"):
+    F.get_format("e9m9")
+
+
+@pytest.mark.parametrize("fmt", ALL, ids=lambda f: f.name)
+def test_every_code_round_trips(fmt):
+  codes, values = _codes(fmt)
+  finite = np.isfinite(values)
+  ours = _our_codes(values[finite], fmt)
+  ref = _reference_cast(values[finite], fmt)
+  # -0 and +0 both decode to 0; compare values for zeros, codes otherwise.
+  nz = values[finite] != 0
+  np.testing.assert_array_equal(ours[nz], codes[finite][nz])
+  np.testing.assert_array_equal(ours, ref)
+  if fmt.packed:
+    np.testing.assert_array_equal(
+        np.asarray(F.decode(jnp.asarray(codes), fmt)), values)
+
+
+@pytest.mark.parametrize("fmt", ALL, ids=lambda f: f.name)
+def test_random_values_match_ml_dtypes(fmt):
+  rng = np.random.default_rng(0)
+  x = np.concatenate([
+      rng.standard_normal(4000) * fmt.max / 4,
+      rng.standard_normal(4000) * fmt.min_normal * 4,  # subnormal range
+      rng.uniform(-2 * fmt.max, 2 * fmt.max, 2000),  # saturation
+  ]).astype(np.float32)
+  np.testing.assert_array_equal(_our_codes(x, fmt), _reference_cast(x, fmt))
+
+
+@pytest.mark.parametrize("fmt", ALL, ids=lambda f: f.name)
+def test_midpoints_round_to_even(fmt):
+  _, values = _codes(fmt)
+  pos = np.unique(values[np.isfinite(values) & (values >= 0)])
+  mids = (pos[:-1] + pos[1:]) / 2  # exact in float32
+  ours = np.asarray(F.round_to_format(jnp.asarray(mids), fmt))
+  ref = mids.astype(fmt.np_dtype).astype(np.float32)
+  np.testing.assert_array_equal(ours, ref)
+  # Ties go to the neighbour with an even mantissa (its code is even).
+  codes = _our_codes(mids, fmt) & ((1 << (fmt.bits - 1)) - 1)
+  assert np.all(codes % 2 == 0)
+
+
+def test_specific_rne_and_subnormal_cases():
+  e4 = F.E4M3
+  r = lambda v, f=e4: float(F.round_to_format(jnp.float32(v), f))
+  assert r(1.0625) == 1.0  # tie -> even mantissa 000
+  assert r(1.1875) == 1.25  # tie -> even mantissa 010
+  assert r(2.0**-9) == 2.0**-9  # smallest subnormal
+  assert r(2.0**-10) == 0.0  # half of it ties to zero (even)
+  assert r(1.5 * 2.0**-10) == 2.0**-9
+  assert r(-3 * 2.0**-10) == -2 * 2.0**-9
+  assert r(0.5, F.E2M1) == 0.5 and r(0.25, F.E2M1) == 0.0
+  assert r(2.5, F.E2M1) == 2.0 and r(3.5, F.E2M1) == 4.0 and r(5.0, F.E2M1) == 4.0
+
+
+def test_saturation_never_gives_nan_or_inf():
+  x = jnp.array([1e6, -1e6, jnp.inf, -jnp.inf, 449.0, 500.0], jnp.float32)
+  e4 = F.cast(x, F.E4M3).astype(jnp.float32)
+  np.testing.assert_array_equal(e4, [448, -448, 448, -448, 448, 448])
+  e5 = F.cast(x * 100, F.E5M2).astype(jnp.float32)
+  np.testing.assert_array_equal(e5[:4], [57344, -57344, 57344, -57344])
+  # Without saturation XLA gives NaN for E4M3 overflow: the reason we clip.
+  assert np.isnan(float(jnp.float32(1e6).astype(jnp.float8_e4m3fn)))
+  fnuz = F.cast(x, F.E4M3FNUZ).astype(jnp.float32)
+  np.testing.assert_array_equal(fnuz[:2], [240, -240])
+  for fmt in PACKED:
+    v = F.decode(F.cast(x, fmt), fmt)
+    np.testing.assert_array_equal(np.abs(v), fmt.max)
+
+
+def test_nan_stays_nan_in_fp8():
+  x = jnp.array([jnp.nan, 1.0], jnp.float32)
+  assert np.isnan(float(F.cast(x, F.E4M3)[0].astype(jnp.float32)))
+  assert np.isnan(float(F.cast(x, F.E5M2)[0].astype(jnp.float32)))
+
+
+@pytest.mark.parametrize("fmt", [F.E4M3, F.E5M2, F.E2M1, F.E3M2],
+                         ids=lambda f: f.name)
+def test_stochastic_rounding_is_unbiased_and_local(fmt):
+  x = jnp.full((200_000,), 1.03 if fmt.bits > 4 else 1.2, jnp.float32)
+  x0 = float(x[0])
+  ulp = float(F._ulp(x[0], fmt))
+  lo = np.floor(x0 / ulp) * ulp
+  out = np.asarray(F.round_to_format(x, fmt, key=jax.random.key(0)))
+  assert set(np.unique(out).tolist()) == {lo, lo + ulp}  # only neighbours
+  assert abs(out.mean() - float(x[0])) < 2e-3
+  # Different keys give different patterns; the same key repeats exactly.
+  again = np.asarray(F.round_to_format(x, fmt, key=jax.random.key(0)))
+  other = np.asarray(F.round_to_format(x, fmt, key=jax.random.key(1)))
+  np.testing.assert_array_equal(out, again)
+  assert not np.array_equal(out, other)
+
+
+def test_stochastic_rounding_saturates():
+  x = jnp.array([447.9, 1e9, -1e9], jnp.float32)
+  out = F.round_to_format(x, F.E4M3, key=jax.random.key(3))
+  assert float(jnp.max(jnp.abs(out))) == 448.0
+
+
+def test_e8m0_limits():
+  codes = np.arange(256, dtype=np.uint8)
+  ref = codes.view(ml_dtypes.float8_e8m0fnu).astype(np.float64)
+  ours = np.ldexp(1.0, codes.astype(np.int64) - 127)
+  np.testing.assert_array_equal(ours[:255], ref[:255])
+  assert np.isnan(ref[255])
+  assert F.E8M0.max == 2.0**127 and F.E8M0.min_normal == 2.0**-127
+  assert not F.E8M0.signed and F.E8M0.bits == 8
+
+
+@pytest.mark.parametrize("fmt", PACKED, ids=lambda f: f.name)
+def test_pack_round_trip_random_codes(fmt):
+  rng = np.random.default_rng(1)
+  codes = rng.integers(0, 1 << fmt.bits, size=(7, 96), dtype=np.uint8)
+  packed = F.pack(jnp.asarray(codes), fmt)
+  assert packed.dtype == jnp.uint8
+  assert packed.shape == (7, F.packed_size(96, fmt))
+  np.testing.assert_array_equal(np.asarray(F.unpack(packed, fmt)), codes)
+
+
+def test_pack_bit_layout():
+  fp4 = F.pack(jnp.array([[0x1, 0x2, 0xF, 0x0]], jnp.uint8), F.E2M1)
+  np.testing.assert_array_equal(np.asarray(fp4), [[0x21, 0x0F]])
+  v = [0x01, 0x02, 0x03, 0x3F]
+  word = v[0] | v[1] << 6 | v[2] << 12 | v[3] << 18
+  fp6 = F.pack(jnp.array([v], jnp.uint8), F.E3M2)
+  np.testing.assert_array_equal(
+      np.asarray(fp6), [[word & 0xFF, (word >> 8) & 0xFF, word >> 16]])
+
+
+def test_pack_rejects_bad_lengths():
+  with pytest.raises(ValueError, match="multiple of 2"):
+    F.pack(jnp.zeros((3,), jnp.uint8), F.E2M1)
+  with pytest.raises(ValueError, match="multiple of 4"):
+    F.pack(jnp.zeros((6,), jnp.uint8), F.E2M3)
+  with pytest.raises(TypeError, match="uint8"):
+    F.unpack(jnp.zeros((3,), jnp.int32), F.E2M3)

@@ -1,0 +1,234 @@
+"""Scale rules, QTensor layout, bit-exact MX vectors and delayed scaling."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from qlayers import formats as F
+from qlayers import scaling as S
+from qlayers.scaling import QuantSpec
+
+
+def mx(fmt="e4m3", rule="mx_rceil"):
+  return QuantSpec(format=fmt, granularity="mx", scale_rule=rule)
+
+
+def payload_codes(qt):
+  if qt.fmt.packed:
+    return np.asarray(F.unpack(qt.payload, qt.fmt))
+  return np.asarray(jax.lax.bitcast_convert_type(qt.payload, jnp.uint8))
+
+
+# ---------------------------------------------------------------- MX vectors
+
+
+def test_mx_block_of_480_floor_and_rceil():
+  x = jnp.full((1, 32), 480.0)
+  floor = S.quantize(x, mx(rule="mx_floor"))
+  assert int(floor.scale[0, 0]) == 127  # 2**0
+  assert np.all(payload_codes(floor) == 0x7E)  # 448, saturated
+  rceil = S.quantize(x, mx(rule="mx_rceil"))
+  assert int(rceil.scale[0, 0]) == 128  # 2**1
+  assert np.all(np.asarray(rceil.payload.astype(jnp.float32)) == 240.0)
+  np.testing.assert_array_equal(rceil.dequantize(), x)
+
+
+@pytest.mark.parametrize("rule", ["mx_floor", "mx_rceil"])
+def test_mx_zero_inf_nan_blocks(rule):
+  x = np.ones((4, 32), np.float32)
+  x[0] = 0.0
+  x[1, 5] = np.inf
+  x[2, 7] = np.nan
+  x[3, 9] = -np.inf
+  qt = S.quantize(jnp.asarray(x), mx(rule=rule))
+  codes = np.asarray(qt.scale)[:, 0]
+  assert codes[0] == 0  # zero block: 2**-127
+  assert np.all(payload_codes(qt)[0] == 0)
+  assert list(codes[1:]) == [255, 255, 255]
+  deq = np.asarray(qt.dequantize())
+  assert np.all(deq[0] == 0) and np.all(np.isnan(deq[1:]))
+
+
+@pytest.mark.parametrize(
+    "fmt,amax,floor_e,rceil_e",
+    [
+        ("e4m3", 448.0, 0, 0),  # exact max: RCEIL stays at 2**0
+        ("e4m3", 449.0, 0, 1),  # just over: RCEIL rounds up
+        ("e4m3", 256.0, 0, 0),  # 2**8 (FLOOR emax 8); RCEIL 256/448 -> 2**0
+        ("e4m3", 1.0, -8, -8),  # 1/448 -> ceil(log2) = -8
+        ("e5m2", 57344.0, 0, 0),
+        ("e2m1", 6.0, 0, 0),
+        ("e2m1", 7.0, 0, 1),
+        ("e2m1", 4.0, 0, 0),
+        ("e3m2", 28.0, 0, 0),
+        ("e2m3", 7.5, 0, 0),
+        ("e2m3", 0.001, -12, -12),
+    ])
+def test_mx_boundary_exponents(fmt, amax, floor_e, rceil_e):
+  x = jnp.zeros((1, 32)).at[0, 3].set(amax).at[0, 4].set(-amax / 3)
+  f = S.quantize(x, mx(fmt, "mx_floor"))
+  r = S.quantize(x, mx(fmt, "mx_rceil"))
+  assert int(f.scale[0, 0]) - 127 == floor_e
+  assert int(r.scale[0, 0]) - 127 == rceil_e
+  # RCEIL never saturates: the scaled amax fits the element range.
+  assert float(jnp.max(jnp.abs(r.elements()))) <= F.get_format(fmt).max
+
+
+def test_mx_scale_codes_match_ml_dtypes_for_powers_of_two():
+  # For a power-of-two scale 2**e, ml_dtypes' E8M0 encodes code e + 127.
+  exps = np.arange(-120, 120)
+  amax = np.ldexp(448.0, exps).astype(np.float32)
+  codes = np.asarray(S.mx_scale_codes(jnp.asarray(amax), F.E4M3, "mx_rceil"))
+  ref = np.ldexp(1.0, exps).astype(ml_dtypes.float8_e8m0fnu).view(np.uint8)
+  np.testing.assert_array_equal(codes, ref)
+
+
+def test_mx_extreme_exponents_clamp():
+  amax = jnp.array([1e-45, 3e38], jnp.float32)
+  codes = np.asarray(S.mx_scale_codes(amax, F.E4M3, "mx_floor"))
+  assert codes[0] == 0 and codes[1] == 127 + 127 - 8
+
+
+def test_mx_dequantize_is_exact_given_payload():
+  x = jax.random.normal(jax.random.key(0), (6, 96)) * 3
+  for fmt in ("e4m3", "e5m2", "e3m2", "e2m3", "e2m1"):
+    qt = S.quantize(x, mx(fmt))
+    codes = payload_codes(qt)
+    elems = codes.view(F.get_format(fmt).np_dtype).astype(np.float64)
+    scales = np.ldexp(1.0, np.asarray(qt.scale).astype(np.int64) - 127)
+    ref = elems * np.repeat(scales, 32, axis=1)
+    np.testing.assert_array_equal(np.asarray(qt.dequantize()), ref)
+
+
+# ------------------------------------------------------- granularity/layout
+
+
+def test_padding_reports_padded_shape_and_crops():
+  x = jax.random.normal(jax.random.key(1), (5, 70))
+  qt = S.quantize(x, QuantSpec(format="e4m3", granularity="tile"))
+  assert qt.shape == (5, 70) and qt.padded_shape == (5, 128)
+  assert qt.payload.shape == (5, 128) and qt.scale.shape == (5, 1)
+  assert np.all(np.asarray(qt.payload[:, 70:].astype(jnp.float32)) == 0)
+  assert qt.dequantize().shape == (5, 70)
+  w = jax.random.normal(jax.random.key(2), (300, 200))
+  qb = S.quantize(w, QuantSpec(format="e4m3", granularity="block"), axis=0)
+  assert qb.padded_shape == (384, 256) and qb.scale.shape == (3, 2)
+  fp4 = S.quantize(x, mx("e2m1"))
+  assert fp4.payload.shape == (5, 48) and fp4.scale.shape == (5, 3)
+
+
+def test_deepseek_scale_formula():
+  x = np.zeros((2, 128), np.float32)
+  x[0, 0] = 3.0
+  x[1, :] = 1e-6  # below the amax floor
+  qt = S.quantize(jnp.asarray(x), QuantSpec(format="e4m3",
+                                            granularity="tile"))
+  np.testing.assert_allclose(np.asarray(qt.scale)[:, 0],
+                             [3.0 / 448, 1e-4 / 448], rtol=1e-7)
+  p2 = S.quantize(jnp.asarray(x), QuantSpec(format="e4m3", granularity="tile",
+                                            pow2=True))
+  np.testing.assert_array_equal(np.asarray(p2.scale)[:, 0],
+                                [2.0**-7, 2.0**-22])  # rounded up
+
+
+def test_te_scale_margin_pow2_and_bad_amax():
+  e4 = F.E4M3
+  assert float(S.te_scale(448.0, 1.0, e4)) == 1.0
+  assert float(S.te_scale(448.0, 1.0, e4, margin=2)) == 4.0
+  assert float(S.te_scale(300.0, 1.0, e4, pow2=True)) == 1.0
+  assert float(S.te_scale(500.0, 1.0, e4, pow2=True)) == 2.0
+  for bad in (0.0, np.inf, np.nan):
+    assert float(S.te_scale(bad, 0.25, e4)) == 0.25
+
+
+def test_rowwise_scales_along_axis():
+  x = jnp.arange(1.0, 13.0).reshape(3, 4)
+  qt = S.quantize(x, QuantSpec(format="e4m3", granularity="row"), axis=1)
+  np.testing.assert_allclose(np.asarray(qt.scale)[:, 0],
+                             np.array([4, 8, 12]) / 448, rtol=1e-7)
+  qc = S.quantize(x, QuantSpec(format="e4m3", granularity="row"), axis=0)
+  np.testing.assert_allclose(np.asarray(qc.scale)[0],
+                             np.array([9, 10, 11, 12]) / 448, rtol=1e-7)
+
+
+def test_qtensor_is_a_pytree_under_jit():
+  spec = mx("e2m1")
+  f = jax.jit(lambda x: S.quantize(x, spec))
+  qt = f(jnp.ones((4, 64)))
+  assert isinstance(qt, S.QTensor) and qt.format == "e2m1"
+  leaves = jax.tree.leaves(qt)
+  assert len(leaves) == 2
+  back = jax.jit(lambda q: q.dequantize())(qt)
+  np.testing.assert_array_equal(back, jnp.ones((4, 64)))
+
+
+def test_quantize_errors():
+  with pytest.raises(ValueError, match="packed along the last axis"):
+    S.quantize(jnp.ones((64, 4)), mx("e2m1"), axis=0)
+  with pytest.raises(ValueError, match="needs block scales"):
+    QuantSpec(format="e2m1", granularity="tensor")
+  with pytest.raises(ValueError, match="Stochastic rounding needs"):
+    S.quantize(jnp.ones((2, 32)), QuantSpec(format="e4m3",
+                                            rounding="stochastic"))
+  with pytest.raises(TypeError, match="floating-point"):
+    S.quantize(jnp.ones((2, 32), jnp.int32), QuantSpec())
+  with pytest.raises(ValueError, match="does not fit granularity"):
+    QuantSpec(format="e4m3", granularity="tile", scale_rule="mx_rceil")
+  with pytest.raises(ValueError, match="not an OCP MX element format"):
+    QuantSpec(format="e4m3fnuz", granularity="mx")
+  with pytest.raises(ValueError, match="axis 5 out of range"):
+    S.quantize(jnp.ones((2, 32)), QuantSpec(), axis=5)
+
+
+# ------------------------------------------------------------ delayed
+
+
+def test_delayed_scaling_hand_computed_trajectory():
+  """History of 3, algo max: spike, NaN step, spike leaving the window."""
+  e4 = F.E4M3
+  hist = jnp.zeros(3)
+  scale = jnp.float32(1.0)
+  amaxes = [2.0, 4.0, 44.8, np.nan, 1.0, 1.0, 1.0]
+  used, scales, hists = [], [], []
+  for a in amaxes:
+    now, scale, hist = S.delayed_scale(jnp.float32(a), scale, hist, e4)
+    used.append(float(now))
+    scales.append(float(scale))
+    hists.append(np.asarray(hist).tolist())
+  m = 448.0
+  # Step 0 uses the current amax (empty history), later steps the stored one.
+  np.testing.assert_allclose(
+      used, [2 / m, 2 / m, 4 / m, 44.8 / m, 44.8 / m, 44.8 / m, 1 / m],
+      rtol=1e-6)
+  np.testing.assert_allclose(
+      scales, [2 / m, 4 / m, 44.8 / m, 44.8 / m, 44.8 / m, 1 / m, 1 / m],
+      rtol=1e-6)
+  assert hists == [[2, 0, 0], [4, 2, 0], [np.float32(44.8), 4, 2],
+                   [0, np.float32(44.8), 4], [1, 0, np.float32(44.8)],
+                   [1, 1, 0], [1, 1, 1]]
+
+
+def test_delayed_most_recent_and_margin():
+  hist = jnp.array([2.0, 100.0, 50.0])
+  s = S.compute_scale(hist, 1.0, F.E4M3, algo="most_recent", margin=1)
+  assert float(s) == pytest.approx(2.0 * 2 / 448)
+  s = S.compute_scale(hist, 1.0, F.E4M3, algo="max")
+  assert float(s) == pytest.approx(100.0 / 448)
+  with pytest.raises(ValueError, match="amax_compute_algo"):
+    S.compute_scale(hist, 1.0, F.E4M3, algo="mean")
+
+
+def test_nan_never_poisons_history_or_scale():
+  hist = jnp.array([3.0, 0.0])
+  for bad in (np.nan, np.inf):
+    now, nxt, h = S.delayed_scale(jnp.float32(bad), jnp.float32(3 / 448),
+                                  hist, F.E4M3)
+    assert np.all(np.isfinite(np.asarray(h))) and float(h[0]) == 0.0
+    assert float(now) == pytest.approx(3 / 448)
+    assert float(nxt) == pytest.approx(3 / 448)
+  # An all-zero history with a zero amax keeps the previous scale.
+  _, nxt, _ = S.delayed_scale(jnp.float32(0), jnp.float32(0.5), jnp.zeros(2),
+                              F.E4M3)
+  assert float(nxt) == 0.5
