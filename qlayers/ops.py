@@ -13,14 +13,18 @@ shared between GEMMs, since its scale does not depend on the axis).
 Accumulation is FP32; Fprop/Dgrad outputs are in the compute dtype, the
 weight gradient in the weight's dtype (FP32 masters).
 
-Delayed scaling keeps a `ScaleState` (scale + amax history) per operand role
-``x``, ``w``, ``g``. The forward returns the updated ``x``/``w`` states. The
-gradient's amax is only known in the backward pass, so its updated state
-leaves as the *cotangent of the ``g`` state input*; a training step writes
-that cotangent back into the state (`qlayers.value_and_grad` and
-`qlayers.Optimizer` do this exactly). When the state is held in an extended
-dtype whose addition is ``max`` (as `qlayers` does while differentiating),
-several uses of one layer in a step combine by max instead of sum.
+Delayed scaling keeps a `ScaleState` per operand role ``x``, ``w``, ``g``:
+the scale in use, the amax history of completed steps, and ``amax``, the
+running max of the current step. Each use of the op quantizes with the stored
+scale (or, while the history is still empty, with the current amax) and
+max-accumulates its amax into ``amax``: the forward returns the updated
+``x``/``w`` states; the gradient's amax is only known in the backward pass, so
+it leaves as the *cotangent of ``state["g"].amax``*, which a training step
+writes back exactly (`qlayers.value_and_grad` and `qlayers.Optimizer` do).
+Held in an extended dtype whose addition is ``max`` while differentiating (as
+`qlayers.value_and_grad` does), the cotangents of several uses of one layer
+combine by max, not sum. Once per step `commit_state` writes ``amax`` into
+the history, computes the next scale and clears ``amax``.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from qlayers.scaling import QuantSpec, QTensor
 __all__ = [
     "ScaleState",
     "init_state",
+    "commit_state",
     "quantized_matmul",
     "dot_general",
     "fake_quant_matmul",
@@ -50,8 +55,12 @@ __all__ = [
 class ScaleState(NamedTuple):
   """Delayed-scaling state of one operand role (plain FP32 arrays)."""
 
-  scale: jax.Array  # () dequantization factor
-  amax_history: jax.Array  # (history_len,), index 0 most recent
+  scale: jax.Array  # () dequantization factor in use
+  amax_history: jax.Array  # (history_len,) completed steps, [0] most recent
+  amax: jax.Array  # () running max |x| of the current step
+
+
+ROLES = ("x", "w", "g")
 
 
 def init_state(recipe: Recipe | str) -> dict[str, ScaleState] | None:
@@ -61,8 +70,34 @@ def init_state(recipe: Recipe | str) -> dict[str, ScaleState] | None:
     return None
   def one():
     return ScaleState(jnp.ones((), jnp.float32),
-                      jnp.zeros((recipe.amax_history_len,), jnp.float32))
-  return {"x": one(), "w": one(), "g": one()}
+                      jnp.zeros((recipe.amax_history_len,), jnp.float32),
+                      jnp.zeros((), jnp.float32))
+  return {role: one() for role in ROLES}
+
+
+def role_specs(recipe: Recipe) -> dict[str, QuantSpec]:
+  """The spec whose format/margin sets each role's per-tensor scale."""
+  return {"x": recipe.fprop.lhs, "w": recipe.fprop.rhs, "g": recipe.dgrad.lhs}
+
+
+def commit_state(state: dict[str, ScaleState],
+                 recipe: Recipe | str) -> dict[str, ScaleState]:
+  """Ends a step: amax -> history, next scale from the history, amax cleared.
+
+  Call once per optimizer step (`qlayers.Optimizer` does). A step in which a
+  role saw only non-finite values records 0 (see
+  `scaling.update_amax_history`).
+  """
+  recipe = load_recipe(recipe)
+  out = {}
+  for role, spec in role_specs(recipe).items():
+    st = state[role]
+    hist = scaling.update_amax_history(st.amax_history, st.amax)
+    scale = scaling.compute_scale(hist, st.scale, spec.fmt,
+                                  algo=recipe.amax_compute_algo,
+                                  margin=spec.margin, pow2=spec.pow2)
+    out[role] = ScaleState(scale, hist, jnp.zeros_like(st.amax))
+  return out
 
 
 # ----------------------------------------------------------------------------
@@ -84,16 +119,24 @@ def _like(v, ref):
 
 
 def _read_state(s: ScaleState) -> ScaleState:
-  return ScaleState(_to_f32(s.scale), _to_f32(s.amax_history))
+  return ScaleState(*map(_to_f32, s))
 
 
-def _delayed(t, st: ScaleState, spec: QuantSpec, recipe: Recipe):
-  """(scale_now, next ScaleState) for one delayed-scaling operand."""
+def _delayed(t, st: ScaleState, spec: QuantSpec):
+  """(scale to quantize with now, updated running amax) for one operand.
+
+  The stored scale, unless no step has completed yet (empty history): then
+  the amax seen so far this step, so the first step does not quantize with
+  the initial scale of 1.
+  """
   st = _read_state(st)
-  now, nxt, hist = scaling.delayed_scale(
-      scaling.amax(t), st.scale, st.amax_history, spec.fmt,
-      algo=recipe.amax_compute_algo, margin=spec.margin, pow2=spec.pow2)
-  return now, ScaleState(nxt, hist)
+  a = scaling.amax(t)
+  empty = jnp.all(st.amax_history == 0)
+  current = scaling.te_scale(jnp.maximum(st.amax, a), st.scale, spec.fmt,
+                             margin=spec.margin, pow2=spec.pow2)
+  scale_now = jnp.where(empty, current, st.scale)
+  running = jnp.where(jnp.isfinite(a), jnp.maximum(st.amax, a), st.amax)
+  return scale_now, running
 
 
 def _quantize(t, spec: QuantSpec, axis: int, scale=None, key=None) -> QTensor:
@@ -168,10 +211,11 @@ def _qmm_forward(recipe: Recipe, backend, out_dtype, x, w, state, key):
   sx = sw = None
   new_state = state
   if recipe.delayed:
-    sx, nx = _delayed(x, state["x"], fx, recipe)
-    sw, nw = _delayed(w, state["w"], fw, recipe)
-    new_state = {"x": _state_like(nx, state["x"]),
-                 "w": _state_like(nw, state["w"]), "g": state["g"]}
+    sx, ax = _delayed(x, state["x"], fx)
+    sw, aw = _delayed(w, state["w"], fw)
+    new_state = {"x": state["x"]._replace(amax=_like(ax, state["x"].amax)),
+                 "w": state["w"]._replace(amax=_like(aw, state["w"].amax)),
+                 "g": state["g"]}
   qx = _operand(x, fx, 1, sx, kx)
   qw = _operand(w, fw, 0, sw, kw)
   y = _run(qx, qw, (1, 0), out_dtype, backend)
@@ -188,11 +232,6 @@ def _qmm_forward(recipe: Recipe, backend, out_dtype, x, w, state, key):
   dtypes = (jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
   res = (x_saved, w_saved, sx, sw, state, kb, dtypes)
   return y, new_state, res
-
-
-def _state_like(new: ScaleState, ref: ScaleState) -> ScaleState:
-  return ScaleState(_like(new.scale, ref.scale),
-                    _like(new.amax_history, ref.amax_history))
 
 
 def _qmm_fwd(recipe, backend, out_dtype, x, w, state, key):
@@ -212,8 +251,9 @@ def _qmm_bwd(recipe: Recipe, backend, out_dtype, res, cts):
   sg = None
   g_cotangent = None
   if recipe.delayed:
-    sg, ng = _delayed(g, state["g"], dg.lhs, recipe)
-    g_cotangent = _state_like(ng, state["g"])
+    sg, ag = _delayed(g, state["g"], dg.lhs)
+    g_cotangent = jax.tree.map(_zero_cotangent, state["g"])._replace(
+        amax=_like(ag, state["g"].amax))
 
   # Dgrad: dx = g @ w.T, contracted over N.
   qg = _operand(g, dg.lhs, 1, sg, kd)
@@ -237,8 +277,8 @@ def _qmm_bwd(recipe: Recipe, backend, out_dtype, res, cts):
 
   state_ct = None
   if recipe.delayed:
-    # Only the gradient role is written from the backward pass; the forward
-    # roles get a zero cotangent (they were updated by the forward output).
+    # Only the gradient role's running amax leaves the backward pass; all
+    # else gets a zero cotangent (the forward roles left through the output).
     zeros = jax.tree.map(_zero_cotangent, state)
     state_ct = {"x": zeros["x"], "w": zeros["w"], "g": g_cotangent}
   return dx.astype(x_dtype), dw.astype(w_dtype), state_ct, None
@@ -327,9 +367,9 @@ def _check_state(state, recipe: Recipe):
       raise ValueError(
           f"State {role!r} has an amax history of shape {hist.shape} but "
           f"recipe {recipe.name!r} keeps {recipe.amax_history_len}.")
-    if st.scale.shape != ():
-      raise ValueError(f"State {role!r} scale must be a scalar, got shape "
-                       f"{st.scale.shape}.")
+    if st.scale.shape != () or st.amax.shape != ():
+      raise ValueError(f"State {role!r} scale and amax must be scalars, got "
+                       f"shapes {st.scale.shape} and {st.amax.shape}.")
 
 
 def dot_general(recipe: Recipe | str, *, backend: str | None = None):
@@ -420,8 +460,8 @@ def fake_quant_matmul(x, w, recipe: Recipe | str, state=None):
   fx, fw = recipe.fprop.lhs, recipe.fprop.rhs
   sx = sw = None
   if recipe.delayed:
-    sx, _ = _delayed(x2, state["x"], fx, recipe)
-    sw, _ = _delayed(w, state["w"], fw, recipe)
+    sx, _ = _delayed(x2, state["x"], fx)
+    sw, _ = _delayed(w, state["w"], fw)
 
   def ste(t, spec, axis, scale):
     return t + lax.stop_gradient(_qdq(t, spec, axis, scale) - t)

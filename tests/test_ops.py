@@ -130,20 +130,47 @@ def test_delayed_state_flow(data):
   st = ops.init_state(r)
   y, dx, dw, new, dstate = run(r, x, w, g, state=st)
   ax, aw, ag = (float(jnp.max(jnp.abs(t))) for t in (x, w, g))
-  # Forward roles updated in the forward output.
-  np.testing.assert_allclose(new["x"].amax_history, [ax, 0, 0, 0], rtol=1e-6)
-  np.testing.assert_allclose(new["w"].amax_history, [aw, 0, 0, 0], rtol=1e-6)
-  np.testing.assert_allclose(new["x"].scale, ax / 448, rtol=1e-6)
-  assert new["g"] is st["g"] or np.array_equal(new["g"].amax_history,
-                                                st["g"].amax_history)
-  # The gradient role leaves through the backward rule as a cotangent.
-  np.testing.assert_allclose(dstate["g"].amax_history, [ag, 0, 0, 0],
+  # Forward roles: running amax updated in the forward output, history and
+  # scale untouched until the step is committed.
+  np.testing.assert_allclose([new["x"].amax, new["w"].amax], [ax, aw],
                              rtol=1e-6)
-  np.testing.assert_allclose(dstate["g"].scale, ag / 57344, rtol=1e-6)
-  assert float(jnp.abs(dstate["x"].scale)) == 0.0
+  np.testing.assert_array_equal(new["x"].amax_history, np.zeros(4))
+  assert float(new["x"].scale) == 1.0
+  assert float(new["g"].amax) == 0.0
+  # The gradient role's amax leaves through the backward rule.
+  np.testing.assert_allclose(dstate["g"].amax, ag, rtol=1e-6)
+  assert float(jnp.abs(dstate["g"].scale)) == 0.0
+  assert float(jnp.abs(dstate["x"].amax)) == 0.0
   # Step 0 quantized with the current amax, not the initial scale of 1:
   # tiny gradients (amax 3e-3) would otherwise flush to zero in E5M2.
   assert sqnr_db(g @ w.T, dx) > 17
+  # Commit: history written, next scale from it, running amax cleared.
+  new["g"] = new["g"]._replace(amax=dstate["g"].amax)
+  done = ops.commit_state(new, r)
+  np.testing.assert_allclose(done["x"].amax_history, [ax, 0, 0, 0], rtol=1e-6)
+  np.testing.assert_allclose(done["x"].scale, ax / 448, rtol=1e-6)
+  np.testing.assert_allclose(done["g"].scale, ag / 57344, rtol=1e-6)
+  assert float(done["w"].amax) == 0.0
+
+
+def test_delayed_matches_pure_reference_over_steps():
+  """The op + commit over several steps follows scaling.delayed_scale."""
+  r = qlayers.recipe("fp8_delayed", amax_history_len=3)
+  st = ops.init_state(r)
+  ref_scale, ref_hist = jnp.float32(1), jnp.zeros(3)
+  w = jnp.eye(32)
+  for i, a in enumerate([2.0, 4.0, 44.8, float("nan"), 1.0, 1.0]):
+    x = jnp.zeros((4, 32)).at[0, i].set(a)
+    now, ref_scale, ref_hist = S.delayed_scale(jnp.float32(a), ref_scale,
+                                               ref_hist, qlayers.formats.E4M3)
+    y, st = ops.quantized_matmul(x, w, r, st, out_dtype=jnp.float32)
+    if np.isfinite(a):  # the value comes back quantized with scale `now`
+      q = qlayers.formats.cast(jnp.float32(a) / now, "e4m3")
+      np.testing.assert_allclose(y[0, i], q.astype(jnp.float32) * now,
+                                 rtol=1e-6)
+    st = ops.commit_state(st, r)
+    np.testing.assert_allclose(st["x"].amax_history, ref_hist, rtol=1e-6)
+    np.testing.assert_allclose(st["x"].scale, ref_scale, rtol=1e-6)
 
 
 def test_delayed_step_uses_stored_scale(data):
@@ -153,7 +180,8 @@ def test_delayed_step_uses_stored_scale(data):
   # A stored x scale 100x too small saturates most of x: visible error.
   amx = float(jnp.max(jnp.abs(x)))
   st["x"] = ops.ScaleState(jnp.float32(amx / 448 / 100),
-                           jnp.array([amx / 100, 0, 0, 0], jnp.float32))
+                           jnp.array([amx / 100, 0, 0, 0], jnp.float32),
+                           jnp.float32(0))
   y, *_ = run(r, x, w, g, state=st)
   assert sqnr_db(x @ w, y) < 10
 
