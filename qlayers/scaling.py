@@ -366,12 +366,13 @@ def e8m0_decode(codes: jax.Array) -> jax.Array:
 def update_amax_history(history: jax.Array, amax_value: jax.Array) -> jax.Array:
   """Rolls the history one step and writes ``amax`` at index 0 (most recent).
 
-  A non-finite amax is recorded as 0 ("no information") so that one bad step
-  cannot poison the next ``len(history)`` scales.
+  The history is the last axis; leading axes (stacked layers) are batched. A
+  non-finite amax is recorded as 0 ("no information") so that one bad step
+  cannot poison the next ``history_len`` scales.
   """
   a = jnp.asarray(amax_value, jnp.float32)
   a = jnp.where(jnp.isfinite(a), a, 0.0)
-  return jnp.roll(history, 1).at[0].set(a)
+  return jnp.roll(history, 1, axis=-1).at[..., 0].set(a)
 
 
 def compute_scale(history: jax.Array, prev_scale: jax.Array, fmt: Format, *,
@@ -383,9 +384,9 @@ def compute_scale(history: jax.Array, prev_scale: jax.Array, fmt: Format, *,
   (``history[0]``). Zero/non-finite amax keeps ``prev_scale``.
   """
   if algo == "max":
-    a = jnp.max(history)
+    a = jnp.max(history, axis=-1)
   elif algo == "most_recent":
-    a = history[0]
+    a = history[..., 0]
   else:
     raise ValueError(f"Unknown amax_compute_algo {algo!r}.")
   return te_scale(a, prev_scale, fmt, margin=margin, pow2=pow2)
@@ -404,7 +405,7 @@ def delayed_scale(x_amax: jax.Array, scale: jax.Array, history: jax.Array,
   Returns:
     ``(scale_now, next_scale, next_history)``.
   """
-  empty = jnp.all(history == 0)
+  empty = jnp.all(history == 0, axis=-1)
   current = te_scale(x_amax, scale, fmt, margin=margin, pow2=pow2)
   scale_now = jnp.where(empty, current, scale)
   next_history = update_amax_history(history, x_amax)

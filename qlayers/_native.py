@@ -1,0 +1,415 @@
+"""Bindings for the native XLA FFI kernels built from ``ffi/``.
+
+The kernels live in plain shared libraries next to this file
+(``libqlayers_cpu.so`` always; ``libqlayers_cuda.so`` / ``libqlayers_rocm.so``
+where cuBLASLt / hipBLASLt were found at build time). They are loaded with
+``ctypes`` on first use and each handler symbol is registered with
+``jax.ffi.register_ffi_target``; no Python extension module is involved.
+
+Every GEMM computes ``OUT = A @ B^T`` with ``A`` of shape ``(M, K)`` and ``B``
+of shape ``(N, K)`` (both contraction-last, the "TN" layout), FP32
+accumulation, and an ``float32`` or ``bfloat16`` output. Scales are
+dequantization factors: ``value = decode(payload) * scale``.
+
+Payload encodings (the contract with ``formats.py``):
+
+* fp8: ``float8_e4m3fn`` / ``float8_e5m2`` arrays (``*_fnuz`` for the
+ per-tensor and blockwise GEMMs), one byte per element; MX also accepts the
+ same codes as ``uint8``.
+* fp4 E2M1: ``uint8`` ``(rows, K/2)``, element ``2i`` in the low nibble and
+ ``2i+1`` in the high nibble.
+* fp6 E3M2 / E2M3: ``uint8`` ``(rows, 3K/4)``; four elements in three bytes,
+ ``w = v0 | v1 << 6 | v2 << 12 | v3 << 18`` stored little-endian.
+* MX scales: ``uint8`` E8M0 codes ``(rows, K/32)``, value ``2**(code-127)``,
+ ``0xFF`` is NaN.
+
+If the native library is missing (a source checkout that was never built),
+importing this module still works: :func:`available` is ``False`` and
+:func:`unavailable_reason` says why. From a source tree, build it with
+``bash ffi/build_inplace.sh``.
+
+Example::
+
+  from qlayers import _native
+  if _native.available():
+    out = _native.gemm_fp8_tensor(a_fp8, a_scale, b_fp8, b_scale,
+                   out_dtype=jnp.bfloat16)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import pathlib
+import sys
+import threading
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+  "available",
+  "unavailable_reason",
+  "build_info",
+  "gemm_fp8_tensor",
+  "gemm_mx",
+  "gemm_blockwise",
+  "cast_fp8_rowcol",
+  "cast_mxfp8_rowcol",
+  "MX_FORMATS",
+  "supports",
+  "gemm",
+]
+
+# FFI target name -> exported C symbol, per library.
+_CPU_HANDLERS = {
+  "qlayers_gemm_fp8_tensor": "QlayersGemmFp8Tensor",
+  "qlayers_gemm_mx": "QlayersGemmMx",
+  "qlayers_gemm_blockwise": "QlayersGemmBlockwise",
+  "qlayers_cast_fp8_rowcol": "QlayersCastFp8RowCol",
+  "qlayers_cast_mxfp8_rowcol": "QlayersCastMxRowCol",
+}
+_GPU_HANDLERS = {
+  "qlayers_gemm_fp8_tensor": "QlayersGemmFp8TensorGpu",
+  "qlayers_gemm_mx": "QlayersGemmMxGpu",
+}
+# backend -> (library file, XLA platform name, handlers, info symbol)
+_LIBRARIES = {
+  "cpu": ("libqlayers_cpu.so", "cpu", _CPU_HANDLERS, "QlayersCpuInfo"),
+  "cuda": ("libqlayers_cuda.so", "CUDA", _GPU_HANDLERS, "QlayersGpuInfo"),
+  "rocm": ("libqlayers_rocm.so", "ROCM", _GPU_HANDLERS, "QlayersGpuInfo"),
+}
+
+MX_FORMATS = ("e4m3", "e5m2", "e3m2", "e2m3", "e2m1")
+_WIDE_OUTPUTS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+_lock = threading.Lock()
+_state: dict[str, Any] | None = None
+
+
+def _search_dirs() -> list[pathlib.Path]:
+  """Directories that may hold the libraries, most specific first."""
+  dirs: list[pathlib.Path] = []
+  env = os.environ.get("QLAYERS_NATIVE_DIR")
+  if env:
+    dirs.append(pathlib.Path(env))
+  here = pathlib.Path(__file__).resolve().parent
+  dirs.append(here)
+  package = sys.modules.get(__package__ or "")
+  # An editable install may split the package over several folders.
+  dirs.extend(pathlib.Path(p) for p in getattr(package, "__path__", []))
+  # A CMake build tree inside a source checkout (build/<name>/ffi/).
+  builds = sorted(
+    (here.parent / "build").glob("*/ffi/libqlayers_cpu.so"),
+    key=lambda p: p.stat().st_mtime,
+    reverse=True,
+  )
+  dirs.extend(p.parent for p in builds)
+  unique: list[pathlib.Path] = []
+  for d in dirs:
+    if d not in unique:
+      unique.append(d)
+  return unique
+
+
+def _find(filename: str) -> pathlib.Path | None:
+  for d in _search_dirs():
+    path = d / filename
+    if path.is_file():
+      return path
+  return None
+
+
+def _load_one(backend: str) -> dict[str, Any]:
+  filename, platform, handlers, info_symbol = _LIBRARIES[backend]
+  path = _find(filename)
+  if path is None:
+    return {"loaded": False, "path": None, "reason": f"{filename} not found"}
+  try:
+    lib = ctypes.CDLL(str(path))
+    for target, symbol in handlers.items():
+      capsule = jax.ffi.pycapsule(getattr(lib, symbol))
+      jax.ffi.register_ffi_target(target, capsule, platform=platform)
+    info_fn = getattr(lib, info_symbol)
+    info_fn.restype = ctypes.c_char_p
+    info = info_fn().decode()
+  except (OSError, AttributeError, RuntimeError, ValueError) as e:
+    return {"loaded": False, "path": str(path), "reason": f"{type(e).__name__}: {e}"}
+  return {"loaded": True, "path": str(path), "reason": "", "info": info, "lib": lib}
+
+
+def _load() -> dict[str, Any]:
+  global _state
+  with _lock:
+    if _state is None:
+      _state = {backend: _load_one(backend) for backend in _LIBRARIES}
+    return _state
+
+
+def available() -> bool:
+  """Whether the native CPU kernels are built and registered with XLA."""
+  return _load()["cpu"]["loaded"]
+
+
+def unavailable_reason() -> str:
+  """Why the native CPU kernels are unavailable ("" when they are)."""
+  cpu = _load()["cpu"]
+  if cpu["loaded"]:
+    return ""
+  return (
+    f"qlayers native CPU kernels unavailable ({cpu['reason']}); install the "
+    "package with `pip install .` or run `bash ffi/build_inplace.sh` in a "
+    "source checkout"
+  )
+
+
+def build_info() -> dict[str, Any]:
+  """Which native targets are present: ``{"cpu": bool, "cuda": bool,
+  "rocm": bool, "details": {backend: {"path", "reason", "info"}}}``.
+
+  ``info`` describes the build (e.g. ``"isa=avx512 tile=12x32 threads=2
+  openmp=1"``); ``reason`` says why a target is missing.
+  """
+  state = _load()
+  details = {
+    backend: {k: v for k, v in entry.items() if k in ("path", "reason", "info")}
+    for backend, entry in state.items()
+  }
+  return {backend: entry["loaded"] for backend, entry in state.items()} | {
+    "details": details
+  }
+
+
+def _require() -> None:
+  if not available():
+    raise RuntimeError(unavailable_reason())
+
+
+def _out_dtype(out_dtype) -> jnp.dtype:
+  dt = jnp.dtype(out_dtype)
+  if dt not in _WIDE_OUTPUTS:
+    raise ValueError(f"out_dtype must be float32 or bfloat16, got {dt}")
+  return dt
+
+
+def _rows(x, name: str) -> int:
+  if jnp.ndim(x) != 2:
+    raise ValueError(f"{name} must be a 2-D (rows, K) array, got shape {jnp.shape(x)}")
+  return jnp.shape(x)[0]
+
+
+def _scale(x) -> jax.Array:
+  return jnp.asarray(x, jnp.float32)
+
+
+def _call(target: str, out, *args, **attrs):
+  # vmap runs the kernel once per batch element; the kernels take 2-D
+  # operands only, so no batched lowering is claimed.
+  return jax.ffi.ffi_call(target, out, vmap_method="sequential")(*args, **attrs)
+
+
+def gemm_fp8_tensor(a, a_scale, b, b_scale, *, out_dtype=jnp.float32) -> jax.Array:
+  """Per-tensor scaled fp8 GEMM: ``(decode(a) @ decode(b).T) * a_scale * b_scale``.
+
+  Args:
+   a: ``(M, K)`` fp8 (any mix of e4m3/e5m2, or their fnuz variants with b).
+   a_scale: f32 scalar, shape ``()`` or ``(1,)``; dequantization factor.
+   b: ``(N, K)`` fp8.
+   b_scale: f32 scalar.
+   out_dtype: ``float32`` or ``bfloat16``.
+
+  Returns:
+   ``(M, N)`` array of ``out_dtype``.
+  """
+  _require()
+  out = jax.ShapeDtypeStruct((_rows(a, "a"), _rows(b, "b")), _out_dtype(out_dtype))
+  return _call("qlayers_gemm_fp8_tensor", out, a, _scale(a_scale), b, _scale(b_scale))
+
+
+def gemm_mx(
+  a, a_scales, b, b_scales, *, a_format: str, b_format: str, out_dtype=jnp.float32
+) -> jax.Array:
+  """OCP MX GEMM: 32-element blocks along K, one E8M0 scale per block.
+
+  Args:
+   a: ``(M, K)`` fp8 (or its ``uint8`` codes) for e4m3/e5m2, packed
+    ``uint8`` ``(M, 3K/4)`` for e3m2/e2m3 and ``(M, K/2)`` for e2m1.
+   a_scales: ``uint8`` E8M0 codes ``(M, K/32)``; ``0xFF`` makes the
+    affected outputs NaN. K must be a multiple of 32.
+   b: like ``a`` with ``N`` rows.
+   b_scales: ``uint8`` ``(N, K/32)``.
+   a_format, b_format: one of :data:`MX_FORMATS`.
+   out_dtype: ``float32`` or ``bfloat16``.
+
+  Returns:
+   ``(M, N)`` array of ``out_dtype``.
+  """
+  _require()
+  for name, fmt in (("a_format", a_format), ("b_format", b_format)):
+    if fmt not in MX_FORMATS:
+      raise ValueError(f"{name} must be one of {MX_FORMATS}, got {fmt!r}")
+  out = jax.ShapeDtypeStruct((_rows(a, "a"), _rows(b, "b")), _out_dtype(out_dtype))
+  return _call(
+    "qlayers_gemm_mx", out, a, a_scales, b, b_scales,
+    a_format=a_format, b_format=b_format,
+  )
+
+
+def gemm_blockwise(
+  a, a_scales, b, b_scales, *, a_rows_per_scale: int = 1,
+  b_rows_per_scale: int = 128, out_dtype=jnp.float32,
+) -> jax.Array:
+  """Fine-grained fp8 GEMM (DeepSeek-V3): f32 scales per 128-wide K chunk.
+
+  Each 128-wide K chunk's partial sum is accumulated in FP32 and multiplied
+  by ``a_scale * b_scale`` of that chunk before it is added to the total.
+
+  Args:
+   a: ``(M, K)`` fp8, K a multiple of 128 (pad with zeros).
+   a_scales: f32 ``(ceil(M / a_rows_per_scale), K / 128)``.
+   b: ``(N, K)`` fp8.
+   b_scales: f32 ``(ceil(N / b_rows_per_scale), K / 128)``.
+   a_rows_per_scale, b_rows_per_scale: 1 (1x128 tiles) or 128 (128x128
+    blocks).
+   out_dtype: ``float32`` or ``bfloat16``.
+
+  Returns:
+   ``(M, N)`` array of ``out_dtype``.
+  """
+  _require()
+  out = jax.ShapeDtypeStruct((_rows(a, "a"), _rows(b, "b")), _out_dtype(out_dtype))
+  return _call(
+    "qlayers_gemm_blockwise", out, a, a_scales, b, b_scales,
+    a_rows_per_scale=np.int64(a_rows_per_scale),
+    b_rows_per_scale=np.int64(b_rows_per_scale),
+  )
+
+
+def cast_fp8_rowcol(x, scale, *, dtype=jnp.float8_e4m3fn, scale_kind: str = "dequant"):
+  """Per-tensor fp8 cast of ``x`` (R, C) into a rowwise and a columnwise copy.
+
+  ``q = RNE(clip(x / scale, -max, max))`` for ``scale_kind="dequant"`` (the
+  scale the GEMM receives), or ``q = RNE(clip(x * scale, -max, max))`` for
+  ``scale_kind="quant"``; the quotient/product is rounded to f32 first.
+  NaN stays NaN, +-Inf saturates to +-max.
+
+  Args:
+   x: ``(R, C)`` float32 or bfloat16.
+   scale: f32 scalar.
+   dtype: fp8 output dtype (e4m3fn, e5m2 or the fnuz variants).
+   scale_kind: ``"dequant"`` or ``"quant"``.
+
+  Returns:
+   ``(row, col)``: ``row`` is ``(R, C)``; ``col`` is ``(C, R)``, the
+   transpose of ``row`` (contraction-last for the GEMM contracting R).
+  """
+  _require()
+  if scale_kind not in ("dequant", "quant"):
+    raise ValueError(f"scale_kind must be 'dequant' or 'quant', got {scale_kind!r}")
+  r, c = jnp.shape(x) if jnp.ndim(x) == 2 else (None, None)
+  if r is None:
+    raise ValueError(f"x must be 2-D, got shape {jnp.shape(x)}")
+  outs = (jax.ShapeDtypeStruct((r, c), dtype), jax.ShapeDtypeStruct((c, r), dtype))
+  return _call(
+    "qlayers_cast_fp8_rowcol", outs, x, _scale(scale),
+    multiply=scale_kind == "quant",
+  )
+
+
+def cast_mxfp8_rowcol(x, *, dtype=jnp.float8_e4m3fn):
+  """MX fp8 cast of ``x`` (R, C), both multiples of 32, along both axes.
+
+  Per 32-element block: ``amax = max|x|``; the E8M0 code is the RCEIL rule
+  (smallest ``c`` in [0, 254] with ``2**(c-127) >= amax / max``, computed
+  from ``amax / max`` in f32), so a zero block gets code 0 and zero payload;
+  ``q = RNE(clip(x * 2**(127-c), -max, max))``. A block containing Inf or
+  NaN gets code 0xFF and every payload byte set to the format's NaN.
+
+  Args:
+   x: ``(R, C)`` float32 or bfloat16.
+   dtype: ``float8_e4m3fn`` (MXFP8 default) or ``float8_e5m2``.
+
+  Returns:
+   ``(row, row_scales, col, col_scales)`` with shapes ``(R, C)``,
+   ``(R, C/32)`` uint8, ``(C, R)`` (transposed payload) and ``(C, R/32)``.
+  """
+  _require()
+  if jnp.ndim(x) != 2:
+    raise ValueError(f"x must be 2-D, got shape {jnp.shape(x)}")
+  r, c = jnp.shape(x)
+  if r % 32 or c % 32:
+    raise ValueError(f"x shape {(r, c)} must have both dimensions multiples of 32")
+  outs = (
+    jax.ShapeDtypeStruct((r, c), dtype),
+    jax.ShapeDtypeStruct((r, c // 32), jnp.uint8),
+    jax.ShapeDtypeStruct((c, r), dtype),
+    jax.ShapeDtypeStruct((c, r // 32), jnp.uint8),
+  )
+  return _call("qlayers_cast_mxfp8_rowcol", outs, x)
+
+
+# ----------------------------------------------------------------------------
+# QTensor adapters for `qlayers.dispatch` (duck-typed: payload, scale, format,
+# granularity, block, axis, shape; see `qlayers.scaling.QTensor`).
+
+_BLOCKWISE = {(1, 128): 1, (128, 128): 128}
+_FP8_FORMATS = ("e4m3", "e5m2", "e4m3fnuz", "e5m2fnuz")
+
+
+def supports(a, b) -> tuple[bool, str]:
+  """Whether :func:`gemm` can multiply these two quantized operands.
+
+  Returns ``(ok, reason)``. The kernels take 2-D operands quantized along
+  their last axis (``A (M, K)``, ``B (N, K)``) with matching granularities:
+  tensor x tensor (fp8), mx x mx, or tile/block x tile/block (128-wide).
+  """
+  if not available():
+    return False, unavailable_reason()
+  for name, q in (("a", a), ("b", b)):
+    if len(q.shape) != 2:
+      return False, f"{name} is rank {len(q.shape)}; the native kernels take 2-D operands"
+    if q.axis != 1:
+      return False, (f"{name} is quantized along axis {q.axis}; the native "
+                     "kernels need contraction-last (TN) operands")
+  ga, gb = a.granularity, b.granularity
+  if ga == gb == "tensor":
+    if a.format in _FP8_FORMATS and b.format in _FP8_FORMATS:
+      return True, "per-tensor fp8 kernel"
+    return False, f"per-tensor {a.format} x {b.format} is not an fp8 pair"
+  if ga == gb == "mx":
+    if a.block != (1, 32) or b.block != (1, 32):
+      return False, f"MX blocks {a.block} x {b.block}; the kernels use (1, 32)"
+    return True, "MX kernel"
+  if ga in ("tile", "block") and gb in ("tile", "block"):
+    if a.format not in _FP8_FORMATS or b.format not in _FP8_FORMATS:
+      return False, f"blockwise {a.format} x {b.format} is not an fp8 pair"
+    if a.block not in _BLOCKWISE or b.block not in _BLOCKWISE:
+      return False, f"blocks {a.block} x {b.block}; the kernels use 1x128 / 128x128"
+    return True, "blockwise fp8 kernel"
+  return False, f"no native kernel for {ga} x {gb} operands"
+
+
+def gemm(a, b, *, out_dtype) -> jax.Array:
+  """``dequantize(a) @ dequantize(b).T`` for two supported QTensors.
+
+  ``a`` is ``(M, K)`` and ``b`` is ``(N, K)``, both quantized along K; the
+  result is ``(M, N)`` in ``out_dtype`` (padding rows are cropped).
+  """
+  ok, why = supports(a, b)
+  if not ok:
+    raise ValueError(f"native gemm cannot run these operands: {why}")
+  dt = jnp.dtype(out_dtype)
+  wide = dt if dt in _WIDE_OUTPUTS else jnp.dtype(jnp.float32)
+  if a.granularity == "tensor":
+    out = gemm_fp8_tensor(a.payload, a.scale, b.payload, b.scale, out_dtype=wide)
+  elif a.granularity == "mx":
+    out = gemm_mx(a.payload, a.scale, b.payload, b.scale, a_format=a.format,
+                  b_format=b.format, out_dtype=wide)
+  else:
+    out = gemm_blockwise(a.payload, a.scale, b.payload, b.scale,
+                         a_rows_per_scale=_BLOCKWISE[a.block],
+                         b_rows_per_scale=_BLOCKWISE[b.block], out_dtype=wide)
+  out = out[: a.shape[0], : b.shape[0]]
+  return out if out.dtype == dt else out.astype(dt)

@@ -1,0 +1,151 @@
+"""Differentiation that carries gradient-side quantization state exactly.
+
+`value_and_grad` is a drop-in for ``nnx.value_and_grad`` on a model with
+quantized layers. It differentiates the Params (``wrt``) and, in the same
+pass, collects every layer's gradient amax (`QuantGradState`) from the
+backward rule. While differentiating, that state is held in Flax's extended
+dtype ``fm32`` (``flax.linen.fp8_ops``), whose addition is ``max``: a layer
+used several times in a step (tied weights, a loop) combines its uses by max,
+not sum. Outside the differentiated function the state is plain FP32, which
+orbax saves.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.linen import fp8_ops
+
+from qlayers.state import QuantGradState
+
+__all__ = ["value_and_grad", "grad", "accumulate_grads"]
+
+_MAX_DTYPE = fp8_ops.fm32
+
+
+def _to_max(tree):
+  return jax.tree.map(lambda v: jax.lax.convert_element_type(v, _MAX_DTYPE),
+                      tree)
+
+
+def _from_max(tree):
+  return jax.tree.map(
+      lambda v: jax.lax.convert_element_type(v, jnp.float32), tree)
+
+
+def value_and_grad(f: Callable[..., Any], argnums: int = 0, *,
+                   has_aux: bool = False, wrt=nnx.Param,
+                   loss_scale: jax.Array | float | None = None):
+  """Like ``nnx.value_and_grad(f, argnums, has_aux=...)`` for quantized models.
+
+  Returns ``(value, grads)`` (``((value, aux), grads)`` with ``has_aux``)
+  where ``grads`` is an ``nnx.State`` with the gradients of the ``wrt``
+  Variables of the model at ``argnums`` plus, at each `QuantGradState`
+  path, the gradient amax of this step (write it with `qlayers.Optimizer`).
+  Other state the model mutates in ``f`` (forward quantization state, batch
+  statistics, RNG counters) is written back to the model, as with NNX.
+
+  Args:
+    f: the loss function; its ``argnums`` argument is the model.
+    argnums: position of the model argument (an int).
+    has_aux: ``f`` returns ``(loss, aux)``.
+    wrt: filter of the Variables to differentiate (default ``nnx.Param``).
+    loss_scale: multiply the seed cotangent by this (FP16 loss scaling; the
+      returned value is not scaled, the gradients are). ``None``: 1.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> from flax import nnx
+    >>> import qlayers
+    >>> model = qlayers.QuantDense(8, 4, recipe="fp8_delayed",
+    ...                            rngs=nnx.Rngs(0))
+    >>> loss_fn = lambda m, x: jnp.mean(m(x) ** 2)
+    >>> loss, grads = qlayers.value_and_grad(loss_fn)(model, jnp.ones((2, 8)))
+    >>> sorted(grads.keys())
+    ['bias', 'kernel', 'scaling']
+  """
+  if not isinstance(argnums, int):
+    raise TypeError("qlayers.value_and_grad differentiates one model: "
+                    f"argnums must be an int, got {argnums!r}.")
+
+  @functools.wraps(f)
+  def wrapper(*args, **kwargs):
+    model = args[argnums]
+    if not isinstance(model, nnx.Module):
+      raise TypeError(f"Argument {argnums} must be an nnx.Module, got "
+                      f"{type(model).__name__}.")
+    graphdef, *typed = nnx.split(model, wrt, QuantGradState, ...)
+    diff, qgrad, rest = nnx.as_pure(typed)
+
+    def inner(diff, qgrad):
+      m = nnx.merge(graphdef, diff, qgrad, rest)
+      out = f(*args[:argnums], m, *args[argnums + 1:], **kwargs)
+      loss, aux = out if has_aux else (out, None)
+      *_, new_rest = nnx.split(m, wrt, QuantGradState, ...)
+      return loss, (aux, nnx.as_pure(new_rest))
+
+    loss, vjp_fn, (aux, new_rest) = jax.vjp(inner, diff, _to_max(qgrad),
+                                            has_aux=True)
+    seed = jnp.ones_like(loss)
+    if loss_scale is not None:
+      seed = seed * jnp.asarray(loss_scale, loss.dtype)
+    g_diff, g_q = vjp_fn(seed)
+    nnx.update(model, new_rest)
+    grads = nnx.merge_state(_typed(typed[0], g_diff),
+                            _typed(typed[1], _from_max(g_q)))
+    return ((loss, aux) if has_aux else loss), grads
+
+  # The max-combining dtype only exists inside a trace; called eagerly, the
+  # whole step runs under nnx.jit instead.
+  jitted = nnx.jit(wrapper)
+
+  @functools.wraps(f)
+  def dispatch(*args, **kwargs):
+    if _tracing(args[argnums]):
+      return wrapper(*args, **kwargs)
+    return jitted(*args, **kwargs)
+
+  return dispatch
+
+
+def _typed(template: nnx.State, values) -> nnx.State:
+  """``values`` (pure arrays) as Variables of the types in ``template``."""
+  return jax.tree.map(lambda v, x: v.replace(x), template, values,
+                      is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+
+def _tracing(model) -> bool:
+  leaves = jax.tree.leaves(nnx.as_pure(nnx.state(model)))
+  return any(isinstance(v, jax.core.Tracer) for v in leaves)
+
+
+def grad(f: Callable[..., Any], argnums: int = 0, *, has_aux: bool = False,
+         wrt=nnx.Param, loss_scale=None):
+  """`value_and_grad` returning only the gradients (and aux)."""
+  vg = value_and_grad(f, argnums, has_aux=has_aux, wrt=wrt,
+                      loss_scale=loss_scale)
+
+  @functools.wraps(f)
+  def wrapper(*args, **kwargs):
+    out, grads = vg(*args, **kwargs)
+    return (grads, out[1]) if has_aux else grads
+
+  return wrapper
+
+
+def accumulate_grads(total: nnx.State | None, grads: nnx.State) -> nnx.State:
+  """Adds micro-batch gradients: Params sum, gradient amaxes combine by max.
+
+  Start with ``total=None``. Divide the Param part by the number of
+  micro-batches yourself if the loss is a mean.
+  """
+  if total is None:
+    return grads
+  qt, pt = nnx.split_state(total, QuantGradState, ...)
+  qg, pg = nnx.split_state(grads, QuantGradState, ...)
+  return nnx.merge_state(jax.tree.map(jnp.add, pt, pg),
+                         jax.tree.map(jnp.maximum, qt, qg))

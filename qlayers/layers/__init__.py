@@ -1,0 +1,5 @@
+"""Quantized NNX layers."""
+
+from qlayers.layers.dense import QuantDense
+
+__all__ = ["QuantDense"]
