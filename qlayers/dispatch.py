@@ -84,7 +84,24 @@ def _dims(a_axis: int, b_axis: int):
   return (((a_axis,), (b_axis,)), ((), ()))
 
 
-def xla_gemm(a, b, out_dtype, axes: tuple[int, int]) -> jax.Array:
+def scaled_dot_mx(a: QTensor, b: QTensor, out_dtype) -> jax.Array:
+  """MX FP8 GEMM through ``lax.scaled_dot`` (payloads + E8M0 scale arrays).
+
+  XLA lowers it to cuDNN block-scaled GEMMs on Blackwell and hipBLASLt on
+  gfx950; elsewhere it dequantizes first. It has no transpose rule, which is
+  fine: it only ever runs inside our own custom_vjp.
+  """
+  def e8m0(q):
+    return lax.bitcast_convert_type(q.scale, jnp.float8_e8m0fnu)
+  out = lax.scaled_dot(a.payload, b.payload, lhs_scale=e8m0(a),
+                       rhs_scale=e8m0(b),
+                       dimension_numbers=_dims(a.axis, b.axis),
+                       preferred_element_type=jnp.float32)
+  return out.astype(out_dtype)
+
+
+def xla_gemm(a, b, out_dtype, axes: tuple[int, int], *,
+             use_scaled_dot: bool = False) -> jax.Array:
   """The ``xla`` backend (see module docstring)."""
   dims = _dims(*axes)
   if not isinstance(a, QTensor):
@@ -99,6 +116,9 @@ def xla_gemm(a, b, out_dtype, axes: tuple[int, int]) -> jax.Array:
     if sb.ndim:
       sb = sb[None, :]
     return (out * sa * sb).astype(out_dtype)
+  if (use_scaled_dot and a.granularity == b.granularity == "mx"
+      and not (a.fmt.packed or b.fmt.packed)):
+    return scaled_dot_mx(a, b, out_dtype)
   ad = a.dequantize(jnp.float32)
   bd = b.dequantize(jnp.float32)
   out = lax.dot_general(ad, bd, dims, precision=lax.Precision.HIGHEST,
@@ -122,7 +142,9 @@ def gemm(a, b, *, axes: tuple[int, int], out_dtype,
   name, _ = select(a, b, backend)
   if name == "ffi":
     return _native().gemm(a, b, out_dtype=out_dtype)
-  return xla_gemm(a, b, out_dtype, axes)
+  return xla_gemm(a, b, out_dtype, axes,
+                  use_scaled_dot=jax.default_backend() in ("gpu", "cuda",
+                                                           "rocm"))
 
 
 def report() -> dict:
