@@ -1,0 +1,269 @@
+"""Benchmark models built only from stock ``flax.nnx`` layers.
+
+Every GEMM with a weight is an ``nnx.Linear``, so any library that quantizes
+``nnx.Linear`` (by injecting a ``dot_general`` or by swapping layers) covers
+all of them. Attention's score and value products are activation x
+activation einsums and stay in BF16 for every variant.
+
+The unquantized baseline computes in BF16 (``dtype=bfloat16``) with FP32
+master weights (``param_dtype=float32``) and an ``optax.adamw`` optimizer;
+norms, softmax, the loss and the optimizer stay in FP32.
+
+Example::
+
+  cfg = TransformerConfig(d_model=64, n_heads=2, n_layers=1, seq_len=16,
+                          batch=2, vocab=32)
+  model = build_model(cfg, seed=0)
+  batch = make_batch(cfg, seed=0)
+  print(loss_fn(model, batch))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Union
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+__all__ = [
+    "TransformerConfig",
+    "MLPConfig",
+    "Config",
+    "TransformerLM",
+    "MLPStack",
+    "build_model",
+    "make_batch",
+    "loss_fn",
+    "make_tx",
+    "linear_paths",
+    "StepFn",
+    "train_step_for",
+    "baseline_step",
+]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TransformerConfig:
+  """A small pre-norm decoder-only transformer LM.
+
+  Shapes: tokens ``[batch, seq_len]`` int32, logits
+  ``[batch, seq_len, vocab]``. Each block: LayerNorm, attention with
+  ``q, k, v, o`` projections, LayerNorm, MLP ``up`` (d_model -> d_ff), GELU,
+  ``down`` (d_ff -> d_model); then a final LayerNorm and an untied ``head``.
+  """
+
+  d_model: int = 512
+  n_heads: int = 4
+  n_layers: int = 2
+  d_ff: int = 2048
+  seq_len: int = 256
+  batch: int = 8
+  vocab: int = 256
+  learning_rate: float = 3e-4
+  dtype: Any = jnp.bfloat16
+  param_dtype: Any = jnp.float32
+
+  @property
+  def kind(self) -> str:
+    return "transformer"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MLPConfig:
+  """A residual stack of MLP blocks ``d_model -> d_hidden -> d_model``.
+
+  Shapes: inputs ``[batch, d_model]``, targets ``[batch, d_model]``; the loss
+  is the mean squared error against a fixed random teacher.
+  """
+
+  d_model: int = 512
+  d_hidden: int = 2048
+  n_layers: int = 4
+  batch: int = 1024
+  learning_rate: float = 1e-3
+  dtype: Any = jnp.bfloat16
+  param_dtype: Any = jnp.float32
+
+  @property
+  def kind(self) -> str:
+    return "mlp"
+
+
+Config = Union[TransformerConfig, MLPConfig]
+
+
+def _linear(cfg: Config, n_in: int, n_out: int, rngs: nnx.Rngs) -> nnx.Linear:
+  return nnx.Linear(n_in, n_out, dtype=cfg.dtype,
+                    param_dtype=cfg.param_dtype, rngs=rngs)
+
+
+def _norm(cfg: Config, n: int, rngs: nnx.Rngs) -> nnx.LayerNorm:
+  return nnx.LayerNorm(n, dtype=jnp.float32, param_dtype=cfg.param_dtype,
+                       rngs=rngs)
+
+
+class Attention(nnx.Module):
+  """Causal multi-head self-attention; ``[B, T, D] -> [B, T, D]``."""
+
+  def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+    d = cfg.d_model
+    self.q = _linear(cfg, d, d, rngs)
+    self.k = _linear(cfg, d, d, rngs)
+    self.v = _linear(cfg, d, d, rngs)
+    self.o = _linear(cfg, d, d, rngs)
+    self.n_heads = cfg.n_heads
+    self.dtype = cfg.dtype
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    b, t, d = x.shape
+    h = self.n_heads
+    split = lambda y: y.reshape(b, t, h, d // h)
+    q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
+    scores = scores / jnp.sqrt(jnp.float32(d // h))
+    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
+    out = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, d)
+    return self.o(out)
+
+
+class Block(nnx.Module):
+  """Pre-norm transformer block; ``[B, T, D] -> [B, T, D]``."""
+
+  def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+    self.ln1 = _norm(cfg, cfg.d_model, rngs)
+    self.attn = Attention(cfg, rngs=rngs)
+    self.ln2 = _norm(cfg, cfg.d_model, rngs)
+    self.up = _linear(cfg, cfg.d_model, cfg.d_ff, rngs)
+    self.down = _linear(cfg, cfg.d_ff, cfg.d_model, rngs)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x = x + self.attn(self.ln1(x)).astype(x.dtype)
+    y = self.down(jax.nn.gelu(self.up(self.ln2(x))))
+    return x + y.astype(x.dtype)
+
+
+class TransformerLM(nnx.Module):
+  """Decoder-only LM; int32 tokens ``[B, T]`` -> f32 logits ``[B, T, V]``."""
+
+  def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+    self.embed = nnx.Embed(cfg.vocab, cfg.d_model,
+                           param_dtype=cfg.param_dtype, rngs=rngs)
+    self.pos = nnx.Param(
+        0.02 * jax.random.normal(rngs.params(), (cfg.seq_len, cfg.d_model),
+                                 cfg.param_dtype))
+    self.blocks = nnx.List([Block(cfg, rngs=rngs)
+                            for _ in range(cfg.n_layers)])
+    self.ln_f = _norm(cfg, cfg.d_model, rngs)
+    self.head = _linear(cfg, cfg.d_model, cfg.vocab, rngs)
+
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    x = self.embed(tokens) + self.pos[...][: tokens.shape[1]]
+    for block in self.blocks:
+      x = block(x)
+    return self.head(self.ln_f(x)).astype(jnp.float32)
+
+
+class MLPStack(nnx.Module):
+  """Residual MLP blocks; f32 ``[B, D] -> [B, D]``."""
+
+  def __init__(self, cfg: MLPConfig, *, rngs: nnx.Rngs):
+    self.norms = nnx.List([_norm(cfg, cfg.d_model, rngs)
+                           for _ in range(cfg.n_layers)])
+    self.ups = nnx.List([_linear(cfg, cfg.d_model, cfg.d_hidden, rngs)
+                         for _ in range(cfg.n_layers)])
+    self.downs = nnx.List([_linear(cfg, cfg.d_hidden, cfg.d_model, rngs)
+                           for _ in range(cfg.n_layers)])
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    for norm, up, down in zip(self.norms, self.ups, self.downs):
+      x = x + down(jax.nn.gelu(up(norm(x)))).astype(x.dtype)
+    return x.astype(jnp.float32)
+
+
+def build_model(cfg: Config, *, seed: int = 0) -> nnx.Module:
+  """The stock model for ``cfg``; the same ``seed`` gives the same weights."""
+  rngs = nnx.Rngs(params=seed)
+  if isinstance(cfg, TransformerConfig):
+    return TransformerLM(cfg, rngs=rngs)
+  if isinstance(cfg, MLPConfig):
+    return MLPStack(cfg, rngs=rngs)
+  raise TypeError(f"unknown config type {type(cfg).__name__}")
+
+
+def make_batch(cfg: Config, *, seed: int = 0) -> dict[str, jax.Array]:
+  """A fixed synthetic batch, identical for every variant.
+
+  Transformer: next-token prediction on uniformly random tokens; the model
+  can only memorise the fixed batch, so the loss falls from ``log(vocab)``
+  towards 0 over a few tens of steps (about 1.5 after 10 steps with the
+  defaults). MLP: Gaussian inputs and targets from a fixed random tanh
+  teacher.
+  """
+  key = jax.random.key(seed + 1_000)
+  if isinstance(cfg, TransformerConfig):
+    tokens = jax.random.randint(key, (cfg.batch, cfg.seq_len + 1), 0,
+                                cfg.vocab, dtype=jnp.int32)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+  k_x, k_w = jax.random.split(key)
+  x = jax.random.normal(k_x, (cfg.batch, cfg.d_model), jnp.float32)
+  w = jax.random.normal(k_w, (cfg.d_model, cfg.d_model), jnp.float32)
+  return {"inputs": x, "targets": jnp.tanh(x @ w / jnp.sqrt(cfg.d_model))}
+
+
+def loss_fn(model: nnx.Module, batch: dict[str, jax.Array]) -> jax.Array:
+  """Scalar f32 loss: token cross-entropy (LM) or mean squared error (MLP)."""
+  out = model(batch["inputs"])
+  if jnp.issubdtype(batch["targets"].dtype, jnp.integer):
+    return optax.softmax_cross_entropy_with_integer_labels(
+        out, batch["targets"]).mean()
+  return jnp.mean((out - batch["targets"]) ** 2)
+
+
+def make_tx(cfg: Config) -> optax.GradientTransformation:
+  """The optimizer every variant uses."""
+  return optax.adamw(cfg.learning_rate, weight_decay=0.01)
+
+
+def linear_paths(model: nnx.Module) -> list[str]:
+  """Slash-joined paths of every ``nnx.Linear`` in ``model``."""
+  return ["/".join(map(str, path)) for path, m in nnx.iter_modules(model)
+          if isinstance(m, nnx.Linear)]
+
+
+# A train step: (state, batch) -> (state, loss). The state is opaque to the
+# harness; every variant returns its own together with the callable.
+StepFn = Callable[[Any, dict[str, jax.Array]], tuple[Any, jax.Array]]
+
+
+def train_step_for(model: nnx.Module,
+                   opt: nnx.Optimizer) -> tuple[StepFn, Any]:
+  """The standard jitted step for ``model`` and its ``nnx.Optimizer``.
+
+  ``nnx.value_and_grad`` of ``loss_fn`` over the Params, then
+  ``opt.update``; the state ``(model, opt)`` is updated in place.
+  """
+
+  @nnx.jit
+  def train_step(model, opt, batch):
+    loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+    opt.update(model, grads)
+    return loss
+
+  def step(state, batch):
+    model, opt = state
+    return state, train_step(model, opt, batch)
+
+  return step, (model, opt)
+
+
+def baseline_step(cfg: Config, *, seed: int = 0) -> tuple[StepFn, Any]:
+  """Unquantized BF16 train step and its initial state ``(model, opt)``."""
+  model = build_model(cfg, seed=seed)
+  return train_step_for(model, nnx.Optimizer(model, make_tx(cfg),
+                                              wrt=nnx.Param))

@@ -1,0 +1,218 @@
+"""Train-step time of quantized variants against the BF16 baseline.
+
+Usage (from the repository root)::
+
+  python benchmarks/step.py --model transformer --steps 5 --rounds 5
+  python benchmarks/step.py --model mlp --steps 5 --rounds 5 --json out.json
+
+Runs the unquantized BF16 step, every peer library that imports (see
+``benchmarks/requirements-peers.txt``) and, once the package provides the
+API, every qlayers recipe, all on the same stock model, seed and batch, and
+prints a Markdown table (see ``harness.py`` for the method).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+from typing import Any
+
+_HERE = pathlib.Path(__file__).resolve().parent
+if str(_HERE) not in sys.path:
+  sys.path.insert(0, str(_HERE))
+# An installed qlayers wins; otherwise the source tree next to benchmarks/.
+sys.path.append(str(_HERE.parent))
+
+import harness  # noqa: E402
+import models  # noqa: E402
+import peers  # noqa: E402
+
+_QLAYERS_API = ("quantize", "value_and_grad", "Optimizer")
+
+
+# ==========================================================================
+# qlayers hook. Each recipe becomes one variant:
+#
+#   model = models.build_model(cfg, seed=seed)          # the stock model
+#   out = qlayers.quantize(model, recipe)               # swaps nnx.Linear
+#   model = out if isinstance(out, nnx.Module) else model  # (in place ok)
+#   opt = qlayers.Optimizer(model, models.make_tx(cfg))
+#   @nnx.jit
+#   def train_step(model, opt, batch):
+#     loss, grads = qlayers.value_and_grad(models.loss_fn)(model, batch)
+#     opt.update(model, grads)      # params through optax, qstate written
+#     return loss
+#
+# ``recipe`` is a recipe name (the stem of a file in recipes/*.toml, or
+# what ``qlayers.recipes()`` lists when it exists) and is passed as given.
+# If ``import qlayers`` fails or the package lacks any of _QLAYERS_API, the
+# hook returns no variants and a reason, which the report prints.
+# ==========================================================================
+
+
+def _qlayers_recipe_names(qlayers: Any) -> list[str]:
+  lister = getattr(qlayers, "recipes", None)
+  if callable(lister):
+    names = lister()
+    if isinstance(names, dict):
+      names = list(names)
+    return [str(n) for n in names]
+  return sorted(p.stem for p in (_HERE.parent / "recipes").glob("*.toml"))
+
+
+def _qlayers_variant(qlayers: Any, recipe: str) -> harness.Variant:
+  from flax import nnx
+
+  def make(cfg: models.Config, *, seed: int = 0):
+    model = models.build_model(cfg, seed=seed)
+    out = qlayers.quantize(model, recipe)
+    if isinstance(out, nnx.Module):
+      model = out
+    opt = qlayers.Optimizer(model, models.make_tx(cfg))
+
+    @nnx.jit
+    def train_step(model, opt, batch):
+      loss, grads = qlayers.value_and_grad(models.loss_fn)(model, batch)
+      opt.update(model, grads)
+      return loss
+
+    def step(state, batch):
+      model, opt = state
+      return state, train_step(model, opt, batch)
+
+    return step, (model, opt)
+
+  return harness.Variant(f"qlayers-{recipe}", "qlayers", recipe, make)
+
+
+def qlayers_variants(
+    recipes: list[str] | None = None,
+) -> tuple[list[harness.Variant], str | None]:
+  """``(variants, None)``, or ``([], why)`` when qlayers cannot be used."""
+  try:
+    import qlayers
+  except Exception as e:  # noqa: BLE001 - any import failure means "skip"
+    return [], f"import qlayers failed: {type(e).__name__}: {e}"
+  missing = [n for n in _QLAYERS_API if not hasattr(qlayers, n)]
+  if missing:
+    return [], f"qlayers lacks {', '.join(missing)} (not implemented yet)"
+  names = recipes if recipes is not None else _qlayers_recipe_names(qlayers)
+  if not names:
+    return [], "no qlayers recipes found"
+  return [_qlayers_variant(qlayers, r) for r in names], None
+
+
+# ==========================================================================
+
+
+def _config(args: argparse.Namespace) -> models.Config:
+  overrides = {k: v for k, v in dict(
+      d_model=args.d_model, n_layers=args.layers, batch=args.batch,
+      learning_rate=args.lr).items() if v is not None}
+  if args.model == "transformer":
+    overrides.update({k: v for k, v in dict(
+        n_heads=args.heads, seq_len=args.seq, vocab=args.vocab,
+        d_ff=args.d_hidden).items() if v is not None})
+    return models.TransformerConfig(**overrides)
+  if args.d_hidden is not None:
+    overrides["d_hidden"] = args.d_hidden
+  return models.MLPConfig(**overrides)
+
+
+def _parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--model", choices=("transformer", "mlp"),
+                 default="transformer")
+  p.add_argument("--steps", type=int, default=5,
+                 help="timed steps per variant per round")
+  p.add_argument("--rounds", type=int, default=5,
+                 help="interleaved rounds (variant order rotates)")
+  p.add_argument("--check-steps", type=int, default=10,
+                 help="untimed steps (compile + warm-up) before timing; "
+                 "the loss after them is the sanity check")
+  p.add_argument("--loss-rtol", type=float, default=0.1,
+                 help="allowed relative distance to the baseline's loss")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--only", default=None,
+                 help="comma-separated variant names to run (baseline "
+                 "always runs)")
+  p.add_argument("--no-peers", action="store_true")
+  p.add_argument("--no-qlayers", action="store_true")
+  p.add_argument("--qlayers-recipes", default=None,
+                 help="comma-separated recipe names (default: all)")
+  p.add_argument("--json", default=None, metavar="PATH",
+                 help="also write the report as JSON ('-' for stdout)")
+  p.add_argument("--append-md", default=None, metavar="PATH",
+                 help="append the Markdown report to this file")
+  g = p.add_argument_group("model size (defaults in models.py)")
+  g.add_argument("--d-model", type=int)
+  g.add_argument("--d-hidden", type=int, help="MLP width / transformer d_ff")
+  g.add_argument("--heads", type=int)
+  g.add_argument("--layers", type=int)
+  g.add_argument("--seq", type=int)
+  g.add_argument("--vocab", type=int)
+  g.add_argument("--batch", type=int)
+  g.add_argument("--lr", type=float)
+  return p
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = _parser().parse_args(argv)
+  cfg = _config(args)
+  log = lambda s: print(s, file=sys.stderr, flush=True)
+
+  variants = [harness.Variant("bf16", "none", "unquantized, bf16 compute",
+                              models.baseline_step)]
+  skipped: dict[str, str] = {}
+  if not args.no_peers:
+    ok, missing = peers.available_peers()
+    variants += ok
+    skipped.update(missing)
+  if not args.no_qlayers:
+    recipes = (args.qlayers_recipes.split(",") if args.qlayers_recipes
+               else None)
+    q_variants, why = qlayers_variants(recipes)
+    variants += q_variants
+    if why is not None:
+      skipped["qlayers"] = why
+      log(f"qlayers variants skipped: {why}")
+  if args.only:
+    keep = set(args.only.split(","))
+    unknown = keep - {v.name for v in variants}
+    if unknown:
+      log(f"--only: no variant named {sorted(unknown)}")
+      return 2
+    variants = [variants[0]] + [v for v in variants[1:] if v.name in keep]
+
+  versions = peers.peer_versions()
+  if any(v.library == "qlayers" for v in variants):
+    import qlayers
+    versions["qlayers"] = str(getattr(qlayers, "__version__", "source tree"))
+  report = harness.run(
+      cfg, variants, models.make_batch(cfg, seed=args.seed),
+      steps=args.steps, rounds=args.rounds, check_steps=args.check_steps,
+      seed=args.seed, loss_rtol=args.loss_rtol,
+      title=f"Train step, {cfg.kind} (BF16 baseline vs FP8/MX variants)",
+      versions=versions, skipped=skipped, log=log)
+  md = harness.render_markdown(report)
+  print(md)
+  if args.append_md:
+    with open(args.append_md, "a") as f:
+      f.write("\n" + md)
+  if args.json:
+    text = json.dumps(harness.to_json(report), indent=2)
+    if args.json == "-":
+      print(text)
+    else:
+      pathlib.Path(args.json).write_text(text + "\n")
+  bad = [r.name for r in report.results
+         if r.error is None and not r.loss_ok]
+  if bad:
+    log(f"sanity check failed for: {', '.join(bad)}")
+  return 1 if bad else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
