@@ -14,14 +14,14 @@ dequantization factors: ``value = decode(payload) * scale``.
 Payload encodings (the contract with ``formats.py``):
 
 * fp8: ``float8_e4m3fn`` / ``float8_e5m2`` arrays (``*_fnuz`` for the
- per-tensor and blockwise GEMMs), one byte per element; MX also accepts the
- same codes as ``uint8``.
+  per-tensor and blockwise GEMMs), one byte per element; MX also accepts the
+  same codes as ``uint8``.
 * fp4 E2M1: ``uint8`` ``(rows, K/2)``, element ``2i`` in the low nibble and
- ``2i+1`` in the high nibble.
+  ``2i+1`` in the high nibble.
 * fp6 E3M2 / E2M3: ``uint8`` ``(rows, 3K/4)``; four elements in three bytes,
- ``w = v0 | v1 << 6 | v2 << 12 | v3 << 18`` stored little-endian.
+  ``w = v0 | v1 << 6 | v2 << 12 | v3 << 18`` stored little-endian.
 * MX scales: ``uint8`` E8M0 codes ``(rows, K/32)``, value ``2**(code-127)``,
- ``0xFF`` is NaN.
+  ``0xFF`` is NaN.
 
 If the native library is missing (a source checkout that was never built),
 importing this module still works: :func:`available` is ``False`` and
@@ -33,7 +33,7 @@ Example::
   from qlayers import _native
   if _native.available():
     out = _native.gemm_fp8_tensor(a_fp8, a_scale, b_fp8, b_scale,
-                   out_dtype=jnp.bfloat16)
+                                  out_dtype=jnp.bfloat16)
 """
 
 from __future__ import annotations
@@ -89,6 +89,13 @@ _lock = threading.Lock()
 _state: dict[str, Any] | None = None
 
 
+def _is_sanitizer_build(build_dir: pathlib.Path) -> bool:
+  try:
+    return "QLAYERS_SANITIZE:BOOL=ON" in (build_dir / "CMakeCache.txt").read_text()
+  except OSError:
+    return False
+
+
 def _search_dirs() -> list[pathlib.Path]:
   """Directories that may hold the libraries, most specific first."""
   dirs: list[pathlib.Path] = []
@@ -100,13 +107,15 @@ def _search_dirs() -> list[pathlib.Path]:
   package = sys.modules.get(__package__ or "")
   # An editable install may split the package over several folders.
   dirs.extend(pathlib.Path(p) for p in getattr(package, "__path__", []))
-  # A CMake build tree inside a source checkout (build/<name>/ffi/).
+  # A CMake build tree inside a source checkout (build/<name>/ffi/), newest
+  # first; sanitizer builds only load under their runtime (ffi/sanitize.sh
+  # points QLAYERS_NATIVE_DIR at them).
   builds = sorted(
     (here.parent / "build").glob("*/ffi/libqlayers_cpu.so"),
     key=lambda p: p.stat().st_mtime,
     reverse=True,
   )
-  dirs.extend(p.parent for p in builds)
+  dirs.extend(p.parent for p in builds if not _is_sanitizer_build(p.parent.parent))
   unique: list[pathlib.Path] = []
   for d in dirs:
     if d not in unique:
@@ -122,11 +131,22 @@ def _find(filename: str) -> pathlib.Path | None:
   return None
 
 
+def _has_devices(backend: str) -> bool:
+  try:
+    return bool(jax.devices(backend))
+  except (RuntimeError, ValueError):
+    return False
+
+
 def _load_one(backend: str) -> dict[str, Any]:
   filename, platform, handlers, info_symbol = _LIBRARIES[backend]
   path = _find(filename)
   if path is None:
     return {"loaded": False, "path": None, "reason": f"{filename} not found"}
+  if backend != "cpu" and not _has_devices(backend):
+    # Do not pull cuBLASLt/hipBLASLt into a process that cannot use them.
+    return {"loaded": False, "path": str(path),
+            "reason": f"jax sees no {backend} devices"}
   try:
     lib = ctypes.CDLL(str(path))
     for target, symbol in handlers.items():
@@ -134,10 +154,10 @@ def _load_one(backend: str) -> dict[str, Any]:
       jax.ffi.register_ffi_target(target, capsule, platform=platform)
     info_fn = getattr(lib, info_symbol)
     info_fn.restype = ctypes.c_char_p
-    info = info_fn().decode()
+    info_fn()
   except (OSError, AttributeError, RuntimeError, ValueError) as e:
     return {"loaded": False, "path": str(path), "reason": f"{type(e).__name__}: {e}"}
-  return {"loaded": True, "path": str(path), "reason": "", "info": info, "lib": lib}
+  return {"loaded": True, "path": str(path), "reason": "", "info_fn": info_fn, "lib": lib}
 
 
 def _load() -> dict[str, Any]:
@@ -166,20 +186,32 @@ def unavailable_reason() -> str:
 
 
 def build_info() -> dict[str, Any]:
-  """Which native targets are present: ``{"cpu": bool, "cuda": bool,
-  "rocm": bool, "details": {backend: {"path", "reason", "info"}}}``.
+  """Which native targets are loaded and registered: ``{"cpu": bool, "cuda":
+  bool, "rocm": bool, "details": {backend: {"path", "reason", "info"}}}``.
 
-  ``info`` describes the build (e.g. ``"isa=avx512 tile=12x32 threads=2
-  openmp=1"``); ``reason`` says why a target is missing.
+  ``path`` is the library file if one was found (a GPU library is only
+  loaded when jax has devices of that kind), ``info`` describes the build
+  (e.g. ``"isa=avx512 tile=12x32 threads=2 openmp=1"``) and ``reason`` says
+  why a target is not loaded.
   """
   state = _load()
-  details = {
-    backend: {k: v for k, v in entry.items() if k in ("path", "reason", "info")}
-    for backend, entry in state.items()
-  }
+  details = {}
+  for backend, entry in state.items():
+    details[backend] = {k: entry[k] for k in ("path", "reason")}
+    if entry["loaded"]:
+      details[backend]["info"] = entry["info_fn"]().decode()
   return {backend: entry["loaded"] for backend, entry in state.items()} | {
     "details": details
   }
+
+
+def _force_cpu_isa(isa: str | None) -> bool:
+  """Test hook: run the CPU GEMMs with the ``"avx512"``, ``"avx2"`` or
+  ``"generic"`` micro-kernel (``None``: the detected one). False if this CPU
+  lacks that ISA."""
+  _require()
+  lib = _load()["cpu"]["lib"]
+  return bool(lib.QlayersCpuForceIsa((isa or "").encode()))
 
 
 def _require() -> None:
@@ -214,14 +246,14 @@ def gemm_fp8_tensor(a, a_scale, b, b_scale, *, out_dtype=jnp.float32) -> jax.Arr
   """Per-tensor scaled fp8 GEMM: ``(decode(a) @ decode(b).T) * a_scale * b_scale``.
 
   Args:
-   a: ``(M, K)`` fp8 (any mix of e4m3/e5m2, or their fnuz variants with b).
-   a_scale: f32 scalar, shape ``()`` or ``(1,)``; dequantization factor.
-   b: ``(N, K)`` fp8.
-   b_scale: f32 scalar.
-   out_dtype: ``float32`` or ``bfloat16``.
+    a: ``(M, K)`` fp8 (any mix of e4m3/e5m2, or their fnuz variants with b).
+    a_scale: f32 scalar, shape ``()`` or ``(1,)``; dequantization factor.
+    b: ``(N, K)`` fp8.
+    b_scale: f32 scalar.
+    out_dtype: ``float32`` or ``bfloat16``.
 
   Returns:
-   ``(M, N)`` array of ``out_dtype``.
+    ``(M, N)`` array of ``out_dtype``.
   """
   _require()
   out = jax.ShapeDtypeStruct((_rows(a, "a"), _rows(b, "b")), _out_dtype(out_dtype))
@@ -234,17 +266,17 @@ def gemm_mx(
   """OCP MX GEMM: 32-element blocks along K, one E8M0 scale per block.
 
   Args:
-   a: ``(M, K)`` fp8 (or its ``uint8`` codes) for e4m3/e5m2, packed
-    ``uint8`` ``(M, 3K/4)`` for e3m2/e2m3 and ``(M, K/2)`` for e2m1.
-   a_scales: ``uint8`` E8M0 codes ``(M, K/32)``; ``0xFF`` makes the
-    affected outputs NaN. K must be a multiple of 32.
-   b: like ``a`` with ``N`` rows.
-   b_scales: ``uint8`` ``(N, K/32)``.
-   a_format, b_format: one of :data:`MX_FORMATS`.
-   out_dtype: ``float32`` or ``bfloat16``.
+    a: ``(M, K)`` fp8 (or its ``uint8`` codes) for e4m3/e5m2, packed
+      ``uint8`` ``(M, 3K/4)`` for e3m2/e2m3 and ``(M, K/2)`` for e2m1.
+    a_scales: ``uint8`` E8M0 codes ``(M, K/32)``; ``0xFF`` makes the
+      affected outputs NaN. K must be a multiple of 32.
+    b: like ``a`` with ``N`` rows.
+    b_scales: ``uint8`` ``(N, K/32)``.
+    a_format, b_format: one of :data:`MX_FORMATS`.
+    out_dtype: ``float32`` or ``bfloat16``.
 
   Returns:
-   ``(M, N)`` array of ``out_dtype``.
+    ``(M, N)`` array of ``out_dtype``.
   """
   _require()
   for name, fmt in (("a_format", a_format), ("b_format", b_format)):
@@ -267,16 +299,16 @@ def gemm_blockwise(
   by ``a_scale * b_scale`` of that chunk before it is added to the total.
 
   Args:
-   a: ``(M, K)`` fp8, K a multiple of 128 (pad with zeros).
-   a_scales: f32 ``(ceil(M / a_rows_per_scale), K / 128)``.
-   b: ``(N, K)`` fp8.
-   b_scales: f32 ``(ceil(N / b_rows_per_scale), K / 128)``.
-   a_rows_per_scale, b_rows_per_scale: 1 (1x128 tiles) or 128 (128x128
-    blocks).
-   out_dtype: ``float32`` or ``bfloat16``.
+    a: ``(M, K)`` fp8, K a multiple of 128 (pad with zeros).
+    a_scales: f32 ``(ceil(M / a_rows_per_scale), K / 128)``.
+    b: ``(N, K)`` fp8.
+    b_scales: f32 ``(ceil(N / b_rows_per_scale), K / 128)``.
+    a_rows_per_scale, b_rows_per_scale: 1 (1x128 tiles) or 128 (128x128
+      blocks).
+    out_dtype: ``float32`` or ``bfloat16``.
 
   Returns:
-   ``(M, N)`` array of ``out_dtype``.
+    ``(M, N)`` array of ``out_dtype``.
   """
   _require()
   out = jax.ShapeDtypeStruct((_rows(a, "a"), _rows(b, "b")), _out_dtype(out_dtype))
@@ -296,21 +328,21 @@ def cast_fp8_rowcol(x, scale, *, dtype=jnp.float8_e4m3fn, scale_kind: str = "deq
   NaN stays NaN, +-Inf saturates to +-max.
 
   Args:
-   x: ``(R, C)`` float32 or bfloat16.
-   scale: f32 scalar.
-   dtype: fp8 output dtype (e4m3fn, e5m2 or the fnuz variants).
-   scale_kind: ``"dequant"`` or ``"quant"``.
+    x: ``(R, C)`` float32 or bfloat16.
+    scale: f32 scalar.
+    dtype: fp8 output dtype (e4m3fn, e5m2 or the fnuz variants).
+    scale_kind: ``"dequant"`` or ``"quant"``.
 
   Returns:
-   ``(row, col)``: ``row`` is ``(R, C)``; ``col`` is ``(C, R)``, the
-   transpose of ``row`` (contraction-last for the GEMM contracting R).
+    ``(row, col)``: ``row`` is ``(R, C)``; ``col`` is ``(C, R)``, the
+    transpose of ``row`` (contraction-last for the GEMM contracting R).
   """
   _require()
   if scale_kind not in ("dequant", "quant"):
     raise ValueError(f"scale_kind must be 'dequant' or 'quant', got {scale_kind!r}")
-  r, c = jnp.shape(x) if jnp.ndim(x) == 2 else (None, None)
-  if r is None:
+  if jnp.ndim(x) != 2:
     raise ValueError(f"x must be 2-D, got shape {jnp.shape(x)}")
+  r, c = jnp.shape(x)
   outs = (jax.ShapeDtypeStruct((r, c), dtype), jax.ShapeDtypeStruct((c, r), dtype))
   return _call(
     "qlayers_cast_fp8_rowcol", outs, x, _scale(scale),
@@ -328,12 +360,12 @@ def cast_mxfp8_rowcol(x, *, dtype=jnp.float8_e4m3fn):
   NaN gets code 0xFF and every payload byte set to the format's NaN.
 
   Args:
-   x: ``(R, C)`` float32 or bfloat16.
-   dtype: ``float8_e4m3fn`` (MXFP8 default) or ``float8_e5m2``.
+    x: ``(R, C)`` float32 or bfloat16.
+    dtype: ``float8_e4m3fn`` (MXFP8 default) or ``float8_e5m2``.
 
   Returns:
-   ``(row, row_scales, col, col_scales)`` with shapes ``(R, C)``,
-   ``(R, C/32)`` uint8, ``(C, R)`` (transposed payload) and ``(C, R/32)``.
+    ``(row, row_scales, col, col_scales)`` with shapes ``(R, C)``,
+    ``(R, C/32)`` uint8, ``(C, R)`` (transposed payload) and ``(C, R/32)``.
   """
   _require()
   if jnp.ndim(x) != 2:

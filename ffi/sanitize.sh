@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Build the CPU kernels with AddressSanitizer + UndefinedBehaviorSanitizer and
+# run the FFI tests against that build (the sanitizer runtime is preloaded
+# into Python; pytest runs with --capture=no so a sanitizer report stays
+# visible). Any out-of-bounds access, use-after-free or UB aborts the run.
+#
+#   bash ffi/sanitize.sh [extra pytest args]
+set -euo pipefail
+
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+python="${PYTHON:-}"
+if [[ -z "$python" ]]; then
+  if [[ -x "$repo/.venv/bin/python" ]]; then python="$repo/.venv/bin/python"; else python=python3; fi
+fi
+build="$repo/build/asan"
+generator=()
+if command -v ninja >/dev/null 2>&1; then generator=(-G Ninja); fi
+
+cmake -S "$repo" -B "$build" "${generator[@]}" \
+  -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DPython_EXECUTABLE="$(command -v "$python")" \
+  -DQLAYERS_SANITIZE=ON -DQLAYERS_ENABLE_CUDA=OFF -DQLAYERS_ENABLE_ROCM=OFF
+cmake --build "$build" --parallel "$(nproc 2>/dev/null || echo 2)"
+
+cxx="$(grep -E '^CMAKE_CXX_COMPILER:' "$build/CMakeCache.txt" | cut -d= -f2)"
+asan="$("$cxx" -print-file-name=libasan.so)"
+ubsan="$("$cxx" -print-file-name=libubsan.so)"
+if [[ ! -f "$asan" ]]; then
+  echo "sanitize.sh: $asan not found (install the compiler's libasan)" >&2
+  exit 1
+fi
+
+export QLAYERS_NATIVE_DIR="$build/ffi"
+export LD_PRELOAD="$asan:$ubsan"
+# Python and jaxlib leak by design at exit; everything else is fatal.
+export ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:strict_string_checks=1:check_initialization_order=1"
+export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1"
+cd "$repo"
+"$python" - <<'PY'
+from qlayers import _native
+info = _native.build_info()["details"]["cpu"]
+assert info["path"].startswith(__import__("os").environ["QLAYERS_NATIVE_DIR"]), info
+print("sanitize.sh: testing", info["path"], "-", info["info"])
+PY
+"$python" -m pytest -q --capture=no -p no:cacheprovider tests/test_ffi_kernels.py tests/test_ffi_errors.py "$@"
+echo "sanitize.sh: clean (ASan + UBSan)"
