@@ -101,8 +101,9 @@ def mixed_precision(
     master = jax.tree.map(
         lambda p: jnp.zeros((0,), master_dtype) if p.dtype == master_dtype
         else p.astype(master_dtype), params)
-    inner_state = _cast_moments(inner.init(masters(params, master)),
-                                moment_dtype)
+    with jax.numpy_dtype_promotion("standard"):
+      inner_state = inner.init(masters(params, master))
+    inner_state = _cast_moments(inner_state, moment_dtype)
     return MixedPrecisionState(
         master=master, inner_state=inner_state,
         skipped=jnp.zeros((), jnp.int32),
@@ -121,7 +122,10 @@ def mixed_precision(
     inner_state = jax.tree.map(
         lambda x, ref: x.astype(jnp.float32) if _floating(x) and x.ndim >= 1
         and _floating(ref) else x, state.inner_state, state.inner_state)
-    upd, new_inner = inner.update(grads, inner_state, wide, **extra)
+    # optax mixes int counts and float decays (adam's bias correction), which
+    # strict dtype promotion refuses; the wrapped update runs under standard.
+    with jax.numpy_dtype_promotion("standard"):
+      upd, new_inner = inner.update(grads, inner_state, wide, **extra)
     new_wide = optax.apply_updates(wide, upd)
     new_inner = _cast_moments(new_inner, moment_dtype)
     new_master = jax.tree.map(

@@ -1,5 +1,7 @@
 """Quantized NNX layers."""
 
+from qlayers.layers.attention import QuantAttentionProj
 from qlayers.layers.dense import QuantDense
+from qlayers.layers.logits import QuantLogits
 
-__all__ = ["QuantDense"]
+__all__ = ["QuantAttentionProj", "QuantDense", "QuantLogits"]

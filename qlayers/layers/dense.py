@@ -68,11 +68,11 @@ class QuantDense(nnx.Linear):
 
   def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
     """Applies the quantized linear map along the last input dimension."""
-    if not self.recipe.quantized:
-      return super().__call__(inputs, out_sharding=out_sharding)
     if inputs.shape[-1] != self.in_features:
       raise ValueError(f"{type(self).__name__} expects inputs with last dim "
                        f"{self.in_features}, got shape {inputs.shape}.")
+    if not self.recipe.quantized:
+      return super().__call__(inputs, out_sharding=out_sharding)
     kernel = self.kernel[...]
     bias = self.bias[...] if self.bias is not None else None
     inputs, _, bias = self.promote_dtype((inputs, kernel, bias),

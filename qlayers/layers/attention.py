@@ -1,0 +1,282 @@
+"""QuantAttentionProj: quantized Q/K/V and output projections of attention."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from qlayers import ops
+from qlayers.recipe import Recipe, recipe as load_recipe
+from qlayers.state import DelayedScaling
+
+__all__ = ["QuantAttentionProj"]
+
+_default_kernel_init = nnx.initializers.lecun_normal()
+
+
+class _HeadProjection(nnx.LinearGeneral):
+  """``nnx.LinearGeneral`` over trailing axes, its GEMM quantized.
+
+  Contracts the last ``len(in_features)`` input axes with the leading kernel
+  axes (kernel ``(*in_features, *out_features)``), so it holds the same
+  Params as the ``LinearGeneral`` projections of ``nnx.MultiHeadAttention``.
+  Quantized, it runs as one 2-D GEMM ``(tokens, prod(in)) @ (prod(in),
+  prod(out))`` with its own `DelayedScaling` state; unquantized, it is exactly
+  ``nnx.LinearGeneral``.
+  """
+
+  def __init__(self, in_features, out_features, *, recipe: Recipe,
+               backend: str | None, **kwargs):
+    in_features = tuple(in_features) if isinstance(
+        in_features, (tuple, list)) else (in_features,)
+    axis = tuple(range(-len(in_features), 0))
+    super().__init__(in_features, out_features, axis=axis, **kwargs)
+    self.recipe = recipe
+    self.backend = backend
+    self.scaling = nnx.data(
+        DelayedScaling(recipe) if recipe.delayed else None)
+
+  def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
+    n_in = len(self.in_features)
+    if inputs.shape[inputs.ndim - n_in:] != self.in_features:
+      raise ValueError(
+          f"Expected inputs whose trailing dims are {self.in_features}, got "
+          f"shape {inputs.shape}.")
+    if not self.recipe.quantized:
+      return super().__call__(inputs, out_sharding=out_sharding)
+    kernel = self.kernel[...]
+    bias = self.bias[...] if self.bias is not None else None
+    inputs, _, bias = self.promote_dtype((inputs, kernel, bias),
+                                         dtype=self.dtype)
+    lead = inputs.shape[:inputs.ndim - n_in]
+    k, n = math.prod(self.in_features), math.prod(self.out_features)
+    out_dtype = self.preferred_element_type or inputs.dtype
+    state = self.scaling.read() if self.scaling is not None else None
+    y, new_state = ops.quantized_matmul(
+        inputs.reshape(*lead, k), kernel.reshape(k, n), self.recipe, state,
+        out_dtype=out_dtype, backend=self.backend)
+    if self.scaling is not None:
+      self.scaling.write_forward(new_state)
+    if bias is not None:
+      y = y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (n,)).astype(y.dtype)
+    y = y.reshape(*lead, *self.out_features)
+    if out_sharding is not None:
+      y = jax.sharding.reshard(y, out_sharding)
+    return y
+
+
+class QuantAttentionProj(nnx.Module):
+  """The Q/K/V and output projections of attention, each GEMM quantized.
+
+  The attention core (scores, softmax, weighted sum) is not part of this
+  module: it stays wide in the caller (see `attend`). Each projection GEMM
+  has its own delayed-scaling state (a `DelayedScaling` per GEMM for
+  delayed recipes).
+
+  Submodules and Params:
+
+  * separate (default): ``query`` ``(in, H, D)``, ``key`` and ``value``
+    ``(in_kv, Hkv, D)``, ``out`` ``(H, D, out)`` -- the names, shapes and
+    dtypes of ``nnx.MultiHeadAttention``'s projections, so its Params load
+    directly (or use `from_multihead`).
+  * ``fused_qkv=True``: one GEMM ``query_key_value`` ``(in, H + 2 Hkv, D)``
+    (heads of Q, then K, then V), and ``out``.
+
+  Biases (``use_bias``) have the kernels' output shapes. With a recipe that
+  quantizes nothing (``"bf16"``) every projection computes exactly what
+  ``nnx.LinearGeneral`` computes.
+
+  Args:
+    in_features: input features of the query (and, by default, key/value).
+    num_heads: query heads ``H``.
+    head_dim: features per head ``D``.
+    num_kv_heads: key/value heads ``Hkv`` (grouped-query attention when it
+      is smaller than ``num_heads``, which it must divide); default ``H``.
+    in_kv_features: input features of key/value (cross-attention; separate
+      projections only); default ``in_features``.
+    out_features: features of the output projection; default
+      ``in_features``.
+    fused_qkv: project Q, K and V with one GEMM.
+    use_bias: add biases to all projections.
+    dtype: computation dtype (default: inferred from inputs and params).
+    param_dtype: dtype of the Params (FP32 masters by default).
+    precision: ``lax.Precision`` of unquantized GEMMs.
+    kernel_init: initializer of the Q/K/V kernels.
+    out_kernel_init: initializer of the output kernel (default
+      ``kernel_init``).
+    bias_init: initializer of the biases.
+    rngs: the RNG streams (``params``).
+    recipe: the quantization recipe (default ``"fp8_delayed"``).
+    backend: force a GEMM backend (``"xla"`` or ``"ffi"``).
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import qlayers
+    >>> proj = qlayers.QuantAttentionProj(32, 4, 8, num_kv_heads=2,
+    ...                                   rngs=nnx.Rngs(0))
+    >>> jax.tree.map(jnp.shape, nnx.state(proj, nnx.Param))['key']
+    State({
+      'kernel': Param(
+        value=(32, 2, 8)
+      )
+    })
+    >>> x = jnp.ones((2, 5, 32))
+    >>> q, k, v = proj.qkv(x)
+    >>> q.shape, k.shape
+    ((2, 5, 4, 8), (2, 5, 2, 8))
+    >>> proj.out(proj.attend(q, k, v, is_causal=True)).shape
+    (2, 5, 32)
+  """
+
+  def __init__(self, in_features: int, num_heads: int, head_dim: int, *,
+               num_kv_heads: int | None = None,
+               in_kv_features: int | None = None,
+               out_features: int | None = None, fused_qkv: bool = False,
+               use_bias: bool = False, dtype=None, param_dtype=jnp.float32,
+               precision=None, kernel_init=_default_kernel_init,
+               out_kernel_init=None,
+               bias_init=nnx.initializers.zeros_init(), rngs: nnx.Rngs,
+               recipe: Recipe | str = "fp8_delayed",
+               backend: str | None = None):
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+      raise ValueError(f"num_heads ({num_heads}) must be a multiple of "
+                       f"num_kv_heads ({num_kv_heads}).")
+    if fused_qkv and in_kv_features not in (None, in_features):
+      raise ValueError("fused_qkv projects Q, K and V from one input, so "
+                       "in_kv_features must equal in_features.")
+    in_kv_features = in_features if in_kv_features is None else in_kv_features
+    out_features = in_features if out_features is None else out_features
+    recipe = load_recipe(recipe)
+
+    def proj(fin, fout, init):
+      return _HeadProjection(
+          fin, fout, recipe=recipe, backend=backend, use_bias=use_bias,
+          dtype=dtype, param_dtype=param_dtype, precision=precision,
+          kernel_init=init, bias_init=bias_init, rngs=rngs)
+
+    if fused_qkv:
+      self.query_key_value = proj(
+          in_features, (num_heads + 2 * num_kv_heads, head_dim), kernel_init)
+      self.query = self.key = self.value = nnx.data(None)
+    else:
+      self.query_key_value = nnx.data(None)
+      self.query = proj(in_features, (num_heads, head_dim), kernel_init)
+      self.key = proj(in_kv_features, (num_kv_heads, head_dim), kernel_init)
+      self.value = proj(in_kv_features, (num_kv_heads, head_dim), kernel_init)
+    self.out = proj((num_heads, head_dim), out_features,
+                    out_kernel_init or kernel_init)
+
+    self.in_features = in_features
+    self.in_kv_features = in_kv_features
+    self.num_heads = num_heads
+    self.num_kv_heads = num_kv_heads
+    self.head_dim = head_dim
+    self.out_features = out_features
+    self.fused_qkv = fused_qkv
+    self.use_bias = use_bias
+    self.dtype = dtype
+    self.param_dtype = param_dtype
+    self.recipe = recipe
+    self.backend = backend
+
+  def qkv(self, x: jax.Array, x_kv: jax.Array | None = None):
+    """Projects ``x`` (and ``x_kv`` for cross-attention) to heads.
+
+    Args:
+      x: ``(..., in_features)``.
+      x_kv: key/value input ``(..., in_kv_features)`` (separate projections
+        only); default ``x``.
+
+    Returns:
+      ``(q, k, v)`` of shapes ``(..., H, D)``, ``(..., Hkv, D)``,
+      ``(..., Hkv, D)``.
+    """
+    if self.fused_qkv:
+      if x_kv is not None and x_kv is not x:
+        raise ValueError("A fused QKV projection takes a single input; build "
+                         "the layer with fused_qkv=False for cross-attention.")
+      y = self.query_key_value(x)
+      h, hkv = self.num_heads, self.num_kv_heads
+      return y[..., :h, :], y[..., h:h + hkv, :], y[..., h + hkv:, :]
+    x_kv = x if x_kv is None else x_kv
+    return self.query(x), self.key(x_kv), self.value(x_kv)
+
+  @staticmethod
+  def attend(q: jax.Array, k: jax.Array, v: jax.Array,
+             mask: jax.Array | None = None, *, bias: jax.Array | None = None,
+             is_causal: bool = False) -> jax.Array:
+    """Softmax attention, unquantized (``jax.nn.dot_product_attention``).
+
+    What ``nnx.MultiHeadAttention`` computes without dropout: scores and
+    softmax in FP32, grouped-query heads supported.
+
+    Args:
+      q: ``(..., T, H, D)``.
+      k, v: ``(..., S, Hkv, D)``.
+      mask: booleans broadcastable to ``(..., H, T, S)``; False is masked.
+      bias: additive bias broadcastable to ``(..., H, T, S)``.
+      is_causal: apply a causal mask.
+
+    Returns:
+      ``(..., T, H, D)``, ready for ``out``.
+    """
+    shape = q.shape
+    if q.ndim > 4:
+      def flat(t):
+        return None if t is None else t.reshape(
+            math.prod(t.shape[:-3]), *t.shape[-3:])
+      q, k, v, mask, bias = map(flat, (q, k, v, mask, bias))
+    if mask is not None:
+      mask = mask.astype(jnp.bool_)
+    # jax.nn promotes narrow inputs to FP32 scores internally, which strict
+    # dtype promotion refuses; the promotion is intended here.
+    with jax.numpy_dtype_promotion("standard"):
+      out = jax.nn.dot_product_attention(q, k, v, bias, mask,
+                                         is_causal=is_causal)
+    return out.reshape(shape[:-1] + (out.shape[-1],))
+
+  @classmethod
+  def from_multihead(cls, mha: nnx.MultiHeadAttention, *,
+                     recipe: Recipe | str = "fp8_delayed",
+                     backend: str | None = None) -> "QuantAttentionProj":
+    """Quantized projections that share ``mha``'s query/key/value/out Params.
+
+    The returned module holds the very Param Variables of ``mha`` (training
+    one trains the other). Replace ``mha(x, mask=m)`` by
+    ``p.out(p.attend(*p.qkv(x), m))``. QK normalization, dropout and the
+    decode cache are not projections and are not supported here.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import qlayers
+      >>> mha = nnx.MultiHeadAttention(4, 32, decode=False, rngs=nnx.Rngs(0))
+      >>> p = qlayers.QuantAttentionProj.from_multihead(mha, recipe="bf16")
+      >>> x = jnp.ones((2, 5, 32))
+      >>> bool(jnp.all(p.out(p.attend(*p.qkv(x))) == mha(x)))
+      True
+    """
+    if mha.normalize_qk:
+      raise ValueError("from_multihead does not support normalize_qk=True "
+                       "(the QK LayerNorms sit between the projections).")
+    if mha.dropout_rate:
+      raise ValueError("from_multihead does not support attention dropout "
+                       f"(dropout_rate={mha.dropout_rate}).")
+    proj = cls(mha.in_features, mha.num_heads, mha.head_dim,
+               num_kv_heads=mha.num_kv_heads,
+               in_kv_features=mha.in_kv_features,
+               out_features=mha.out_features, use_bias=mha.use_bias,
+               dtype=mha.dtype, param_dtype=mha.param_dtype,
+               precision=mha.precision, kernel_init=nnx.initializers.zeros,
+               rngs=nnx.Rngs(0), recipe=recipe, backend=backend)
+    for name in ("query", "key", "value", "out"):
+      src, dst = getattr(mha, name), getattr(proj, name)
+      dst.kernel = src.kernel
+      if src.bias is not None:
+        dst.bias = src.bias
+    return proj

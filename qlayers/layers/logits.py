@@ -1,0 +1,243 @@
+"""QuantLogits: the output head (untied or tied to an ``nnx.Embed``) and a
+chunked cross-entropy that never materialises the full logits."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.nnx.nn import dtypes
+from jax import lax
+
+from qlayers import ops
+from qlayers.recipe import Recipe, recipe as load_recipe
+from qlayers.state import DelayedScaling
+
+__all__ = ["QuantLogits"]
+
+_default_kernel_init = nnx.initializers.lecun_normal()
+
+
+class QuantLogits(nnx.Module):
+  """Output head producing FP32 logits, optionally quantized.
+
+  Untied, it owns ``kernel (in_features, vocab_size)`` (and ``bias
+  (vocab_size,)``) -- the Params of an ``nnx.Linear`` head. Tied
+  (``embed=...``), it reuses the ``nnx.Embed`` table ``embedding (vocab, d)``
+  transposed, so gradients of the logits flow into the embedding.
+
+  The logits GEMM is wide by default (``recipe="bf16"``: operands in
+  ``dtype``, FP32 accumulation and output): the vocabulary projection is
+  sensitive to quantization, so quantizing it is opt-in with any recipe.
+  `loss` computes the mean token cross-entropy over chunks of the sequence,
+  recomputing each chunk's logits in the backward pass, so the
+  ``(batch, seq, vocab)`` logits never exist at once.
+
+  Args:
+    in_features: model width ``d`` (taken from ``embed`` when tied).
+    vocab_size: number of classes (taken from ``embed`` when tied).
+    embed: an ``nnx.Embed`` whose table to tie to.
+    use_bias: add a bias ``(vocab_size,)`` (a Param of this module).
+    dtype: computation dtype of the GEMM operands (default: ``embed.dtype``
+      when tied, else inferred from inputs and params).
+    param_dtype: dtype of the kernel and bias.
+    precision: ``lax.Precision`` of the unquantized GEMM.
+    kernel_init: initializer of the untied kernel.
+    bias_init: initializer of the bias.
+    rngs: RNG streams (``params``); needed when this module creates Params.
+    recipe: quantization recipe (default ``"bf16"``: not quantized).
+    backend: force a GEMM backend (``"xla"`` or ``"ffi"``).
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import qlayers
+    >>> head = qlayers.QuantLogits(16, 100, rngs=nnx.Rngs(0))
+    >>> jax.tree.map(jnp.shape, nnx.state(head, nnx.Param))
+    State({
+      'kernel': Param(
+        value=(16, 100)
+      )
+    })
+    >>> x = jnp.ones((2, 8, 16))
+    >>> head(x).dtype
+    dtype('float32')
+    >>> labels = jnp.zeros((2, 8), jnp.int32)
+    >>> bool(jnp.allclose(head.loss(x, labels, chunk_size=4),
+    ...                   head.loss(x, labels)))
+    True
+    >>> embed = nnx.Embed(100, 16, rngs=nnx.Rngs(0))
+    >>> tied = qlayers.QuantLogits(embed=embed)
+    >>> tied(x).shape
+    (2, 8, 100)
+  """
+
+  def __init__(self, in_features: int | None = None,
+               vocab_size: int | None = None, *,
+               embed: nnx.Embed | None = None, use_bias: bool = False,
+               dtype=None, param_dtype=jnp.float32, precision=None,
+               kernel_init=_default_kernel_init,
+               bias_init=nnx.initializers.zeros_init(),
+               rngs: nnx.Rngs | None = None,
+               recipe: Recipe | str = "bf16", backend: str | None = None):
+    if embed is not None:
+      vocab, d = embed.embedding.shape
+      if in_features not in (None, d) or vocab_size not in (None, vocab):
+        raise ValueError(
+            f"The tied embedding is (vocab={vocab}, d={d}) but "
+            f"in_features={in_features}, vocab_size={vocab_size} were given.")
+      in_features, vocab_size = d, vocab
+      dtype = embed.dtype if dtype is None else dtype
+    elif in_features is None or vocab_size is None:
+      raise ValueError("An untied QuantLogits needs in_features and "
+                       "vocab_size (or pass embed=... to tie).")
+    if (embed is None or use_bias) and rngs is None:
+      raise ValueError("QuantLogits creates Params here and needs `rngs`.")
+
+    if embed is None:
+      self.kernel = nnx.Param(
+          kernel_init(rngs.params(), (in_features, vocab_size), param_dtype))
+    else:
+      self.kernel = nnx.data(None)
+    self.embed = embed if embed is not None else nnx.data(None)
+    if use_bias:
+      self.bias = nnx.Param(bias_init(rngs.params(), (vocab_size,),
+                                      param_dtype))
+    else:
+      self.bias = nnx.data(None)
+
+    self.in_features = in_features
+    self.vocab_size = vocab_size
+    self.use_bias = use_bias
+    self.dtype = dtype
+    self.param_dtype = param_dtype
+    self.precision = precision
+    self.recipe = load_recipe(recipe)
+    self.backend = backend
+    self.scaling = nnx.data(
+        DelayedScaling(self.recipe) if self.recipe.delayed else None)
+
+  @property
+  def tied(self) -> bool:
+    return self.embed is not None
+
+  def _weights(self):
+    """(kernel ``(d, vocab)``, bias or None, delayed state or None)."""
+    if self.embed is not None:
+      kernel = self.embed.embedding[...].T
+    else:
+      kernel = self.kernel[...]
+    bias = self.bias[...] if self.bias is not None else None
+    state = self.scaling.read() if self.scaling is not None else None
+    return kernel, bias, state
+
+  def _logits(self, x, kernel, bias, state):
+    """Pure: FP32 logits ``(..., vocab)`` and the op's new state."""
+    x, wide_kernel, bias = dtypes.promote_dtype((x, kernel, bias),
+                                                dtype=self.dtype)
+    if self.recipe.quantized:
+      y, new_state = ops.quantized_matmul(x, kernel, self.recipe, state,
+                                          out_dtype=jnp.float32,
+                                          backend=self.backend)
+    else:
+      y = lax.dot_general(x, wide_kernel, (((x.ndim - 1,), (0,)), ((), ())),
+                          precision=self.precision,
+                          preferred_element_type=jnp.float32)
+      new_state = None
+    if bias is not None:
+      y = y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,)).astype(y.dtype)
+    return y, new_state
+
+  def _check(self, x):
+    if x.shape[-1] != self.in_features:
+      raise ValueError(f"QuantLogits expects inputs with last dim "
+                       f"{self.in_features}, got shape {x.shape}.")
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """FP32 logits ``(..., vocab_size)`` of ``x (..., in_features)``."""
+    self._check(x)
+    kernel, bias, state = self._weights()
+    y, new_state = self._logits(x, kernel, bias, state)
+    if self.scaling is not None:
+      self.scaling.write_forward(new_state)
+    return y
+
+  def loss(self, x: jax.Array, labels: jax.Array, *,
+           chunk_size: int | None = None,
+           mask: jax.Array | None = None) -> jax.Array:
+    """Mean token cross-entropy of the logits of ``x`` against ``labels``.
+
+    With ``chunk_size``, the sequence is processed ``chunk_size`` positions
+    at a time (logits, logsumexp, picked logit), each chunk rematerialised
+    in the backward pass: peak memory holds one ``(batch, chunk, vocab)``
+    block instead of ``(batch, seq, vocab)``. The value and gradients equal
+    the unchunked ones up to float summation order. A sequence that is not
+    a multiple of ``chunk_size`` is padded with masked positions.
+
+    Args:
+      x: hidden states ``(..., seq, in_features)``.
+      labels: integer classes in ``[0, vocab_size)``, shape ``(..., seq)``.
+      chunk_size: positions per chunk (``None``: the whole sequence at once).
+      mask: booleans ``(..., seq)``; False positions are left out of the
+        mean.
+
+    Returns:
+      The FP32 scalar ``sum(mask * ce) / max(sum(mask), 1)``.
+    """
+    self._check(x)
+    if x.ndim < 2 or labels.shape != x.shape[:-1]:
+      raise ValueError(f"Expected x (..., seq, d) and labels (..., seq); got "
+                       f"{x.shape} and {labels.shape}.")
+    if not jnp.issubdtype(labels.dtype, jnp.integer):
+      raise TypeError(f"labels must be integers, got {labels.dtype}.")
+    if mask is None:
+      mask = jnp.ones(labels.shape, jnp.float32)
+    elif mask.shape != labels.shape:
+      raise ValueError(f"mask shape {mask.shape} != labels shape "
+                       f"{labels.shape}.")
+    mask = mask.astype(jnp.float32)
+    if chunk_size is not None and chunk_size < 1:
+      raise ValueError(f"chunk_size must be positive, got {chunk_size}.")
+
+    kernel, bias, state = self._weights()
+    seq = x.shape[-2]
+    batch = math.prod(x.shape[:-2])
+    x = x.reshape(batch, seq, x.shape[-1])
+    labels = labels.reshape(batch, seq)
+    mask = mask.reshape(batch, seq)
+
+    def chunk(args):
+      xc, yc, mc = args
+      logits, new_state = self._logits(xc, kernel, bias, state)
+      lse = jax.nn.logsumexp(logits, axis=-1)
+      picked = jnp.take_along_axis(logits, yc[..., None], axis=-1)[..., 0]
+      total = jnp.sum((lse - picked) * mc)
+      if new_state is None:
+        return total, ()
+      return total, (new_state["x"].amax, new_state["w"].amax)
+
+    if chunk_size is None or chunk_size >= seq:
+      total, amaxes = chunk((x, labels, mask))
+    else:
+      n = -(-seq // chunk_size)
+      pad = n * chunk_size - seq
+      if pad:
+        x = jnp.pad(x, ((0, 0), (0, pad), (0, 0)))
+        labels = jnp.pad(labels, ((0, 0), (0, pad)))
+        mask = jnp.pad(mask, ((0, 0), (0, pad)))
+
+      def split(t):  # (batch, n * c, ...) -> (n, batch, c, ...)
+        t = t.reshape(batch, n, chunk_size, *t.shape[2:])
+        return jnp.moveaxis(t, 1, 0)
+
+      totals, amaxes = lax.map(jax.checkpoint(chunk, prevent_cse=False),
+                               (split(x), split(labels), split(mask)))
+      total = jnp.sum(totals)
+      amaxes = tuple(jnp.max(a, axis=0) for a in amaxes)
+    if self.scaling is not None:
+      ax, aw = amaxes
+      self.scaling.write_forward({"x": state["x"]._replace(amax=ax),
+                                  "w": state["w"]._replace(amax=aw)})
+    return total / jnp.maximum(jnp.sum(mask), 1.0)
