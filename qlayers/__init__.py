@@ -7,13 +7,26 @@ low-precision operands with FP32 accumulation while master weights, optimizer
 moments, norms, softmax and the loss stay wide.
 """
 
+from qlayers import checkpoint
 from qlayers import formats
 from qlayers import scaling
+from qlayers.checkpoint import CheckpointCorruptError
+from qlayers.checkpoint import CheckpointMismatchError
+from qlayers.convert import ConversionReport
+from qlayers.convert import DEFAULT_KEEP_WIDE
+from qlayers.convert import DEFAULT_RULES
+from qlayers.convert import dequantize_model
+from qlayers.convert import quantize
+from qlayers.convert import Rule
 from qlayers.dispatch import report as backends
 from qlayers.grad import accumulate_grads
 from qlayers.grad import grad
 from qlayers.grad import value_and_grad
+from qlayers.layers import QuantAttentionProj
 from qlayers.layers import QuantDense
+from qlayers.layers.general import QuantEinsum
+from qlayers.layers.general import QuantLinearGeneral
+from qlayers.layers import QuantLogits
 from qlayers.ops import commit_state
 from qlayers.ops import dot_general
 from qlayers.ops import init_state
@@ -37,9 +50,14 @@ __version__ = "0.1.0"
 
 __all__ = [
     "formats", "scaling", "backends", "accumulate_grads", "grad",
-    "value_and_grad", "QuantDense", "commit_state", "dot_general",
+    "value_and_grad", "QuantAttentionProj", "QuantDense", "QuantLogits",
+    "commit_state", "dot_general",
     "init_state", "quantized_matmul", "ScaleState", "mixed_precision",
     "Optimizer", "available_recipes", "GemmRecipe", "Recipe", "recipe",
     "QTensor", "QuantSpec", "commit_scales", "DelayedScaling",
     "QuantGradState", "QuantState", "QuantVariable",
+    "checkpoint", "CheckpointCorruptError", "CheckpointMismatchError",
+    "ConversionReport", "DEFAULT_KEEP_WIDE", "DEFAULT_RULES",
+    "dequantize_model", "quantize", "Rule", "QuantEinsum",
+    "QuantLinearGeneral",
 ]

@@ -3,6 +3,8 @@
 import jax
 import pytest
 
+from numerics import sqnr_db
+
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
@@ -17,15 +19,6 @@ def pytest_configure(config):
       "ignore:.*jax.tree_util.register_keypaths.*:DeprecationWarning",
   ):
     config.addinivalue_line("filterwarnings", pattern)
-
-
-def sqnr_db(ref, approx) -> float:
-  """20*log10(|ref| / |ref - approx|) in float64."""
-  import numpy as np
-  r = np.asarray(ref, np.float64)
-  a = np.asarray(approx, np.float64)
-  err = np.linalg.norm(r - a)
-  return float("inf") if err == 0 else float(20 * np.log10(np.linalg.norm(r) / err))
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from flax import nnx
 import qlayers
 from qlayers import ops
 from qlayers import scaling as S
-from conftest import sqnr_db
+from numerics import sqnr_db
 
 # Forward SQNR floors (dB) vs nnx.Linear: DESIGN.md's public floors, and for
 # MXFP6/MXFP4 (none published) a little under their element precision.

@@ -12,7 +12,7 @@ from flax import nnx
 import qlayers
 from qlayers import ops
 from qlayers import scaling as S
-from conftest import sqnr_db
+from numerics import sqnr_db
 
 M, K, N = 256, 384, 320
 

@@ -1,0 +1,290 @@
+"""Drop-in quantized ``nnx.LinearGeneral`` and ``nnx.Einsum``.
+
+Both keep the Params of the layer they replace (same names, shapes, dtypes)
+and run as one 2-D quantized GEMM: the contracted axes are moved last and
+flattened into K, the kernel is reshaped to ``(K, N)``, and the output is
+reshaped (and, for an einsum, transposed) back. Layers that are not one GEMM
+(``LinearGeneral`` with ``batch_axis``, an einsum with batch indices or
+one-sided sums) are refused with an explanation.
+"""
+
+from __future__ import annotations
+
+import math
+import string
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from qlayers import ops
+from qlayers.recipe import Recipe, recipe as load_recipe
+from qlayers.state import DelayedScaling
+
+__all__ = ["QuantLinearGeneral", "QuantEinsum", "einsum_gemm_plan"]
+
+
+def _init_quant(layer, recipe, backend):
+  layer.recipe = load_recipe(recipe)
+  layer.backend = backend
+  layer.scaling = nnx.data(
+      DelayedScaling(layer.recipe) if layer.recipe.delayed else None)
+
+
+def _gemm(layer, x2: jax.Array, kernel2: jax.Array, out_dtype) -> jax.Array:
+  """``x2 (M, K) @ kernel2 (K, N)`` under the layer's recipe and state."""
+  state = layer.scaling.read() if layer.scaling is not None else None
+  y, new_state = ops.quantized_matmul(x2, kernel2, layer.recipe, state,
+                                      out_dtype=out_dtype,
+                                      backend=layer.backend)
+  if layer.scaling is not None:
+    layer.scaling.write_forward(new_state)
+  return y
+
+
+class QuantLinearGeneral(nnx.LinearGeneral):
+  """``nnx.LinearGeneral`` whose GEMMs (forward and backward) run quantized.
+
+  Same constructor and Params as ``nnx.LinearGeneral``: ``kernel
+  (*in_features, *out_features)`` and ``bias (*out_features,)``. The input's
+  ``axis`` dims are contracted as one ``K = prod(in_features)`` against
+  ``N = prod(out_features)``; the Q/K/V (``axis=-1``, out ``(heads,
+  head_dim)``) and output (``axis=(-2, -1)``) projections of
+  ``nnx.MultiHeadAttention`` are of this kind. ``batch_axis`` (a batched
+  GEMM) is not supported. State and recipes as in `qlayers.QuantDense`.
+
+  Args:
+    in_features: int or tuple of input feature sizes.
+    out_features: int or tuple of output feature sizes.
+    recipe: the quantization recipe (default ``"fp8_delayed"``).
+    backend: force a GEMM backend (``"xla"`` or ``"ffi"``).
+    **kwargs: everything ``nnx.LinearGeneral`` takes (``axis``,
+      ``use_bias``, ``dtype``, ``param_dtype``, ``rngs``, ...).
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import qlayers
+    >>> layer = qlayers.QuantLinearGeneral(64, (4, 16), recipe="mxfp8",
+    ...                                    rngs=nnx.Rngs(0))
+    >>> jax.tree.map(jnp.shape, nnx.state(layer, nnx.Param))
+    State({
+      'bias': Param(
+        value=(4, 16)
+      ),
+      'kernel': Param(
+        value=(64, 4, 16)
+      )
+    })
+    >>> layer(jnp.ones((2, 64))).shape
+    (2, 4, 16)
+  """
+
+  def __init__(self, in_features, out_features, *,
+               recipe: Recipe | str = "fp8_delayed",
+               backend: str | None = None, **kwargs):
+    super().__init__(in_features, out_features, **kwargs)
+    if self.batch_axis:
+      raise ValueError(
+          "QuantLinearGeneral does not support batch_axis (a batched GEMM "
+          "with one weight per batch entry); keep this layer unquantized.")
+    _init_quant(self, recipe, backend)
+
+  def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
+    """Contracts ``inputs`` over ``axis``; output ``(*rest, *out_features)``."""
+    if not self.recipe.quantized:
+      return super().__call__(inputs, out_sharding=out_sharding)
+    # Sorted, as nnx.LinearGeneral contracts them: kernel dims follow the
+    # input's axis order, not the order ``axis`` lists them in.
+    axis = tuple(sorted(a % inputs.ndim for a in self.axis))
+    got = tuple(inputs.shape[a] for a in axis)
+    if got != self.in_features:
+      raise ValueError(
+          f"{type(self).__name__} expects input dims {self.in_features} at "
+          f"axis {self.axis}, got shape {inputs.shape}.")
+    free = [d for d in range(inputs.ndim) if d not in axis]
+    k = math.prod(self.in_features)
+    n = math.prod(self.out_features)
+    kernel = self.kernel[...]
+    bias = self.bias[...] if self.bias is not None else None
+    inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias),
+                                              dtype=self.dtype)
+    order = free + list(axis)
+    if order != list(range(inputs.ndim)):
+      inputs = jnp.transpose(inputs, order)
+    lead = tuple(inputs.shape[:len(free)])
+    out_dtype = self.preferred_element_type or inputs.dtype
+    y = _gemm(self, inputs.reshape(*lead, k), kernel.reshape(k, n), out_dtype)
+    y = y.reshape(*lead, *self.out_features)
+    if bias is not None:
+      y = y + jnp.reshape(bias, (1,) * len(lead) + self.out_features).astype(
+          y.dtype)
+    if out_sharding is not None:
+      y = jax.sharding.reshard(y, out_sharding)
+    return y
+
+
+# ----------------------------------------------------------------------------
+# Einsum
+
+
+def _tokens(term: str) -> list[str]:
+  """``"...ab"`` -> ``["...", "a", "b"]``."""
+  out, i = [], 0
+  while i < len(term):
+    if term.startswith("...", i):
+      out.append("...")
+      i += 3
+    elif term[i] in string.ascii_letters:
+      out.append(term[i])
+      i += 1
+    else:
+      raise ValueError(f"Unexpected character {term[i]!r} in einsum term "
+                       f"{term!r}.")
+  return out
+
+
+def einsum_gemm_plan(einsum_str: str) -> tuple[list, list, list, list, list]:
+  """Splits an ``Einsum`` equation ``"lhs,rhs->out"`` into one GEMM.
+
+  Returns ``(lhs, rhs, out, contracted, rhs_free)`` as token lists (``...``
+  is one token). Raises ValueError when the equation is not a single GEMM
+  of the input against the kernel: every output index must come from exactly
+  one operand (no batch indices), every other index must appear in both
+  operands (no one-sided sums), no operand repeats an index (no diagonals),
+  the kernel has no ``...``, and at least one index is contracted.
+  """
+  eq = einsum_str.replace(" ", "")
+  if "->" not in eq or eq.count(",") != 1:
+    raise ValueError(f"Einsum {einsum_str!r} must be explicit 'lhs,rhs->out'.")
+  ins, out = eq.split("->")
+  lhs, rhs = (_tokens(t) for t in ins.split(","))
+  out = _tokens(out)
+  why = []
+  for name, t in (("input", lhs), ("kernel", rhs), ("output", out)):
+    if len(set(t)) != len(t):
+      why.append(f"the {name} term repeats an index")
+  if "..." in rhs:
+    why.append("the kernel term has '...'")
+  batch = set(lhs) & set(rhs) & set(out)
+  if batch:
+    why.append(f"indices {sorted(batch)} are batch dims (a batched GEMM)")
+  one_sided = (set(lhs) ^ set(rhs)) - set(out)
+  if one_sided:
+    why.append(f"indices {sorted(one_sided)} are summed over one operand only")
+  stray = set(out) - set(lhs) - set(rhs)
+  if stray:
+    why.append(f"output indices {sorted(stray)} appear in no operand")
+  contracted = [c for c in rhs if c in lhs and c not in out]
+  if not contracted:
+    why.append("no index is contracted")
+  if why:
+    raise ValueError(f"Einsum {einsum_str!r} is not one GEMM of the input "
+                     f"against the kernel: {why[0]}.")
+  rhs_free = [c for c in rhs if c in out]
+  return lhs, rhs, out, contracted, rhs_free
+
+
+class QuantEinsum(nnx.Einsum):
+  """``nnx.Einsum`` whose GEMMs (forward and backward) run quantized.
+
+  Same constructor and Params as ``nnx.Einsum``. The equation must be one
+  GEMM of the input against the kernel (see `einsum_gemm_plan`), e.g.
+  ``"btd,dnh->btnh"`` or ``"...hd,hdo->...o"``: indices shared by input and
+  kernel are contracted as one ``K``, the kernel's other indices form ``N``.
+  State and recipes as in `qlayers.QuantDense`.
+
+  Args:
+    einsum_str: the equation ``"input,kernel->output"``.
+    kernel_shape: the kernel's shape.
+    bias_shape: the bias's shape (``None``: no bias).
+    recipe: the quantization recipe (default ``"fp8_delayed"``).
+    backend: force a GEMM backend (``"xla"`` or ``"ffi"``).
+    **kwargs: everything ``nnx.Einsum`` takes (``dtype``, ``param_dtype``,
+      ``rngs``, ...).
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import qlayers
+    >>> layer = qlayers.QuantEinsum("btd,dnh->btnh", (64, 4, 16), (4, 16),
+    ...                             recipe="mxfp8", rngs=nnx.Rngs(0))
+    >>> jax.tree.map(jnp.shape, nnx.state(layer, nnx.Param))
+    State({
+      'bias': Param(
+        value=(4, 16)
+      ),
+      'kernel': Param(
+        value=(64, 4, 16)
+      )
+    })
+    >>> layer(jnp.ones((2, 3, 64))).shape
+    (2, 3, 4, 16)
+  """
+
+  def __init__(self, einsum_str: str, kernel_shape, bias_shape=None, *,
+               recipe: Recipe | str = "fp8_delayed",
+               backend: str | None = None, **kwargs):
+    super().__init__(einsum_str, kernel_shape, bias_shape, **kwargs)
+    _, rhs, *_ = einsum_gemm_plan(self.einsum_str)
+    if len(rhs) != len(self.kernel_shape):
+      raise ValueError(f"Einsum {einsum_str!r} names {len(rhs)} kernel dims "
+                       f"but kernel_shape is {tuple(kernel_shape)}.")
+    _init_quant(self, recipe, backend)
+
+  def __call__(self, inputs: jax.Array, einsum_str: str | None = None,
+               out_sharding=None) -> jax.Array:
+    """Applies the equation (``einsum_str`` overrides the stored one)."""
+    if not self.recipe.quantized:
+      return super().__call__(inputs, einsum_str, out_sharding=out_sharding)
+    eq = (einsum_str or self.einsum_str).replace(" ", "")
+    lhs, rhs, out, contracted, rhs_free = einsum_gemm_plan(eq)
+    lhs, out = _expand_ellipsis(eq, lhs, out, inputs.ndim)
+    kernel = self.kernel[...]
+    bias = self.bias[...] if self.bias is not None else None
+    inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias),
+                                              dtype=self.dtype)
+    if len(lhs) != inputs.ndim or len(rhs) != kernel.ndim:
+      raise ValueError(f"Einsum {eq!r} does not fit input {inputs.shape} and "
+                       f"kernel {kernel.shape}.")
+    size = dict(zip(rhs, kernel.shape))
+    for c, n in zip(lhs, inputs.shape):
+      if size.setdefault(c, n) != n:
+        raise ValueError(f"Einsum {eq!r}: index {c!r} is {n} in the input "
+                         f"but {size[c]} in the kernel.")
+    lhs_free = [c for c in lhs if c in out]
+    x = _permute(inputs, lhs, lhs_free + contracted)
+    w = _permute(kernel, rhs, contracted + rhs_free)
+    k = math.prod(size[c] for c in contracted)
+    n = math.prod(size[c] for c in rhs_free)
+    lead = tuple(size[c] for c in lhs_free)
+    out_dtype = self.preferred_element_type or inputs.dtype
+    y = _gemm(self, x.reshape(*lead, k), w.reshape(k, n), out_dtype)
+    y = y.reshape(*lead, *(size[c] for c in rhs_free))
+    y = _permute(y, lhs_free + rhs_free, out)
+    if bias is not None:
+      shape = self._infer_broadcasted_bias_shape(eq, inputs, kernel)
+      y = y + jnp.reshape(bias, shape).astype(y.dtype)
+    if out_sharding is not None:
+      y = jax.sharding.reshard(y, out_sharding)
+    return y
+
+
+def _expand_ellipsis(eq, lhs, out, ndim):
+  """Replaces ``...`` in the input and output terms by fresh letters."""
+  if "..." not in lhs:
+    return lhs, out
+  n = ndim - (len(lhs) - 1)
+  if n < 0:
+    raise ValueError(f"Einsum {eq!r}: input of rank {ndim} is too small.")
+  fresh = [c for c in string.ascii_letters if c not in eq][:n]
+  def sub(t):
+    i = t.index("...")
+    return t[:i] + fresh + t[i + 1:]
+  return sub(lhs), sub(out)
+
+
+def _permute(x, have: list, want: list):
+  if have == want:
+    return x
+  return jnp.transpose(x, [have.index(c) for c in want])

@@ -1,0 +1,505 @@
+"""Model conversion: which layers are swapped, Params kept, rules and their
+report, the inverse, the LinearGeneral/Einsum drop-ins, training after."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import qlayers
+from qlayers.layers.general import einsum_gemm_plan
+
+D, V = 64, 64
+
+
+class MLP(nnx.Module):
+
+  def __init__(self, d, rngs):
+    self.up = nnx.Linear(d, 2 * d, rngs=rngs)
+    self.down = nnx.Linear(2 * d, d, rngs=rngs)
+
+  def __call__(self, x):
+    return self.down(jax.nn.gelu(self.up(x)))
+
+
+class Block(nnx.Module):
+
+  def __init__(self, d, rngs):
+    self.ln1 = nnx.LayerNorm(d, rngs=rngs)
+    self.attn = nnx.MultiHeadAttention(num_heads=2, in_features=d,
+                                       decode=False, rngs=rngs)
+    self.ln2 = nnx.LayerNorm(d, rngs=rngs)
+    self.mlp = MLP(d, rngs)
+
+  def __call__(self, x):
+    x = x + self.attn(self.ln1(x))
+    return x + self.mlp(self.ln2(x))
+
+
+class LM(nnx.Module):
+  """A small transformer from stock NNX layers only."""
+
+  def __init__(self, n_blocks=1, seed=0):
+    rngs = nnx.Rngs(seed)
+    self.embed = nnx.Embed(V, D, rngs=rngs)
+    self.blocks = nnx.List([Block(D, rngs) for _ in range(n_blocks)])
+    self.ln_f = nnx.LayerNorm(D, rngs=rngs)
+    self.head = nnx.Linear(D, V, rngs=rngs)
+
+  def __call__(self, tokens):
+    x = self.embed(tokens)
+    for block in self.blocks:
+      x = block(x)
+    return self.head(self.ln_f(x))
+
+
+TOKENS = jax.random.randint(jax.random.key(0), (4, 16), 0, V)
+ATTN = ("query", "key", "value", "out")
+
+
+@nnx.jit
+def apply(model, *args):
+  """``model(*args)``, compiled once per model structure and recipe."""
+  return model(*args)
+
+
+def np_normal(std, seed=0):
+  """An initializer drawing from NumPy: random init of a new shape in JAX
+  compiles a program, which dominates small tests."""
+  rng = np.random.default_rng(seed)
+  return lambda key, shape, dtype: (std * rng.standard_normal(shape)).astype(
+      dtype)
+
+
+def block_paths(n_blocks):
+  return sorted([f"blocks/{i}/attn/{p}" for i in range(n_blocks)
+                 for p in ATTN]
+                + [f"blocks/{i}/mlp/{p}" for i in range(n_blocks)
+                   for p in ("up", "down")])
+
+
+def param_objects(model):
+  return {path: node for path, node in nnx.iter_graph(model)
+          if isinstance(node, nnx.Param)}
+
+
+def assert_same_params(before, model):
+  after = param_objects(model)
+  assert after.keys() == before.keys()
+  for path, var in before.items():
+    assert after[path] is var, path
+
+
+def assert_trees_equal(a, b):
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(la, lb):
+    assert x.dtype == y.dtype
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+# ----------------------------------------------------------------------------
+# Default conversion
+
+
+def test_default_rules_convert_blocks_keep_embed_and_head_wide():
+  model = LM(n_blocks=2)
+  before = param_objects(model)
+  params = jax.tree.map(jnp.copy, nnx.state(model, nnx.Param))
+  report = qlayers.quantize(model, "fp8_delayed")
+
+  assert [c.path for c in report.converted] == block_paths(2)
+  assert all(c.recipe == "fp8_delayed" and c.rule is None
+             for c in report.converted)
+  assert [(k.path, k.rule) for k in report.kept_wide] == [
+      ("head", qlayers.DEFAULT_KEEP_WIDE)]
+  assert report.skipped == [] and report.unmatched_rules == []
+  assert report.model is model
+  for b in model.blocks:
+    for p in ATTN:
+      assert type(getattr(b.attn, p)) is qlayers.QuantLinearGeneral
+    assert type(b.mlp.up) is qlayers.QuantDense
+    assert type(b.mlp.down) is qlayers.QuantDense
+    assert isinstance(b.mlp.up.scaling, qlayers.DelayedScaling)
+  assert type(model.head) is nnx.Linear
+  assert type(model.embed) is nnx.Embed
+  # Shapes in the report are the GEMM's (K, N).
+  shapes = {c.path: c.shape for c in report.converted}
+  assert shapes["blocks/0/attn/query"] == (D, D)
+  assert shapes["blocks/0/mlp/down"] == (2 * D, D)
+
+  # The very same Param objects, values untouched, same Param state.
+  assert_same_params(before, model)
+  assert_trees_equal(params, nnx.state(model, nnx.Param))
+
+  text = str(report)
+  assert "12 converted" in text and "DEFAULT_KEEP_WIDE" in text
+  assert "blocks/1/attn/out" in text and "LinearGeneral -> QuantLinearGeneral"\
+      in text
+
+
+def test_outputs_close_to_unquantized(sqnr):
+  model = LM(n_blocks=1)
+  ref = apply(model, TOKENS)
+  qlayers.quantize(model, "fp8_delayed")
+  got = apply(model, TOKENS)
+  assert got.shape == ref.shape
+  assert sqnr(ref, got) > 20
+
+
+def test_default_keep_wide_pattern():
+  wide = ["embed", "tok_embed", "embedding", "model/pos_embed", "lm_head",
+          "head", "decoder/logits", "unembed", "output", "wte", "head/dense"]
+  narrow = ["blocks/0/mlp/up", "blocks/0/attn/out", "layers/3/output/dense",
+            "headless", "blocks/0/attn/heads", "proj"]
+  rule = qlayers.DEFAULT_RULES[0]
+  assert rule.recipe is None
+  assert [p for p in wide if not rule.matches(p)] == []
+  assert [p for p in narrow if rule.matches(p)] == []
+
+
+# ----------------------------------------------------------------------------
+# Rules
+
+
+def test_rules_per_recipe_first_match_wins_and_unmatched_reported():
+  model = LM(n_blocks=2)
+  rules = [
+      qlayers.Rule(pattern=r"/attn/", recipe="mxfp8"),
+      qlayers.Rule(pattern=r"^blocks/1/mlp/down$", recipe=None),
+      qlayers.Rule(pattern=r"/mlp/", recipe="fp8_delayed"),
+      qlayers.Rule(pattern=r"mlp/up", recipe="mxfp4"),       # shadowed
+      qlayers.Rule(pattern=r"cross_attn", recipe="mxfp8"),   # matches nothing
+  ]
+  report = qlayers.quantize(model, None, rules)
+
+  recipes = {c.path: (c.recipe, c.rule) for c in report.converted}
+  assert recipes["blocks/0/attn/value"] == ("mxfp8", r"/attn/")
+  assert recipes["blocks/1/mlp/up"] == ("fp8_delayed", r"/mlp/")
+  assert model.blocks[1].attn.out.recipe.name == "mxfp8"
+  assert model.blocks[0].mlp.down.recipe.name == "fp8_delayed"
+  assert model.blocks[1].attn.query.scaling is None  # MX: no state
+  assert type(model.blocks[1].mlp.down) is nnx.Linear
+  assert {(k.path, k.rule) for k in report.kept_wide} == {
+      ("blocks/1/mlp/down", r"^blocks/1/mlp/down$"),
+      ("head", None)}  # no rule and no default recipe
+  assert [r.pattern for r in report.unmatched_rules] == [r"mlp/up",
+                                                         r"cross_attn"]
+  assert "rules that matched nothing" in str(report)
+  assert "'cross_attn'" in str(report)
+
+
+def test_strict_raises_on_unmatched_rule_and_changes_nothing():
+  model = LM(n_blocks=1)
+  before = param_objects(model)
+  rules = [qlayers.Rule(pattern=r"/mlp/", recipe="fp8_delayed"),
+           qlayers.Rule(pattern=r"^decoder/", recipe="mxfp8"),
+           *qlayers.DEFAULT_RULES]
+  with pytest.raises(ValueError, match=r"decide no layer.*\^decoder/"):
+    qlayers.quantize(model, "fp8_current", rules, strict=True)
+  assert type(model.blocks[0].mlp.up) is nnx.Linear
+  assert_same_params(before, model)
+  # The built-in default rule is exempt: nothing here is called "head".
+  model = nnx.Sequential(nnx.Linear(D, D, rngs=nnx.Rngs(0)))
+  report = qlayers.quantize(model, "fp8_current", strict=True)
+  assert [c.path for c in report.converted] == ["layers/0"]
+  assert report.unmatched_rules == list(qlayers.DEFAULT_RULES)
+
+
+def test_skip_by_dimension():
+  model = LM(n_blocks=1)
+  report = qlayers.quantize(model, "deepseek_v3")  # 128-element tiles
+  assert report.converted == []
+  assert [s.path for s in report.skipped] == block_paths(1)
+  up = next(s for s in report.skipped if s.path == "blocks/0/mlp/up")
+  assert up.reason.startswith("K=64, N=128: smaller than one 128-element")
+  assert "deepseek_v3" in up.reason
+
+  class Narrow(nnx.Module):
+    def __init__(self, rngs):
+      self.wide = nnx.Linear(64, 64, rngs=rngs)
+      self.gate = nnx.Linear(64, 16, rngs=rngs)
+  net = Narrow(nnx.Rngs(0))
+  report = qlayers.quantize(net, "mxfp8")
+  assert [c.path for c in report.converted] == ["wide"]
+  assert [(s.path, s.reason[:12]) for s in report.skipped] == [
+      ("gate", "K=64, N=16: ")]
+  assert "32-element mx scaling block" in report.skipped[0].reason
+  # Per-tensor scaling takes any size.
+  report = qlayers.quantize(Narrow(nnx.Rngs(0)), "fp8_current")
+  assert len(report.converted) == 2
+
+
+def test_already_quantized_left_alone():
+  model = LM(n_blocks=1)
+  qlayers.quantize(model, "fp8_delayed")
+  up = model.blocks[0].mlp.up
+  report = qlayers.quantize(model, "mxfp8",
+                            [qlayers.Rule(pattern="mlp", recipe="mxfp8")])
+  assert model.blocks[0].mlp.up is up and up.recipe.name == "fp8_delayed"
+  assert [c.path for c in report.converted] == ["head"]  # explicit rules
+  assert ("blocks/0/mlp/up", "already quantized (fp8_delayed)") in [
+      (s.path, s.reason) for s in report.already_quantized]
+  assert report.unmatched_rules == []  # it matched, though nothing changed
+
+
+# ----------------------------------------------------------------------------
+# The inverse
+
+
+def test_dequantize_round_trip_restores_stock_layers_exactly():
+  model = LM(n_blocks=1)
+  ref = apply(model, TOKENS)
+  before = param_objects(model)
+  params = jax.tree.map(jnp.copy, nnx.state(model, nnx.Param))
+  stock_types = {p: type(n) for p, n in nnx.iter_graph(model)
+                 if isinstance(n, nnx.Module)}
+  qlayers.quantize(model, "fp8_delayed")
+  apply(model, TOKENS)  # quantization state now differs from fresh
+  report = qlayers.dequantize_model(model)
+
+  assert [c.path for c in report.converted] == block_paths(1)
+  assert {c.recipe for c in report.converted} == {"fp8_delayed"}
+  assert {p: type(n) for p, n in nnx.iter_graph(model)
+          if isinstance(n, nnx.Module)} == stock_types
+  assert nnx.state(model, qlayers.QuantVariable) == nnx.State({})
+  assert_same_params(before, model)
+  assert_trees_equal(params, nnx.state(model, nnx.Param))
+  np.testing.assert_array_equal(np.asarray(apply(model, TOKENS)),
+                                np.asarray(ref))
+  assert model.blocks[0].attn.query.axis == (-1,)
+  assert model.blocks[0].attn.out.axis == (-2, -1)
+
+
+def test_not_inplace_converts_a_copy():
+  model = LM(n_blocks=1)
+  report = qlayers.quantize(model, "fp8_current", inplace=False)
+  assert type(model.blocks[0].mlp.up) is nnx.Linear
+  copy = report.model
+  assert copy is not model and type(copy.blocks[0].mlp.up) is qlayers.QuantDense
+  assert copy.blocks[0].mlp.up.kernel is not model.blocks[0].mlp.up.kernel
+  back = qlayers.dequantize_model(copy, inplace=False)
+  assert type(back.model.blocks[0].mlp.up) is nnx.Linear
+  assert type(copy.blocks[0].mlp.up) is qlayers.QuantDense
+
+
+# ----------------------------------------------------------------------------
+# Where layers live: containers, shared layers, stacked layers
+
+
+def test_containers_shared_and_unswappable():
+  rngs = nnx.Rngs(0)
+  lin = lambda: nnx.Linear(D, D, rngs=rngs)
+
+  class Net(nnx.Module):
+    def __init__(self):
+      self.plain_list = nnx.data([lin(), lin()])
+      self.plain_dict = nnx.data({"a": lin()})
+      self.nlist = nnx.List([lin()])
+      self.ndict = nnx.Dict(b=lin())
+      self.tup = nnx.data((lin(),))
+      self.seq = nnx.Sequential(lin())
+      self.shared = self.nlist[0]
+
+  net = Net()
+  kernel = net.nlist[0].kernel
+  report = qlayers.quantize(net, "fp8_current")
+  assert sorted(c.path for c in report.converted) == [
+      "ndict/b", "nlist/0", "plain_dict/a", "plain_list/0", "plain_list/1",
+      "seq/layers/0"]
+  assert all(type(m) is qlayers.QuantDense for m in
+             (*net.plain_list, net.plain_dict["a"], net.nlist[0],
+              net.ndict["b"], net.seq.layers[0]))
+  # A shared layer is swapped everywhere, still shared, same kernel.
+  assert net.shared is net.nlist[0] and net.shared.kernel is kernel
+  shared = next(c for c in report.converted if c.path == "nlist/0")
+  assert shared.aliases == ("shared",)
+  # A tuple cannot be changed in place.
+  assert [(s.path, "immutable tuple" in s.reason) for s in report.skipped] \
+      == [("tup/0", True)]
+  # The model itself cannot be swapped for its own parent.
+  report = qlayers.quantize(lin(), "fp8_current")
+  assert [s.path for s in report.skipped] == [""]
+  assert "(model)" in str(report)
+
+
+class Stacked(nnx.Module):
+  """Three Linear layers made under nnx.vmap, applied with nnx.scan."""
+
+  def __init__(self, rngs):
+    @nnx.split_rngs(splits=3)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+      return nnx.Linear(D, D, rngs=rngs)
+    self.layers = make(rngs)
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+    def body(layer, x):
+      return jax.nn.tanh(layer(x))
+    return body(self.layers, x)
+
+
+def test_stacked_layers_convert_with_stateless_recipes_only(sqnr):
+  x = jax.random.normal(jax.random.key(1), (8, D))
+  model = Stacked(nnx.Rngs(0))
+  assert model.layers.kernel.shape == (3, D, D)
+  report = qlayers.quantize(model, "fp8_delayed")
+  assert report.converted == []
+  assert "stacked kernel (3, 64, 64)" in report.skipped[0].reason
+  assert "current-scaling recipe" in report.skipped[0].reason
+
+  ref = apply(model, x)
+  report = qlayers.quantize(model, "fp8_current")
+  assert [c.path for c in report.converted] == ["layers"]
+  assert type(model.layers) is qlayers.QuantDense
+  assert sqnr(ref, apply(model, x)) > 20
+
+
+# ----------------------------------------------------------------------------
+# LinearGeneral / Einsum drop-ins
+
+
+def test_linear_general_and_einsum_are_one_gemm(sqnr):
+  x = jax.random.normal(jax.random.key(2), (2, 3, 4, 16))
+  init = dict(kernel_init=np_normal(0.2), bias_init=np_normal(1.0),
+              rngs=nnx.Rngs(0))
+  cases = [
+      (nnx.LinearGeneral((4, 16), 8, axis=(-2, -1), **init), x),
+      (nnx.LinearGeneral((3, 16), (2, 5), axis=(1, 3), **init), x),
+      (nnx.Einsum("btd,dnh->bnth", (16, 4, 8), (4, 8), **init), x[0]),
+      (nnx.Einsum("...hd,hdo->...o", (4, 16, 8), (8,), **init), x),
+  ]
+  for stock, inp in cases:
+    ref = stock(inp)
+    holder = nnx.Sequential(stock)
+    qlayers.quantize(holder, "fp8_current")
+    q = holder.layers[0]
+    assert type(q).__name__ in ("QuantLinearGeneral", "QuantEinsum")
+    got = apply(q, inp)
+    assert got.shape == ref.shape and sqnr(ref, got) > 25, stock
+
+    # Exactly the 2-D GEMM QuantDense runs on the flattened operands.
+    if isinstance(q, nnx.LinearGeneral) and q.axis == (-2, -1):
+      dense = qlayers.QuantDense(64, 8, recipe="fp8_current", **init)
+      dense.kernel[...] = q.kernel[...].reshape(64, 8)
+      dense.bias[...] = q.bias[...]
+      want = apply(dense, inp.reshape(2, 3, 64))
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_einsum_gradients_match_dense():
+  init = dict(kernel_init=np_normal(0.2), rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(4), (3, 5, 64))
+  ein = qlayers.QuantEinsum("btd,dnh->bnth", (64, 4, 8), None,
+                            recipe="fp8_current", **init)
+  dense = qlayers.QuantDense(64, 32, use_bias=False, recipe="fp8_current",
+                             **init)
+  dense.kernel[...] = ein.kernel[...].reshape(64, 32)
+
+  def f_ein(m, x):
+    return jnp.sum(m(x) ** 2)
+
+  def f_dense(m, x):
+    y = m(x).reshape(3, 5, 4, 8).transpose(0, 2, 1, 3)
+    return jnp.sum(y ** 2)
+
+  ge = nnx.jit(nnx.grad(f_ein, argnums=(0, 1)))(ein, x)
+  gd = nnx.jit(nnx.grad(f_dense, argnums=(0, 1)))(dense, x)
+  np.testing.assert_array_equal(np.asarray(ge[1]), np.asarray(gd[1]))
+  np.testing.assert_array_equal(
+      np.asarray(ge[0]["kernel"][...]).reshape(64, 32),
+      np.asarray(gd[0]["kernel"][...]))
+
+
+def test_unconvertible_general_layers_are_skipped_with_reasons():
+  rngs = nnx.Rngs(0)
+
+  class Net(nnx.Module):
+    def __init__(self):
+      self.batched = nnx.Einsum("bd,bdh->bh", (2, 64, 64), rngs=rngs)
+      self.grouped = nnx.LinearGeneral(64, 64, batch_axis={0: 2}, rngs=rngs)
+      self.custom = nnx.Linear(
+          64, 64, dot_general=lambda *a, **k: jax.lax.dot_general(*a, **k),
+          rngs=rngs)
+      self.lora = nnx.LoRALinear(64, 64, lora_rank=2, rngs=rngs)
+      self.ok = nnx.Einsum("btd,dh->bth", (64, 64), rngs=rngs)
+
+  net = Net()
+  report = qlayers.quantize(net, "fp8_current")
+  assert [c.path for c in report.converted] == ["ok"]
+  assert type(net.ok) is qlayers.QuantEinsum
+  reasons = {s.path: s.reason for s in report.skipped}
+  assert "batch dims" in reasons["batched"]
+  assert "batch_axis" in reasons["grouped"]
+  assert "custom dot_general" in reasons["custom"]
+  assert "subclass of nnx.Linear" in reasons["lora"]
+
+
+def test_einsum_plan_rejects_non_gemms():
+  assert einsum_gemm_plan("btd,dnh->btnh")[3:] == (["d"], ["n", "h"])
+  for eq, why in [("btd,bd->bt", "batch dims"),
+                  ("btd,dh->bh", "one operand only"),
+                  ("bii,ih->bh", "repeats an index"),
+                  ("bd,...->b", "kernel term has '...'"),
+                  ("bd,dh", "explicit")]:
+    with pytest.raises(ValueError, match=re.escape(why)):
+      einsum_gemm_plan(eq)
+
+
+# ----------------------------------------------------------------------------
+# Bad input
+
+
+def test_bad_input_errors():
+  model = LM(n_blocks=1)
+  with pytest.raises(TypeError, match="nnx.Module"):
+    qlayers.quantize({"not": "a module"}, "fp8_delayed")
+  with pytest.raises(ValueError, match="Unknown recipe 'fp9'.*available"):
+    qlayers.quantize(model, "fp9")
+  with pytest.raises(ValueError, match="not a valid regular expression"):
+    qlayers.Rule(pattern="blocks/(", recipe="mxfp8")
+  with pytest.raises(ValueError, match="Unknown recipe"):
+    qlayers.Rule(pattern="mlp", recipe="mxfp9")
+  with pytest.raises(ValueError, match="backend"):
+    qlayers.Rule(pattern="mlp", recipe="mxfp8", backend="cuda")
+  with pytest.raises(TypeError, match="Rule"):
+    qlayers.quantize(model, None, [("mlp", "mxfp8")])
+  with pytest.raises(TypeError, match="nnx.Module"):
+    qlayers.dequantize_model([model])
+  assert type(model.blocks[0].mlp.up) is nnx.Linear
+
+
+# ----------------------------------------------------------------------------
+# Training after conversion
+
+
+def _loss(model, tokens):
+  logits = model(tokens[:, :-1]).astype(jnp.float32)
+  return optax.softmax_cross_entropy_with_integer_labels(
+      logits, tokens[:, 1:]).mean()
+
+
+@nnx.jit
+def _train_step(model, opt, tokens):
+  loss, grads = qlayers.value_and_grad(_loss)(model, tokens)
+  opt.update(model, grads)
+  return loss
+
+
+def test_converted_model_trains():
+  model = LM(n_blocks=1)
+  # An optimizer built before the conversion keeps working: same Params.
+  opt = qlayers.Optimizer(model, optax.adam(1e-2))
+  qlayers.quantize(model, qlayers.recipe("fp8_delayed", amax_history_len=16))
+  tokens = TOKENS[:2, :9]
+  losses = [float(_train_step(model, opt, tokens)) for _ in range(4)]
+  assert all(np.isfinite(losses))
+  assert losses[-1] < 0.7 * losses[0], losses
+  hist = model.blocks[0].mlp.up.scaling.x_amax_history[...]
+  assert hist.shape == (16,) and float(hist[0]) > 0 and float(hist[3]) > 0
+  assert int(opt.step[...]) == 4
