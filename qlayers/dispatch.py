@@ -68,9 +68,33 @@ def select(a, b, backend: str | None = None,
   platform = platform or jax.default_backend()
   if a.granularity in ("tensor", "row") and platform != "cpu":
     return "xla", "XLA rewrites scaled FP8 dot_general to the vendor GEMM"
-  if ok and platform == "cpu" and a.granularity in ("tile", "block", "mx"):
-    return "ffi", "native CPU kernel decodes block formats in tiles"
-  return "xla", why if not ok else "default"
+  packed = a.fmt.packed or b.fmt.packed
+  if platform == "cpu" and packed:
+    if ok:
+      # Measured (benchmarks/RESULTS.md): XLA has no FP4/FP6 type, so its
+      # emulation unpacks and decodes whole operands; the kernel decodes
+      # packed payloads tile by tile.
+      return "ffi", "native kernel decodes packed FP4/FP6 per tile"
+    return "xla", f"emulation ({why})"
+  if platform == "cpu":
+    # Measured: for FP8 payloads XLA's upcast + FP32 dot beats the native
+    # kernel once the layout transposes it needs are counted.
+    return "xla", "FP8 payloads: XLA upcast + FP32 dot is fastest on CPU"
+  return "xla", "default"
+
+
+def prefers_contraction_last(granularity: str,
+                             backend: str | None = None) -> bool:
+  """Whether operands of this granularity should be quantized contraction-last
+  (TN layout), because the backend that will run them needs it."""
+  requested = backend or os.environ.get("QLAYERS_BACKEND") or None
+  if requested == "xla":
+    return False
+  native = _native()
+  if native is None or not hasattr(native, "supports") or not native.available():
+    return False
+  # By default only packed formats (always contraction-last) go native.
+  return requested == "ffi"
 
 
 def _scale_vector(q: QTensor) -> jax.Array:
@@ -147,18 +171,44 @@ def gemm(a, b, *, axes: tuple[int, int], out_dtype,
                                                            "rocm"))
 
 
+def _choice_for(recipe) -> tuple[str, str]:
+  """Backend and reason for a recipe's Fprop on a 256x256x256 GEMM."""
+  from qlayers import scaling  # pylint: disable=g-import-not-at-top
+  g = recipe.fprop
+  if g.lhs is None:
+    return "xla", "unquantized"
+  last_b = g.rhs.fmt.packed or prefers_contraction_last(g.rhs.granularity)
+  def q(spec, axis):
+    return jax.eval_shape(
+        lambda: scaling.quantize(jnp.zeros((256, 256)), spec, axis))
+  try:
+    return select(q(g.lhs, 1), q(g.rhs, 1 if last_b else 0))
+  except ValueError as e:  # a forced backend that cannot run it
+    return "error", str(e)
+
+
 def report() -> dict:
-  """What is available and what would be chosen, per platform and format."""
+  """What is available, and which backend each named recipe's GEMMs use here.
+
+  Example:
+    >>> import qlayers
+    >>> info = qlayers.backends()
+    >>> sorted(info)
+    ['available', 'chosen', 'ffi_build', 'forced', 'platform']
+  """
+  from qlayers.recipe import available_recipes, recipe as load  # pylint: disable=g-import-not-at-top
   native = _native()
-  info = {
+  ffi_ok = bool(native and hasattr(native, "available") and native.available())
+  chosen = {}
+  for name in available_recipes():
+    backend, why = _choice_for(load(name))
+    chosen[name] = {"backend": backend, "why": why}
+  return {
       "platform": jax.default_backend(),
-      "available": {
-          "xla": True,
-          "ffi": bool(native and native.available()),
-      },
-      "ffi_build": native.build_info() if native and native.available()
-                   else (native.unavailable_reason() if native else
-                         "qlayers._native missing"),
+      "available": {"xla": True, "ffi": ffi_ok},
+      "ffi_build": native.build_info() if ffi_ok else (
+          native.unavailable_reason() if native else
+          "qlayers._native missing"),
       "forced": os.environ.get("QLAYERS_BACKEND"),
+      "chosen": chosen,
   }
-  return info

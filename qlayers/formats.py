@@ -163,11 +163,23 @@ def saturate(x: jax.Array, fmt: Format | str) -> jax.Array:
   return jnp.clip(x, -m, m)
 
 
+def _f32_exponent(x: jax.Array) -> jax.Array:
+  """floor(log2 |x|) of float32 ``x`` from its bits (-127 for 0/subnormal)."""
+  bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+  return ((bits >> 23) & 0xFF).astype(jnp.int32) - 127
+
+
+def _pow2(e: jax.Array) -> jax.Array:
+  """2**e as float32 for integer e in the normal range, from bits."""
+  return jax.lax.bitcast_convert_type(
+      ((e + 127).astype(jnp.uint32) << 23), jnp.float32)
+
+
 def _ulp(x: jax.Array, fmt: Format) -> jax.Array:
   """Grid spacing of ``fmt`` at each |x| (subnormal spacing below min normal)."""
-  _, e = jnp.frexp(jnp.abs(x))  # |x| = m * 2**e, m in [0.5, 1)
-  e = jnp.maximum(e - 1, fmt.emin)
-  return jnp.ldexp(jnp.ones_like(x), e - fmt.mbits)
+  # Bit arithmetic, not frexp/ldexp: XLA lowers those to pow on CPU.
+  e = jnp.maximum(_f32_exponent(x), fmt.emin)
+  return _pow2(e - fmt.mbits)
 
 
 def round_to_format(x: jax.Array, fmt: Format | str, *,
@@ -219,15 +231,16 @@ def encode(values: jax.Array, fmt: Format | str) -> jax.Array:
   v = values.astype(jnp.float32)
   sign = jnp.signbit(v).astype(jnp.uint32)
   mag = jnp.abs(jnp.where(jnp.isnan(v), 0.0, v))
-  _, e = jnp.frexp(mag)
-  e = e - 1
+  bits = jax.lax.bitcast_convert_type(mag, jnp.uint32)
   normal = mag >= fmt.min_normal
-  exp_field = jnp.where(normal, e + fmt.bias, 0)
-  mant = jnp.where(normal, jnp.ldexp(mag, -e) - 1.0, mag / fmt.min_subnormal)
-  mant = jnp.where(normal, mant * (1 << fmt.mbits), mant)
+  # On the grid, a normal value's mantissa is the top `mbits` of float32's.
+  exp_field = jnp.where(normal, ((bits >> 23) & 0xFF).astype(jnp.int32)
+                        - 127 + fmt.bias, 0)
+  mant = jnp.where(normal, (bits & 0x7FFFFF) >> (23 - fmt.mbits),
+                   (mag * (1.0 / fmt.min_subnormal)).astype(jnp.uint32))
   code = ((sign << (fmt.bits - 1))
           | (exp_field.astype(jnp.uint32) << fmt.mbits)
-          | mant.astype(jnp.uint32))
+          | mant)
   return code.astype(jnp.uint8)
 
 
@@ -274,11 +287,18 @@ def pack(codes: jax.Array, fmt: Format | str) -> jax.Array:
   elems, nbytes = _group(fmt)
   n = codes.shape[-1]
   packed_size(n, fmt)  # validates
-  c = codes.astype(jnp.uint32).reshape(*codes.shape[:-1], n // elems, elems)
-  word = functools.reduce(
-      jnp.bitwise_or, [c[..., i] << (fmt.bits * i) for i in range(elems)])
-  out = jnp.stack([(word >> (8 * b)) & 0xFF for b in range(nbytes)], axis=-1)
-  return out.astype(jnp.uint8).reshape(*codes.shape[:-1], n // elems * nbytes)
+  lead = codes.shape[:-1]
+  # Each group of codes, bitcast to one wide word (little-endian: element i
+  # in byte i), has its codes moved from 8-bit to `bits`-bit positions. Only
+  # elementwise ops and bitcasts: no strided slices for XLA to refuse to fuse.
+  wide = jnp.uint16 if elems == 2 else jnp.uint32
+  word = jax.lax.bitcast_convert_type(
+      codes.astype(jnp.uint8).reshape(*lead, n // elems, elems), wide)
+  mask = (1 << fmt.bits) - 1
+  out = functools.reduce(jnp.bitwise_or, [
+      ((word >> (8 * i)) & mask) << (fmt.bits * i) for i in range(elems)])
+  out = jax.lax.bitcast_convert_type(out, jnp.uint8)[..., :nbytes]
+  return out.reshape(*lead, n // elems * nbytes)
 
 
 def unpack(packed: jax.Array, fmt: Format | str) -> jax.Array:
@@ -291,11 +311,19 @@ def unpack(packed: jax.Array, fmt: Format | str) -> jax.Array:
   if nb % nbytes:
     raise ValueError(
         f"Packed {fmt.name} rows hold groups of {nbytes} bytes; got {nb}.")
-  b = packed.astype(jnp.uint32).reshape(*packed.shape[:-1], nb // nbytes,
-                                         nbytes)
-  word = functools.reduce(
-      jnp.bitwise_or, [b[..., i] << (8 * i) for i in range(nbytes)])
+  lead = packed.shape[:-1]
+  groups = packed.reshape(*lead, nb // nbytes, nbytes)
+  if elems == 2:
+    word = groups[..., 0].astype(jnp.uint16)
+    wide = jnp.uint16
+  else:
+    groups = jnp.concatenate(
+        [groups, jnp.zeros((*lead, nb // nbytes, 1), jnp.uint8)], axis=-1)
+    word = jax.lax.bitcast_convert_type(groups, jnp.uint32)
+    wide = jnp.uint32
   mask = (1 << fmt.bits) - 1
-  out = jnp.stack([(word >> (fmt.bits * i)) & mask for i in range(elems)],
-                  axis=-1)
-  return out.astype(jnp.uint8).reshape(*packed.shape[:-1], nb // nbytes * elems)
+  spread = functools.reduce(jnp.bitwise_or, [
+      ((word >> (fmt.bits * i)) & mask).astype(wide) << (8 * i)
+      for i in range(elems)])
+  out = jax.lax.bitcast_convert_type(spread, jnp.uint8)
+  return out.reshape(*lead, nb // nbytes * elems)

@@ -36,6 +36,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from qlayers import dispatch
 from qlayers import scaling
@@ -61,6 +62,9 @@ class ScaleState(NamedTuple):
 
 
 ROLES = ("x", "w", "g")
+
+# Name of the saved Wgrad input (see jax.checkpoint_policies).
+WGRAD_INPUT_NAME = "qlayers_wgrad_x"
 
 
 def init_state(recipe: Recipe | str) -> dict[str, ScaleState] | None:
@@ -139,23 +143,30 @@ def _delayed(t, st: ScaleState, spec: QuantSpec):
   return scale_now, running
 
 
-def _quantize(t, spec: QuantSpec, axis: int, scale=None, key=None) -> QTensor:
-  """Quantizes a 2-D operand along ``axis``; packed formats need it last."""
-  if spec.fmt.packed and axis != t.ndim - 1:
-    t = t.T
-    axis = 1
+def _transposes(spec: QuantSpec, axis: int, backend=None) -> bool:
+  """Packed formats, and operands for a TN-only backend, go contraction-last."""
+  return axis != 1 and (spec.fmt.packed or dispatch.prefers_contraction_last(
+      spec.granularity, backend))
+
+
+def _quantize(t, spec: QuantSpec, axis: int, scale=None, key=None,
+              backend=None) -> QTensor:
+  """Quantizes a 2-D operand along ``axis`` (transposed first if needed)."""
+  if _transposes(spec, axis, backend):
+    q = scaling.quantize(t.T, spec, 1, scale=scale, key=key)
+    return dataclasses.replace(q, transposed=True)
   return scaling.quantize(t, spec, axis, scale=scale, key=key)
 
 
 def _along(q, axis: int):
   """Operand ``q`` contracted over ``axis`` of the original 2-D layout.
 
-  A per-tensor copy serves any axis; a transposed (packed) copy already has
-  its contraction axis last.
+  A copy made in that layout is relabelled (a per-tensor scale serves any
+  axis); a transposed copy already has its contraction axis last.
   """
   if not isinstance(q, QTensor):
     return q, axis
-  if q.granularity == "tensor" and q.axis != axis:
+  if q.granularity == "tensor" and not q.transposed and q.axis != axis:
     q = dataclasses.replace(q, axis=axis)
   return q, q.axis
 
@@ -166,10 +177,13 @@ def _run(a, b, axes, out_dtype, backend):
                        backend=backend)
 
 
-def _shares(spec_a: QuantSpec | None, spec_b: QuantSpec | None) -> bool:
-  """True when one quantized copy can serve both specs (axis-free scale)."""
+def _shares(spec_a: QuantSpec | None, spec_b: QuantSpec | None,
+            backend=None) -> bool:
+  """True when one quantized copy can serve both specs: an axis-free
+  (per-tensor) scale, in a layout the backend takes for both GEMMs."""
   return (spec_a is not None and spec_a == spec_b
-          and spec_a.granularity == "tensor" and not spec_a.stochastic)
+          and spec_a.granularity == "tensor" and not spec_a.stochastic
+          and not dispatch.prefers_contraction_last("tensor", backend))
 
 
 def _keys(key, n):
@@ -184,14 +198,14 @@ def _data_key(t):
   return jax.random.key(bits)
 
 
-def _operand(t, spec, axis, scale, key):
+def _operand(t, spec, axis, scale, key, backend=None):
   """Quantized copy, or the wide tensor when ``spec`` is None."""
   if spec is None:
     return t
   if spec.stochastic and key is None:
     key = _data_key(t)
-  return _quantize(t, spec, axis, scale=scale, key=key if spec.stochastic
-                   else None)
+  return _quantize(t, spec, axis, scale=scale,
+                   key=key if spec.stochastic else None, backend=backend)
 
 
 # ----------------------------------------------------------------------------
@@ -216,22 +230,34 @@ def _qmm_forward(recipe: Recipe, backend, out_dtype, x, w, state, key):
     new_state = {"x": state["x"]._replace(amax=_like(ax, state["x"].amax)),
                  "w": state["w"]._replace(amax=_like(aw, state["w"].amax)),
                  "g": state["g"]}
-  qx = _operand(x, fx, 1, sx, kx)
-  qw = _operand(w, fw, 0, sw, kw)
+  qx = _operand(x, fx, 1, sx, kx, backend)
+  qw = _operand(w, fw, 0, sw, kw, backend)
   y = _run(qx, qw, (1, 0), out_dtype, backend)
 
   # What Wgrad needs of x: the Fprop copy when it is axis-free, a copy
   # quantized along M now (from the wide x), or the wide x itself.
   if recipe.save_quantized_wgrad_input and wx is not None:
-    x_saved = qx if _shares(fx, wx) else _operand(
-        x, wx, 0, sx if recipe.delayed else None, kwx)
+    x_saved = qx if _shares(fx, wx, backend) else _operand(
+        x, wx, 0, sx if recipe.delayed else None, kwx, backend)
   else:
     x_saved = x
-  w_saved = qw if _shares(fw, recipe.dgrad.rhs) else w
-  # Zero-size arrays carry the input dtypes to the backward rule.
-  dtypes = (jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
-  res = (x_saved, w_saved, sx, sw, state, kb, dtypes)
+  w_saved = qw if _shares(fw, recipe.dgrad.rhs, backend) else w
+  # Named, so a remat policy (save_only_these_names) can keep just this.
+  x_saved = jax.tree.map(lambda t: checkpoint_name(t, WGRAD_INPUT_NAME),
+                         x_saved)
+  # Zero-size arrays carry dtypes to the backward rule: of the inputs, and of
+  # the forward roles' state (whose values the backward does not need).
+  dtypes = (_dtype_carrier(x), _dtype_carrier(w))
+  xw_dtypes = None
+  if recipe.delayed:
+    xw_dtypes = jax.tree.map(_dtype_carrier, (state["x"], state["w"]))
+  g_state = state["g"] if recipe.delayed else None
+  res = (x_saved, w_saved, sx, sw, g_state, xw_dtypes, kb, dtypes)
   return y, new_state, res
+
+
+def _dtype_carrier(v):
+  return jnp.reshape(v, (-1,))[:0]
 
 
 def _qmm_fwd(recipe, backend, out_dtype, x, w, state, key):
@@ -242,7 +268,7 @@ def _qmm_fwd(recipe, backend, out_dtype, x, w, state, key):
 
 def _qmm_bwd(recipe: Recipe, backend, out_dtype, res, cts):
   del out_dtype
-  x_saved, w_saved, sx, sw, state, key, (x_like, w_like) = res
+  x_saved, w_saved, sx, sw, g_state, xw_dtypes, key, (x_like, w_like) = res
   x_dtype, w_dtype = x_like.dtype, w_like.dtype
   g, _ = cts
   dg, dw_gemm = recipe.dgrad, recipe.wgrad
@@ -251,16 +277,17 @@ def _qmm_bwd(recipe: Recipe, backend, out_dtype, res, cts):
   sg = None
   g_cotangent = None
   if recipe.delayed:
-    sg, ag = _delayed(g, state["g"], dg.lhs)
-    g_cotangent = jax.tree.map(_zero_cotangent, state["g"])._replace(
-        amax=_like(ag, state["g"].amax))
+    sg, ag = _delayed(g, g_state, dg.lhs)
+    g_cotangent = jax.tree.map(_zero_cotangent, g_state, g_state)._replace(
+        amax=_like(ag, g_state.amax))
 
   # Dgrad: dx = g @ w.T, contracted over N.
-  qg = _operand(g, dg.lhs, 1, sg, kd)
+  qg = _operand(g, dg.lhs, 1, sg, kd, backend)
   if isinstance(w_saved, QTensor):
     qw = w_saved
   else:
-    qw = _operand(w_saved, dg.rhs, 1, sw if recipe.delayed else None, None)
+    qw = _operand(w_saved, dg.rhs, 1, sw if recipe.delayed else None, None,
+                  backend)
   dx = _run(qg, qw, (1, 1), dg.out_dtype or x_dtype, backend)
 
   # Wgrad: dw = x.T @ g, contracted over M.
@@ -268,28 +295,30 @@ def _qmm_bwd(recipe: Recipe, backend, out_dtype, res, cts):
     qx = x_saved
   else:
     qx = _operand(x_saved, dw_gemm.lhs, 0, sx if recipe.delayed else None,
-                  None)
-  if _shares(dg.lhs, dw_gemm.rhs):
+                  None, backend)
+  if _shares(dg.lhs, dw_gemm.rhs, backend):
     qg_w = qg
   else:
-    qg_w = _operand(g, dw_gemm.rhs, 0, sg, kwg)
+    qg_w = _operand(g, dw_gemm.rhs, 0, sg, kwg, backend)
   dw = _run(qx, qg_w, (0, 0), dw_gemm.out_dtype or jnp.float32, backend)
 
   state_ct = None
   if recipe.delayed:
     # Only the gradient role's running amax leaves the backward pass; all
     # else gets a zero cotangent (the forward roles left through the output).
-    zeros = jax.tree.map(_zero_cotangent, state)
-    state_ct = {"x": zeros["x"], "w": zeros["w"], "g": g_cotangent}
+    x_ct, w_ct = (jax.tree.map(_zero_cotangent, g_state, d) for d in xw_dtypes)
+    state_ct = {"x": x_ct, "w": w_ct, "g": g_cotangent}
   return dx.astype(x_dtype), dw.astype(w_dtype), state_ct, None
 
 
-def _zero_cotangent(v):
-  if jax.dtypes.issubdtype(v.dtype, jax.dtypes.extended):
+def _zero_cotangent(shape_like, dtype_like):
+  """Zero cotangent of the shape of one array and the dtype of another."""
+  shape, dtype = shape_like.shape, dtype_like.dtype
+  if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
     # The additive identity of a max-combining dtype is its lowest value.
     return lax.convert_element_type(
-        jnp.full(v.shape, -jnp.inf, jnp.float32), v.dtype)
-  return jnp.zeros_like(v)
+        jnp.full(shape, -jnp.inf, jnp.float32), dtype)
+  return jnp.zeros(shape, dtype)
 
 
 _qmm.defvjp(_qmm_fwd, _qmm_bwd)
@@ -444,7 +473,7 @@ def _qdq(t, spec: QuantSpec | None, axis: int, scale=None, key=None):
   if spec is None:
     return t
   d = _quantize(t, spec, axis, scale=scale, key=key).dequantize(t.dtype)
-  return d.T if spec.fmt.packed and axis != t.ndim - 1 else d
+  return d.T if _transposes(spec, axis) else d
 
 
 def fake_quant_matmul(x, w, recipe: Recipe | str, state=None):

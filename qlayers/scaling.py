@@ -164,6 +164,8 @@ class QTensor:
     block: per-dim block lengths of the scale grid (``None`` per tensor).
     axis: the axis quantized along (the contraction axis of its GEMM).
     shape: the original, unpadded shape.
+    transposed: the tensor was transposed before quantizing, so ``shape``
+      is the transpose of the caller's operand (contraction-last layouts).
   """
 
   payload: jax.Array
@@ -173,6 +175,8 @@ class QTensor:
   block: tuple[int, ...] | None = dataclasses.field(metadata=dict(static=True))
   axis: int = dataclasses.field(metadata=dict(static=True))
   shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+  transposed: bool = dataclasses.field(default=False,
+                                       metadata=dict(static=True))
 
   @property
   def fmt(self) -> Format:

@@ -7,7 +7,7 @@ import pytest
 import qlayers
 from qlayers import dispatch
 from qlayers import scaling as S
-from conftest import sqnr_db
+from numerics import sqnr_db
 
 
 def test_scaled_dot_matches_emulation():
@@ -48,3 +48,37 @@ def test_report_names_platform_and_backends():
   info = qlayers.backends()
   assert info["platform"] == jax.default_backend()
   assert info["available"]["xla"] is True
+
+
+def test_report_says_what_each_recipe_uses():
+  chosen = qlayers.backends()["chosen"]
+  assert set(qlayers.available_recipes()) == set(chosen)
+  assert chosen["bf16"]["backend"] == "xla"
+  for name, c in chosen.items():
+    assert c["backend"] in ("xla", "ffi") and c["why"], name
+
+
+_native = pytest.importorskip("qlayers._native")
+
+
+@pytest.mark.skipif(not _native.available(),
+                    reason="native library not built")
+@pytest.mark.parametrize("name", ["fp8_current", "fp8_delayed", "deepseek_v3",
+                                  "mxfp8", "mxfp6", "mxfp4"])
+def test_layers_agree_across_backends(name):
+  """Forward and both gradients of a QuantDense on xla vs ffi (awkward dims)."""
+  from flax import nnx
+  x = jax.random.normal(jax.random.key(0), (3, 37, 200))
+  results = {}
+  for backend in ("xla", "ffi"):
+    layer = qlayers.QuantDense(200, 72, recipe=name, backend=backend,
+                               rngs=nnx.Rngs(0))
+    def loss(m, x):
+      y = m(x)
+      return jnp.sum(y * jnp.cos(y)), y
+    (_, y), grads = jax.jit(jax.value_and_grad(
+        lambda m, x: loss(nnx.merge(*m), x), argnums=(0, 1), has_aux=True))(
+            nnx.split(layer), x)
+    results[backend] = (y, grads[1], grads[0][1]["kernel"][...])
+  for a, b in zip(results["xla"], results["ffi"]):
+    assert sqnr_db(a, b) > 100  # same quantized operands, FP32 accumulation
