@@ -364,11 +364,6 @@ def _check(layer, recipe: Recipe) -> tuple[int, int]:
                 "drop-in would not keep")
   rank = _one_gemm(layer)
   k, n = _dims(layer)
-  if layer.kernel.ndim > rank and recipe.delayed:
-    raise _Skip(
-        f"stacked kernel {tuple(layer.kernel.shape)} (made under nnx.vmap, "
-        f"used under nnx.scan): recipe {recipe.name!r} keeps delayed-scaling "
-        "state, which is not stacked per layer; use a current-scaling recipe")
   block, gran = _min_block(recipe)
   if min(k, n) < block:
     raise _Skip(f"K={k}, N={n}: smaller than one {block}-element {gran} "
@@ -421,9 +416,7 @@ def quantize(model: nnx.Module, recipe: Recipe | str | None,
   matches get ``recipe`` (``None``: left as they are). A chosen layer is
   skipped, with the reason in the report, when it cannot take the recipe:
   its K or N is smaller than one scaling block of the recipe (tile/block:
-  128, MX: 32; per-tensor and row-wise scaling take any size), its kernel is
-  stacked (made under ``nnx.vmap``) and the recipe keeps delayed-scaling
-  state, it is not one GEMM (``batch_axis``, a batched einsum), it is a
+  128, MX: 32; per-tensor and row-wise scaling take any size), it is not one GEMM (``batch_axis``, a batched einsum), it is a
   subclass of a stock layer, it has an injected ``dot_general`` /
   ``einsum_op``, or it sits in a tuple. Layers already quantized are left
   alone. A layer shared by several parents is swapped everywhere.
@@ -513,6 +506,10 @@ def quantize(model: nnx.Module, recipe: Recipe | str | None,
     layer = site.layer
     cls = _QUANT_OF[type(layer)]
     new = _adopt(_twin(cls, layer, recipe=r, backend=b), layer)
+    stack = tuple(layer.kernel.shape[:layer.kernel.ndim - _one_gemm(layer)])
+    if stack and new.scaling is not None:
+      # Made under nnx.vmap: one delayed-scaling state per stacked layer.
+      new.scaling = nnx.data(DelayedScaling(r, batch_shape=stack))
     _replace(site, new)
     report.converted.append(Converted(
         site.path, type(layer).__name__, cls.__name__, shape, r.name,

@@ -55,13 +55,17 @@ class DelayedScaling(nnx.Module):
     )
   """
 
-  def __init__(self, recipe: Recipe):
+  def __init__(self, recipe: Recipe, batch_shape: tuple[int, ...] = ()):
+    """Fresh state; ``batch_shape`` stacks it (layers made under nnx.vmap)."""
     self.recipe = recipe
+    def stacked(v):
+      return jnp.broadcast_to(v, (*batch_shape, *v.shape))
     for role, st in ops.init_state(recipe).items():
-      setattr(self, f"{role}_scale", QuantState(st.scale))
-      setattr(self, f"{role}_amax_history", QuantState(st.amax_history))
+      setattr(self, f"{role}_scale", QuantState(stacked(st.scale)))
+      setattr(self, f"{role}_amax_history",
+              QuantState(stacked(st.amax_history)))
       kind = QuantGradState if role == "g" else QuantState
-      setattr(self, f"{role}_amax", kind(st.amax))
+      setattr(self, f"{role}_amax", kind(stacked(st.amax)))
 
   def read(self) -> dict[str, ops.ScaleState]:
     """The state as `ops.ScaleState` per role (values as stored)."""

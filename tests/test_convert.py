@@ -344,20 +344,24 @@ class Stacked(nnx.Module):
     return body(self.layers, x)
 
 
-def test_stacked_layers_convert_with_stateless_recipes_only(sqnr):
+@pytest.mark.parametrize("recipe", ["fp8_current", "fp8_delayed"])
+def test_stacked_layers_convert_with_per_layer_state(recipe, sqnr):
   x = jax.random.normal(jax.random.key(1), (8, D))
   model = Stacked(nnx.Rngs(0))
   assert model.layers.kernel.shape == (3, D, D)
-  report = qlayers.quantize(model, "fp8_delayed")
-  assert report.converted == []
-  assert "stacked kernel (3, 64, 64)" in report.skipped[0].reason
-  assert "current-scaling recipe" in report.skipped[0].reason
-
   ref = apply(model, x)
-  report = qlayers.quantize(model, "fp8_current")
+  report = qlayers.quantize(model, recipe)
   assert [c.path for c in report.converted] == ["layers"]
   assert type(model.layers) is qlayers.QuantDense
   assert sqnr(ref, apply(model, x)) > 20
+  if recipe == "fp8_delayed":
+    # One delayed-scaling state per stacked layer, each seeing its own input.
+    s = model.layers.scaling
+    assert s.x_amax_history.shape == (3, 1024) and s.x_scale.shape == (3,)
+    amax = np.asarray(s.x_amax[...])
+    assert np.all(amax > 0) and len(set(amax.tolist())) == 3
+    qlayers.commit_scales(model)
+    np.testing.assert_allclose(s.x_amax_history[...][:, 0], amax)
 
 
 # ----------------------------------------------------------------------------
