@@ -54,7 +54,9 @@ def _generate(graphdef, state, prompt, key, *, max_new_tokens, temperature,
     t, buffer, done, key = carry
     start = jnp.maximum(t - window, 0)
     context = jax.lax.dynamic_slice_in_dim(buffer, start, window, axis=1)
-    logits = nnx.merge(graphdef, state)(context)
+    # copy=True: fresh Variables at the loop body's trace level, so state a
+    # quantized layer writes in its forward pass stays inside the body.
+    logits = nnx.merge(graphdef, state, copy=True)(context)
     last = jax.lax.dynamic_index_in_dim(logits, t - 1 - start, 1, False)
     key, sub = jax.random.split(key)
     token = _sample(last, sub, temperature, top_k)

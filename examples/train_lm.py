@@ -1,0 +1,523 @@
+"""Train a small GPT on Shakespeare under FP8/MX recipes and BF16, side by side.
+
+  python examples/train_lm.py                              # BF16 vs fp8_delayed
+  python examples/train_lm.py --recipes fp8_delayed,mxfp8 --seeds 0,1,2 \\
+      --json out/train_lm.json                             # parity over seeds
+  python examples/train_lm.py --steps 5000 --d-model 384 --layers 6 \\
+      --batch-size 64 --seq-len 256                        # a longer run (GPU)
+
+Every run builds the same GPT (``_common/gpt.py``) from the same seed, so all
+recipes start from identical weights and see the same batches in the same
+order. The baseline keeps its ``nnx.Linear`` layers and computes them in
+``--dtype`` (BF16 by default); each recipe run first swaps the linears for
+qlayers layers with one call, ``qlayers.quantize(model, recipe)``, which keeps
+the embedding and the output head wide. Training uses
+``qlayers.value_and_grad`` and ``qlayers.Optimizer`` (AdamW, warmup + cosine
+schedule, global-norm clipping) in one ``nnx.jit`` step. Validation loss is
+measured on fixed batches from held-out plays.
+
+Outputs (in ``--out``): ``train_lm.png`` (train and validation loss per
+recipe, and the validation gap to the baseline), ``train_lm.md`` (the final
+table); ``--json PATH`` writes every number. With several ``--seeds`` each
+recipe is compared to the baseline by the rule printed under the table.
+
+JAX picks the accelerator when there is one; nothing here forces the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import pathlib
+import platform
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from tqdm.auto import tqdm
+
+import qlayers
+from _common import gpt, lm, shakespeare
+
+DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+BASELINE_NAMES = {"bfloat16": "bf16", "float32": "fp32"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Everything a run depends on (each field is a command-line flag).
+
+  Attributes:
+    recipes: qlayers recipes to train, besides the baseline.
+    seeds: one run per recipe and seed (init and data order follow the seed).
+    steps: optimizer steps per run.
+    batch_size, seq_len: tokens per step = ``batch_size * seq_len``.
+    d_model, layers, heads, d_ff: GPT size (``d_ff`` 0: ``4 * d_model``).
+    lr, min_lr_ratio, warmup: peak learning rate, final lr as a fraction of
+      it, linear-warmup steps (-1: 10% of ``steps``).
+    weight_decay, clip, b2: AdamW decay (matrices only), global-norm clip,
+      second-moment decay.
+    eval_every, eval_batches: validation every so many steps (and at the
+      end), on this many fixed ``batch_size x seq_len`` batches.
+    dtype: computation dtype of the linear layers (the baseline's GEMM
+      inputs); parameters, norms and the residual stream stay FP32.
+    prompt, sample_tokens, temperature: text sampled after training (first
+      seed of each recipe).
+    tolerance: parity tolerance on the validation loss, in percent.
+    out: folder for the plot and the table.
+    json: also write all numbers to this file.
+    progress: show progress bars.
+  """
+
+  recipes: tuple[str, ...] = ("fp8_delayed",)
+  seeds: tuple[int, ...] = (0,)
+  steps: int = 300
+  batch_size: int = 32
+  seq_len: int = 128
+  d_model: int = 128
+  layers: int = 4
+  heads: int = 4
+  d_ff: int = 0
+  lr: float = 3e-3
+  min_lr_ratio: float = 0.1
+  warmup: int = -1
+  weight_decay: float = 0.1
+  clip: float = 1.0
+  b2: float = 0.95
+  eval_every: int = 50
+  eval_batches: int = 4
+  dtype: str = "bfloat16"
+  prompt: str = "ROMEO:\n"
+  sample_tokens: int = 240
+  temperature: float = 0.8
+  tolerance: float = 1.0
+  out: str = "out/train_lm"
+  json: str | None = None
+  progress: bool = True
+
+  @property
+  def baseline(self) -> str:
+    return BASELINE_NAMES[self.dtype]
+
+  @property
+  def runs(self) -> tuple[str, ...]:
+    """The baseline first, then the recipes (the baseline only once)."""
+    return (self.baseline,) + tuple(r for r in self.recipes
+                                    if r != self.baseline)
+
+
+def _csv(kind):
+  return lambda s: tuple(kind(x) for x in s.split(",") if x.strip())
+
+
+def parse_args(argv=None) -> Config:
+  """Command-line flags -> `Config` (defaults from the dataclass)."""
+  d = Config()
+  p = argparse.ArgumentParser(
+      description=__doc__.split("\n")[0],
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p.add_argument("--recipe", default=None,
+                 help="one recipe (shorthand for --recipes NAME)")
+  p.add_argument("--recipes", type=_csv(str), default=d.recipes,
+                 help="comma-separated recipes; available: "
+                 + ", ".join(qlayers.available_recipes()))
+  p.add_argument("--seeds", type=_csv(int), default=d.seeds,
+                 help="comma-separated seeds, e.g. 0,1,2")
+  for name in ("steps", "batch_size", "seq_len", "d_model", "layers", "heads",
+               "d_ff", "warmup", "eval_every", "eval_batches",
+               "sample_tokens"):
+    p.add_argument("--" + name.replace("_", "-"), type=int,
+                   default=getattr(d, name))
+  for name in ("lr", "min_lr_ratio", "weight_decay", "clip", "b2",
+               "temperature", "tolerance"):
+    p.add_argument("--" + name.replace("_", "-"), type=float,
+                   default=getattr(d, name))
+  p.add_argument("--dtype", choices=sorted(DTYPES), default=d.dtype)
+  p.add_argument("--prompt", default=d.prompt)
+  p.add_argument("--out", default=d.out)
+  p.add_argument("--json", default=d.json, metavar="PATH")
+  p.add_argument("--no-progress", dest="progress", action="store_false")
+  args = vars(p.parse_args(argv))
+  recipe = args.pop("recipe")
+  if recipe is not None:
+    args["recipes"] = (recipe,)
+  available = set(qlayers.available_recipes())
+  for r in args["recipes"]:
+    if r not in available and not pathlib.Path(r).is_file():
+      p.error(f"unknown recipe {r!r}; available: "
+              + ", ".join(sorted(available)))
+  if not args["seeds"]:
+    p.error("--seeds needs at least one seed")
+  return Config(**args)
+
+
+# --- model, optimizer, steps -------------------------------------------------
+
+
+def gpt_config(cfg: Config) -> gpt.GPTConfig:
+  return gpt.GPTConfig(
+      vocab_size=shakespeare.ByteTokenizer.vocab_size, max_len=cfg.seq_len,
+      d_model=cfg.d_model, n_layers=cfg.layers, n_heads=cfg.heads,
+      d_ff=cfg.d_ff or 4 * cfg.d_model, dtype=DTYPES[cfg.dtype])
+
+
+def build_model(cfg: Config, run: str, seed: int):
+  """The GPT for ``seed``, its linears quantized unless ``run`` is the
+  baseline. Returns ``(model, conversion report or None)``."""
+  model = gpt.GPT(gpt_config(cfg), rngs=nnx.Rngs(seed))
+  if run == cfg.baseline:
+    return model, None
+  return model, qlayers.quantize(model, run)
+
+
+def make_tx(cfg: Config) -> optax.GradientTransformation:
+  warmup = cfg.warmup if cfg.warmup >= 0 else max(1, cfg.steps // 10)
+  schedule = optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=cfg.lr, warmup_steps=warmup,
+      decay_steps=max(cfg.steps, warmup + 1),
+      end_value=cfg.lr * cfg.min_lr_ratio)
+  decay_matrices = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+  return optax.chain(
+      optax.clip_by_global_norm(cfg.clip),
+      optax.adamw(schedule, b1=0.9, b2=cfg.b2,
+                  weight_decay=cfg.weight_decay, mask=decay_matrices))
+
+
+@nnx.jit
+def train_step(model, optimizer, inputs, targets):
+  """One AdamW step; returns the batch loss."""
+  def loss_fn(model):
+    return lm.next_token_loss(model(inputs), targets)
+  loss, grads = qlayers.value_and_grad(loss_fn)(model)
+  optimizer.update(model, grads)
+  return loss
+
+
+@functools.partial(jax.jit, static_argnames="graphdef")
+def _eval_loss(graphdef, state, inputs, targets):
+  # Merged inside the trace: forward quantization state written here (the
+  # running amax of delayed scaling) stays local and never reaches training.
+  return lm.next_token_loss(nnx.merge(graphdef, state)(inputs), targets)
+
+
+def evaluate(model, batches) -> float:
+  """Mean loss over fixed ``(inputs, targets)`` batches."""
+  graphdef, state = nnx.split(model)
+  return float(np.mean([float(_eval_loss(graphdef, state, x, y))
+                        for x, y in batches]))
+
+
+# --- one run -----------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Run:
+  """Results of one (recipe, seed) run."""
+
+  recipe: str
+  seed: int
+  train_loss: list[float]
+  eval_steps: list[int]
+  val_loss: list[float]
+  step_ms: float
+  cpu_ms: float
+  tokens_per_s: float
+  compile_s: float
+  sample: str | None = None
+
+  @property
+  def final_train(self) -> float:
+    """Mean train loss over the last 10% of steps (at least 1, at most 50)."""
+    k = min(50, max(1, len(self.train_loss) // 10))
+    return float(np.mean(self.train_loss[-k:]))
+
+  @property
+  def final_val(self) -> float:
+    return self.val_loss[-1]
+
+
+def train_run(cfg: Config, run: str, seed: int, data, tx, *,
+              verbose: bool) -> Run:
+  """Trains one model; ``data`` holds the token arrays and validation set.
+
+  Pass the same ``tx`` to every run: it is part of the optimizer's static
+  structure, so a new one would make ``nnx.jit`` compile the step again.
+  """
+  model, report = build_model(cfg, run, seed)
+  if report is not None and verbose:
+    tqdm.write(str(report))
+  optimizer = qlayers.Optimizer(model, tx)
+  stream = shakespeare.batches(data["train"], batch_size=cfg.batch_size,
+                               seq_len=cfg.seq_len, seed=seed)
+  tokens = cfg.batch_size * cfg.seq_len
+  losses, eval_steps, val_losses, wall, cpu = [], [], [], [], []
+  bar = tqdm(range(1, cfg.steps + 1), desc=f"{run} seed {seed}",
+             disable=not cfg.progress, dynamic_ncols=True, leave=True)
+  compile_s = 0.0
+  for step in bar:
+    inputs, targets = next(stream)
+    t0, c0 = time.perf_counter(), time.process_time()
+    loss = float(train_step(model, optimizer, inputs, targets))
+    t1, c1 = time.perf_counter(), time.process_time()
+    if step == 1:
+      compile_s = t1 - t0  # compilation plus one step
+    else:
+      wall.append(t1 - t0)
+      cpu.append(c1 - c0)
+    if not math.isfinite(loss):
+      raise FloatingPointError(f"{run} seed {seed}: loss {loss} at step {step}")
+    losses.append(loss)
+    if step % cfg.eval_every == 0 or step == cfg.steps:
+      eval_steps.append(step)
+      val_losses.append(evaluate(model, data["valid"]))
+    postfix = {"loss": f"{loss:.3f}"}
+    if val_losses:
+      postfix["val"] = f"{val_losses[-1]:.3f}"
+    if wall:
+      postfix["tok/s"] = f"{tokens / np.mean(wall[-20:]):,.0f}"
+    bar.set_postfix(postfix, refresh=False)
+  bar.close()
+  step_s = float(np.mean(wall)) if wall else compile_s
+  result = Run(run, seed, losses, eval_steps, val_losses,
+               step_ms=1e3 * step_s,
+               cpu_ms=1e3 * float(np.mean(cpu)) if cpu else float("nan"),
+               tokens_per_s=tokens / step_s, compile_s=compile_s)
+  if verbose and cfg.sample_tokens > 0:
+    result.sample = sample(model, cfg, seed)
+  return result
+
+
+def sample(model, cfg: Config, seed: int) -> str:
+  """``cfg.sample_tokens`` sampled characters after ``cfg.prompt``."""
+  tok = shakespeare.ByteTokenizer()
+  prompt = tok.encode(cfg.prompt)
+  out = lm.generate(model, prompt, max_new_tokens=cfg.sample_tokens,
+                    key=jax.random.key(seed), temperature=cfg.temperature)
+  return tok.decode(out)
+
+
+# --- summary -----------------------------------------------------------------
+
+
+def _mean_std(xs) -> tuple[float, float]:
+  xs = np.asarray(xs, np.float64)
+  return float(xs.mean()), float(xs.std(ddof=1)) if len(xs) > 1 else 0.0
+
+
+def verdict(diffs, tolerance: float) -> str:
+  """Parity rule on per-seed relative validation-loss differences (%).
+
+  ``m`` = mean of the paired differences (same seed: same init and data),
+  ``se`` = their standard error (std / sqrt(n)). Within tolerance if
+  ``|m| + 2 se <= tol``; outside if ``|m| - 2 se > tol``; otherwise more
+  seeds are needed. With one seed there is no error bar: ``|m| <= tol``.
+  A negative ``m`` means the recipe reached a lower loss than the baseline.
+  """
+  n = len(diffs)
+  m, s = _mean_std(diffs)
+  side = "lower" if m < 0 else "higher"
+  if n == 1:
+    return (f"within ±{tolerance:g}% (1 seed)" if abs(m) <= tolerance
+            else f"{side} by > {tolerance:g}% (1 seed, no error bar)")
+  se = s / math.sqrt(n)
+  if abs(m) + 2 * se <= tolerance:
+    return f"within ±{tolerance:g}%"
+  if abs(m) - 2 * se > tolerance:
+    return f"outside ±{tolerance:g}% ({side} loss)"
+  return "inconclusive (more seeds)"
+
+
+RULE = ("Δ val: (val_recipe - val_{base}) / val_{base} per seed (same init and "
+        "data order), mean ± std over seeds. Rule: with se = std/√n, a recipe "
+        "is within ±{tol:g}% of {base} if |mean| + 2·se ≤ {tol:g}%, outside if "
+        "|mean| - 2·se > {tol:g}%, inconclusive otherwise; with one seed, "
+        "|Δ| ≤ {tol:g}% (no error bar).")
+
+
+def summarize(cfg: Config, runs: dict[str, list[Run]]) -> dict[str, Any]:
+  base = {r.seed: r.final_val for r in runs[cfg.baseline]}
+  rows = {}
+  for name, rs in runs.items():
+    diffs = [100.0 * (r.final_val - base[r.seed]) / base[r.seed] for r in rs]
+    rows[name] = {
+        "train_loss": _mean_std([r.final_train for r in rs]),
+        "val_loss": _mean_std([r.final_val for r in rs]),
+        "val_diff_pct": _mean_std(diffs),
+        "val_diff_pct_per_seed": diffs,
+        "step_ms": _mean_std([r.step_ms for r in rs]),
+        "cpu_ms": _mean_std([r.cpu_ms for r in rs]),
+        "tokens_per_s": _mean_std([r.tokens_per_s for r in rs]),
+        "verdict": ("baseline" if name == cfg.baseline
+                    else verdict(diffs, cfg.tolerance)),
+    }
+  return rows
+
+
+def _pm(ms, fmt, several):
+  m, s = ms
+  return f"{m:{fmt}} ± {s:{fmt.lstrip('+')}}" if several else f"{m:{fmt}}"
+
+
+def markdown_table(cfg: Config, rows, *, cpu_column: bool = False) -> str:
+  """The final table; ``cpu_column`` adds the process CPU time per step
+  (steadier than wall time on a CPU shared with other work)."""
+  several = len(cfg.seeds) > 1
+  cols = ["recipe", "train loss", "val loss", f"Δ val vs {cfg.baseline}",
+          "step (ms)", "tokens/s"] + (["CPU/step (ms)"] if cpu_column else [])
+  lines = ["| " + " | ".join(cols + ["verdict"]) + " |",
+           "|" + "---|" * (len(cols) + 1)]
+  for name, r in rows.items():
+    diff = ("—" if name == cfg.baseline
+            else _pm(r["val_diff_pct"], "+.2f", several) + "%")
+    cells = [name, _pm(r["train_loss"], ".4f", several),
+             _pm(r["val_loss"], ".4f", several), diff,
+             _pm(r["step_ms"], ".0f", several),
+             _pm(r["tokens_per_s"], ",.0f", several)]
+    if cpu_column:
+      cells.append(_pm(r["cpu_ms"], ".0f", several))
+    lines.append("| " + " | ".join(cells + [r["verdict"]]) + " |")
+  lines += ["", RULE.format(base=cfg.baseline, tol=cfg.tolerance)]
+  if cpu_column:
+    lines.append("Step time: mean wall time per step after the first "
+                 "(compilation); CPU/step: process CPU time (all threads).")
+  return "\n".join(lines)
+
+
+def plot(cfg: Config, runs: dict[str, list[Run]], path: pathlib.Path) -> None:
+  """Train loss, validation loss and the validation gap, per recipe."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+  base_val = np.mean([r.val_loss for r in runs[cfg.baseline]], axis=0)
+  steps = np.arange(1, cfg.steps + 1)
+  window = max(1, cfg.steps // 30)
+  for i, (name, rs) in enumerate(runs.items()):
+    color = "black" if name == cfg.baseline else f"C{i - 1}"
+    train = np.mean([r.train_loss for r in rs], axis=0)
+    smooth = np.convolve(train, np.ones(window) / window, mode="valid")
+    axes[0].plot(steps, train, color=color, alpha=0.15, lw=0.8)
+    axes[0].plot(steps[window - 1:], smooth, color=color, label=name)
+    es = rs[0].eval_steps
+    val = np.array([r.val_loss for r in rs])
+    axes[1].plot(es, val.mean(0), "o-", color=color, ms=3, label=name)
+    if len(rs) > 1:
+      axes[1].fill_between(es, val.min(0), val.max(0), color=color, alpha=0.2)
+    if name != cfg.baseline:
+      gap = 100.0 * (val - base_val) / base_val
+      axes[2].plot(es, gap.mean(0), "o-", color=color, ms=3, label=name)
+      if len(rs) > 1:
+        axes[2].fill_between(es, gap.min(0), gap.max(0), color=color,
+                             alpha=0.2)
+  axes[2].axhspan(-cfg.tolerance, cfg.tolerance, color="grey", alpha=0.15,
+                  label=f"±{cfg.tolerance:g}%")
+  axes[2].axhline(0.0, color="black", lw=0.8)
+  seeds = f"{len(cfg.seeds)} seeds, mean (band: min-max)" if len(
+      cfg.seeds) > 1 else f"seed {cfg.seeds[0]}"
+  titles = (f"train loss (smoothed over {window} steps)", "validation loss",
+            f"validation loss vs {cfg.baseline} (%)")
+  for ax, title in zip(axes, titles):
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+    ax.legend()
+  lo = min(min(r.final_val for r in rs) for rs in runs.values())
+  axes[0].set_ylim(lo - 0.3, lo + 2.0)
+  axes[1].set_ylim(lo - 0.1, lo + 1.0)
+  fig.suptitle(f"GPT d={cfg.d_model} L={cfg.layers} on Shakespeare, "
+               f"{cfg.batch_size}x{cfg.seq_len} tokens/step, {seeds}")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+# --- main --------------------------------------------------------------------
+
+
+def load_data(cfg: Config) -> dict[str, Any]:
+  tok = shakespeare.ByteTokenizer()
+  train = tok.encode(shakespeare.load_text("train"))
+  valid = tok.encode(shakespeare.load_text("valid"))
+  stream = shakespeare.batches(valid, batch_size=cfg.batch_size,
+                               seq_len=cfg.seq_len, seed=12345)
+  fixed = [next(stream) for _ in range(cfg.eval_batches)]
+  return {"train": train, "valid": fixed}
+
+
+def environment() -> dict[str, str]:
+  dev = jax.devices()[0]
+  return {"jax": jax.__version__, "backend": jax.default_backend(),
+          "device": getattr(dev, "device_kind", str(dev)),
+          "devices": str(jax.device_count()),
+          "python": platform.python_version()}
+
+
+def main(argv=None) -> dict[str, Any]:
+  """Runs everything; returns the numbers written by ``--json``."""
+  cfg = parse_args(argv)
+  out = pathlib.Path(cfg.out)
+  out.mkdir(parents=True, exist_ok=True)
+  env = environment()
+  model_cfg = gpt_config(cfg)
+  n_params = sum(x.size for x in jax.tree.leaves(nnx.state(
+      nnx.eval_shape(lambda: gpt.GPT(model_cfg, rngs=nnx.Rngs(0))), nnx.Param)))
+  print(f"GPT d_model={cfg.d_model} layers={cfg.layers} heads={cfg.heads} "
+        f"d_ff={model_cfg.d_ff} ({n_params / 1e6:.2f} M params), "
+        f"{cfg.steps} steps of {cfg.batch_size}x{cfg.seq_len} tokens, "
+        f"dtype {cfg.dtype}, on {env['backend']} ({env['device']})")
+  data = load_data(cfg)
+  tx = make_tx(cfg)
+  runs: dict[str, list[Run]] = {}
+  start = time.perf_counter()
+  for seed_index, seed in enumerate(cfg.seeds):
+    for name in cfg.runs:
+      runs.setdefault(name, []).append(
+          train_run(cfg, name, seed, data, tx, verbose=seed_index == 0))
+  total_s = time.perf_counter() - start
+
+  rows = summarize(cfg, runs)
+  table = markdown_table(cfg, rows, cpu_column=env["backend"] == "cpu")
+  print()
+  print(table)
+  print()
+  for name, rs in runs.items():
+    if rs[0].sample is not None:
+      print(f"--- {name} (seed {rs[0].seed}, temperature "
+            f"{cfg.temperature}) ---")
+      print(rs[0].sample)
+      print()
+  png, md = out / "train_lm.png", out / "train_lm.md"
+  plot(cfg, runs, png)
+  md.write_text(table + "\n")
+  print(f"total {total_s:.0f} s; wrote {png} and {md}")
+
+  results = {
+      "config": dataclasses.asdict(cfg),
+      "model": {**dataclasses.asdict(model_cfg), "dtype": cfg.dtype,
+                "params": int(n_params)},
+      "environment": env,
+      "total_s": total_s,
+      "rule": RULE.format(base=cfg.baseline, tol=cfg.tolerance),
+      "summary": rows,
+      "runs": [dataclasses.asdict(r) for rs in runs.values() for r in rs],
+      "png": str(png),
+  }
+  if cfg.json:
+    path = pathlib.Path(cfg.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=1) + "\n")
+    print(f"wrote {path}")
+  return results
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])
