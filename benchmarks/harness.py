@@ -18,7 +18,9 @@ harness
    Alongside wall time it records the process CPU time of each step (all
    threads): on a shared machine other processes stretch wall time but
    hardly the CPU time a step consumes, so the CPU ratio is the steadier
-   estimate there.
+   estimate there. ``references`` names further variants that every other
+   one is also compared with, by the same per-round ratios (a second
+   baseline).
 
 ``render_markdown`` and ``to_json`` format a ``Report``.
 """
@@ -89,6 +91,9 @@ class VariantResult:
   cpu_ratio_min: float = math.nan
   cpu_ratio_max: float = math.nan
   loss_ok: bool = False
+  # {reference name: {"wall": [median, min, max], "cpu": [median, min, max]}}
+  ref_ratios: dict[str, dict[str, list[float]]] = dataclasses.field(
+      default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -108,6 +113,8 @@ class Report:
   skipped: dict[str, str]
   started: str
   wall_s: float = math.nan
+  references: list[str] = dataclasses.field(default_factory=list)
+  loadavg_end: list[float] = dataclasses.field(default_factory=list)
 
 
 def _cpu_model() -> str:
@@ -151,11 +158,13 @@ def run(cfg: Any, variants: Sequence[Variant], batch: Any, *, steps: int,
         loss_rtol: float = 0.1, title: str = "",
         versions: dict[str, str] | None = None,
         skipped: dict[str, str] | None = None,
+        references: Sequence[str] = (),
         log: Callable[[str], None] = print) -> Report:
   """Builds, checks and times ``variants``; the first one is the baseline.
 
   A variant that fails to build or step is reported with its error and left
-  out of the timing; the baseline must not fail.
+  out of the timing; the baseline must not fail. ``references``: names of
+  variants to compare every variant with as well (skipped if they failed).
   """
   if steps < 1 or rounds < 1 or check_steps < 1:
     raise ValueError("steps, rounds and check_steps must all be >= 1")
@@ -237,12 +246,30 @@ def run(cfg: Any, variants: Sequence[Variant], batch: Any, *, steps: int,
                    and abs(res.loss_check - base.loss_check)
                    <= loss_rtol * abs(base.loss_check))
 
+  by_name = {e[0].name: e[1] for e in live}
+  refs = [n for n in references if n in by_name]
+  for _, res, _, _ in live:
+    for n in refs:
+      ref = by_name[n]
+      out = {}
+      for kind, mine, theirs in (
+          ("wall", res.round_means, ref.round_means),
+          ("cpu", res.cpu_round_means, ref.cpu_round_means)):
+        rr = np.asarray(mine) / np.asarray(theirs)
+        out[kind] = [float(np.median(rr)), float(rr.min()), float(rr.max())]
+      res.ref_ratios[n] = out
+  try:
+    load_end = [round(x, 2) for x in os.getloadavg()]
+  except OSError:
+    load_end = []
+
   return Report(
       title=title, config=_config_dict(cfg), steps=steps, rounds=rounds,
       check_steps=check_steps, loss_rtol=loss_rtol, seed=seed,
       machine=machine, versions=dict(versions or {}), results=results,
       skipped=dict(skipped or {}), started=started,
-      wall_s=time.perf_counter() - t_start)
+      wall_s=time.perf_counter() - t_start, references=refs,
+      loadavg_end=load_end)
 
 
 def _config_dict(cfg: Any) -> dict[str, Any]:
@@ -278,7 +305,7 @@ def render_markdown(rep: Report) -> str:
       f"- date: {rep.started}; wall {rep.wall_s:.0f} s",
       f"- machine: {m['nproc']} cores, {m['cpu']}, "
       f"{m['jax_backend']} ({', '.join(m['devices'])}); load avg at start "
-      f"{m['loadavg']}; Python {m['python']}",
+      f"{m['loadavg']}, at end {rep.loadavg_end}; Python {m['python']}",
       "- versions: " + ", ".join(f"{k} {val}" for k, val in v.items()),
       f"- config: {cfg}",
       f"- timing: {rep.rounds} interleaved rounds x {rep.steps} steps per "
@@ -290,26 +317,34 @@ def render_markdown(rep: Report) -> str:
       "",
       "| variant | library | recipe | median ms | IQR ms | min ms "
       "| vs BF16 [min–max] | CPU ms | CPU vs BF16 [min–max] "
-      "| loss@check | loss@end | sanity |",
-      "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+      + "".join(f"| vs {n} | CPU vs {n} [min–max] " for n in rep.references)
+      + "| loss@check | loss@end | sanity |",
+      "|---|---|---|---:|---:|---:|---:|---:|---:|"
+      + "---:|---:|" * len(rep.references) + "---:|---:|---|",
   ]
+  n_ref = 2 * len(rep.references)
   for r in rep.results:
     if r.error is not None:
       err = r.error.splitlines()[0].replace("|", "\\|")[:160]
       lines.append(f"| {r.name} | {r.library} | {r.recipe} | — | — | — | — "
-                   f"| — | — | — | — | failed: {err} |")
+                   f"| — | — | " + "— | " * n_ref
+                   + f"— | — | failed: {err} |")
       continue
+    refs = ""
+    for n in rep.references:
+      w, c = r.ref_ratios[n]["wall"], r.ref_ratios[n]["cpu"]
+      refs += (f"| {w[0]:.2f}x | {c[0]:.2f}x [{c[1]:.2f}–{c[2]:.2f}] ")
     lines.append(
         f"| {r.name} | {r.library} | {r.recipe} | {_ms(r.median_s)} "
         f"| {_ms(r.q25_s)}–{_ms(r.q75_s)} | {_ms(r.min_s)} "
         f"| {r.ratio:.2f}x [{r.ratio_min:.2f}–{r.ratio_max:.2f}] "
         f"| {_ms(r.cpu_median_s)} "
         f"| {r.cpu_ratio:.2f}x [{r.cpu_ratio_min:.2f}–{r.cpu_ratio_max:.2f}] "
-        f"| {r.loss_check:.4f} | {r.loss_final:.4f} "
+        + refs + f"| {r.loss_check:.4f} | {r.loss_final:.4f} "
         f"| {'ok' if r.loss_ok else 'CHECK'} |")
   for name, why in rep.skipped.items():
-    lines.append(f"| {name} | | | — | — | — | — | — | — | — | — | skipped: "
-                 f"{why.replace('|', '/')[:160]} |")
+    lines.append(f"| {name} | | | — | — | — | — | — | — | " + "— | " * n_ref
+                 + f"— | — | skipped: {why.replace('|', '/')[:160]} |")
   return "\n".join(lines) + "\n"
 
 

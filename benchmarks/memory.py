@@ -7,6 +7,7 @@ Usage (from the repository root)::
   python benchmarks/memory.py calc --params 70e9 --fsdp 8 --recipe mxfp4 \\
       --saved-elems 2e9 --wide-elems 1e9
   python benchmarks/memory.py calc --check-seed
+  python benchmarks/memory.py remat --stream-dtype float32,bfloat16
 
 ``block`` builds one pre-norm transformer block of ``benchmarks/models.py``
 (LayerNorm, Q/K/V/O projections, causal softmax attention, LayerNorm, MLP
@@ -36,6 +37,22 @@ stays as measured for BF16.
 ``--attention fused`` runs the attention core (scores, mask, softmax, PV)
 under ``jax.checkpoint``, as a fused (flash) attention kernel would: it
 saves only Q, K, V and recomputes the probabilities in the backward pass.
+
+``remat`` runs the same block under ``jax.checkpoint`` with a policy that
+saves only named values: for quantized recipes ``qlayers.remat_policy()``
+(the quantized Wgrad inputs, named ``qlayers.ops.WGRAD_INPUT_NAME``); for
+BF16 the same policy over the BF16 projection inputs (the GEMM operands, after
+the cast from the FP32 LayerNorm outputs), tagged with ``checkpoint_name``
+either once per projection (q, k, v, o, up, down: three
+copies of the attention input, as the quantized recipes keep three quantized
+copies) or once per distinct tensor (the attention input once, then o, up,
+down). Everything else is recomputed in the backward pass. The residuals are
+read with ``jax``'s ``saved_residuals`` (each leaf says whether it is an
+argument or which name saved it) and the compiled residual function's
+``memory_analysis()``. The block input is an argument of the checkpointed
+block, so per-block remat always saves it; the tables give the ratio without
+it (GEMM inputs only, as with remat over a whole stack, where one input is
+saved for all blocks) and with it (per-block remat).
 
 ``calc`` evaluates the seed's memory equation (per device, GB = 1e9 bytes):
 ``M_persistent = P/N_F (4 master + m + v)``, ``M_gradient = P/N_F * 4``,
@@ -225,11 +242,14 @@ def _check_seed() -> int:
 class Tap(nnx.Module):
   """Wraps a projection; tags its input so the residual analysis finds it."""
 
-  def __init__(self, layer: nnx.Module, name: str):
+  def __init__(self, layer: nnx.Module, name: str, dtype=None):
     self.layer = layer
     self.name = name
+    self.dtype = dtype  # cast first (the GEMM's compute dtype), if given
 
   def __call__(self, x):
+    if self.dtype is not None:
+      x = x.astype(self.dtype)
     return self.layer(checkpoint_name(x, TAG + self.name))
 
 
@@ -705,6 +725,222 @@ def findings(results: list[Measurement]) -> list[str]:
   return out
 
 
+# ==========================================================================
+# Remat: jax.checkpoint with a names-only policy
+
+
+QKV = "qkv"  # tag of the attention input (shared by q, k, v)
+PROJ = ("q", "k", "v", "o", "up", "down")
+
+
+@dataclasses.dataclass
+class RematMeasurement:
+  label: str
+  recipe: str
+  policy: str
+  bytes_per_elem: float
+  residual_out_bytes: int = 0
+  by_kind: dict[str, int] = dataclasses.field(default_factory=dict)
+  leaves: list[dict] = dataclasses.field(default_factory=list)
+  step_temp_bytes: int = 0
+  compile_s: float = 0.0
+  error: str | None = None
+
+  def get(self, kind: str) -> int:
+    return self.by_kind.get(kind, 0)
+
+  @property
+  def gemm_inputs(self) -> int:
+    return self.get("GEMM inputs")
+
+  @property
+  def saved_with_input(self) -> int:
+    return self.gemm_inputs + self.get("block input") + self.get("other")
+
+
+def _remat_kind(desc: str, nbytes: int) -> str:
+  from qlayers.ops import WGRAD_INPUT_NAME
+  if desc.startswith("from the argument x"):
+    return "block input"
+  if desc.startswith("from the argument"):
+    return "params (saved as is)"
+  if f"named '{WGRAD_INPUT_NAME}'" in desc or f"named '{TAG}" in desc:
+    return "GEMM inputs"
+  return "scalars/constants" if nbytes <= 4096 else "other"
+
+
+def measure_remat(cfg: models.TransformerConfig, recipe_name: str,
+                  policy_kind: str, stream_dtype) -> RematMeasurement:
+  """Residual bytes of the block under ``jax.checkpoint(policy)``."""
+  import qlayers
+  from jax._src.ad_checkpoint import saved_residuals
+  from qlayers import scaling
+  rec = qlayers.recipe(recipe_name)
+  if rec.quantized:
+    names, label = (), f"{recipe_name}: qlayers.remat_policy()"
+    policy = qlayers.remat_policy()
+    bpe = scaling.bytes_per_element(rec.wgrad.lhs)
+  else:
+    names = ([TAG + n for n in PROJ] if policy_kind == "per projection"
+             else [TAG + n for n in (QKV, "o", "up", "down")])
+    label = f"{recipe_name}: names of the BF16 GEMM inputs, {policy_kind}"
+    policy = jax.checkpoint_policies.save_only_these_names(*names)
+    bpe = float(np.dtype(rec.dtype).itemsize)
+  cfg = dataclasses.replace(cfg, dtype=rec.dtype)
+  m = RematMeasurement(label, recipe_name, policy_kind, bpe)
+  try:
+    block = build_block(cfg, "materialized")
+    block.attn = Tap(block.attn, QKV)
+    # Name what each GEMM consumes: its input in the compute dtype (the
+    # linears would cast the FP32 LayerNorm outputs themselves).
+    for _, t in nnx.iter_modules(block):
+      if isinstance(t, Tap):
+        t.dtype = cfg.dtype
+    convert(block, rec)
+    gd, params, rest = _split(block)
+    x = jax.random.normal(jax.random.key(1),
+                          (cfg.batch, cfg.seq_len, cfg.d_model), stream_dtype)
+
+    def f(p, r, x):
+      return jax.checkpoint(lambda p, x: nnx.merge(gd, p, r)(x),
+                            policy=policy)(p, x)
+
+    def saved(p, r, x):
+      return jax.vjp(lambda p, x: f(p, r, x), p, x)[1]
+
+    def loss(p, r, x, ct):
+      return jnp.vdot(f(p, r, x).astype(jnp.float32), ct)
+
+    t0 = time.perf_counter()
+    mem = jax.jit(saved).lower(params, rest, x).compile().memory_analysis()
+    m.residual_out_bytes = int(mem.output_size_in_bytes)
+    ct = jax.ShapeDtypeStruct(x.shape, jnp.float32)
+    mem = jax.jit(jax.grad(loss, (0, 2))).lower(
+        params, rest, x, ct).compile().memory_analysis()
+    m.step_temp_bytes = int(mem.temp_size_in_bytes)
+    m.compile_s = time.perf_counter() - t0
+
+    groups: dict[tuple, dict] = {}
+    for aval, desc in saved_residuals(lambda p, x: f(p, rest, x), params, x):
+      nbytes = int(np.prod(aval.shape, dtype=np.int64)) * aval.dtype.itemsize
+      kind = _remat_kind(desc, nbytes)
+      m.by_kind[kind] = m.by_kind.get(kind, 0) + nbytes
+      src = desc.split(" from ")[0] if "named" in desc else desc
+      key = (kind, str(aval.dtype), tuple(aval.shape), src)
+      g = groups.setdefault(key, {"kind": kind, "dtype": str(aval.dtype),
+                                  "shape": list(aval.shape), "source": src,
+                                  "count": 0, "bytes": 0})
+      g["count"] += 1
+      g["bytes"] += nbytes
+    m.leaves = sorted(groups.values(), key=lambda g: -g["bytes"])
+  except Exception as e:  # noqa: BLE001 - reported in the table
+    m.error = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+  return m
+
+
+def _remat_target(m: RematMeasurement) -> float | None:
+  if m.recipe == "bf16" or m.bytes_per_elem > 1.05:
+    return None
+  return TARGETS["mxfp4"] if m.bytes_per_elem <= 0.6 else TARGETS["fp8"]
+
+
+def render_remat(results: list[RematMeasurement],
+                 cfg: models.TransformerConfig, stream) -> str:
+  bases = {m.policy: m for m in results if m.recipe == "bf16" and not m.error}
+  lines = [
+      f"#### Block under jax.checkpoint, names-only policy: d={cfg.d_model}, "
+      f"ff={cfg.d_ff}, heads={cfg.n_heads}, seq={cfg.seq_len}, "
+      f"batch={cfg.batch}, block input {np.dtype(stream).name}",
+      "",
+      "| policy | GEMM inputs MiB | block input MiB | other MiB | residuals "
+      "(XLA output) MiB | step temp MiB | GEMM inputs vs BF16 (per proj. / "
+      "shared) | + block input vs BF16 (per proj. / shared) | target |",
+      "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+  ]
+  for m in results:
+    if m.error:
+      lines.append(f"| {m.label} | failed: {m.error.replace('|', '/')} "
+                   "| | | | | | | |")
+      continue
+    r1, r2, v = [], [], []
+    for pk in ("per projection", "shared"):
+      b = bases.get(pk)
+      if b is None:
+        continue
+      r1.append(m.gemm_inputs / b.gemm_inputs)
+      r2.append(m.saved_with_input / b.saved_with_input)
+    t = _remat_target(m)
+    if t is not None and r1:
+      v = [f"≤{t:.2f}: GEMM inputs {_verdict(r1[0], t)}/"
+           f"{_verdict(r1[-1], t)}, + block input {_verdict(r2[0], t)}/"
+           f"{_verdict(r2[-1], t)}"]
+    lines.append(
+        f"| {m.label} | {_mib(m.gemm_inputs)} | {_mib(m.get('block input'))} "
+        f"| {_mib(m.get('other') + m.get('scalars/constants'))} "
+        f"| {_mib(m.residual_out_bytes)} | {_mib(m.step_temp_bytes)} "
+        f"| {' / '.join(f'{r:.3f}' for r in r1)} "
+        f"| {' / '.join(f'{r:.3f}' for r in r2)} | {''.join(v)} |")
+  return "\n".join(lines) + "\n"
+
+
+def render_remat_leaves(m: RematMeasurement) -> str:
+  lines = [f"Saved under the policy, {m.label}:", "",
+           "| kind | dtype | shape | count | MiB | saved as |",
+           "|---|---|---|---:|---:|---|"]
+  for g in m.leaves:
+    lines.append(f"| {g['kind']} | {g['dtype']} | "
+                 f"{'x'.join(map(str, g['shape'])) or 'scalar'} | {g['count']} "
+                 f"| {g['bytes'] / MiB:.2f} | {g['source']} |")
+  return "\n".join(lines) + "\n"
+
+
+def _remat_cmd(args: argparse.Namespace) -> int:
+  import qlayers
+  cfg = models.TransformerConfig(d_model=args.d_model, n_heads=args.heads,
+                                 n_layers=1, d_ff=args.d_ff,
+                                 seq_len=args.seq, batch=args.batch)
+  names = (args.recipes.split(",") if args.recipes else
+           [n for n in qlayers.available_recipes()
+            if qlayers.recipe(n).quantized])
+  names = [n for n in names if n != "bf16"]
+  t_start = time.perf_counter()
+  started = datetime.datetime.now(datetime.timezone.utc).isoformat(
+      timespec="seconds")
+  report: dict[str, Any] = {"config": dataclasses.asdict(cfg) | {
+      "dtype": "per recipe", "param_dtype": "float32"},
+      "started": started, "machine": _machine(), "runs": {}}
+  report["config"].pop("n_layers", None)
+  md = []
+  for stream_name in args.stream_dtype.split(","):
+    stream = jnp.dtype(stream_name)
+    results = [measure_remat(cfg, "bf16", pk, stream)
+               for pk in ("per projection", "shared")]
+    results += [measure_remat(cfg, n, "", stream) for n in names]
+    for m in results:
+      print(f"[remat {stream_name}] {m.label}: GEMM inputs "
+            f"{_mib(m.gemm_inputs)} MiB, block input "
+            f"{_mib(m.get('block input'))} MiB ({m.compile_s:.1f}s)"
+            + (f" FAILED {m.error}" if m.error else ""),
+            file=sys.stderr, flush=True)
+    md.append(render_remat(results, cfg, stream))
+    for m in results:
+      if m.recipe in args.detail.split(",") and not m.error:
+        md.append(render_remat_leaves(m))
+    report["runs"][stream_name] = [dataclasses.asdict(m) for m in results]
+  report["wall_s"] = time.perf_counter() - t_start
+  mi = report["machine"]
+  header = (f"- date: {started}; wall {report['wall_s']:.0f} s (compile "
+            "only, nothing executed)\n"
+            f"- machine: {mi['nproc']} cores, {mi['cpu']}, "
+            f"{mi['jax_backend']}; load avg at start {mi['loadavg']}\n"
+            f"- versions: {mi['versions']}\n")
+  text = header + "\n" + "\n".join(md)
+  print(text)
+  if args.json:
+    pathlib.Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+  return 0
+
+
 def _block_cmd(args: argparse.Namespace) -> int:
   import qlayers
   cfg = models.TransformerConfig(d_model=args.d_model, n_heads=args.heads,
@@ -804,6 +1040,20 @@ def _parser() -> argparse.ArgumentParser:
   b.add_argument("--detail", default="bf16,fp8_current,mxfp4",
                  help="recipes whose residual leaves are listed")
   b.add_argument("--json", default=None, metavar="PATH")
+  r = sub.add_parser("remat", help="saved bytes of a block under "
+                     "jax.checkpoint with a names-only policy")
+  r.add_argument("--d-model", type=int, default=1024)
+  r.add_argument("--d-ff", type=int, default=4096)
+  r.add_argument("--heads", type=int, default=8)
+  r.add_argument("--seq", type=int, default=1024)
+  r.add_argument("--batch", type=int, default=4)
+  r.add_argument("--stream-dtype", default="float32",
+                 help="comma-separated dtypes of the block input")
+  r.add_argument("--recipes", default=None,
+                 help="comma-separated quantized recipe names (default: all)")
+  r.add_argument("--detail", default="bf16,fp8_current,mxfp4",
+                 help="recipes whose saved leaves are listed")
+  r.add_argument("--json", default=None, metavar="PATH")
   c = sub.add_parser("calc", help="the seed's memory equation")
   c.add_argument("--params", type=float, default=70e9)
   c.add_argument("--fsdp", type=int, default=8)
@@ -830,6 +1080,8 @@ def main(argv: list[str] | None = None) -> int:
   args = _parser().parse_args(argv)
   if args.cmd == "calc":
     return _calc(args)
+  if args.cmd == "remat":
+    return _remat_cmd(args)
   return _block_cmd(args)
 
 

@@ -7,7 +7,13 @@ activation einsums and stay in BF16 for every variant.
 
 The unquantized baseline computes in BF16 (``dtype=bfloat16``) with FP32
 master weights (``param_dtype=float32``) and an ``optax.adamw`` optimizer;
-norms, softmax, the loss and the optimizer stay in FP32.
+norms, softmax, the loss and the optimizer stay in FP32. ``nnx.Linear`` calls
+``lax.dot_general`` on BF16 operands with a BF16 result type; the second
+baseline, ``baseline_f32acc_step``, is the same model whose linears run all
+three GEMMs (forward, input gradient, weight gradient) on BF16 operands with
+FP32 accumulation, in the same operand layouts as qlayers' quantized GEMMs on
+CPU, and round the results to BF16: the quantized variants minus the
+quantization. On CPUs with a native BF16 dot it is the faster form.
 
 Example::
 
@@ -43,6 +49,8 @@ __all__ = [
     "StepFn",
     "train_step_for",
     "baseline_step",
+    "f32acc_dot_general",
+    "baseline_f32acc_step",
 ]
 
 
@@ -265,5 +273,71 @@ def train_step_for(model: nnx.Module,
 def baseline_step(cfg: Config, *, seed: int = 0) -> tuple[StepFn, Any]:
   """Unquantized BF16 train step and its initial state ``(model, opt)``."""
   model = build_model(cfg, seed=seed)
+  return train_step_for(model, nnx.Optimizer(model, make_tx(cfg),
+                                              wrt=nnx.Param))
+
+
+@jax.custom_vjp
+def _f32acc_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+  """``x (..., K) @ w (K, N)``: FP32 accumulation, result in ``x.dtype``."""
+  return jax.lax.dot_general(
+      x, w, (((x.ndim - 1,), (0,)), ((), ())),
+      preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def _f32acc_fwd(x, w):
+  return _f32acc_matmul(x, w), (x, w)
+
+
+def _f32acc_bwd(res, g):
+  x, w = res
+  k, n = w.shape
+  x2, g2 = x.reshape(-1, k), g.reshape(-1, n)
+  dx = jax.lax.dot_general(g2, w, (((1,), (1,)), ((), ())),
+                           preferred_element_type=jnp.float32)
+  # x.T @ g written as a contraction over (1, M), as qlayers.dispatch does
+  # for its weight gradient: on CPU, XLA runs a BF16 dot whose lhs contracts
+  # its first axis as an FP32 dot on upcast copies; this form gets the BF16
+  # kernel. The barrier keeps XLA from folding a transpose of the result
+  # into the dot (a form its CPU runtime rejects for BF16).
+  dw = jax.lax.optimization_barrier(jax.lax.dot_general(
+      x2.reshape(1, *x2.shape), g2.reshape(1, *g2.shape),
+      (((0, 1), (0, 1)), ((), ())), preferred_element_type=jnp.float32))
+  return dx.astype(x.dtype).reshape(x.shape), dw.astype(w.dtype)
+
+
+_f32acc_matmul.defvjp(_f32acc_fwd, _f32acc_bwd)
+
+
+def f32acc_dot_general(lhs, rhs, dimension_numbers, precision=None,
+                       preferred_element_type=None, out_sharding=None):
+  """What ``nnx.Linear`` calls, with FP32 accumulation in all three GEMMs.
+
+  The forward and both backward products take the operands in the compute
+  dtype and accumulate in FP32 (a plain ``preferred_element_type=float32``
+  would hand the backward FP32 cotangents, i.e. FP32 GEMMs); results are
+  rounded to the operand dtype. Only the ``nnx.Linear`` contraction
+  (last axis of ``lhs`` with axis 0 of a 2-D ``rhs``) is supported.
+  """
+  del precision
+  (lc, rc), (lb, rb) = dimension_numbers
+  if (tuple(lc), tuple(rc)) != ((lhs.ndim - 1,), (0,)) or lb or rb or (
+      rhs.ndim != 2 or lhs.dtype != rhs.dtype):
+    raise NotImplementedError(f"f32acc_dot_general: {dimension_numbers}")
+  out = _f32acc_matmul(lhs, rhs)
+  if preferred_element_type is not None:
+    out = out.astype(preferred_element_type)
+  if out_sharding is not None:
+    out = jax.sharding.reshard(out, out_sharding)
+  return out
+
+
+def baseline_f32acc_step(cfg: Config, *,
+                         seed: int = 0) -> tuple[StepFn, Any]:
+  """The BF16 baseline with FP32-accumulating linears (see module doc)."""
+  model = build_model(cfg, seed=seed)
+  for _, m in nnx.iter_modules(model):
+    if isinstance(m, nnx.Linear):
+      m.dot_general = f32acc_dot_general
   return train_step_for(model, nnx.Optimizer(model, make_tx(cfg),
                                               wrt=nnx.Param))

@@ -5,10 +5,12 @@ Usage (from the repository root)::
   python benchmarks/step.py --model transformer --steps 5 --rounds 5
   python benchmarks/step.py --model mlp --steps 5 --rounds 5 --json out.json
 
-Runs the unquantized BF16 step, every peer library that imports (see
-``benchmarks/requirements-peers.txt``) and, once the package provides the
-API, every qlayers recipe, all on the same stock model, seed and batch, and
-prints a Markdown table (see ``harness.py`` for the method).
+Runs the unquantized BF16 step (``bf16``: stock ``nnx.Linear``, BF16 result
+type; the ratios' baseline), the same step with FP32-accumulating linears
+(``bf16-f32acc``: the second reference, see ``models.py``), every peer
+library that imports (see ``benchmarks/requirements-peers.txt``) and every
+qlayers recipe that quantizes, all on the same stock model, seed and batch,
+and prints a Markdown table (see ``harness.py`` for the method).
 """
 
 from __future__ import annotations
@@ -30,14 +32,17 @@ import models  # noqa: E402
 import peers  # noqa: E402
 
 _QLAYERS_API = ("quantize", "value_and_grad", "Optimizer")
+# The second baseline: nnx.Linear accumulating in FP32, as quantized GEMMs do.
+F32ACC = "bf16-f32acc"
 
 
 # ==========================================================================
 # qlayers hook. Each recipe becomes one variant:
 #
 #   model = models.build_model(cfg, seed=seed)          # the stock model
-#   out = qlayers.quantize(model, recipe)               # swaps nnx.Linear
-#   model = out if isinstance(out, nnx.Module) else model  # (in place ok)
+#   qlayers.quantize(model, recipe, rules=())           # swaps every nnx.Linear
+#                                                       # in place (the head
+#                                                       # too, as the peers do)
 #   opt = qlayers.Optimizer(model, models.make_tx(cfg))
 #   @nnx.jit
 #   def train_step(model, opt, batch):
@@ -45,21 +50,24 @@ _QLAYERS_API = ("quantize", "value_and_grad", "Optimizer")
 #     opt.update(model, grads)      # params through optax, qstate written
 #     return loss
 #
-# ``recipe`` is a recipe name (the stem of a file in recipes/*.toml, or
-# what ``qlayers.recipes()`` lists when it exists) and is passed as given.
+# ``recipe`` is a recipe name (one of ``qlayers.available_recipes()``, or the
+# stem of a file in recipes/*.toml) and is passed as given; by default every
+# recipe that quantizes runs. ``rules=()`` replaces qlayers' default rules,
+# which would keep the output head wide: every variant quantizes the same
+# GEMMs.
 # If ``import qlayers`` fails or the package lacks any of _QLAYERS_API, the
 # hook returns no variants and a reason, which the report prints.
 # ==========================================================================
 
 
 def _qlayers_recipe_names(qlayers: Any) -> list[str]:
-  lister = getattr(qlayers, "recipes", None)
+  """Every shipped recipe that quantizes (bf16/fp16 are unquantized)."""
+  lister = getattr(qlayers, "available_recipes", None)
   if callable(lister):
-    names = lister()
-    if isinstance(names, dict):
-      names = list(names)
-    return [str(n) for n in names]
-  return sorted(p.stem for p in (_HERE.parent / "recipes").glob("*.toml"))
+    names = [str(n) for n in lister()]
+  else:
+    names = sorted(p.stem for p in (_HERE.parent / "recipes").glob("*.toml"))
+  return [n for n in names if qlayers.recipe(n).quantized]
 
 
 def _qlayers_variant(qlayers: Any, recipe: str) -> harness.Variant:
@@ -67,9 +75,12 @@ def _qlayers_variant(qlayers: Any, recipe: str) -> harness.Variant:
 
   def make(cfg: models.Config, *, seed: int = 0):
     model = models.build_model(cfg, seed=seed)
-    out = qlayers.quantize(model, recipe)
-    if isinstance(out, nnx.Module):
-      model = out
+    report = qlayers.quantize(model, recipe, rules=())
+    n_linear = len(report.converted) + len(report.skipped) + len(
+        report.kept_wide)
+    if report.skipped or report.kept_wide or not report.converted:
+      raise RuntimeError(f"qlayers.quantize converted {len(report.converted)}"
+                         f" of {n_linear} linear layers: {report}")
     opt = qlayers.Optimizer(model, models.make_tx(cfg))
 
     @nnx.jit
@@ -163,8 +174,13 @@ def main(argv: list[str] | None = None) -> int:
   cfg = _config(args)
   log = lambda s: print(s, file=sys.stderr, flush=True)
 
-  variants = [harness.Variant("bf16", "none", "unquantized, bf16 compute",
-                              models.baseline_step)]
+  variants = [
+      harness.Variant("bf16", "none",
+                      "unquantized nnx.Linear: BF16 operands, BF16 result",
+                      models.baseline_step),
+      harness.Variant(F32ACC, "none",
+                      "unquantized: BF16 operands, FP32 accumulation",
+                      models.baseline_f32acc_step)]
   skipped: dict[str, str] = {}
   if not args.no_peers:
     ok, missing = peers.available_peers()
@@ -195,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
       steps=args.steps, rounds=args.rounds, check_steps=args.check_steps,
       seed=args.seed, loss_rtol=args.loss_rtol,
       title=f"Train step, {cfg.kind} (BF16 baseline vs FP8/MX variants)",
-      versions=versions, skipped=skipped, log=log)
+      versions=versions, skipped=skipped, references=[F32ACC], log=log)
   md = harness.render_markdown(report)
   print(md)
   if args.append_md:

@@ -38,6 +38,7 @@ from qlayers.recipe import available_recipes
 from qlayers.recipe import GemmRecipe
 from qlayers.recipe import Recipe
 from qlayers.recipe import recipe
+from qlayers.remat import remat_policy
 from qlayers.scaling import QTensor
 from qlayers.scaling import QuantSpec
 from qlayers.state import commit_scales
@@ -59,5 +60,5 @@ __all__ = [
     "checkpoint", "CheckpointCorruptError", "CheckpointMismatchError",
     "ConversionReport", "DEFAULT_KEEP_WIDE", "DEFAULT_RULES",
     "dequantize_model", "quantize", "Rule", "QuantEinsum",
-    "QuantLinearGeneral",
+    "QuantLinearGeneral", "remat_policy",
 ]

@@ -68,18 +68,16 @@ def select(a, b, backend: str | None = None,
   platform = platform or jax.default_backend()
   if a.granularity in ("tensor", "row") and platform != "cpu":
     return "xla", "XLA rewrites scaled FP8 dot_general to the vendor GEMM"
-  packed = a.fmt.packed or b.fmt.packed
-  if platform == "cpu" and packed:
-    if ok:
-      # Measured (benchmarks/RESULTS.md): XLA has no FP4/FP6 type, so its
-      # emulation unpacks and decodes whole operands; the kernel decodes
-      # packed payloads tile by tile.
-      return "ffi", "native kernel decodes packed FP4/FP6 per tile"
-    return "xla", f"emulation ({why})"
+  if platform == "cpu" and {a.granularity, b.granularity} & {"tile", "block"}:
+    return "xla", ("FP32 emulation (arbitrary FP32 tile/block scales): about "
+                   "as fast as the native kernel on CPU")
   if platform == "cpu":
-    # Measured: for FP8 payloads XLA's upcast + FP32 dot beats the native
-    # kernel once the layout transposes it needs are counted.
-    return "xla", "FP8 payloads: XLA upcast + FP32 dot is fastest on CPU"
+    # Measured (benchmarks/RESULTS.md, gemm.py and step.py): XLA's BF16 dot
+    # with FP32 accumulation on exact BF16 copies of the operands (FP8
+    # payloads; MX blocks dequantized) beats the native kernel, which
+    # decodes to FP32 and runs an FP32 GEMM, for FP8 and packed FP6/FP4.
+    return "xla", ("exact BF16 operands + XLA's BF16 dot (FP32 accumulation)"
+                   " is fastest on CPU")
   return "xla", "default"
 
 
@@ -108,6 +106,29 @@ def _dims(a_axis: int, b_axis: int):
   return (((a_axis,), (b_axis,)), ((), ()))
 
 
+def _dot_f32(a: jax.Array, b: jax.Array, axes: tuple[int, int],
+             **kwargs) -> jax.Array:
+  """2-D ``dot_general`` of ``a`` and ``b`` over ``axes``, FP32 accumulation.
+
+  On CPU, XLA runs a BF16 dot whose lhs contracts its first axis (the weight
+  gradient ``x.T @ g``) as an FP32 dot on upcast copies, at about half the
+  speed of its BF16 kernel (jax 0.10.2; benchmarks/RESULTS.md). Written as a
+  contraction over ``(1, M)``, the same sum gets a physical transpose of
+  ``a`` and the BF16 kernel. The barrier keeps XLA from folding a transpose
+  of the result back into the dot: that form fails at run time
+  ("Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32").
+  """
+  if (axes[0] == 0 and a.ndim == b.ndim == 2 and a.dtype == jnp.bfloat16
+      and b.dtype == jnp.bfloat16 and jax.default_backend() == "cpu"):
+    a3 = a.reshape(1, *a.shape)
+    b3 = b.reshape(*b.shape[:axes[1]], 1, *b.shape[axes[1]:])
+    return lax.optimization_barrier(lax.dot_general(
+        a3, b3, (((0, 1), (axes[1], axes[1] + 1)), ((), ())),
+        preferred_element_type=jnp.float32, **kwargs))
+  return lax.dot_general(a, b, _dims(*axes),
+                         preferred_element_type=jnp.float32, **kwargs)
+
+
 def scaled_dot_mx(a: QTensor, b: QTensor, out_dtype) -> jax.Array:
   """MX FP8 GEMM through ``lax.scaled_dot`` (payloads + E8M0 scale arrays).
 
@@ -131,9 +152,16 @@ def xla_gemm(a, b, out_dtype, axes: tuple[int, int], *,
   if not isinstance(a, QTensor):
     out = lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
     return out.astype(out_dtype)
+  cpu = jax.default_backend() == "cpu"
   if a.granularity in ("tensor", "row") and b.granularity in ("tensor", "row"):
-    out = lax.dot_general(a.payload, b.payload, dims,
-                          preferred_element_type=jnp.float32)
+    pa, pb = a.payload, b.payload
+    if cpu:
+      # XLA's CPU dot upcasts FP8 operands to FP32 and runs an FP32 GEMM;
+      # BF16 holds every FP8 value exactly and its dot with FP32
+      # accumulation runs at about twice the speed. (Elsewhere the FP8 dot
+      # is the pattern XLA rewrites to the vendor FP8 GEMM: keep it.)
+      pa, pb = pa.astype(jnp.bfloat16), pb.astype(jnp.bfloat16)
+    out = _dot_f32(pa, pb, axes)
     sa, sb = _scale_vector(a), _scale_vector(b)
     if sa.ndim:
       sa = sa[:, None]
@@ -143,10 +171,16 @@ def xla_gemm(a, b, out_dtype, axes: tuple[int, int], *,
   if (use_scaled_dot and a.granularity == b.granularity == "mx"
       and not (a.fmt.packed or b.fmt.packed)):
     return scaled_dot_mx(a, b, out_dtype)
-  ad = a.dequantize(jnp.float32)
-  bd = b.dequantize(jnp.float32)
-  out = lax.dot_general(ad, bd, dims, precision=lax.Precision.HIGHEST,
-                        preferred_element_type=jnp.float32)
+  # Emulation: dequantize, then one dot with FP32 accumulation. An MX value
+  # (element of at most 4 significant bits times a power of two) is exact in
+  # BF16, which has FP32's exponent range, so on CPU MX operands dequantize
+  # to BF16 and take the BF16 dot; tiles/blocks have arbitrary FP32 scales.
+  wide = jnp.float32
+  if cpu and a.granularity == b.granularity == "mx":
+    wide = jnp.bfloat16
+  ad = a.dequantize(wide)
+  bd = b.dequantize(wide)
+  out = _dot_f32(ad, bd, axes, precision=lax.Precision.HIGHEST)
   return out.astype(out_dtype)
 
 

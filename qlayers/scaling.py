@@ -259,23 +259,34 @@ def _padded_shape(shape, block):
 
 
 def _split_blocks(x: jax.Array, block: tuple[int, ...]) -> jax.Array:
-  """(n0*b0, n1*b1, ...) -> (n0, b0, n1, b1, ...)."""
+  """(n0*b0, n1*b1, ...) -> (n0, b0, n1, b1, ...), leaving dims with b == 1
+  unsplit (size-1 dims give XLA layouts it relays out element by element)."""
   dims = []
   for n, b in zip(x.shape, block):
-    dims += [n // b, b]
+    dims += [n] if b == 1 else [n // b, b]
   return x.reshape(dims)
+
+
+def _block_axes(block: tuple[int, ...]) -> tuple[int, ...]:
+  """Axes of `_split_blocks`' output that run within a block."""
+  axes, i = [], 0
+  for b in block:
+    if b != 1:
+      axes.append(i + 1)
+    i += 1 if b == 1 else 2
+  return tuple(axes)
 
 
 def _apply_blocks(values, scale, block, op):
   """op(values, scale) with one scale per block; values in padded shape."""
   split = _split_blocks(values, block)
-  s = scale.reshape([d for n in scale.shape for d in (n, 1)])
+  s = scale.reshape([d for n, b in zip(scale.shape, block)
+                     for d in ((n,) if b == 1 else (n, 1))])
   return op(split, s).reshape(values.shape)
 
 
 def _block_amax(x: jax.Array, block: tuple[int, ...]) -> jax.Array:
-  split = _split_blocks(jnp.abs(x), block)
-  return jnp.max(split, axis=tuple(range(1, split.ndim, 2)))
+  return jnp.max(_split_blocks(jnp.abs(x), block), axis=_block_axes(block))
 
 
 def _pad(x: jax.Array, padded: tuple[int, ...]) -> jax.Array:
@@ -466,9 +477,12 @@ def quantize(x: jax.Array, spec: QuantSpec, axis: int = -1, *,
   xf = x.astype(jnp.float32)
   block = block_shape(x.shape, spec, axis)
 
+  # Amaxes are taken of ``x`` in its own dtype (exact: max |x| is one of its
+  # values), so XLA fuses the FP32 upcast into each consumer instead of
+  # materializing an FP32 copy of ``x``.
   if block is None:
     if scale is None:
-      scale = te_scale(amax(xf), 1.0, fmt, margin=spec.margin, pow2=spec.pow2)
+      scale = te_scale(amax(x), 1.0, fmt, margin=spec.margin, pow2=spec.pow2)
     scale = jnp.asarray(scale, jnp.float32)
     payload = _cast(xf * (1.0 / scale), fmt, key)
     return QTensor(payload, scale, fmt.name, spec.granularity, None, axis,
@@ -476,8 +490,9 @@ def quantize(x: jax.Array, spec: QuantSpec, axis: int = -1, *,
 
   if scale is not None:
     raise ValueError("A given scale applies to per-tensor granularity only.")
-  xp = _pad(xf, _padded_shape(x.shape, block))
-  block_amax = _block_amax(xp, block)
+  padded = _padded_shape(x.shape, block)
+  xp = _pad(xf, padded)
+  block_amax = _block_amax(_pad(x, padded), block).astype(jnp.float32)
   if spec.granularity == "mx":
     scale = mx_scale_codes(block_amax, fmt, spec.scale_rule)
     inv = e8m0_decode(254 - scale.astype(jnp.int32))  # 2**-e, exact

@@ -78,15 +78,15 @@ class DelayedScaling(nnx.Module):
     """Stores the running amax of the forward roles returned by the op."""
     for role in ("x", "w"):
       value = jax.lax.stop_gradient(new[role].amax)
-      getattr(self, f"{role}_amax")[...] = value
+      getattr(self, f"{role}_amax").set_value(value)
 
   def commit(self) -> None:
     """Ends a step: histories roll, next scales computed, running amax reset."""
     new = ops.commit_state(self.read(), self.recipe)
     for role, st in new.items():
-      getattr(self, f"{role}_scale")[...] = st.scale
-      getattr(self, f"{role}_amax_history")[...] = st.amax_history
-      getattr(self, f"{role}_amax")[...] = st.amax
+      getattr(self, f"{role}_scale").set_value(st.scale)
+      getattr(self, f"{role}_amax_history").set_value(st.amax_history)
+      getattr(self, f"{role}_amax").set_value(st.amax)
 
 
 def _modules(model):
