@@ -316,7 +316,7 @@ def part_layer(cfg) -> dict[str, Any]:
 
 def part_step(cfg) -> dict[str, Any]:
   out = pathlib.Path(cfg.out) / "step.json"
-  cmd = [sys.executable, str(_HERE / "step.py"), "--no-peers",
+  cmd = [sys.executable, str(_HERE / "step.py"), "--no-peers", "--no-f32acc",
          "--qlayers-recipes", ",".join(STEP_RECIPES), "--json", str(out)]
   cmd += SMOKE_STEP_ARGS if cfg.cpu_smoke else STEP_ARGS
   print(" ".join(cmd), flush=True)

@@ -150,6 +150,8 @@ def _parser() -> argparse.ArgumentParser:
                  help="comma-separated variant names to run (baseline "
                  "always runs)")
   p.add_argument("--no-peers", action="store_true")
+  p.add_argument("--no-f32acc", action="store_true",
+                 help=f"leave out the second baseline ({F32ACC})")
   p.add_argument("--no-qlayers", action="store_true")
   p.add_argument("--qlayers-recipes", default=None,
                  help="comma-separated recipe names (default: all)")
@@ -181,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
       harness.Variant(F32ACC, "none",
                       "unquantized: BF16 operands, FP32 accumulation",
                       models.baseline_f32acc_step)]
+  if args.no_f32acc:
+    variants = variants[:1]
   skipped: dict[str, str] = {}
   if not args.no_peers:
     ok, missing = peers.available_peers()
