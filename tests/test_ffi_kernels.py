@@ -419,14 +419,17 @@ def test_build_info():
 
 
 def test_missing_library_is_reported_not_raised(tmp_path):
-  pkg = tmp_path / "qlayers"
-  pkg.mkdir()
-  (pkg / "__init__.py").write_text("")
-  shutil.copy(pathlib.Path(_native.__file__), pkg / "_native.py")
+  # A copy of the module alone in a folder, loaded by path (an editable
+  # install's import hook would otherwise hand back the real package).
+  copy = tmp_path / "lonely" / "_native.py"
+  copy.parent.mkdir()
+  shutil.copy(pathlib.Path(_native.__file__), copy)
   env = {k: v for k, v in os.environ.items() if k != "QLAYERS_NATIVE_DIR"}
-  env["PYTHONPATH"] = str(tmp_path)
-  code = ("from qlayers import _native as n; "
-          "print(n.available(), n.build_info()['cpu'], 'build_inplace' in n.unavailable_reason())")
-  res = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True,
-                       text=True, check=True, timeout=120)
+  code = ("import importlib.util as u; "
+          f"s = u.spec_from_file_location('lonely_native', {str(copy)!r}); "
+          "n = u.module_from_spec(s); s.loader.exec_module(n); "
+          "print(n.available(), n.build_info()['cpu'], "
+          "'build_inplace' in n.unavailable_reason())")
+  res = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path,
+                       capture_output=True, text=True, check=True, timeout=120)
   assert res.stdout.split() == ["False", "False", "True"]
