@@ -16,7 +16,7 @@ against their digests before reading any array, so a mismatch raises
 instead of restoring something half-right.
 
 Quantization state is plain FP32 arrays, saved like any other Variable.
-Zero-size arrays (e.g. the master-weight placeholders of `qlayers.Optimizer`)
+Zero-size arrays (e.g. the master-weight markers of `qlayers.Optimizer`)
 hold no data; they are recorded in the metadata and rebuilt from it.
 """
 

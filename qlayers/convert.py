@@ -324,7 +324,7 @@ def _one_gemm(layer) -> int:
   return len(rhs)
 
 
-def _placeholder(key, shape, dtype):
+def _zero_init(key, shape, dtype):
   del key
   return np.zeros(shape, dtype)
 
@@ -335,7 +335,7 @@ def _twin(cls, layer, **quant) -> nnx.Module:
   Its throwaway Params are size-1 NumPy zeros (no random initialisation to
   run or compile); `_adopt` then replaces them with ``layer``'s Variables.
   """
-  kw = dict(kernel_init=_placeholder, bias_init=_placeholder,
+  kw = dict(kernel_init=_zero_init, bias_init=_zero_init,
             rngs=nnx.Rngs(0), **quant)
   if issubclass(cls, nnx.Linear):
     return cls(1, 1, use_bias=layer.use_bias, **kw)

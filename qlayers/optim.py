@@ -28,7 +28,7 @@ class MixedPrecisionState(NamedTuple):
 
   Attributes:
     master: wide copies of Params stored narrower than ``master_dtype`` (a
-      zero-size placeholder for Params already wide).
+      zero-size marker for Params already wide).
     inner_state: the wrapped transformation's state, floating arrays stored
       in ``moment_dtype``.
     skipped: number of steps skipped for non-finite gradients.
@@ -43,7 +43,7 @@ class MixedPrecisionState(NamedTuple):
   good_steps: jax.Array
 
 
-def _is_placeholder(m) -> bool:
+def _no_master(m) -> bool:
   return m.ndim == 1 and m.shape[0] == 0
 
 
@@ -94,7 +94,7 @@ def mixed_precision(
 
   def masters(params, master):
     return jax.tree.map(
-        lambda p, m: p.astype(master_dtype) if _is_placeholder(m) else m,
+        lambda p, m: p.astype(master_dtype) if _no_master(m) else m,
         params, master)
 
   def init_fn(params):
@@ -129,12 +129,12 @@ def mixed_precision(
     new_wide = optax.apply_updates(wide, upd)
     new_inner = _cast_moments(new_inner, moment_dtype)
     new_master = jax.tree.map(
-        lambda m, n: m if _is_placeholder(m) else n.astype(master_dtype),
+        lambda m, n: m if _no_master(m) else n.astype(master_dtype),
         state.master, new_wide)
     # What the caller adds to its params: the inner update for wide params
     # (p + u is then exactly the new master), the narrowed difference else.
     out = jax.tree.map(
-        lambda p, m, u, n: u.astype(p.dtype) if _is_placeholder(m)
+        lambda p, m, u, n: u.astype(p.dtype) if _no_master(m)
         else n.astype(p.dtype) - p, params, state.master, upd, new_wide)
     ok = finite if skip_nonfinite else jnp.array(True)
     keep = lambda new, old: jax.tree.map(
@@ -237,7 +237,7 @@ class Optimizer(nnx.Optimizer):
                                         **nnx.as_pure(kwargs))
     new_params = optax.apply_updates(params, updates)
     new_params = jax.tree.map(
-        lambda p, m, n: n if _is_placeholder(m) else m.astype(p.dtype),
+        lambda p, m, n: n if _no_master(m) else m.astype(p.dtype),
         params, new_state.master, new_params)
     nnx.update(model, new_params)
     nnx.update(self.opt_state, nnx.state(new_state))
