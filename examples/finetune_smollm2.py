@@ -1,6 +1,6 @@
 """Fine-tune SmolLM2-135M-Instruct on Shakespeare with FP8 GEMMs.
 
-  python examples/finetune_smollm2.py                      # 60 steps, CPU
+  python examples/finetune_smollm2.py                      # 100 steps, CPU
   python examples/finetune_smollm2.py --steps 1000 --batch-size 16 \\
       --seq-len 512 --recipe mxfp8                         # longer (GPU)
 
@@ -65,15 +65,15 @@ class Config:
   """
 
   recipe: str = "fp8_delayed"
-  steps: int = 60
+  steps: int = 100
   batch_size: int = 4
   seq_len: int = 128
   lr: float = 1e-4
   min_lr_ratio: float = 0.1
-  warmup: int = 6
+  warmup: int = 10
   weight_decay: float = 0.01
   clip: float = 1.0
-  eval_every: int = 20
+  eval_every: int = 25
   eval_tokens: int = 1024
   dtype: str = "bfloat16"
   blocks: int = 0
