@@ -11,6 +11,7 @@ their masters and the gradient-side quantization state by assignment.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -166,6 +167,27 @@ def _wants_dynamic_loss_scale(model) -> bool:
   return False
 
 
+@functools.lru_cache(maxsize=64)
+def _wrap_cached(tx, master_dtype, moment_dtype, **kwargs):
+  return mixed_precision(tx, master_dtype=master_dtype,
+                         moment_dtype=moment_dtype, **kwargs)
+
+
+def _cached_mixed_precision(tx, *, master_dtype, moment_dtype, **kwargs):
+  """`mixed_precision`, the same object for the same ``tx`` and settings.
+
+  The wrapper is a static attribute of `Optimizer`, so ``nnx.jit`` compares
+  it by equality: building a fresh closure per optimizer would recompile the
+  train step for every new optimizer around the same ``tx``.
+  """
+  master_dtype, moment_dtype = jnp.dtype(master_dtype), jnp.dtype(moment_dtype)
+  try:
+    return _wrap_cached(tx, master_dtype, moment_dtype, **kwargs)
+  except TypeError:  # an unhashable tx or setting: no caching
+    return mixed_precision(tx, master_dtype=master_dtype,
+                           moment_dtype=moment_dtype, **kwargs)
+
+
 class Optimizer(nnx.Optimizer):
   """``nnx.Optimizer`` for quantized models (same ``update(model, grads)``).
 
@@ -207,7 +229,7 @@ class Optimizer(nnx.Optimizer):
     if loss_scaling not in ("dynamic", "none"):
       raise ValueError(f"loss_scaling must be 'dynamic', 'none' or None, got "
                        f"{loss_scaling!r}.")
-    wrapped = mixed_precision(
+    wrapped = _cached_mixed_precision(
         tx, master_dtype=master_dtype, moment_dtype=moment_dtype,
         skip_nonfinite=skip_nonfinite,
         dynamic_loss_scale=loss_scaling == "dynamic", **loss_scale_kwargs)

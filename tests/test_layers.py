@@ -446,6 +446,29 @@ def test_nonfinite_step_changes_only_skipped():
 
 
 @pytest.mark.usefixtures("optax_promotion")
+def test_new_optimizer_on_same_tx_reuses_compiled_step():
+  tx = optax.adam(0.1)
+  traces = []
+
+  @nnx.jit
+  def step(m, opt, g):
+    traces.append(1)
+    opt.update(m, grads_of(m, g))
+
+  for _ in range(2):
+    m = Vec([1.0, 2.0])
+    opt = qlayers.Optimizer(m, tx)
+    step(m, opt, jnp.array([1.0, -1.0]))
+    assert float(m.w[...][0]) != 1.0
+  assert len(traces) == 1
+  # Different settings are a different wrapper (and a new trace).
+  m = Vec([1.0, 2.0])
+  step(m, qlayers.Optimizer(m, tx, moment_dtype=jnp.bfloat16),
+       jnp.array([1.0, -1.0]))
+  assert len(traces) == 2
+
+
+@pytest.mark.usefixtures("optax_promotion")
 def test_bf16_moments():
   runs = {}
   for dt in (jnp.float32, jnp.bfloat16):
