@@ -153,7 +153,8 @@ class ConversionReport:
     already_quantized: layers left alone because they already were
       (`quantize`) or were not quantized (`dequantize_model`).
     unmatched_rules: rules that decided no layer (they match no layer path,
-      or only layers an earlier rule decided).
+      or only layers an earlier rule decided); the built-in `DEFAULT_RULES`
+      are never listed.
     model: the converted model (``model`` itself when ``inplace``).
   """
 
@@ -491,9 +492,12 @@ def quantize(model: nnx.Module, recipe: Recipe | str | None,
       continue
     b = rule.backend if rule is not None and rule.backend else backend
     plan.append((site, r, b, shape, rule))
-  report.unmatched_rules = [r for r in rules if id(r) not in used]
+  # The built-in rules are a safety net, not something the user asked for:
+  # a model without an embedding or head must not read as a rule mistake.
+  report.unmatched_rules = [r for r in rules if id(r) not in used
+                            and r not in DEFAULT_RULES]
   if strict:
-    bad = [r for r in report.unmatched_rules if r not in DEFAULT_RULES]
+    bad = report.unmatched_rules
     if bad:
       raise ValueError(
           "qlayers.quantize(strict=True): these rules decide no layer: "
