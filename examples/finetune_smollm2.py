@@ -20,10 +20,8 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
-import json
 import pathlib
 import sys
 import time
@@ -34,10 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from tqdm.auto import tqdm
 
 import qlayers
-from _common import llama, lm, shakespeare
+from _common import cli, llama, lm, shakespeare, training
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
@@ -89,25 +86,9 @@ class Config:
 
 def parse_args(argv=None) -> Config:
   """Command-line flags -> `Config` (defaults from the dataclass)."""
-  d = Config()
-  p = argparse.ArgumentParser(
-      description=__doc__.split("\n")[0],
-      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  p.add_argument("--recipe", default=d.recipe,
-                 help="available: " + ", ".join(qlayers.available_recipes()))
-  for name in ("steps", "batch_size", "seq_len", "warmup", "eval_every",
-               "eval_tokens", "blocks", "sample_tokens", "seed"):
-    p.add_argument("--" + name.replace("_", "-"), type=int,
-                   default=getattr(d, name))
-  for name in ("lr", "min_lr_ratio", "weight_decay", "clip", "temperature"):
-    p.add_argument("--" + name.replace("_", "-"), type=float,
-                   default=getattr(d, name))
-  p.add_argument("--dtype", choices=sorted(DTYPES), default=d.dtype)
-  for name in ("question", "prompt", "out"):
-    p.add_argument("--" + name, default=getattr(d, name))
-  p.add_argument("--json", default=d.json, metavar="PATH")
-  p.add_argument("--no-progress", dest="progress", action="store_false")
-  return Config(**vars(p.parse_args(argv)))
+  return cli.parse(Config, __doc__, argv,
+                   recipe={"help": "available: " + cli.recipes()},
+                   dtype={"choices": sorted(DTYPES)})
 
 
 # --- model and steps ---------------------------------------------------------
@@ -122,15 +103,10 @@ def load_model(cfg: Config):
 
 
 def make_tx(cfg: Config) -> optax.GradientTransformation:
-  schedule = optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=cfg.lr, warmup_steps=cfg.warmup,
-      decay_steps=max(cfg.steps, cfg.warmup + 1),
-      end_value=cfg.lr * cfg.min_lr_ratio)
-  decay_matrices = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
-  return optax.chain(
-      optax.clip_by_global_norm(cfg.clip),
-      optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay,
-                  mask=decay_matrices))
+  return training.adamw_cosine(
+      lr=cfg.lr, steps=cfg.steps, warmup=cfg.warmup,
+      weight_decay=cfg.weight_decay, min_lr_ratio=cfg.min_lr_ratio,
+      clip=cfg.clip)
 
 
 @nnx.jit
@@ -244,8 +220,8 @@ def main(argv=None) -> dict[str, Any]:
                                seq_len=cfg.seq_len, seed=cfg.seed)
   curve = [(0, results["ppl_converted"])]
   losses, step_times = [], []
-  bar = tqdm(range(1, cfg.steps + 1), desc=f"fine-tune ({cfg.recipe})",
-             disable=not cfg.progress, dynamic_ncols=True)
+  bar = training.progress(cfg.steps, f"fine-tune ({cfg.recipe})",
+                          enabled=cfg.progress)
   for step in bar:
     inputs, targets = next(stream)
     t0 = time.perf_counter()
@@ -301,11 +277,7 @@ def main(argv=None) -> dict[str, Any]:
   print(f"--- sample (temperature {cfg.temperature}) ---\n{results['sample']}")
   lap("generate")
   print("seconds: " + ", ".join(f"{k} {v}" for k, v in timings.items()))
-  if cfg.json:
-    path = pathlib.Path(cfg.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=1) + "\n")
-    print(f"wrote {path}")
+  cli.write_json(cfg.json, results)
   return results
 
 

@@ -18,11 +18,8 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
-import json
-import pathlib
 import sys
 import time
 from typing import Any
@@ -32,10 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from tqdm.auto import tqdm
 
 import qlayers
-from _common import bert, tasks
+from _common import bert, cli, tasks, training
 
 SENTENCES = (
     "A man is eating food.",
@@ -86,22 +82,8 @@ class Config:
 
 def parse_args(argv=None) -> Config:
   """Command-line flags -> `Config` (defaults from the dataclass)."""
-  d = Config()
-  p = argparse.ArgumentParser(
-      description=__doc__.split("\n")[0],
-      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  p.add_argument("--recipe", default=d.recipe,
-                 help="available: " + ", ".join(qlayers.available_recipes()))
-  for name in ("steps", "batch_size", "warmup", "max_words", "max_len",
-               "eval_examples", "layers", "seed"):
-    p.add_argument("--" + name.replace("_", "-"), type=int,
-                   default=getattr(d, name))
-  for name in ("min_cosine", "lr", "weight_decay"):
-    p.add_argument("--" + name.replace("_", "-"), type=float,
-                   default=getattr(d, name))
-  p.add_argument("--json", default=d.json, metavar="PATH")
-  p.add_argument("--no-progress", dest="progress", action="store_false")
-  return Config(**vars(p.parse_args(argv)))
+  return cli.parse(Config, __doc__, argv,
+                   recipe={"help": "available: " + cli.recipes()})
 
 
 # --- embeddings --------------------------------------------------------------
@@ -155,11 +137,9 @@ def accuracy(model, data: dict[str, np.ndarray], labels, batch_size) -> float:
 
 
 def make_tx(cfg: Config) -> optax.GradientTransformation:
-  schedule = optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=cfg.lr, warmup_steps=cfg.warmup,
-      decay_steps=max(cfg.steps, cfg.warmup + 1), end_value=cfg.lr * 0.1)
-  return optax.chain(optax.clip_by_global_norm(1.0),
-                     optax.adamw(schedule, weight_decay=cfg.weight_decay))
+  return training.adamw_cosine(
+      lr=cfg.lr, steps=cfg.steps, warmup=cfg.warmup,
+      weight_decay=cfg.weight_decay, b2=0.999, decay_matrices_only=False)
 
 
 # --- main --------------------------------------------------------------------
@@ -222,8 +202,8 @@ def main(argv=None) -> dict[str, Any]:
         f"(untrained head): {acc_before:.3f}")
   rng = np.random.default_rng(cfg.seed)
   losses, step_times = [], []
-  bar = tqdm(range(1, cfg.steps + 1), desc=f"fine-tune ({cfg.recipe})",
-             disable=not cfg.progress, dynamic_ncols=True)
+  bar = training.progress(cfg.steps, f"fine-tune ({cfg.recipe})",
+                          enabled=cfg.progress)
   for step in bar:
     idx = rng.choice(len(train), size=cfg.batch_size, replace=False)
     batch = bert.tokenize(tokenizer, [train.texts[i] for i in idx],
@@ -245,11 +225,7 @@ def main(argv=None) -> dict[str, Any]:
         f"{np.mean(losses[:5]):.3f} -> {np.mean(losses[-5:]):.3f})")
   results["seconds"] = round(time.perf_counter() - start, 1)
   print(f"total {results['seconds']} s")
-  if cfg.json:
-    path = pathlib.Path(cfg.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=1) + "\n")
-    print(f"wrote {path}")
+  cli.write_json(cfg.json, results)
   return results
 
 

@@ -26,10 +26,8 @@ JAX picks the accelerator when there is one; nothing here forces the CPU.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
-import json
 import math
 import pathlib
 import platform
@@ -45,7 +43,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 import qlayers
-from _common import gpt, lm, shakespeare
+from _common import cli, gpt, lm, shakespeare, training
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 BASELINE_NAMES = {"bfloat16": "bf16", "float32": "fp32"}
@@ -114,37 +112,16 @@ class Config:
                                     if r != self.baseline)
 
 
-def _csv(kind):
-  return lambda s: tuple(kind(x) for x in s.split(",") if x.strip())
-
-
 def parse_args(argv=None) -> Config:
   """Command-line flags -> `Config` (defaults from the dataclass)."""
-  d = Config()
-  p = argparse.ArgumentParser(
-      description=__doc__.split("\n")[0],
-      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p = cli.parser(
+      Config, __doc__,
+      recipes={"help": "comma-separated recipes; available: "
+                       + cli.recipes()},
+      seeds={"help": "comma-separated seeds, e.g. 0,1,2"},
+      dtype={"choices": sorted(DTYPES)})
   p.add_argument("--recipe", default=None,
                  help="one recipe (shorthand for --recipes NAME)")
-  p.add_argument("--recipes", type=_csv(str), default=d.recipes,
-                 help="comma-separated recipes; available: "
-                 + ", ".join(qlayers.available_recipes()))
-  p.add_argument("--seeds", type=_csv(int), default=d.seeds,
-                 help="comma-separated seeds, e.g. 0,1,2")
-  for name in ("steps", "batch_size", "seq_len", "d_model", "layers", "heads",
-               "d_ff", "warmup", "eval_every", "eval_batches",
-               "sample_tokens"):
-    p.add_argument("--" + name.replace("_", "-"), type=int,
-                   default=getattr(d, name))
-  for name in ("lr", "min_lr_ratio", "weight_decay", "clip", "b2",
-               "temperature", "tolerance"):
-    p.add_argument("--" + name.replace("_", "-"), type=float,
-                   default=getattr(d, name))
-  p.add_argument("--dtype", choices=sorted(DTYPES), default=d.dtype)
-  p.add_argument("--prompt", default=d.prompt)
-  p.add_argument("--out", default=d.out)
-  p.add_argument("--json", default=d.json, metavar="PATH")
-  p.add_argument("--no-progress", dest="progress", action="store_false")
   args = vars(p.parse_args(argv))
   recipe = args.pop("recipe")
   if recipe is not None:
@@ -180,15 +157,10 @@ def build_model(cfg: Config, run: str, seed: int):
 
 def make_tx(cfg: Config) -> optax.GradientTransformation:
   warmup = cfg.warmup if cfg.warmup >= 0 else max(1, cfg.steps // 10)
-  schedule = optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=cfg.lr, warmup_steps=warmup,
-      decay_steps=max(cfg.steps, warmup + 1),
-      end_value=cfg.lr * cfg.min_lr_ratio)
-  decay_matrices = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
-  return optax.chain(
-      optax.clip_by_global_norm(cfg.clip),
-      optax.adamw(schedule, b1=0.9, b2=cfg.b2,
-                  weight_decay=cfg.weight_decay, mask=decay_matrices))
+  return training.adamw_cosine(
+      lr=cfg.lr, steps=cfg.steps, warmup=warmup,
+      weight_decay=cfg.weight_decay, min_lr_ratio=cfg.min_lr_ratio,
+      clip=cfg.clip, b2=cfg.b2)
 
 
 @nnx.jit
@@ -259,8 +231,8 @@ def train_run(cfg: Config, run: str, seed: int, data, tx, *,
                                seq_len=cfg.seq_len, seed=seed)
   tokens = cfg.batch_size * cfg.seq_len
   losses, eval_steps, val_losses, wall, cpu = [], [], [], [], []
-  bar = tqdm(range(1, cfg.steps + 1), desc=f"{run} seed {seed}",
-             disable=not cfg.progress, dynamic_ncols=True, leave=True)
+  bar = training.progress(cfg.steps, f"{run} seed {seed}",
+                          enabled=cfg.progress)
   compile_s = 0.0
   for step in bar:
     inputs, targets = next(stream)
@@ -511,11 +483,7 @@ def main(argv=None) -> dict[str, Any]:
       "runs": [dataclasses.asdict(r) for rs in runs.values() for r in rs],
       "png": str(png),
   }
-  if cfg.json:
-    path = pathlib.Path(cfg.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=1) + "\n")
-    print(f"wrote {path}")
+  cli.write_json(cfg.json, results)
   return results
 
 

