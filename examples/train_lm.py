@@ -5,6 +5,8 @@
       --json out/train_lm.json                             # parity over seeds
   python examples/train_lm.py --steps 5000 --d-model 384 --layers 6 \\
       --batch-size 64 --seq-len 256                        # a longer run (GPU)
+  python examples/train_lm.py --merge out/a.json,out/b.json --out out/ab
+                                                           # one table from both
 
 Every run builds the same GPT (``_common/gpt.py``) from the same seed, so all
 recipes start from identical weights and see the same batches in the same
@@ -20,6 +22,10 @@ Outputs (in ``--out``): ``train_lm.png`` (train and validation loss per
 recipe, and the validation gap to the baseline), ``train_lm.md`` (the final
 table); ``--json PATH`` writes every number. With several ``--seeds`` each
 recipe is compared to the baseline by the rule printed under the table.
+``--merge`` trains nothing: it combines the ``--json`` files of earlier runs
+with the same training settings (more seeds, more recipes) into one table,
+plot and JSON, and checks that a (recipe, seed) run present in several files
+gave the same numbers.
 
 JAX picks the accelerator when there is one; nothing here forces the CPU.
 """
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import pathlib
 import platform
@@ -73,6 +80,7 @@ class Config:
     out: folder for the plot and the table.
     json: also write all numbers to this file.
     progress: show progress bars.
+    merge: train nothing; combine these ``--json`` files of earlier runs.
   """
 
   recipes: tuple[str, ...] = ("fp8_delayed",)
@@ -100,6 +108,7 @@ class Config:
   out: str = "out/train_lm"
   json: str | None = None
   progress: bool = True
+  merge: tuple[str, ...] = ()
 
   @property
   def baseline(self) -> str:
@@ -119,6 +128,9 @@ def parse_args(argv=None) -> Config:
       recipes={"help": "comma-separated recipes; available: "
                        + cli.recipes()},
       seeds={"help": "comma-separated seeds, e.g. 0,1,2"},
+      merge={"metavar": "JSONS",
+             "help": "train nothing; combine these comma-separated --json "
+                     "files of earlier runs into one table"},
       dtype={"choices": sorted(DTYPES)})
   p.add_argument("--recipe", default=None,
                  help="one recipe (shorthand for --recipes NAME)")
@@ -342,14 +354,15 @@ def markdown_table(cfg: Config, rows, *, cpu_column: bool = False) -> str:
   """The final table; ``cpu_column`` adds the process CPU time per step
   (steadier than wall time on a CPU shared with other work)."""
   several = len(cfg.seeds) > 1
-  cols = ["recipe", "train loss", "val loss", f"Δ val vs {cfg.baseline}",
+  cols = ["recipe"] + (["seeds"] if several else []) + ["train loss", "val loss", f"Δ val vs {cfg.baseline}",
           "step (ms)", "tokens/s"] + (["CPU/step (ms)"] if cpu_column else [])
   lines = ["| " + " | ".join(cols + ["verdict"]) + " |",
            "|" + "---|" * (len(cols) + 1)]
   for name, r in rows.items():
     diff = ("—" if name == cfg.baseline
             else _pm(r["val_diff_pct"], "+.2f", several) + "%")
-    cells = [name, _pm(r["train_loss"], ".4f", several),
+    cells = [name] + ([str(len(r["val_diff_pct_per_seed"]))] if several
+                      else []) + [_pm(r["train_loss"], ".4f", several),
              _pm(r["val_loss"], ".4f", several), diff,
              _pm(r["step_ms"], ".0f", several),
              _pm(r["tokens_per_s"], ",.0f", several)]
@@ -433,11 +446,96 @@ def environment() -> dict[str, str]:
           "python": platform.python_version()}
 
 
-def main(argv=None) -> dict[str, Any]:
-  """Runs everything; returns the numbers written by ``--json``."""
-  cfg = parse_args(argv)
-  out = pathlib.Path(cfg.out)
-  out.mkdir(parents=True, exist_ok=True)
+# --- merging earlier runs ----------------------------------------------------
+
+# Config fields that do not change what a run computes; every other field
+# must agree between the files that `merge_runs` combines.
+_NOT_TRAINING = ("recipes", "seeds", "prompt", "sample_tokens", "temperature",
+                 "tolerance", "out", "json", "progress", "merge")
+
+
+def merge_runs(cfg: Config) -> tuple[Config, dict[str, Any],
+                                     dict[str, list[Run]], list[dict]]:
+  """Runs from the ``cfg.merge`` JSON files, checked to be comparable.
+
+  Returns the combined config (training settings from the files, recipes and
+  seeds their union, the rest from ``cfg``), the model description, the runs
+  per recipe (baseline first, seeds ascending) and one entry per file.
+  Raises ValueError for an unreadable file, files trained with different
+  settings, or a recipe seed whose baseline run is missing. A (recipe, seed)
+  run found in several files keeps the first; if the numbers differ (the run
+  is not reproducible on that machine) the entry says so and a line is
+  printed.
+  """
+  fields = {f.name for f in dataclasses.fields(Config)}
+  settings = model = first = None
+  found: dict[tuple[str, int], tuple[Run, str]] = {}
+  sources = []
+  for path in cfg.merge:
+    try:
+      data = json.loads(pathlib.Path(path).read_text())
+      file_cfg, file_model = dict(data["config"]), data["model"]
+      file_runs = [Run(**r) for r in data["runs"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+      raise ValueError(f"--merge: {path} is not a readable train_lm --json "
+                       f"file ({type(e).__name__}: {e})") from None
+    mine = {k: v for k, v in file_cfg.items() if k not in _NOT_TRAINING}
+    unknown = sorted(set(mine) - fields)
+    if unknown:
+      raise ValueError(f"--merge: {path} has settings this script does not "
+                       f"know: {unknown}")
+    if settings is None:
+      settings, model, first = mine, file_model, path
+    diff = sorted(k for k in set(settings) | set(mine)
+                  if settings.get(k) != mine.get(k))
+    if diff or model != file_model:
+      what = ", ".join(f"{k}: {mine.get(k)!r} here, {settings.get(k)!r} "
+                       f"there" for k in diff) or "the model differs"
+      raise ValueError(f"--merge: {path} was trained with other settings "
+                       f"than {first} ({what}); only runs of the same "
+                       "training settings can share a table.")
+    reproduced, differing = [], []
+    for run in file_runs:
+      key = (run.recipe, run.seed)
+      if key not in found:
+        found[key] = (run, path)
+        continue
+      kept, kept_path = found[key]
+      same = (kept.val_loss == run.val_loss
+              and kept.train_loss == run.train_loss)
+      (reproduced if same else differing).append(list(key))
+      if not same:
+        print(f"--merge: {key[0]} seed {key[1]} differs between {kept_path} "
+              f"(val {kept.final_val:.6f}, kept) and {path} "
+              f"(val {run.final_val:.6f})")
+    sources.append({"path": str(path), "environment": data.get("environment"),
+                    "total_s": data.get("total_s"),
+                    "runs": [[r.recipe, r.seed] for r in file_runs],
+                    "reproduced": reproduced, "differing": differing})
+
+  tuples = {k: tuple(v) if isinstance(v, list) else v
+            for k, v in settings.items()}
+  recipes = list(dict.fromkeys(r for r, _ in found))
+  merged = dataclasses.replace(
+      cfg, **tuples, recipes=tuple(recipes),
+      seeds=tuple(sorted({s for _, s in found})))
+  base_seeds = {s for r, s in found if r == merged.baseline}
+  missing = sorted((r, s) for r, s in found if s not in base_seeds)
+  if missing:
+    raise ValueError(f"--merge: no {merged.baseline} run for "
+                     + ", ".join(f"{r} seed {s}" for r, s in missing)
+                     + "; each recipe seed is compared with the baseline run "
+                     "of the same seed.")
+  runs = {name: [found[k][0] for k in sorted(found) if k[0] == name]
+          for name in merged.runs}
+  return merged, model, runs, sources
+
+
+# --- main --------------------------------------------------------------------
+
+
+def train_all(cfg: Config):
+  """Trains every recipe and seed; returns model description, runs, env."""
   env = environment()
   model_cfg = gpt_config(cfg)
   n_params = sum(x.size for x in jax.tree.leaves(nnx.state(
@@ -454,10 +552,30 @@ def main(argv=None) -> dict[str, Any]:
     for name in cfg.runs:
       runs.setdefault(name, []).append(
           train_run(cfg, name, seed, data, tx, verbose=seed_index == 0))
-  total_s = time.perf_counter() - start
+  model = {**dataclasses.asdict(model_cfg), "dtype": cfg.dtype,
+           "params": int(n_params)}
+  return model, runs, env, time.perf_counter() - start
+
+
+def main(argv=None) -> dict[str, Any]:
+  """Runs everything; returns the numbers written by ``--json``."""
+  cfg = parse_args(argv)
+  out = pathlib.Path(cfg.out)
+  out.mkdir(parents=True, exist_ok=True)
+  extra: dict[str, Any] = {}
+  if cfg.merge:
+    cfg, model, runs, sources = merge_runs(cfg)
+    env, total_s = sources[0]["environment"], sum(
+        x["total_s"] or 0.0 for x in sources)
+    extra["merged_from"] = sources
+    print(f"merged {sum(map(len, runs.values()))} runs from "
+          f"{len(sources)} files")
+  else:
+    model, runs, env, total_s = train_all(cfg)
 
   rows = summarize(cfg, runs)
-  table = markdown_table(cfg, rows, cpu_column=env["backend"] == "cpu")
+  table = markdown_table(cfg, rows,
+                         cpu_column=(env or {}).get("backend") == "cpu")
   print()
   print(table)
   print()
@@ -474,14 +592,14 @@ def main(argv=None) -> dict[str, Any]:
 
   results = {
       "config": dataclasses.asdict(cfg),
-      "model": {**dataclasses.asdict(model_cfg), "dtype": cfg.dtype,
-                "params": int(n_params)},
+      "model": model,
       "environment": env,
       "total_s": total_s,
       "rule": RULE.format(base=cfg.baseline, tol=cfg.tolerance),
       "summary": rows,
       "runs": [dataclasses.asdict(r) for rs in runs.values() for r in rs],
       "png": str(png),
+      **extra,
   }
   cli.write_json(cfg.json, results)
   return results

