@@ -58,6 +58,7 @@ import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 
 import harness  # noqa: E402
+import mdtable  # noqa: E402
 
 TN = (((1,), (1,)), ((), ()))
 
@@ -255,24 +256,21 @@ def render(results: list[Variant], fmts: dict[str, Format]) -> str:
   lines = []
   for mode, title in (("gemm", "GEMM on pre-quantized operands"),
                       ("q+gemm", "quantize both operands from BF16 + GEMM")):
-    lines += [f"#### {title}", "",
-              "| M x N x K | format | backend | wall ms | CPU ms | GFLOP/s "
-              "(wall) | vs bf16 (CPU) | vs bf16 (wall) |",
-              "|---|---|---|---:|---:|---:|---:|---:|"]
+    lines += [f"#### {title}", "", *mdtable.head(
+        ["M x N x K", "format", "backend", "wall ms", "CPU ms",
+         "GFLOP/s (wall)", "vs bf16 (CPU)", "vs bf16 (wall)"], "lllrrrrr")]
     for v in results:
       plain = not fmts[v.fmt].quantized if v.fmt in fmts else False
       if v.mode != mode and not (plain and mode == "q+gemm"):
         continue
       shape = "x".join(map(str, v.shape))
       if v.error:
-        err = v.error.replace("|", "/")[:120]
-        lines.append(f"| {shape} | {v.fmt} | {v.backend} | — | — | — | — "
-                     f"| {err} |")
+        lines.append(mdtable.row(shape, v.fmt, v.backend, *["—"] * 4,
+                                 v.error.replace("|", "/")[:120]))
         continue
-      lines.append(
-          f"| {shape} | {v.fmt} | {v.backend} | {_ms(v.wall_s)} "
-          f"| {_ms(v.cpu_s)} | {v.gflops:.1f} | {_r(v.ratio_cpu)} "
-          f"| {_r(v.ratio_wall)} |")
+      lines.append(mdtable.row(
+          shape, v.fmt, v.backend, _ms(v.wall_s), _ms(v.cpu_s),
+          f"{v.gflops:.1f}", _r(v.ratio_cpu), _r(v.ratio_wall)))
     lines.append("")
   lines += _crossover(results, fmts)
   return "\n".join(lines) + "\n"
@@ -286,11 +284,11 @@ def _crossover(results: list[Variant], fmts: dict[str, Format]) -> list[str]:
     if fmts.get(v.fmt) is not None and fmts[v.fmt].quantized and (
         (v.fmt, v.backend) not in keys) and not v.error:
       keys.append((v.fmt, v.backend))
-  head = " | ".join("x".join(map(str, s)) for s in shapes)
   lines = ["#### Crossover: CPU-time ratio vs the bf16 dot (< 1: low "
-           "precision pays), GEMM only / quantize+GEMM", "",
-           f"| format | backend | {head} | pays from (GEMM only) | pays from "
-           "(q+GEMM) |", "|---|---|" + "---:|" * len(shapes) + "---|---|"]
+           "precision pays), GEMM only / quantize+GEMM", "", *mdtable.head(
+               ["format", "backend", *("x".join(map(str, s)) for s in shapes),
+                "pays from (GEMM only)", "pays from (q+GEMM)"],
+               "ll" + "r" * len(shapes) + "ll")]
   for fmt, be in keys:
     cells = []
     ratios = {"gemm": [], "q+gemm": []}
@@ -303,9 +301,8 @@ def _crossover(results: list[Variant], fmts: dict[str, Format]) -> list[str]:
       ratios["gemm"].append(rg)
       ratios["q+gemm"].append(rq)
       cells.append(f"{_r(rg)} / {_r(rq)}")
-    lines.append(f"| {fmt} | {be} | " + " | ".join(cells) + " | "
-                 + _pays(shapes, ratios["gemm"]) + " | "
-                 + _pays(shapes, ratios["q+gemm"]) + " |")
+    lines.append(mdtable.row(fmt, be, *cells, _pays(shapes, ratios["gemm"]),
+                             _pays(shapes, ratios["q+gemm"])))
   return lines
 
 
@@ -385,11 +382,7 @@ def main(argv: list[str] | None = None) -> int:
       f"{args.min_time * 1e3:.0f} ms of back-to-back calls; medians; ratios "
       "= median of per-round ratios to the bf16 dot; out = a @ b.T, BF16 "
       "output, FP32 accumulation\n")
-  md = header + "\n" + render(results, all_fmts)
-  print(md)
-  if args.append_md:
-    with open(args.append_md, "a") as f:
-      f.write("\n" + md)
+  harness.publish(header + "\n" + render(results, all_fmts), args.append_md)
   if args.json:
     rows = []
     for v in results:
@@ -400,19 +393,9 @@ def main(argv: list[str] | None = None) -> int:
       rows.append(d)
     out = {"started": started, "wall_s": wall, "machine": machine,
            "native": native_info, "args": vars(args), "results": rows}
-    pathlib.Path(args.json).write_text(json.dumps(_clean(out), indent=1)
-                                       + "\n")
+    pathlib.Path(args.json).write_text(
+        json.dumps(harness.json_safe(out), indent=1) + "\n")
   return 0
-
-
-def _clean(x):
-  if isinstance(x, float) and not math.isfinite(x):
-    return None
-  if isinstance(x, dict):
-    return {k: _clean(v) for k, v in x.items()}
-  if isinstance(x, (list, tuple)):
-    return [_clean(v) for v in x]
-  return x
 
 
 if __name__ == "__main__":

@@ -52,6 +52,10 @@ from typing import Any
 
 _HERE = pathlib.Path(__file__).resolve().parent
 _ROOT = _HERE.parent
+if str(_HERE) not in sys.path:
+  sys.path.insert(0, str(_HERE))
+
+import mdtable  # noqa: E402
 
 FP8_CALL = "__cublas$lt$matmul$f8"
 PARTS = ("env", "gemm", "mx", "layer", "step")
@@ -113,6 +117,35 @@ def _compiled(fn, args):
 
 def _row(item: str, **kw) -> dict[str, Any]:
   return {"item": item, **kw}
+
+
+def _calls(item: str, calls: Counter) -> dict[str, Any]:
+  return {"calls": dict(calls)}
+
+
+def _time_rows(cfg, variants, flops: float,
+               fields=_calls) -> list[dict[str, Any]]:
+  """Compiles and times ``(item, fn, args)`` variants, one row each.
+
+  The first variant is the baseline of ``ratio``; ``fields(item, calls)``
+  gives a row's entries after ``ms``. Every row is also printed as JSON.
+  """
+  rows, base = [], None
+  for i, (item, fn, args) in enumerate(variants):
+    try:
+      exe, calls = _compiled(fn, args)
+      t = _timeit(exe, args, repeats=cfg.repeats, min_time=cfg.min_time)
+    except Exception as e:  # noqa: BLE001 - reported
+      rows.append(_row(item, error=_err(e)))
+      continue
+    if i == 0:
+      base = t["median_s"]
+    row = _row(item, tflops=flops / t["median_s"] / 1e12,
+               ratio=base / t["median_s"] if base else math.nan,
+               ms=t["median_s"] * 1e3, **fields(item, calls))
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+  return rows
 
 
 # ==========================================================================
@@ -195,6 +228,12 @@ def part_gemm(cfg) -> dict[str, Any]:
     sa, sb = scale_of(a), scale_of(b)
     return fp8_direct(cast(a, sa), cast(b, sb), sa, sb)
 
+  def fields(item, calls):
+    f = {"fp8_call": FP8_CALL in calls, "calls": dict(calls)}
+    if item == "8192^3 fp8 direct TN":
+      f["target"] = TARGETS["gemm_fp8_8192"]
+    return f
+
   rows = []
   for size in cfg.sizes:
     m = n = k = size
@@ -211,25 +250,9 @@ def part_gemm(cfg) -> dict[str, Any]:
         ("fp8 dequant pattern", jax.jit(fp8_dequant), (a8, b8, sa, sb)),
         ("fp8 quantize+GEMM from bf16", jax.jit(fp8_q_gemm), (a, b)),
     ]
-    base = None
-    for name, fn, args in variants:
-      try:
-        exe, calls = _compiled(fn, args)
-        t = _timeit(exe, args, repeats=cfg.repeats, min_time=cfg.min_time)
-      except Exception as e:  # noqa: BLE001 - reported
-        rows.append(_row(f"{size}^3 {name}", error=_err(e)))
-        continue
-      tflops = 2.0 * m * n * k / t["median_s"] / 1e12
-      if name == "bf16":
-        base = t["median_s"]
-      ratio = base / t["median_s"] if base else math.nan
-      row = _row(f"{size}^3 {name}", tflops=tflops, ratio=ratio,
-                 ms=t["median_s"] * 1e3, fp8_call=FP8_CALL in calls,
-                 calls=dict(calls))
-      if name == "fp8 direct TN" and size == 8192:
-        row["target"] = TARGETS["gemm_fp8_8192"]
-      rows.append(row)
-      print(json.dumps(row), flush=True)
+    rows += _time_rows(
+        cfg, [(f"{size}^3 {name}", fn, args) for name, fn, args in variants],
+        2.0 * m * n * k, fields)
   return {"rows": rows}
 
 
@@ -257,22 +280,9 @@ def part_mx(cfg) -> dict[str, Any]:
                 scaling.quantize(a, spec, 1), scaling.quantize(b, spec, 1),
                 jnp.bfloat16)), (a, b)),
     ]
-    base = None
-    for name, fn, args in variants:
-      try:
-        exe, calls = _compiled(fn, args)
-        t = _timeit(exe, args, repeats=cfg.repeats, min_time=cfg.min_time)
-      except Exception as e:  # noqa: BLE001 - reported
-        rows.append(_row(f"{size}^3 {name}", error=_err(e)))
-        continue
-      if name == "bf16":
-        base = t["median_s"]
-      row = _row(f"{size}^3 {name}",
-                 tflops=2.0 * size**3 / t["median_s"] / 1e12,
-                 ratio=base / t["median_s"] if base else math.nan,
-                 ms=t["median_s"] * 1e3, calls=dict(calls))
-      rows.append(row)
-      print(json.dumps(row), flush=True)
+    rows += _time_rows(
+        cfg, [(f"{size}^3 {name}", fn, args) for name, fn, args in variants],
+        2.0 * size**3)
   return {"rows": rows}
 
 
@@ -285,8 +295,7 @@ def part_layer(cfg) -> dict[str, Any]:
   x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
   w = 0.02 * jax.random.normal(kw, (k, n), jnp.float32)
   ct = jax.random.normal(kc, (m, n), jnp.float32).astype(jnp.bfloat16)
-  rows = []
-  base = None
+  variants = []
   for name in ("bf16", "fp8_current", "fp8_delayed", "mxfp8"):
     state = qlayers.init_state(name)
 
@@ -294,23 +303,11 @@ def part_layer(cfg) -> dict[str, Any]:
       y, _ = qlayers.quantized_matmul(x, w, name, state)
       return jnp.vdot(y.astype(jnp.float32), ct.astype(jnp.float32))
 
-    fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
-    args = (x, w, state, ct)
-    try:
-      exe, calls = _compiled(fn, args)
-      t = _timeit(exe, args, repeats=cfg.repeats, min_time=cfg.min_time)
-    except Exception as e:  # noqa: BLE001 - reported
-      rows.append(_row(f"{m}x{k}x{n} fwd+bwd {name}", error=_err(e)))
-      continue
-    if name == "bf16":
-      base = t["median_s"]
-    row = _row(f"{m}x{k}x{n} fwd+bwd {name}",
-               tflops=3 * 2.0 * m * n * k / t["median_s"] / 1e12,
-               ratio=base / t["median_s"] if base else math.nan,
-               ms=t["median_s"] * 1e3, fp8_calls=calls.get(FP8_CALL, 0),
-               calls=dict(calls))
-    rows.append(row)
-    print(json.dumps(row), flush=True)
+    variants.append((f"{m}x{k}x{n} fwd+bwd {name}",
+                     jax.jit(jax.value_and_grad(loss, argnums=(0, 1))),
+                     (x, w, state, ct)))
+  rows = _time_rows(cfg, variants, 3 * 2.0 * m * n * k, lambda item, calls: {
+      "fp8_calls": calls.get(FP8_CALL, 0), "calls": dict(calls)})
   return {"rows": rows}
 
 
@@ -426,21 +423,22 @@ def _fmt(x, spec=".1f") -> str:
 
 
 def render(results: dict[str, dict], smoke: bool = False) -> str:
-  lines = ["| part | item | TFLOP/s | ms | speedup vs bf16 | FP8 cuBLASLt call "
-           "| target | status | notes |",
-           "|---|---|---:|---:|---:|---|---|---|---|"]
+  lines = mdtable.head(["part", "item", "TFLOP/s", "ms", "speedup vs bf16",
+                        "FP8 cuBLASLt call", "target", "status", "notes"],
+                       "llrrrllll")
+  blank = [None] * 5
   for part, res in results.items():
     if res.get("error"):
-      lines.append(f"| {part} | — | | | | | | ERROR | "
-                   f"{res['error'].replace('|', '/')} |")
+      lines.append(mdtable.row(part, "—", *blank, "ERROR",
+                               res["error"].replace("|", "/")))
     for r in res.get("rows", []):
       if "error" in r:
-        lines.append(f"| {part} | {r['item']} | | | | | | ERROR | "
-                     f"{r['error'].replace('|', '/')[:200]} |")
+        lines.append(mdtable.row(part, r["item"], *blank, "ERROR",
+                                 r["error"].replace("|", "/")[:200]))
         continue
       if "value" in r:
-        lines.append(f"| {part} | {r['item']} | | | | | | | "
-                     f"{str(r['value']).replace('|', '/')[:200]} |")
+        lines.append(mdtable.row(part, r["item"], *blank, None,
+                                 str(r["value"]).replace("|", "/")[:200]))
         continue
       fp8 = ""
       if "fp8_call" in r:
@@ -458,11 +456,11 @@ def render(results: dict[str, dict], smoke: bool = False) -> str:
       if "calls" in r and part in ("mx", "layer"):
         notes.append(", ".join(f"{k} x{v}" for k, v in r["calls"].items())
                      or "no custom calls")
-      lines.append(
-          f"| {part} | {r['item']} | {_fmt(r.get('tflops', math.nan))} "
-          f"| {_fmt(r.get('ms', math.nan), '.3f')} "
-          f"| {_fmt(r.get('ratio', math.nan), '.2f')}x | {fp8} | {target} "
-          f"| {status} | {'; '.join(notes).replace('|', '/')} |")
+      lines.append(mdtable.row(
+          part, r["item"], _fmt(r.get("tflops", math.nan)),
+          _fmt(r.get("ms", math.nan), ".3f"),
+          f"{_fmt(r.get('ratio', math.nan), '.2f')}x", fp8, target, status,
+          "; ".join(notes).replace("|", "/")))
   return "\n".join(lines) + "\n"
 
 

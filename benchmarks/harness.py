@@ -41,8 +41,10 @@ from typing import Any
 import jax
 import numpy as np
 
+import mdtable
+
 __all__ = ["Variant", "VariantResult", "Report", "run", "render_markdown",
-           "to_json", "machine_info"]
+           "to_json", "json_safe", "publish", "machine_info"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,49 +317,59 @@ def render_markdown(rep: Report) -> str:
       f"- sanity: loss after {rep.check_steps} steps finite and within "
       f"{rep.loss_rtol:.0%} of the baseline's",
       "",
-      "| variant | library | recipe | median ms | IQR ms | min ms "
-      "| vs BF16 [min–max] | CPU ms | CPU vs BF16 [min–max] "
-      + "".join(f"| vs {n} | CPU vs {n} [min–max] " for n in rep.references)
-      + "| loss@check | loss@end | sanity |",
-      "|---|---|---|---:|---:|---:|---:|---:|---:|"
-      + "---:|---:|" * len(rep.references) + "---:|---:|---|",
+      *mdtable.head(
+          ["variant", "library", "recipe", "median ms", "IQR ms", "min ms",
+           "vs BF16 [min–max]", "CPU ms", "CPU vs BF16 [min–max]",
+           *(col for n in rep.references
+             for col in (f"vs {n}", f"CPU vs {n} [min–max]")),
+           "loss@check", "loss@end", "sanity"],
+          "lll" + "r" * (6 + 2 * len(rep.references)) + "rrl"),
   ]
-  n_ref = 2 * len(rep.references)
+  # Timings, reference ratios and losses of a row without measurements.
+  dashes = ["—"] * (8 + 2 * len(rep.references))
   for r in rep.results:
     if r.error is not None:
       err = r.error.splitlines()[0].replace("|", "\\|")[:160]
-      lines.append(f"| {r.name} | {r.library} | {r.recipe} | — | — | — | — "
-                   f"| — | — | " + "— | " * n_ref
-                   + f"— | — | failed: {err} |")
+      lines.append(mdtable.row(r.name, r.library, r.recipe, *dashes,
+                               f"failed: {err}"))
       continue
-    refs = ""
+    refs = []
     for n in rep.references:
       w, c = r.ref_ratios[n]["wall"], r.ref_ratios[n]["cpu"]
-      refs += (f"| {w[0]:.2f}x | {c[0]:.2f}x [{c[1]:.2f}–{c[2]:.2f}] ")
-    lines.append(
-        f"| {r.name} | {r.library} | {r.recipe} | {_ms(r.median_s)} "
-        f"| {_ms(r.q25_s)}–{_ms(r.q75_s)} | {_ms(r.min_s)} "
-        f"| {r.ratio:.2f}x [{r.ratio_min:.2f}–{r.ratio_max:.2f}] "
-        f"| {_ms(r.cpu_median_s)} "
-        f"| {r.cpu_ratio:.2f}x [{r.cpu_ratio_min:.2f}–{r.cpu_ratio_max:.2f}] "
-        + refs + f"| {r.loss_check:.4f} | {r.loss_final:.4f} "
-        f"| {'ok' if r.loss_ok else 'CHECK'} |")
+      refs += [f"{w[0]:.2f}x", f"{c[0]:.2f}x [{c[1]:.2f}–{c[2]:.2f}]"]
+    lines.append(mdtable.row(
+        r.name, r.library, r.recipe, _ms(r.median_s),
+        f"{_ms(r.q25_s)}–{_ms(r.q75_s)}", _ms(r.min_s),
+        f"{r.ratio:.2f}x [{r.ratio_min:.2f}–{r.ratio_max:.2f}]",
+        _ms(r.cpu_median_s),
+        f"{r.cpu_ratio:.2f}x [{r.cpu_ratio_min:.2f}–{r.cpu_ratio_max:.2f}]",
+        *refs, f"{r.loss_check:.4f}", f"{r.loss_final:.4f}",
+        "ok" if r.loss_ok else "CHECK"))
   for name, why in rep.skipped.items():
-    lines.append(f"| {name} | | | — | — | — | — | — | — | " + "— | " * n_ref
-                 + f"— | — | skipped: {why.replace('|', '/')[:160]} |")
+    lines.append(mdtable.row(name, None, None, *dashes,
+                             f"skipped: {why.replace('|', '/')[:160]}"))
   return "\n".join(lines) + "\n"
 
 
 def to_json(rep: Report) -> dict[str, Any]:
   """The report as a JSON-serialisable dict (NaN becomes None)."""
+  return json_safe(dataclasses.asdict(rep))
 
-  def clean(x):
-    if isinstance(x, float) and not math.isfinite(x):
-      return None
-    if isinstance(x, dict):
-      return {k: clean(val) for k, val in x.items()}
-    if isinstance(x, (list, tuple)):
-      return [clean(val) for val in x]
-    return x
 
-  return clean(dataclasses.asdict(rep))
+def json_safe(x: Any) -> Any:
+  """``x`` with non-finite floats as None and tuples as lists, recursively."""
+  if isinstance(x, float) and not math.isfinite(x):
+    return None
+  if isinstance(x, dict):
+    return {k: json_safe(val) for k, val in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [json_safe(val) for val in x]
+  return x
+
+
+def publish(md: str, append_md: str | None = None) -> None:
+  """Prints the Markdown report and appends it to the file ``append_md``."""
+  print(md)
+  if append_md:
+    with open(append_md, "a") as f:
+      f.write("\n" + md)

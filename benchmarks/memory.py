@@ -84,6 +84,7 @@ from flax import nnx  # noqa: E402
 from jax.ad_checkpoint import checkpoint_name  # noqa: E402
 from jax.extend import core as jex_core  # noqa: E402
 
+import mdtable  # noqa: E402
 import models  # noqa: E402
 
 MiB = 2**20
@@ -188,8 +189,8 @@ def _calc(args: argparse.Namespace) -> int:
   print(f"P = {args.params:.4g}, N_F = {args.fsdp}, moments {args.moments}, "
         f"A_h = {args.wide_elems:.4g} (BF16), A_e = {eligible:.4g} at "
         f"{bpe:g} B/elem ({why})\n")
-  print("| term | formula | GB per device | with BF16 saved |")
-  print("|---|---|---:|---:|")
+  print("\n".join(mdtable.head(
+      ["term", "formula", "GB per device", "with BF16 saved"], "llrr")))
   rows = [
       ("persistent", f"P/N_F x (4 master + {m} moments)", est.persistent,
        bf16.persistent),
@@ -199,7 +200,7 @@ def _calc(args: argparse.Namespace) -> int:
       ("total", "", est.total, bf16.total),
   ]
   for name, formula, v, vb in rows:
-    print(f"| {name} | {formula} | {v / GB:.2f} | {vb / GB:.2f} |")
+    print(mdtable.row(name, formula, f"{v / GB:.2f}", f"{vb / GB:.2f}"))
   if bf16.saved:
     print(f"\nsaved / BF16 saved = {est.saved / bf16.saved:.3f}")
   return 0
@@ -435,7 +436,7 @@ def residuals(f, *args, diff_argnums=(0, 2)) -> list[Residual]:
   out = []
   for v in res_vars:
     aval = v.aval
-    nbytes = int(np.prod(aval.shape, dtype=np.int64)) * aval.dtype.itemsize
+    nbytes = _nbytes(aval)
     row = Residual(tuple(aval.shape), str(aval.dtype), nbytes, "", (), "")
     if not isinstance(v, jex_core.Var):
       row.category, row.source = "scalars/constants", "literal"
@@ -460,6 +461,10 @@ def residuals(f, *args, diff_argnums=(0, 2)) -> list[Residual]:
         row.category = _category(eqn)
     out.append(row)
   return out
+
+
+def _nbytes(aval) -> int:
+  return int(np.prod(aval.shape, dtype=np.int64)) * aval.dtype.itemsize
 
 
 def _leaf_names(diff) -> list[str]:
@@ -515,6 +520,45 @@ def _split(block):
   return gd, nnx.as_pure(params), nnx.as_pure(rest)
 
 
+def _block_input(cfg: models.TransformerConfig, dtype) -> jax.Array:
+  return jax.random.normal(jax.random.key(1),
+                           (cfg.batch, cfg.seq_len, cfg.d_model), dtype)
+
+
+def _compile(f, params, rest, x):
+  """Compiles (never runs) the residuals and the step of ``f(p, r, x)``.
+
+  Returns both ``memory_analysis()`` results and the seconds it took.
+  """
+  def saved(p, r, x):
+    return jax.vjp(lambda p, x: f(p, r, x), p, x)[1]
+
+  # A cotangent passed in, not a constant: XLA would otherwise constant-
+  # fold parts of the backward pass (slowly) and the step would not be
+  # the one a training loop compiles.
+  def loss(p, r, x, ct):
+    return jnp.vdot(f(p, r, x).astype(jnp.float32), ct)
+
+  t0 = time.perf_counter()
+  res = jax.jit(saved).lower(params, rest, x).compile().memory_analysis()
+  ct = jax.ShapeDtypeStruct(x.shape, jnp.float32)
+  step = jax.jit(jax.grad(loss, (0, 2))).lower(
+      params, rest, x, ct).compile().memory_analysis()
+  return res, step, time.perf_counter() - t0
+
+
+def _grouped(leaves) -> list[dict]:
+  """``(fields, nbytes)`` pairs merged by equal fields, largest first."""
+  groups: dict[tuple, dict] = {}
+  for fields, nbytes in leaves:
+    key = tuple(tuple(v) if isinstance(v, list) else v
+                for v in fields.values())
+    g = groups.setdefault(key, {**fields, "count": 0, "bytes": 0})
+    g["count"] += 1
+    g["bytes"] += nbytes
+  return sorted(groups.values(), key=lambda g: -g["bytes"])
+
+
 def measure(cfg: models.TransformerConfig, attention: str, recipe_name: str,
             save: bool | None, stream_dtype) -> Measurement:
   """Residual and step-temp bytes of one recipe on the block."""
@@ -537,30 +581,15 @@ def measure(cfg: models.TransformerConfig, attention: str, recipe_name: str,
     block = build_block(cfg, attention)
     m.conversion = convert(block, rec)
     gd, params, rest = _split(block)
-    x = jax.random.normal(jax.random.key(1),
-                          (cfg.batch, cfg.seq_len, cfg.d_model), stream_dtype)
+    x = _block_input(cfg, stream_dtype)
 
     def f(p, r, x):
       return nnx.merge(gd, p, r)(x)
 
-    def saved(p, r, x):
-      return jax.vjp(lambda p, x: f(p, r, x), p, x)[1]
-
-    # A cotangent passed in, not a constant: XLA would otherwise constant-
-    # fold parts of the backward pass (slowly) and the step would not be
-    # the one a training loop compiles.
-    def loss(p, r, x, ct):
-      return jnp.vdot(f(p, r, x).astype(jnp.float32), ct)
-
-    t0 = time.perf_counter()
-    mem = jax.jit(saved).lower(params, rest, x).compile().memory_analysis()
-    m.residual_out_bytes = int(mem.output_size_in_bytes)
-    ct = jax.ShapeDtypeStruct(x.shape, jnp.float32)
-    mem = jax.jit(jax.grad(loss, (0, 2))).lower(
-        params, rest, x, ct).compile().memory_analysis()
-    m.step_temp_bytes = int(mem.temp_size_in_bytes)
-    m.step_out_bytes = int(mem.output_size_in_bytes)
-    m.compile_s = time.perf_counter() - t0
+    res, step, m.compile_s = _compile(f, params, rest, x)
+    m.residual_out_bytes = int(res.output_size_in_bytes)
+    m.step_temp_bytes = int(step.temp_size_in_bytes)
+    m.step_out_bytes = int(step.output_size_in_bytes)
 
     rows = residuals(f, params, rest, x)
     m.residual_sum_bytes = sum(r.nbytes for r in rows)
@@ -569,16 +598,10 @@ def measure(cfg: models.TransformerConfig, attention: str, recipe_name: str,
       if r.category == "GEMM inputs":
         k = gemm_input_kind(r)
         m.gemm_in_by_kind[k] = m.gemm_in_by_kind.get(k, 0) + r.nbytes
-    groups: dict[tuple, dict] = {}
-    for r in rows:
-      key = (r.category, r.dtype, r.shape, r.source, r.layers)
-      g = groups.setdefault(key, {"category": r.category, "dtype": r.dtype,
-                                  "shape": list(r.shape), "source": r.source,
-                                  "layers": list(r.layers), "count": 0,
-                                  "bytes": 0})
-      g["count"] += 1
-      g["bytes"] += r.nbytes
-    m.leaves = sorted(groups.values(), key=lambda g: -g["bytes"])
+    m.leaves = _grouped(
+        ({"category": r.category, "dtype": r.dtype, "shape": list(r.shape),
+          "source": r.source, "layers": list(r.layers)}, r.nbytes)
+        for r in rows)
   except Exception as e:  # noqa: BLE001 - reported in the table
     m.error = f"{type(e).__name__}: {e}".splitlines()[0][:300]
   return m
@@ -611,6 +634,16 @@ def _verdict(ratio: float, target: float) -> str:
   return "met" if ratio <= target else "MISSED"
 
 
+def _shape(shape) -> str:
+  return "x".join(map(str, shape))
+
+
+def _failed(m, columns: int) -> str:
+  """The table row of a failed measurement: label, error, blank cells."""
+  return mdtable.row(m.label, f"failed: {m.error.replace('|', '/')}",
+                     *[None] * (columns - 2))
+
+
 def render(results: list[Measurement], attention: str,
            cfg: models.TransformerConfig) -> str:
   base = next(r for r in results if r.recipe == "bf16" and not r.error)
@@ -621,16 +654,16 @@ def render(results: list[Measurement], attention: str,
       f"#### Block, attention {attention}: d={cfg.d_model}, ff={cfg.d_ff}, "
       f"heads={cfg.n_heads}, seq={cfg.seq_len}, batch={cfg.batch}",
       "",
-      "| recipe | residuals (XLA output) MiB | vs BF16 | saved activations "
-      "MiB | vs BF16 | seed prediction | GEMM inputs MiB | vs BF16 | seed "
-      "B/elem / 2 | weights+params MiB | step temp MiB | temp vs BF16 | "
-      "target |",
-      "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+      *mdtable.head(
+          ["recipe", "residuals (XLA output) MiB", "vs BF16",
+           "saved activations MiB", "vs BF16", "seed prediction",
+           "GEMM inputs MiB", "vs BF16", "seed B/elem / 2",
+           "weights+params MiB", "step temp MiB", "temp vs BF16", "target"],
+          "l" + "r" * 11 + "l"),
   ]
   for m in results:
     if m.error:
-      lines.append(f"| {m.label} | failed: {m.error.replace('|', '/')} "
-                   "| | | | | | | | | | | |")
+      lines.append(_failed(m, 13))
       continue
     gemm = m.by_category.get("GEMM inputs", 0)
     weights = (m.by_category.get("weight copies", 0)
@@ -643,13 +676,13 @@ def render(results: list[Measurement], attention: str,
       t = TARGETS[key]
       target = (f"≤{t:.2f}: activations {_verdict(act_ratio, t)}, GEMM "
                 f"inputs {_verdict(gemm / b_gemm, t)}")
-    lines.append(
-        f"| {m.label} | {_mib(m.residual_out_bytes)} "
-        f"| {m.residual_out_bytes / b_res:.3f} | {_mib(m.activation_bytes)} "
-        f"| {act_ratio:.3f} | {pred_act:.3f} | {_mib(gemm)} "
-        f"| {gemm / b_gemm:.3f} | {m.bytes_per_elem / 2:.3f} "
-        f"| {_mib(weights)} | {_mib(m.step_temp_bytes)} "
-        f"| {m.step_temp_bytes / b_temp:.3f} | {target} |")
+    lines.append(mdtable.row(
+        m.label, _mib(m.residual_out_bytes),
+        f"{m.residual_out_bytes / b_res:.3f}", _mib(m.activation_bytes),
+        f"{act_ratio:.3f}", f"{pred_act:.3f}", _mib(gemm),
+        f"{gemm / b_gemm:.3f}", f"{m.bytes_per_elem / 2:.3f}",
+        _mib(weights), _mib(m.step_temp_bytes),
+        f"{m.step_temp_bytes / b_temp:.3f}", target))
   share = b_gemm / b_act
   need = {k: (1 - t) / (1 - SEED_BYTES[k] / 2) for k, t in TARGETS.items()}
   lines += ["", f"GEMM inputs are {share:.1%} of the BF16 saved activations. "
@@ -659,21 +692,20 @@ def render(results: list[Measurement], attention: str,
                                     for k in TARGETS) + "."]
   lines += ["", "Where the saved bytes are (MiB, from the vjp residuals):", ""]
   ok = [m for m in results if not m.error]
-  lines.append("| category | " + " | ".join(m.label for m in ok) + " |")
-  lines.append("|---|" + "---:|" * len(ok))
+  lines += mdtable.head(["category", *(m.label for m in ok)],
+                        "l" + "r" * len(ok))
   cats = list(CATEGORIES) + sorted(
       {c for m in ok for c in m.by_category} - set(CATEGORIES))
   for c in cats:
     if not any(m.by_category.get(c) for m in ok):
       continue
-    lines.append(f"| {c} | " + " | ".join(
-        _mib(m.by_category.get(c, 0)) for m in ok) + " |")
+    lines.append(mdtable.row(c, *(_mib(m.by_category.get(c, 0)) for m in ok)))
   kinds = sorted({k for m in ok for k in m.gemm_in_by_kind})
   for k in kinds:
-    lines.append(f"| GEMM inputs: {k} | " + " | ".join(
-        _mib(m.gemm_in_by_kind.get(k, 0)) for m in ok) + " |")
-  lines.append("| sum of residual leaves | " + " | ".join(
-      _mib(m.residual_sum_bytes) for m in ok) + " |")
+    lines.append(mdtable.row(f"GEMM inputs: {k}", *(
+        _mib(m.gemm_in_by_kind.get(k, 0)) for m in ok)))
+  lines.append(mdtable.row("sum of residual leaves", *(
+      _mib(m.residual_sum_bytes) for m in ok)))
   return "\n".join(lines) + "\n"
 
 
@@ -681,19 +713,19 @@ def render_leaves(m: Measurement, min_share: float = 0.002) -> str:
   """The residual leaves of ``m`` grouped by origin, largest first."""
   lines = [f"Residual leaves of {m.label} (grouped by category, dtype, shape "
            "and producing op; largest first):", "",
-           "| category | layers | dtype | shape | count | MiB | produced by |",
-           "|---|---|---|---|---:|---:|---|"]
+           *mdtable.head(["category", "layers", "dtype", "shape", "count",
+                          "MiB", "produced by"], "llllrrl")]
   total = sum(g["bytes"] for g in m.leaves) or 1
   top = sum(1 for g in m.leaves if g["bytes"] >= min_share * total)
   for g in m.leaves[:top]:
-    lines.append(
-        f"| {g['category']} | {','.join(g['layers'])} | {g['dtype']} "
-        f"| {'x'.join(map(str, g['shape'])) or 'scalar'} | {g['count']} "
-        f"| {g['bytes'] / MiB:.2f} | {g['source'].replace('|', '/')} |")
+    lines.append(mdtable.row(
+        g["category"], ",".join(g["layers"]), g["dtype"],
+        _shape(g["shape"]) or "scalar", g["count"],
+        f"{g['bytes'] / MiB:.2f}", g["source"].replace("|", "/")))
   if len(m.leaves) > top:
     rest = sum(g["bytes"] for g in m.leaves[top:])
-    lines.append(f"| {len(m.leaves) - top} smaller groups | | | | | "
-                 f"{rest / MiB:.2f} | |")
+    lines.append(mdtable.row(f"{len(m.leaves) - top} smaller groups",
+                             *[None] * 4, f"{rest / MiB:.2f}", None))
   return "\n".join(lines) + "\n"
 
 
@@ -720,7 +752,7 @@ def findings(results: list[Measurement]) -> list[str]:
           and not _is_quant_dtype(g["dtype"]) and g["bytes"] > 4096]
     if wc:
       out.append(f"{m.label}: saves wide weight copies: " + ", ".join(
-          f"{g['dtype']}[{'x'.join(map(str, g['shape']))}] x{g['count']} "
+          f"{g['dtype']}[{_shape(g['shape'])}] x{g['count']} "
           f"({g['source']})" for g in wc))
   return out
 
@@ -798,41 +830,25 @@ def measure_remat(cfg: models.TransformerConfig, recipe_name: str,
         t.dtype = cfg.dtype
     convert(block, rec)
     gd, params, rest = _split(block)
-    x = jax.random.normal(jax.random.key(1),
-                          (cfg.batch, cfg.seq_len, cfg.d_model), stream_dtype)
+    x = _block_input(cfg, stream_dtype)
 
     def f(p, r, x):
       return jax.checkpoint(lambda p, x: nnx.merge(gd, p, r)(x),
                             policy=policy)(p, x)
 
-    def saved(p, r, x):
-      return jax.vjp(lambda p, x: f(p, r, x), p, x)[1]
+    res, step, m.compile_s = _compile(f, params, rest, x)
+    m.residual_out_bytes = int(res.output_size_in_bytes)
+    m.step_temp_bytes = int(step.temp_size_in_bytes)
 
-    def loss(p, r, x, ct):
-      return jnp.vdot(f(p, r, x).astype(jnp.float32), ct)
-
-    t0 = time.perf_counter()
-    mem = jax.jit(saved).lower(params, rest, x).compile().memory_analysis()
-    m.residual_out_bytes = int(mem.output_size_in_bytes)
-    ct = jax.ShapeDtypeStruct(x.shape, jnp.float32)
-    mem = jax.jit(jax.grad(loss, (0, 2))).lower(
-        params, rest, x, ct).compile().memory_analysis()
-    m.step_temp_bytes = int(mem.temp_size_in_bytes)
-    m.compile_s = time.perf_counter() - t0
-
-    groups: dict[tuple, dict] = {}
+    leaves = []
     for aval, desc in saved_residuals(lambda p, x: f(p, rest, x), params, x):
-      nbytes = int(np.prod(aval.shape, dtype=np.int64)) * aval.dtype.itemsize
+      nbytes = _nbytes(aval)
       kind = _remat_kind(desc, nbytes)
       m.by_kind[kind] = m.by_kind.get(kind, 0) + nbytes
       src = desc.split(" from ")[0] if "named" in desc else desc
-      key = (kind, str(aval.dtype), tuple(aval.shape), src)
-      g = groups.setdefault(key, {"kind": kind, "dtype": str(aval.dtype),
-                                  "shape": list(aval.shape), "source": src,
-                                  "count": 0, "bytes": 0})
-      g["count"] += 1
-      g["bytes"] += nbytes
-    m.leaves = sorted(groups.values(), key=lambda g: -g["bytes"])
+      leaves.append(({"kind": kind, "dtype": str(aval.dtype),
+                      "shape": list(aval.shape), "source": src}, nbytes))
+    m.leaves = _grouped(leaves)
   except Exception as e:  # noqa: BLE001 - reported in the table
     m.error = f"{type(e).__name__}: {e}".splitlines()[0][:300]
   return m
@@ -852,15 +868,16 @@ def render_remat(results: list[RematMeasurement],
       f"ff={cfg.d_ff}, heads={cfg.n_heads}, seq={cfg.seq_len}, "
       f"batch={cfg.batch}, block input {np.dtype(stream).name}",
       "",
-      "| policy | GEMM inputs MiB | block input MiB | other MiB | residuals "
-      "(XLA output) MiB | step temp MiB | GEMM inputs vs BF16 (per proj. / "
-      "shared) | + block input vs BF16 (per proj. / shared) | target |",
-      "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+      *mdtable.head(
+          ["policy", "GEMM inputs MiB", "block input MiB", "other MiB",
+           "residuals (XLA output) MiB", "step temp MiB",
+           "GEMM inputs vs BF16 (per proj. / shared)",
+           "+ block input vs BF16 (per proj. / shared)", "target"],
+          "l" + "r" * 7 + "l"),
   ]
   for m in results:
     if m.error:
-      lines.append(f"| {m.label} | failed: {m.error.replace('|', '/')} "
-                   "| | | | | | | |")
+      lines.append(_failed(m, 9))
       continue
     r1, r2, v = [], [], []
     for pk in ("per projection", "shared"):
@@ -874,42 +891,35 @@ def render_remat(results: list[RematMeasurement],
       v = [f"≤{t:.2f}: GEMM inputs {_verdict(r1[0], t)}/"
            f"{_verdict(r1[-1], t)}, + block input {_verdict(r2[0], t)}/"
            f"{_verdict(r2[-1], t)}"]
-    lines.append(
-        f"| {m.label} | {_mib(m.gemm_inputs)} | {_mib(m.get('block input'))} "
-        f"| {_mib(m.get('other') + m.get('scalars/constants'))} "
-        f"| {_mib(m.residual_out_bytes)} | {_mib(m.step_temp_bytes)} "
-        f"| {' / '.join(f'{r:.3f}' for r in r1)} "
-        f"| {' / '.join(f'{r:.3f}' for r in r2)} | {''.join(v)} |")
+    lines.append(mdtable.row(
+        m.label, _mib(m.gemm_inputs), _mib(m.get("block input")),
+        _mib(m.get("other") + m.get("scalars/constants")),
+        _mib(m.residual_out_bytes), _mib(m.step_temp_bytes),
+        " / ".join(f"{r:.3f}" for r in r1),
+        " / ".join(f"{r:.3f}" for r in r2), "".join(v)))
   return "\n".join(lines) + "\n"
 
 
 def render_remat_leaves(m: RematMeasurement) -> str:
   lines = [f"Saved under the policy, {m.label}:", "",
-           "| kind | dtype | shape | count | MiB | saved as |",
-           "|---|---|---|---:|---:|---|"]
+           *mdtable.head(["kind", "dtype", "shape", "count", "MiB",
+                          "saved as"], "lllrrl")]
   for g in m.leaves:
-    lines.append(f"| {g['kind']} | {g['dtype']} | "
-                 f"{'x'.join(map(str, g['shape'])) or 'scalar'} | {g['count']} "
-                 f"| {g['bytes'] / MiB:.2f} | {g['source']} |")
+    lines.append(mdtable.row(g["kind"], g["dtype"],
+                             _shape(g["shape"]) or "scalar", g["count"],
+                             f"{g['bytes'] / MiB:.2f}", g["source"]))
   return "\n".join(lines) + "\n"
 
 
 def _remat_cmd(args: argparse.Namespace) -> int:
   import qlayers
-  cfg = models.TransformerConfig(d_model=args.d_model, n_heads=args.heads,
-                                 n_layers=1, d_ff=args.d_ff,
-                                 seq_len=args.seq, batch=args.batch)
+  cfg = _block_config(args)
   names = (args.recipes.split(",") if args.recipes else
            [n for n in qlayers.available_recipes()
             if qlayers.recipe(n).quantized])
   names = [n for n in names if n != "bf16"]
   t_start = time.perf_counter()
-  started = datetime.datetime.now(datetime.timezone.utc).isoformat(
-      timespec="seconds")
-  report: dict[str, Any] = {"config": dataclasses.asdict(cfg) | {
-      "dtype": "per recipe", "param_dtype": "float32"},
-      "started": started, "machine": _machine(), "runs": {}}
-  report["config"].pop("n_layers", None)
+  report = _start_report(cfg)
   md = []
   for stream_name in args.stream_dtype.split(","):
     stream = jnp.dtype(stream_name)
@@ -927,25 +937,13 @@ def _remat_cmd(args: argparse.Namespace) -> int:
       if m.recipe in args.detail.split(",") and not m.error:
         md.append(render_remat_leaves(m))
     report["runs"][stream_name] = [dataclasses.asdict(m) for m in results]
-  report["wall_s"] = time.perf_counter() - t_start
-  mi = report["machine"]
-  header = (f"- date: {started}; wall {report['wall_s']:.0f} s (compile "
-            "only, nothing executed)\n"
-            f"- machine: {mi['nproc']} cores, {mi['cpu']}, "
-            f"{mi['jax_backend']}; load avg at start {mi['loadavg']}\n"
-            f"- versions: {mi['versions']}\n")
-  text = header + "\n" + "\n".join(md)
-  print(text)
-  if args.json:
-    pathlib.Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+  _finish_report(report, t_start, md, args.json)
   return 0
 
 
 def _block_cmd(args: argparse.Namespace) -> int:
   import qlayers
-  cfg = models.TransformerConfig(d_model=args.d_model, n_heads=args.heads,
-                                 n_layers=1, d_ff=args.d_ff,
-                                 seq_len=args.seq, batch=args.batch)
+  cfg = _block_config(args)
   names = (args.recipes.split(",") if args.recipes
            else qlayers.available_recipes())
   if "bf16" in names:
@@ -953,13 +951,7 @@ def _block_cmd(args: argparse.Namespace) -> int:
   names.insert(0, "bf16")
   stream = jnp.dtype(args.stream_dtype)
   t_start = time.perf_counter()
-  started = datetime.datetime.now(datetime.timezone.utc).isoformat(
-      timespec="seconds")
-  report: dict[str, Any] = {"config": dataclasses.asdict(cfg) | {
-      "dtype": "per recipe", "param_dtype": "float32",
-      "stream_dtype": str(stream)}, "started": started,
-      "machine": _machine(), "runs": {}}
-  report["config"].pop("n_layers", None)
+  report = _start_report(cfg, stream_dtype=str(stream))
   md = []
   for attention in args.attention.split(","):
     results = []
@@ -985,21 +977,45 @@ def _block_cmd(args: argparse.Namespace) -> int:
               + ("none found" if not f else "") + "\n"
               + "".join(f"- {s}\n" for s in f))
     report["runs"][attention] = [dataclasses.asdict(m) for m in results]
+  _finish_report(report, t_start, md, args.json, config=(
+      f"block d={cfg.d_model} ff={cfg.d_ff} heads={cfg.n_heads} "
+      f"seq={cfg.seq_len} batch={cfg.batch}, compute dtype per recipe, "
+      f"FP32 params, residual stream {stream}"))
+  return 0
+
+
+def _block_config(args: argparse.Namespace) -> models.TransformerConfig:
+  return models.TransformerConfig(d_model=args.d_model, n_heads=args.heads,
+                                  n_layers=1, d_ff=args.d_ff,
+                                  seq_len=args.seq, batch=args.batch)
+
+
+def _start_report(cfg: models.TransformerConfig, **config) -> dict[str, Any]:
+  """The JSON report of a block command: config, start, machine, ``runs``."""
+  started = datetime.datetime.now(datetime.timezone.utc).isoformat(
+      timespec="seconds")
+  report: dict[str, Any] = {"config": dataclasses.asdict(cfg) | {
+      "dtype": "per recipe", "param_dtype": "float32", **config},
+      "started": started, "machine": _machine(), "runs": {}}
+  report["config"].pop("n_layers", None)
+  return report
+
+
+def _finish_report(report: dict[str, Any], t_start: float, md: list[str],
+                   json_path: str | None, config: str | None = None) -> None:
+  """Prints the header of facts and the tables ``md``; writes the JSON."""
   report["wall_s"] = time.perf_counter() - t_start
   m = report["machine"]
-  header = (f"- date: {started}; wall {report['wall_s']:.0f} s (compile "
-            "only, nothing executed)\n"
+  header = (f"- date: {report['started']}; wall {report['wall_s']:.0f} s "
+            "(compile only, nothing executed)\n"
             f"- machine: {m['nproc']} cores, {m['cpu']}, {m['jax_backend']}; "
             f"load avg at start {m['loadavg']}\n"
-            f"- versions: {m['versions']}\n"
-            f"- config: block d={cfg.d_model} ff={cfg.d_ff} heads="
-            f"{cfg.n_heads} seq={cfg.seq_len} batch={cfg.batch}, compute "
-            f"dtype per recipe, FP32 params, residual stream {stream}\n")
-  text = header + "\n" + "\n".join(md)
-  print(text)
-  if args.json:
-    pathlib.Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-  return 0
+            f"- versions: {m['versions']}\n")
+  if config is not None:
+    header += f"- config: {config}\n"
+  print(header + "\n" + "\n".join(md))
+  if json_path:
+    pathlib.Path(json_path).write_text(json.dumps(report, indent=2) + "\n")
 
 
 def _machine() -> dict[str, Any]:
@@ -1021,15 +1037,19 @@ def _machine() -> dict[str, Any]:
                       f"{jax.__version__}, flax {flax.__version__}"}
 
 
+def _add_block_size(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--d-model", type=int, default=1024)
+  p.add_argument("--d-ff", type=int, default=4096)
+  p.add_argument("--heads", type=int, default=8)
+  p.add_argument("--seq", type=int, default=1024)
+  p.add_argument("--batch", type=int, default=4)
+
+
 def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   sub = p.add_subparsers(dest="cmd", required=True)
   b = sub.add_parser("block", help="residual/temp bytes of a block per recipe")
-  b.add_argument("--d-model", type=int, default=1024)
-  b.add_argument("--d-ff", type=int, default=4096)
-  b.add_argument("--heads", type=int, default=8)
-  b.add_argument("--seq", type=int, default=1024)
-  b.add_argument("--batch", type=int, default=4)
+  _add_block_size(b)
   b.add_argument("--stream-dtype", default="float32",
                  help="dtype of the block input / residual stream (the "
                  "stock LM's is float32)")
@@ -1042,11 +1062,7 @@ def _parser() -> argparse.ArgumentParser:
   b.add_argument("--json", default=None, metavar="PATH")
   r = sub.add_parser("remat", help="saved bytes of a block under "
                      "jax.checkpoint with a names-only policy")
-  r.add_argument("--d-model", type=int, default=1024)
-  r.add_argument("--d-ff", type=int, default=4096)
-  r.add_argument("--heads", type=int, default=8)
-  r.add_argument("--seq", type=int, default=1024)
-  r.add_argument("--batch", type=int, default=4)
+  _add_block_size(r)
   r.add_argument("--stream-dtype", default="float32",
                  help="comma-separated dtypes of the block input")
   r.add_argument("--recipes", default=None,

@@ -47,6 +47,7 @@ __all__ = [
     "make_tx",
     "linear_paths",
     "StepFn",
+    "as_step",
     "train_step_for",
     "baseline_step",
     "f32acc_dot_general",
@@ -249,25 +250,33 @@ def linear_paths(model: nnx.Module) -> list[str]:
 StepFn = Callable[[Any, dict[str, jax.Array]], tuple[Any, jax.Array]]
 
 
-def train_step_for(model: nnx.Module,
-                   opt: nnx.Optimizer) -> tuple[StepFn, Any]:
-  """The standard jitted step for ``model`` and its ``nnx.Optimizer``.
-
-  ``nnx.value_and_grad`` of ``loss_fn`` over the Params, then
-  ``opt.update``; the state ``(model, opt)`` is updated in place.
-  """
-
-  @nnx.jit
-  def train_step(model, opt, batch):
-    loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
-    opt.update(model, grads)
-    return loss
+def as_step(train_step: Callable[..., jax.Array]) -> StepFn:
+  """``train_step(model, opt, batch) -> loss`` as a step on ``(model, opt)``."""
 
   def step(state, batch):
     model, opt = state
     return state, train_step(model, opt, batch)
 
-  return step, (model, opt)
+  return step
+
+
+def train_step_for(model: nnx.Module, opt: Any, *,
+                   value_and_grad: Callable = nnx.value_and_grad
+                   ) -> tuple[StepFn, Any]:
+  """The standard jitted step for ``model`` and its optimizer.
+
+  ``value_and_grad`` (``nnx.value_and_grad``, or a library's drop-in) of
+  ``loss_fn``, then ``opt.update``; the state ``(model, opt)`` is updated
+  in place.
+  """
+
+  @nnx.jit
+  def train_step(model, opt, batch):
+    loss, grads = value_and_grad(loss_fn)(model, batch)
+    opt.update(model, grads)
+    return loss
+
+  return as_step(train_step), (model, opt)
 
 
 def baseline_step(cfg: Config, *, seed: int = 0) -> tuple[StepFn, Any]:

@@ -31,8 +31,8 @@ from flax import nnx
 from flax.linen import fp8_ops
 
 from harness import Variant
-from models import Config, StepFn, build_model, linear_paths, loss_fn
-from models import make_batch, make_tx, train_step_for
+from models import Config, StepFn, as_step, build_model, linear_paths
+from models import loss_fn, make_batch, make_tx, train_step_for
 
 __all__ = ["available_peers", "peer_versions", "flax_fp8_step",
            "qwix_fp8_step", "qwix_mxfp8_step", "aqt_fp8_step"]
@@ -102,11 +102,7 @@ def flax_fp8_step(cfg: Config, *, seed: int = 0) -> tuple[StepFn, Any]:
     nnx.update(model, meta)  # overwrite, do not add: new scales/histories
     return loss
 
-  def step(state, batch):
-    model, opt = state
-    return state, train_step(model, opt, batch)
-
-  return step, (model, opt)
+  return as_step(train_step), (model, opt)
 
 
 # --------------------------------------------------------------------------

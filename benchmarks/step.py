@@ -71,8 +71,6 @@ def _qlayers_recipe_names(qlayers: Any) -> list[str]:
 
 
 def _qlayers_variant(qlayers: Any, recipe: str) -> harness.Variant:
-  from flax import nnx
-
   def make(cfg: models.Config, *, seed: int = 0):
     model = models.build_model(cfg, seed=seed)
     report = qlayers.quantize(model, recipe, rules=())
@@ -82,18 +80,8 @@ def _qlayers_variant(qlayers: Any, recipe: str) -> harness.Variant:
       raise RuntimeError(f"qlayers.quantize converted {len(report.converted)}"
                          f" of {n_linear} linear layers: {report}")
     opt = qlayers.Optimizer(model, models.make_tx(cfg))
-
-    @nnx.jit
-    def train_step(model, opt, batch):
-      loss, grads = qlayers.value_and_grad(models.loss_fn)(model, batch)
-      opt.update(model, grads)
-      return loss
-
-    def step(state, batch):
-      model, opt = state
-      return state, train_step(model, opt, batch)
-
-    return step, (model, opt)
+    return models.train_step_for(model, opt,
+                                 value_and_grad=qlayers.value_and_grad)
 
   return harness.Variant(f"qlayers-{recipe}", "qlayers", recipe, make)
 
@@ -216,11 +204,7 @@ def main(argv: list[str] | None = None) -> int:
       seed=args.seed, loss_rtol=args.loss_rtol,
       title=f"Train step, {cfg.kind} (BF16 baseline vs FP8/MX variants)",
       versions=versions, skipped=skipped, references=[F32ACC], log=log)
-  md = harness.render_markdown(report)
-  print(md)
-  if args.append_md:
-    with open(args.append_md, "a") as f:
-      f.write("\n" + md)
+  harness.publish(harness.render_markdown(report), args.append_md)
   if args.json:
     text = json.dumps(harness.to_json(report), indent=2)
     if args.json == "-":
