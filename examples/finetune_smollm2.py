@@ -87,6 +87,9 @@ class Config:
 def parse_args(argv=None) -> Config:
   """Command-line flags -> `Config` (defaults from the dataclass)."""
   return cli.parse(Config, __doc__, argv,
+                   at_least={"steps": 1, "batch_size": 1, "seq_len": 1,
+                             "warmup": 0, "eval_every": 1, "eval_tokens": 1,
+                             "blocks": 0, "sample_tokens": 0},
                    recipe={"help": "available: " + cli.recipes()},
                    dtype={"choices": sorted(DTYPES)})
 

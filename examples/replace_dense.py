@@ -83,6 +83,9 @@ class Config:
 def parse_args(argv=None) -> Config:
   """Command-line flags -> `Config` (defaults from the dataclass)."""
   return cli.parse(Config, __doc__, argv,
+                   at_least={"steps": 1, "batch_size": 1, "warmup": 0,
+                             "max_words": 1, "max_len": 3, "eval_examples": 0,
+                             "layers": 0},
                    recipe={"help": "available: " + cli.recipes()})
 
 

@@ -138,11 +138,10 @@ def parse_args(argv=None) -> Config:
   recipe = args.pop("recipe")
   if recipe is not None:
     args["recipes"] = (recipe,)
-  available = set(qlayers.available_recipes())
-  for r in args["recipes"]:
-    if r not in available and not pathlib.Path(r).is_file():
-      p.error(f"unknown recipe {r!r}; available: "
-              + ", ".join(sorted(available)))
+  cli.check(p, args, at_least={
+      "steps": 1, "batch_size": 1, "seq_len": 1, "d_model": 2, "layers": 1,
+      "heads": 1, "d_ff": 0, "warmup": -1, "eval_every": 1,
+      "eval_batches": 1, "sample_tokens": 0})
   if not args["seeds"]:
     p.error("--seeds needs at least one seed")
   return Config(**args)

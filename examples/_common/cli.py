@@ -86,10 +86,37 @@ def parser(config: type, doc: str,
   return p
 
 
-def parse(config: type, doc: str, argv: list[str] | None = None,
+def check(p: argparse.ArgumentParser, args: dict[str, Any], *,
+          at_least: dict[str, int] | None = None) -> None:
+  """Stops with a usage error (exit status 2) on flags that cannot work.
+
+  ``recipe`` / ``recipes`` values must be registered qlayers recipes or
+  existing ``.toml`` files; each ``at_least`` field must be at least its
+  bound (a zero batch or a negative step count otherwise fails much later,
+  or trains on nothing).
+  """
+  names = tuple(args.get("recipes") or ()) + (
+      (args["recipe"],) if args.get("recipe") else ())
+  available = set(qlayers.available_recipes())
+  for name in names:
+    if name not in available and not pathlib.Path(name).is_file():
+      p.error(f"unknown recipe {name!r}; available: {recipes()} "
+              "(or a path to a recipe .toml file)")
+  for name, low in (at_least or {}).items():
+    if args[name] < low:
+      p.error(f"--{name.replace('_', '-')} must be at least {low}, "
+              f"got {args[name]}")
+
+
+def parse(config: type, doc: str, argv: list[str] | None = None, *,
+          at_least: dict[str, int] | None = None,
           **flags: dict[str, Any]) -> Any:
-  """``config`` built from the command line ``argv``; see `parser`."""
-  return config(**vars(parser(config, doc, **flags).parse_args(argv)))
+  """``config`` built from the command line ``argv``, checked with `check`;
+  see `parser` for ``flags``."""
+  p = parser(config, doc, **flags)
+  args = vars(p.parse_args(argv))
+  check(p, args, at_least=at_least)
+  return config(**args)
 
 
 def write_json(path: str | None, results: dict[str, Any]) -> None:

@@ -5,6 +5,7 @@ checkpoints, generation), not the numbers the full runs report. Tests that
 need a missing data package skip, saying how to install it.
 """
 
+import importlib
 import importlib.util
 import json
 
@@ -53,6 +54,22 @@ def test_train_lm_rule():
   assert train_lm.verdict([-3.0, -3.1, -2.9], 1.0).endswith("(lower loss)")
   assert train_lm.verdict([0.5], 1.0) == "within ±1% (1 seed)"
   assert train_lm.verdict([1.5], 1.0).startswith("higher by > 1%")
+
+
+@pytest.mark.parametrize("script, argv, message", [
+    ("train_lm", ["--recipes", "fp8_delayed,nope"], "unknown recipe 'nope'"),
+    ("train_lm", ["--seq-len", "0"], "--seq-len must be at least 1, got 0"),
+    ("train_lm", ["--seeds", ","], "--seeds needs at least one seed"),
+    ("finetune_smollm2", ["--recipe", "mxfp9"], "unknown recipe 'mxfp9'"),
+    ("finetune_smollm2", ["--steps", "-3"], "--steps must be at least 1"),
+    ("replace_dense", ["--batch-size", "0"], "--batch-size must be at least"),
+])
+def test_bad_flags_are_usage_errors(script, argv, message, capsys):
+  module = importlib.import_module(script)
+  with pytest.raises(SystemExit) as e:
+    module.parse_args(argv)
+  assert e.value.code == 2
+  assert message in capsys.readouterr().err
 
 
 def _results_file(path, runs, **settings):
