@@ -77,6 +77,8 @@ class Config:
     prompt, sample_tokens, temperature: text sampled after training (first
       seed of each recipe).
     tolerance: parity tolerance on the validation loss, in percent.
+    tolerances: per-recipe tolerances, ``NAME=PERCENT``; by default MXFP4,
+      whose elements carry one mantissa bit, is held to 3%.
     out: folder for the plot and the table.
     json: also write all numbers to this file.
     progress: show progress bars.
@@ -105,6 +107,7 @@ class Config:
   sample_tokens: int = 240
   temperature: float = 0.8
   tolerance: float = 1.0
+  tolerances: tuple[str, ...] = ("mxfp4=3",)
   out: str = "out/train_lm"
   json: str | None = None
   progress: bool = True
@@ -114,11 +117,31 @@ class Config:
   def baseline(self) -> str:
     return BASELINE_NAMES[self.dtype]
 
+  def tolerance_for(self, recipe: str) -> float:
+    """The parity tolerance (%) of ``recipe``: `tolerances`, else
+    `tolerance`."""
+    return parse_tolerances(self.tolerances).get(recipe, self.tolerance)
+
   @property
   def runs(self) -> tuple[str, ...]:
     """The baseline first, then the recipes (the baseline only once)."""
     return (self.baseline,) + tuple(r for r in self.recipes
                                     if r != self.baseline)
+
+
+def parse_tolerances(items) -> dict[str, float]:
+  """``("mxfp4=3", ...)`` -> ``{"mxfp4": 3.0}``; ValueError if malformed."""
+  out = {}
+  for item in items:
+    name, sep, value = item.partition("=")
+    try:
+      out[name.strip()] = float(value)
+    except ValueError:
+      sep = ""
+    if not sep or not name.strip() or out[name.strip()] <= 0:
+      raise ValueError(f"tolerance {item!r} is not NAME=PERCENT with a "
+                       "positive PERCENT")
+  return out
 
 
 def parse_args(argv=None) -> Config:
@@ -142,6 +165,12 @@ def parse_args(argv=None) -> Config:
       "steps": 1, "batch_size": 1, "seq_len": 1, "d_model": 2, "layers": 1,
       "heads": 1, "d_ff": 0, "warmup": -1, "eval_every": 1,
       "eval_batches": 1, "sample_tokens": 0})
+  try:
+    parse_tolerances(args["tolerances"])
+  except ValueError as e:
+    p.error(f"--tolerances: {e}")
+  if args["tolerance"] <= 0:
+    p.error(f"--tolerance must be positive, got {args['tolerance']}")
   if not args["seeds"]:
     p.error("--seeds needs at least one seed")
   return Config(**args)
@@ -325,6 +354,17 @@ RULE = ("Δ val: (val_recipe - val_{base}) / val_{base} per seed (same init and 
         "|Δ| ≤ {tol:g}% (no error bar).")
 
 
+def rule_text(cfg: Config) -> str:
+  """`RULE` for ``cfg``, naming the per-recipe tolerances in use."""
+  text = RULE.format(base=cfg.baseline, tol=cfg.tolerance)
+  own = {r: t for r, t in parse_tolerances(cfg.tolerances).items()
+         if r in cfg.recipes}
+  if own:
+    text += (" Tolerance per recipe: "
+             + ", ".join(f"{r} {t:g}%" for r, t in own.items()) + ".")
+  return text
+
+
 def summarize(cfg: Config, runs: dict[str, list[Run]]) -> dict[str, Any]:
   base = {r.seed: r.final_val for r in runs[cfg.baseline]}
   rows = {}
@@ -339,7 +379,7 @@ def summarize(cfg: Config, runs: dict[str, list[Run]]) -> dict[str, Any]:
         "cpu_ms": _mean_std([r.cpu_ms for r in rs]),
         "tokens_per_s": _mean_std([r.tokens_per_s for r in rs]),
         "verdict": ("baseline" if name == cfg.baseline
-                    else verdict(diffs, cfg.tolerance)),
+                    else verdict(diffs, cfg.tolerance_for(name))),
     }
   return rows
 
@@ -368,7 +408,7 @@ def markdown_table(cfg: Config, rows, *, cpu_column: bool = False) -> str:
     if cpu_column:
       cells.append(_pm(r["cpu_ms"], ".0f", several))
     lines.append("| " + " | ".join(cells + [r["verdict"]]) + " |")
-  lines += ["", RULE.format(base=cfg.baseline, tol=cfg.tolerance)]
+  lines += ["", rule_text(cfg)]
   if cpu_column:
     lines.append("Step time: mean wall time per step after the first "
                  "(compilation); CPU/step: process CPU time (all threads).")
@@ -382,7 +422,7 @@ def plot(cfg: Config, runs: dict[str, list[Run]], path: pathlib.Path) -> None:
   import matplotlib.pyplot as plt
 
   fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-  base_val = np.mean([r.val_loss for r in runs[cfg.baseline]], axis=0)
+  base_val = {r.seed: np.asarray(r.val_loss) for r in runs[cfg.baseline]}
   steps = np.arange(1, cfg.steps + 1)
   window = max(1, cfg.steps // 30)
   for i, (name, rs) in enumerate(runs.items()):
@@ -397,16 +437,19 @@ def plot(cfg: Config, runs: dict[str, list[Run]], path: pathlib.Path) -> None:
     if len(rs) > 1:
       axes[1].fill_between(es, val.min(0), val.max(0), color=color, alpha=0.2)
     if name != cfg.baseline:
-      gap = 100.0 * (val - base_val) / base_val
+      base = np.array([base_val[r.seed] for r in rs])  # paired by seed
+      gap = 100.0 * (val - base) / base
       axes[2].plot(es, gap.mean(0), "o-", color=color, ms=3, label=name)
       if len(rs) > 1:
         axes[2].fill_between(es, gap.min(0), gap.max(0), color=color,
                              alpha=0.2)
-  axes[2].axhspan(-cfg.tolerance, cfg.tolerance, color="grey", alpha=0.15,
-                  label=f"±{cfg.tolerance:g}%")
+  for tol in sorted({cfg.tolerance_for(r) for r in runs if r != cfg.baseline}
+                    or {cfg.tolerance}):
+    axes[2].axhspan(-tol, tol, color="grey", alpha=0.1, label=f"±{tol:g}%")
   axes[2].axhline(0.0, color="black", lw=0.8)
-  seeds = f"{len(cfg.seeds)} seeds, mean (band: min-max)" if len(
-      cfg.seeds) > 1 else f"seed {cfg.seeds[0]}"
+  counts = sorted({len(rs) for rs in runs.values()})
+  seeds = (f"{'-'.join(map(str, counts))} seeds per recipe, mean (band: "
+           "min-max)" if len(cfg.seeds) > 1 else f"seed {cfg.seeds[0]}")
   titles = (f"train loss (smoothed over {window} steps)", "validation loss",
             f"validation loss vs {cfg.baseline} (%)")
   for ax, title in zip(axes, titles):
@@ -450,7 +493,8 @@ def environment() -> dict[str, str]:
 # Config fields that do not change what a run computes; every other field
 # must agree between the files that `merge_runs` combines.
 _NOT_TRAINING = ("recipes", "seeds", "prompt", "sample_tokens", "temperature",
-                 "tolerance", "out", "json", "progress", "merge")
+                 "tolerance", "tolerances", "out", "json", "progress",
+                 "merge")
 
 
 def merge_runs(cfg: Config) -> tuple[Config, dict[str, Any],
@@ -594,7 +638,7 @@ def main(argv=None) -> dict[str, Any]:
       "model": model,
       "environment": env,
       "total_s": total_s,
-      "rule": RULE.format(base=cfg.baseline, tol=cfg.tolerance),
+      "rule": rule_text(cfg),
       "summary": rows,
       "runs": [dataclasses.asdict(r) for rs in runs.values() for r in rs],
       "png": str(png),

@@ -60,6 +60,8 @@ def test_train_lm_rule():
     ("train_lm", ["--recipes", "fp8_delayed,nope"], "unknown recipe 'nope'"),
     ("train_lm", ["--seq-len", "0"], "--seq-len must be at least 1, got 0"),
     ("train_lm", ["--seeds", ","], "--seeds needs at least one seed"),
+    ("train_lm", ["--tolerances", "mxfp4"], "is not NAME=PERCENT"),
+    ("train_lm", ["--tolerances", "mxfp4=-1"], "is not NAME=PERCENT"),
     ("finetune_smollm2", ["--recipe", "mxfp9"], "unknown recipe 'mxfp9'"),
     ("finetune_smollm2", ["--steps", "-3"], "--steps must be at least 1"),
     ("replace_dense", ["--batch-size", "0"], "--batch-size must be at least"),
@@ -107,6 +109,9 @@ def test_train_lm_merge(tmp_path):
       out["summary"]["fp8_delayed"]["val_diff_pct_per_seed"], [1.0, 0.0, -1.0])
   np.testing.assert_allclose(
       out["summary"]["mxfp4"]["val_diff_pct_per_seed"], [10.0])
+  # MXFP4 is held to its own (3%) tolerance by default.
+  assert out["summary"]["mxfp4"]["verdict"].startswith("higher by > 3%")
+  assert out["rule"].endswith("Tolerance per recipe: mxfp4 3%.")
   assert [s["reproduced"] for s in out["merged_from"]] == [[], [["bf16", 1]]]
   assert len(out["runs"]) == 7
   table = (tmp_path / "ab" / "train_lm.md").read_text()
