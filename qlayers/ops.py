@@ -39,6 +39,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from qlayers import dispatch
+from qlayers import hadamard
 from qlayers import scaling
 from qlayers.recipe import Recipe, recipe as load_recipe
 from qlayers.scaling import QuantSpec, QTensor
@@ -235,10 +236,15 @@ def _qmm_forward(recipe: Recipe, backend, out_dtype, x, w, state, key):
   y = _run(qx, qw, (1, 0), out_dtype, backend)
 
   # What Wgrad needs of x: the Fprop copy when it is axis-free, a copy
-  # quantized along M now (from the wide x), or the wide x itself.
+  # quantized along M now (from the wide x, Hadamard-transformed if the
+  # recipe says so), or the wide x itself.
+  rht = recipe.wgrad.hadamard
   if recipe.save_quantized_wgrad_input and wx is not None:
-    x_saved = qx if _shares(fx, wx, backend) else _operand(
-        x, wx, 0, sx if recipe.delayed else None, kwx, backend)
+    if _shares(fx, wx, backend) and not rht:
+      x_saved = qx
+    else:
+      x_saved = _operand(_wgrad_input(x, rht), wx, 0,
+                         sx if recipe.delayed else None, kwx, backend)
   else:
     x_saved = x
   w_saved = qw if _shares(fw, recipe.dgrad.rhs, backend) else w
@@ -254,6 +260,11 @@ def _qmm_forward(recipe: Recipe, backend, out_dtype, x, w, state, key):
   g_state = state["g"] if recipe.delayed else None
   res = (x_saved, w_saved, sx, sw, g_state, xw_dtypes, kb, dtypes)
   return y, new_state, res
+
+
+def _wgrad_input(t, size: int):
+  """A Wgrad operand, Hadamard-transformed along M when ``size`` is set."""
+  return hadamard.transform(t, size, axis=0) if size else t
 
 
 def _dtype_carrier(v):
@@ -290,16 +301,18 @@ def _qmm_bwd(recipe: Recipe, backend, out_dtype, res, cts):
                   backend)
   dx = _run(qg, qw, (1, 1), dg.out_dtype or x_dtype, backend)
 
-  # Wgrad: dw = x.T @ g, contracted over M.
+  # Wgrad: dw = x.T @ g, contracted over M (both Hadamard-transformed along
+  # M first if the recipe says so: (Qx).T @ (Qg) = x.T @ g).
+  rht = dw_gemm.hadamard
   if isinstance(x_saved, QTensor) or dw_gemm.lhs is None:
     qx = x_saved
   else:
-    qx = _operand(x_saved, dw_gemm.lhs, 0, sx if recipe.delayed else None,
-                  None, backend)
-  if _shares(dg.lhs, dw_gemm.rhs, backend):
+    qx = _operand(_wgrad_input(x_saved, rht), dw_gemm.lhs, 0,
+                  sx if recipe.delayed else None, None, backend)
+  if _shares(dg.lhs, dw_gemm.rhs, backend) and not rht:
     qg_w = qg
   else:
-    qg_w = _operand(g, dw_gemm.rhs, 0, sg, kwg, backend)
+    qg_w = _operand(_wgrad_input(g, rht), dw_gemm.rhs, 0, sg, kwg, backend)
   dw = _run(qx, qg_w, (0, 0), dw_gemm.out_dtype or jnp.float32, backend)
 
   state_ct = None

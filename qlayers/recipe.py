@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import jax.numpy as jnp
 
+from qlayers import hadamard
 from qlayers.scaling import QuantSpec
 
 __all__ = ["GemmRecipe", "Recipe", "recipe", "available_recipes", "validate"]
@@ -40,12 +41,18 @@ class GemmRecipe:
     out_dtype: stored output dtype; ``None`` means the layer's compute dtype
       for Fprop/Dgrad and FP32 for Wgrad.
     accum_dtype: accumulator dtype (FP32 is the only one supported).
+    hadamard: block size of a random Hadamard transform applied to both
+      operands along the contraction dim before they are quantized (0: none;
+      Wgrad only; see `qlayers.hadamard`). The product is unchanged in exact
+      arithmetic; outliers spread over the block, which helps 4-bit
+      elements.
   """
 
   lhs: QuantSpec | None = None
   rhs: QuantSpec | None = None
   out_dtype: str | None = None
   accum_dtype: str = "float32"
+  hadamard: int = 0
 
   @property
   def quantized(self) -> bool:
@@ -146,6 +153,22 @@ def validate(r: Recipe) -> None:
     if g.out_dtype is not None and g.out_dtype not in _DTYPES:
       raise ValueError(f"{where}: {gname}.out_dtype must be one of "
                        f"{sorted(_DTYPES)} or unset.")
+    if g.hadamard:
+      if gname != "wgrad":
+        raise ValueError(
+            f"{where}: {gname}.hadamard is not supported; the Hadamard "
+            "transform applies to the Wgrad operands (contracted over the "
+            "tokens) only.")
+      if g.hadamard not in hadamard.SIZES:
+        raise ValueError(f"{where}: wgrad.hadamard must be 0 or one of "
+                         f"{hadamard.SIZES}, got {g.hadamard!r}.")
+      if not g.quantized:
+        raise ValueError(f"{where}: wgrad.hadamard needs quantized Wgrad "
+                         "operands (it only changes what gets quantized).")
+      if r.scaling == "delayed":
+        raise ValueError(
+            f"{where}: wgrad.hadamard needs scaling='current': delayed "
+            "scales come from the amax of the untransformed tensors.")
     if g.quantized and g.lhs.format == "e5m2" and g.rhs.format == "e5m2":
       raise ValueError(
           f"{where}: {gname} would multiply E5M2 by E5M2, which loses too "
@@ -214,6 +237,7 @@ def from_dict(data: dict, source: str = "<dict>") -> Recipe:
     table = dict(data.pop(gname, {}))
     out_dtype = table.pop("out_dtype", None)
     accum = table.pop("accum_dtype", "float32")
+    rht = table.pop("hadamard", 0)
     unknown = set(table) - {lrole, rrole}
     if unknown:
       raise ValueError(f"{source}: [{gname}] takes operands {lrole!r} and "
@@ -228,7 +252,7 @@ def from_dict(data: dict, source: str = "<dict>") -> Recipe:
     kwargs[gname] = GemmRecipe(
         lhs=_spec(merged(lrole), f"{source}: {gname}.{lrole}"),
         rhs=_spec(merged(rrole), f"{source}: {gname}.{rrole}"),
-        out_dtype=out_dtype, accum_dtype=accum)
+        out_dtype=out_dtype, accum_dtype=accum, hadamard=rht)
   known = {f.name for f in dataclasses.fields(Recipe)}
   unknown = set(data) - known
   if unknown:

@@ -17,7 +17,8 @@ from numerics import sqnr_db
 # Forward SQNR floors (dB) vs nnx.Linear: DESIGN.md's public floors, and for
 # MXFP6/MXFP4 (none published) a little under their element precision.
 DENSE_FLOORS = {"fp8_delayed": 18, "fp8_current": 18, "fp8_rowwise": 18,
-                "deepseek_v3": 25, "mxfp8": 26, "mxfp6": 22, "mxfp4": 12}
+                "deepseek_v3": 25, "mxfp8": 26, "mxfp6": 22, "mxfp4": 12,
+                "mxfp4_rht": 12}
 DEFAULT_FLOOR = 10  # a recipe added later without a floor of its own here
 
 

@@ -1,0 +1,90 @@
+"""Random Hadamard transform (RHT) along a GEMM's contraction dimension.
+
+For an orthonormal ``Q``, ``(Q a)^T (Q b) = a^T b``: transforming both
+operands of a GEMM along the dimension it contracts leaves the product
+unchanged in exact arithmetic, while it spreads each outlier over the
+transform block, so block scales (MX: 32 elements share one power-of-two
+scale) fit the values better and 4-bit elements lose less. FP4 training
+recipes apply it to the Wgrad operands, whose contraction runs over the
+tokens: Tseng et al., "Training LLMs with MXFP4" (2025), and NVIDIA's
+"Pretraining Large Language Models with NVFP4" (2025), which applies a
+16x16 Hadamard matrix with a random sign vector to the Wgrad inputs only.
+
+Here ``Q`` is block diagonal: every ``size`` consecutive rows along the axis
+get ``H_size @ diag(signs)``, with ``H_size`` the normalised Sylvester
+Hadamard matrix and ``signs`` a fixed pseudo-random +-1 vector (the same for
+both operands, or the product would change). A length that is not a
+multiple of ``size`` is zero-padded first; zero rows add nothing to the
+product.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+__all__ = ["SIZES", "hadamard_matrix", "random_signs", "transform"]
+
+SIZES = (2, 4, 8, 16, 32, 64, 128, 256)
+"""Block sizes `transform` accepts (powers of two)."""
+
+_SIGN_SEED = 0x5EED  # fixed: the transform must not change between calls
+
+
+def _check_size(size: int) -> None:
+  if size not in SIZES:
+    raise ValueError(f"Hadamard block size must be one of {SIZES}, got "
+                     f"{size!r}.")
+
+
+@functools.cache
+def hadamard_matrix(size: int) -> np.ndarray:
+  """The ``size x size`` Sylvester Hadamard matrix over ``sqrt(size)``
+  (orthonormal, symmetric), float32."""
+  _check_size(size)
+  h = np.ones((1, 1))
+  while h.shape[0] < size:
+    h = np.block([[h, h], [h, -h]])
+  return (h / np.sqrt(size)).astype(np.float32)
+
+
+@functools.cache
+def random_signs(size: int) -> np.ndarray:
+  """The fixed +-1 float32 vector of the transform of this block size."""
+  _check_size(size)
+  rng = np.random.default_rng(_SIGN_SEED + size)
+  return rng.choice(np.array([-1.0, 1.0], np.float32), size)
+
+
+def transform(t: jax.Array, size: int, axis: int = 0) -> jax.Array:
+  """``Q t`` along ``axis`` of a 2-D ``t``, in float32, zero-padded there to
+  a multiple of ``size``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from qlayers import hadamard
+    >>> a, b = jnp.ones((64, 3)), jnp.arange(128.0).reshape(64, 2)
+    >>> qa, qb = hadamard.transform(a, 32), hadamard.transform(b, 32)
+    >>> bool(jnp.allclose(qa.T @ qb, a.T @ b, rtol=1e-5))
+    True
+  """
+  _check_size(size)
+  if t.ndim != 2 or axis not in (0, 1):
+    raise ValueError(f"transform takes a 2-D array and axis 0 or 1, got "
+                     f"shape {t.shape} and axis {axis}.")
+  if axis == 1:
+    return transform(t.T, size, 0).T
+  m, k = t.shape
+  padded = -(-m // size) * size
+  t = t.astype(jnp.float32)
+  if padded != m:
+    t = jnp.pad(t, ((0, padded - m), (0, 0)))
+  signs = random_signs(size)[None, :, None]
+  blocks = t.reshape(padded // size, size, k) * signs
+  out = jnp.einsum("ij,bjk->bik", hadamard_matrix(size), blocks,
+                   precision=lax.Precision.HIGHEST)
+  return out.reshape(padded, k)

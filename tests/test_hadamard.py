@@ -1,0 +1,137 @@
+"""Random Hadamard transform of the Wgrad operands."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import qlayers
+from qlayers import hadamard, ops
+from qlayers import scaling as S
+from numerics import sqnr_db
+from test_ops import M, K, N, outliers, run
+
+
+@pytest.mark.parametrize("size", hadamard.SIZES)
+def test_transform_is_orthonormal(size):
+  q = hadamard.hadamard_matrix(size) * hadamard.random_signs(size)[None, :]
+  np.testing.assert_allclose(q.T @ q, np.eye(size), atol=1e-6)
+  assert set(np.unique(hadamard.random_signs(size))) <= {-1.0, 1.0}
+  if size >= 8:
+    assert set(np.unique(hadamard.random_signs(size))) == {-1.0, 1.0}
+  # Fixed: the same transform every call (both operands must match).
+  assert np.array_equal(hadamard.random_signs(size),
+                        hadamard.random_signs(size))
+
+
+@pytest.mark.parametrize("m", [64, 50, 7])
+def test_transform_keeps_the_product(m):
+  k = jax.random.split(jax.random.key(0), 2)
+  a = jax.random.normal(k[0], (m, 5))
+  b = jax.random.normal(k[1], (m, 3))
+  qa, qb = hadamard.transform(a, 32), hadamard.transform(b, 32)
+  assert qa.shape == (32 * -(-m // 32), 5) and qa.dtype == jnp.float32
+  np.testing.assert_allclose(qa.T @ qb, a.T @ b, rtol=2e-5, atol=2e-5)
+  # Axis 1 is the transposed transform.
+  np.testing.assert_allclose(hadamard.transform(a.T, 32, axis=1),
+                             qa.T, atol=1e-6)
+
+
+def test_transform_spreads_an_outlier():
+  t = jnp.zeros((32, 1)).at[3, 0].set(32.0)
+  out = np.asarray(hadamard.transform(t, 32))
+  np.testing.assert_allclose(np.abs(out), np.full((32, 1), 32 / np.sqrt(32)),
+                             rtol=1e-6)
+
+
+def test_transform_errors():
+  with pytest.raises(ValueError, match="block size must be one of"):
+    hadamard.transform(jnp.ones((4, 4)), 24)
+  with pytest.raises(ValueError, match="2-D array"):
+    hadamard.transform(jnp.ones((4,)), 2)
+
+
+def _with_rht(name, size):
+  r = qlayers.recipe(name)
+  return r.replace(wgrad=r.wgrad.__class__(lhs=r.wgrad.lhs, rhs=r.wgrad.rhs,
+                                           hadamard=size))
+
+
+@pytest.fixture(scope="module")
+def data():
+  k = jax.random.split(jax.random.key(0), 3)
+  return (outliers(k[0], (M, K)), outliers(k[1], (K, N), K**-0.5),
+          outliers(k[2], (M, N), 1e-3))
+
+
+def test_wgrad_is_the_product_of_transformed_operands(data):
+  """With the transform, Wgrad multiplies Q-transformed x and g, each
+  quantized along M; Fprop and Dgrad are untouched."""
+  x, w, g = data
+  r = _with_rht("mxfp8", 32)
+  plain = qlayers.recipe("mxfp8")
+  hi = jax.lax.Precision.HIGHEST
+
+  def qdq(t, spec):
+    return S.quantize(t, spec, 0).dequantize()
+
+  @jax.jit
+  def both(x, w, g):
+    y, dx, dw, _, _ = run(r, x, w, g)
+    y0, dx0, _, _, _ = run(plain, x, w, g)
+    ref = jnp.dot(qdq(hadamard.transform(x, 32), r.wgrad.lhs).T,
+                  qdq(hadamard.transform(g, 32), r.wgrad.rhs), precision=hi)
+    return y, y0, dx, dx0, dw, ref
+
+  y, y0, dx, dx0, dw, ref = both(x, w, g)
+  assert np.array_equal(y, y0) and np.array_equal(dx, dx0)
+  assert sqnr_db(ref, dw) > 120
+
+
+def test_rht_raises_mxfp4_wgrad_sqnr_on_outliers(data):
+  x, w, g = data
+  got = {}
+  for size in (0, 32):
+    r = _with_rht("mxfp4", size) if size else qlayers.recipe("mxfp4")
+    _, _, dw, _, _ = jax.jit(lambda x, w, g, r=r: run(
+        r, x, w, g, key=jax.random.key(7)))(x, w, g)
+    got[size] = sqnr_db(x.T @ g, dw)
+  # Measured 11.8 -> 14.1 dB: the outliers no longer set whole blocks' scale.
+  assert got[32] > got[0] + 1.5, got
+
+
+def test_rht_with_token_count_off_the_block_grid():
+  k = jax.random.split(jax.random.key(3), 3)
+  m = 45  # neither a multiple of 32 (transform) nor of 32 (MX blocks)
+  x = jax.random.normal(k[0], (m, 64))
+  w = jax.random.normal(k[1], (64, 32)) * 0.1
+  g = jax.random.normal(k[2], (m, 32))
+  r = _with_rht("mxfp8", 32)
+  _, dx, dw, _, _ = run(r, x, w, g)
+  assert dw.shape == (64, 32) and dx.shape == (m, 64)
+  assert sqnr_db(x.T @ g, dw) > 24
+
+
+def test_shipped_rht_recipe_trains_a_layer():
+  r = qlayers.recipe("mxfp4_rht")
+  assert r.wgrad.hadamard == 32 and r.fprop.hadamard == 0
+  model = qlayers.QuantDense(64, 32, recipe=r, rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (48, 64))
+  loss, grads = qlayers.value_and_grad(
+      lambda m: jnp.mean(m(x).astype(jnp.float32) ** 2))(model)
+  assert np.isfinite(float(loss))
+  assert float(jnp.abs(grads["kernel"][...]).max()) > 0
+
+
+def test_recipe_validation():
+  r = qlayers.recipe("mxfp4")
+  gr = r.wgrad.__class__
+  with pytest.raises(ValueError, match="wgrad.hadamard must be 0 or one of"):
+    _with_rht("mxfp4", 48)
+  with pytest.raises(ValueError, match="fprop.hadamard is not supported"):
+    r.replace(fprop=gr(lhs=r.fprop.lhs, rhs=r.fprop.rhs, hadamard=32))
+  with pytest.raises(ValueError, match="needs quantized Wgrad operands"):
+    r.replace(wgrad=gr(hadamard=32))
+  with pytest.raises(ValueError, match="needs scaling='current'"):
+    _with_rht("fp8_delayed", 32)
