@@ -77,8 +77,8 @@ class Config:
     prompt, sample_tokens, temperature: text sampled after training (first
       seed of each recipe).
     tolerance: parity tolerance on the validation loss, in percent.
-    tolerances: per-recipe tolerances, ``NAME=PERCENT``; by default MXFP4,
-      whose elements carry one mantissa bit, is held to 3%.
+    tolerances: per-recipe tolerances, ``NAME=PERCENT``; by default the
+      MXFP4 recipes, whose elements carry one mantissa bit, are held to 3%.
     out: folder for the plot and the table.
     json: also write all numbers to this file.
     progress: show progress bars.
@@ -107,7 +107,7 @@ class Config:
   sample_tokens: int = 240
   temperature: float = 0.8
   tolerance: float = 1.0
-  tolerances: tuple[str, ...] = ("mxfp4=3",)
+  tolerances: tuple[str, ...] = ("mxfp4=3", "mxfp4_rht=3")
   out: str = "out/train_lm"
   json: str | None = None
   progress: bool = True
