@@ -1,5 +1,7 @@
 """Random Hadamard transform of the Wgrad operands."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,8 +9,9 @@ import pytest
 from flax import nnx
 
 import qlayers
-from qlayers import hadamard, ops
+from qlayers import hadamard
 from qlayers import scaling as S
+from qlayers.recipe import GemmRecipe
 from numerics import sqnr_db
 from test_ops import M, K, N, outliers, run
 
@@ -54,8 +57,7 @@ def test_transform_errors():
 
 def _with_rht(name, size):
   r = qlayers.recipe(name)
-  return r.replace(wgrad=r.wgrad.__class__(lhs=r.wgrad.lhs, rhs=r.wgrad.rhs,
-                                           hadamard=size))
+  return r.replace(wgrad=dataclasses.replace(r.wgrad, hadamard=size))
 
 
 @pytest.fixture(scope="module")
@@ -126,12 +128,11 @@ def test_shipped_rht_recipe_trains_a_layer():
 
 def test_recipe_validation():
   r = qlayers.recipe("mxfp4")
-  gr = r.wgrad.__class__
   with pytest.raises(ValueError, match="wgrad.hadamard must be 0 or one of"):
     _with_rht("mxfp4", 48)
   with pytest.raises(ValueError, match="fprop.hadamard is not supported"):
-    r.replace(fprop=gr(lhs=r.fprop.lhs, rhs=r.fprop.rhs, hadamard=32))
+    r.replace(fprop=dataclasses.replace(r.fprop, hadamard=32))
   with pytest.raises(ValueError, match="needs quantized Wgrad operands"):
-    r.replace(wgrad=gr(hadamard=32))
+    r.replace(wgrad=GemmRecipe(hadamard=32))
   with pytest.raises(ValueError, match="needs scaling='current'"):
     _with_rht("fp8_delayed", 32)
