@@ -243,11 +243,12 @@ def _qmm_forward(recipe: Recipe, backend, out_dtype, x, w, state, key):
     if _shares(fx, wx, backend) and not rht:
       x_saved = qx
     else:
-      x_saved = _operand(_wgrad_input(x, rht), wx, 0,
+      x_saved = _operand(_transformed(x, rht, 0), wx, 0,
                          sx if recipe.delayed else None, kwx, backend)
   else:
     x_saved = x
-  w_saved = qw if _shares(fw, recipe.dgrad.rhs, backend) else w
+  w_saved = (qw if _shares(fw, recipe.dgrad.rhs, backend)
+             and not recipe.dgrad.hadamard else w)
   # Named, so a remat policy (save_only_these_names) can keep just this.
   x_saved = jax.tree.map(lambda t: checkpoint_name(t, WGRAD_INPUT_NAME),
                          x_saved)
@@ -262,9 +263,10 @@ def _qmm_forward(recipe: Recipe, backend, out_dtype, x, w, state, key):
   return y, new_state, res
 
 
-def _wgrad_input(t, size: int):
-  """A Wgrad operand, Hadamard-transformed along M when ``size`` is set."""
-  return hadamard.transform(t, size, axis=0) if size else t
+def _transformed(t, size: int, axis: int):
+  """A gradient-GEMM operand, Hadamard-transformed along its contraction
+  ``axis`` when ``size`` is set (see `qlayers.hadamard`)."""
+  return hadamard.transform(t, size, axis=axis) if size else t
 
 
 def _dtype_carrier(v):
@@ -292,13 +294,15 @@ def _qmm_bwd(recipe: Recipe, backend, out_dtype, res, cts):
     g_cotangent = jax.tree.map(_zero_cotangent, g_state, g_state)._replace(
         amax=_like(ag, g_state.amax))
 
-  # Dgrad: dx = g @ w.T, contracted over N.
-  qg = _operand(g, dg.lhs, 1, sg, kd, backend)
+  # Dgrad: dx = g @ w.T, contracted over N (both Hadamard-transformed along
+  # N first if the recipe says so: (g Q.T) @ (w Q.T).T = g @ w.T).
+  rht_n = dg.hadamard
+  qg = _operand(_transformed(g, rht_n, 1), dg.lhs, 1, sg, kd, backend)
   if isinstance(w_saved, QTensor):
     qw = w_saved
   else:
-    qw = _operand(w_saved, dg.rhs, 1, sw if recipe.delayed else None, None,
-                  backend)
+    qw = _operand(_transformed(w_saved, rht_n, 1), dg.rhs, 1,
+                  sw if recipe.delayed else None, None, backend)
   dx = _run(qg, qw, (1, 1), dg.out_dtype or x_dtype, backend)
 
   # Wgrad: dw = x.T @ g, contracted over M (both Hadamard-transformed along
@@ -307,12 +311,13 @@ def _qmm_bwd(recipe: Recipe, backend, out_dtype, res, cts):
   if isinstance(x_saved, QTensor) or dw_gemm.lhs is None:
     qx = x_saved
   else:
-    qx = _operand(_wgrad_input(x_saved, rht), dw_gemm.lhs, 0,
+    qx = _operand(_transformed(x_saved, rht, 0), dw_gemm.lhs, 0,
                   sx if recipe.delayed else None, None, backend)
-  if _shares(dg.lhs, dw_gemm.rhs, backend) and not rht:
+  if _shares(dg.lhs, dw_gemm.rhs, backend) and not (rht or rht_n):
     qg_w = qg
   else:
-    qg_w = _operand(_wgrad_input(g, rht), dw_gemm.rhs, 0, sg, kwg, backend)
+    qg_w = _operand(_transformed(g, rht, 0), dw_gemm.rhs, 0, sg, kwg,
+                    backend)
   dw = _run(qx, qg_w, (0, 0), dw_gemm.out_dtype or jnp.float32, backend)
 
   state_ct = None

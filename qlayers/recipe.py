@@ -43,9 +43,9 @@ class GemmRecipe:
     accum_dtype: accumulator dtype (FP32 is the only one supported).
     hadamard: block size of a random Hadamard transform applied to both
       operands along the contraction dim before they are quantized (0: none;
-      Wgrad only; see `qlayers.hadamard`). The product is unchanged in exact
-      arithmetic; outliers spread over the block, which helps 4-bit
-      elements.
+      the gradient GEMMs only, Dgrad over N and Wgrad over the tokens; see
+      `qlayers.hadamard`). The product is unchanged in exact arithmetic;
+      outliers spread over the block, which helps 4-bit elements.
   """
 
   lhs: QuantSpec | None = None
@@ -154,20 +154,20 @@ def validate(r: Recipe) -> None:
       raise ValueError(f"{where}: {gname}.out_dtype must be one of "
                        f"{sorted(_DTYPES)} or unset.")
     if g.hadamard:
-      if gname != "wgrad":
+      if gname == "fprop":
         raise ValueError(
-            f"{where}: {gname}.hadamard is not supported; the Hadamard "
-            "transform applies to the Wgrad operands (contracted over the "
-            "tokens) only.")
+            f"{where}: fprop.hadamard is not supported; the Hadamard "
+            "transform applies to the gradient GEMMs (dgrad, wgrad) only.")
       if g.hadamard not in hadamard.SIZES:
-        raise ValueError(f"{where}: wgrad.hadamard must be 0 or one of "
+        raise ValueError(f"{where}: {gname}.hadamard must be 0 or one of "
                          f"{hadamard.SIZES}, got {g.hadamard!r}.")
       if not g.quantized:
-        raise ValueError(f"{where}: wgrad.hadamard needs quantized Wgrad "
-                         "operands (it only changes what gets quantized).")
+        raise ValueError(f"{where}: {gname}.hadamard needs quantized "
+                         f"{gname} operands (it only changes what gets "
+                         "quantized).")
       if r.scaling == "delayed":
         raise ValueError(
-            f"{where}: wgrad.hadamard needs scaling='current': delayed "
+            f"{where}: {gname}.hadamard needs scaling='current': delayed "
             "scales come from the amax of the untransformed tensors.")
     if g.quantized and g.lhs.format == "e5m2" and g.rhs.format == "e5m2":
       raise ValueError(

@@ -29,9 +29,9 @@ FLOORS = {  # recipe: (fprop, dgrad, wgrad) in dB
     "mxfp8": (26, 24, 24),
     "mxfp6": (22, 20, 20),
     "mxfp4": (12, 10, 10),
-    # The Hadamard transform lifts Wgrad on this outlier data (11.8 dB
-    # without it, 14.1 dB with it).
-    "mxfp4_rht": (12, 10, 13.5),
+    # The Hadamard transform lifts the gradient GEMMs on this outlier data
+    # (Dgrad 11.4 -> 13.9 dB, Wgrad 11.8 -> 14.1 dB).
+    "mxfp4_rht": (12, 13.5, 13.5),
 }
 
 
