@@ -338,7 +338,8 @@ def verdict(diffs, tolerance: float) -> str:
   side = "lower" if m < 0 else "higher"
   if n == 1:
     return (f"within ±{tolerance:g}% (1 seed)" if abs(m) <= tolerance
-            else f"{side} by > {tolerance:g}% (1 seed, no error bar; try --seeds 0,1,2)")
+            else f"{side} by > {tolerance:g}% (1 seed, no error bar; "
+                 "try --seeds 0,1,2)")
   se = s / math.sqrt(n)
   if abs(m) + 2 * se <= tolerance:
     return f"within ±{tolerance:g}%"
