@@ -9,6 +9,7 @@ moments, norms, softmax and the loss stay wide.
 
 from qlayers import checkpoint
 from qlayers import formats
+from qlayers import hadamard
 from qlayers import scaling
 from qlayers.checkpoint import CheckpointCorruptError
 from qlayers.checkpoint import CheckpointMismatchError
@@ -50,7 +51,7 @@ from qlayers.state import QuantVariable
 __version__ = "0.1.0"
 
 __all__ = [
-    "formats", "scaling", "backends", "accumulate_grads", "grad",
+    "formats", "hadamard", "scaling", "backends", "accumulate_grads", "grad",
     "value_and_grad", "QuantAttentionProj", "QuantDense", "QuantLogits",
     "commit_state", "dot_general",
     "init_state", "quantized_matmul", "ScaleState", "mixed_precision",
