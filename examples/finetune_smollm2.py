@@ -11,7 +11,8 @@
    embedding / output head stays wide); measures the perplexity again.
 3. Fine-tunes on the training plays with ``qlayers.value_and_grad`` and
    ``qlayers.Optimizer`` (AdamW, warmup + cosine, clipping) in one
-   ``nnx.jit`` step, measuring validation perplexity as it goes.
+   ``nnx.jit`` step (``_common/lm.py``), measuring validation perplexity as
+   it goes.
 4. Saves model and optimizer with ``qlayers.checkpoint.save`` (orbax),
    restores them into a freshly loaded and converted model, and checks that
    both give bit-identical logits.
@@ -110,16 +111,6 @@ def make_tx(cfg: Config) -> optax.GradientTransformation:
       lr=cfg.lr, steps=cfg.steps, warmup=cfg.warmup,
       weight_decay=cfg.weight_decay, min_lr_ratio=cfg.min_lr_ratio,
       clip=cfg.clip)
-
-
-@nnx.jit
-def train_step(model, optimizer, inputs, targets):
-  """One AdamW step; returns the batch loss."""
-  def loss_fn(model):
-    return lm.next_token_loss(model(inputs), targets)
-  loss, grads = qlayers.value_and_grad(loss_fn)(model)
-  optimizer.update(model, grads)
-  return loss
 
 
 @functools.partial(jax.jit, static_argnames="graphdef")
@@ -228,7 +219,7 @@ def main(argv=None) -> dict[str, Any]:
   for step in bar:
     inputs, targets = next(stream)
     t0 = time.perf_counter()
-    loss = float(train_step(model, optimizer, inputs, targets))
+    loss = float(lm.train_step(model, optimizer, inputs, targets))
     if step > 1:
       step_times.append(time.perf_counter() - t0)
     if not np.isfinite(loss):

@@ -15,8 +15,9 @@ order. The baseline keeps its ``nnx.Linear`` layers and computes them in
 qlayers layers with one call, ``qlayers.quantize(model, recipe)``, which keeps
 the embedding and the output head wide. Training uses
 ``qlayers.value_and_grad`` and ``qlayers.Optimizer`` (AdamW, warmup + cosine
-schedule, global-norm clipping) in one ``nnx.jit`` step. Validation loss is
-measured on fixed batches from held-out plays.
+schedule, global-norm clipping) in one ``nnx.jit`` step (``lm.train_step`` in
+``_common/lm.py``). Validation loss is measured on fixed batches from
+held-out plays.
 
 Outputs (in ``--out``): ``train_lm.png`` (train and validation loss per
 recipe, and the validation gap to the baseline), ``train_lm.md`` (the final
@@ -203,16 +204,6 @@ def make_tx(cfg: Config) -> optax.GradientTransformation:
       clip=cfg.clip, b2=cfg.b2)
 
 
-@nnx.jit
-def train_step(model, optimizer, inputs, targets):
-  """One AdamW step; returns the batch loss."""
-  def loss_fn(model):
-    return lm.next_token_loss(model(inputs), targets)
-  loss, grads = qlayers.value_and_grad(loss_fn)(model)
-  optimizer.update(model, grads)
-  return loss
-
-
 @functools.partial(jax.jit, static_argnames="graphdef")
 def _eval_loss(graphdef, state, inputs, targets):
   # Merged inside the trace: forward quantization state written here (the
@@ -277,7 +268,7 @@ def train_run(cfg: Config, run: str, seed: int, data, tx, *,
   for step in bar:
     inputs, targets = next(stream)
     t0, c0 = time.perf_counter(), time.process_time()
-    loss = float(train_step(model, optimizer, inputs, targets))
+    loss = float(lm.train_step(model, optimizer, inputs, targets))
     t1, c1 = time.perf_counter(), time.process_time()
     if step == 1:
       compile_s = t1 - t0  # compilation plus one step

@@ -1,10 +1,12 @@
-"""Sampling and evaluation for any causal LM ``model(tokens) -> logits``.
+"""Training step, sampling and evaluation for any causal LM
+``model(tokens) -> logits``.
 
 The model is an NNX module taking int32 ``[B, T]`` tokens and returning
 float32 ``[B, T, V]`` logits, with ``model.config.max_len``. Both functions
 split the model once and merge it inside a jitted pure function, so state a
 quantized layer writes during the forward pass (amax histories) stays local
-to each call and never leaks out of the trace.
+to each call and never leaks out of the trace (`train_step` is the
+exception: it is the step that is meant to update the model).
 """
 
 import functools
@@ -15,12 +17,29 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import qlayers
+
 
 def next_token_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
   """Mean cross-entropy of float32 ``[B, T, V]`` logits on ``[B, T]`` ids."""
   logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
   picked = jnp.take_along_axis(logp, targets[..., None], axis=-1)
   return -jnp.mean(picked)
+
+
+@nnx.jit
+def train_step(model, optimizer, inputs, targets):
+  """One optimizer step on a next-token batch; returns the batch loss.
+
+  ``qlayers.value_and_grad`` returns the Params' gradients together with
+  the gradient-side quantization state, and ``qlayers.Optimizer.update``
+  applies both (and rolls every delayed-scaling history once).
+  """
+  def loss_fn(model):
+    return next_token_loss(model(inputs), targets)
+  loss, grads = qlayers.value_and_grad(loss_fn)(model)
+  optimizer.update(model, grads)
+  return loss
 
 
 def _sample(logits, key, temperature, top_k):
