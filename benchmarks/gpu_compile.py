@@ -1,0 +1,1405 @@
+"""What the quantized GEMMs compile to on H200 (sm_90) and B200 (sm_100).
+
+Compiles qlayers programs for NVIDIA GPUs on a machine without one (the
+target configs and recipe are in the shared ``gpu-targets`` folder) and reads
+the optimized HLO: for every GEMM, the kernel XLA emits, its operand and
+output dtypes, whether the scales are real operands of the GEMM (folded) or
+applied by other kernels, and the extra passes between the quantize kernel
+and the GEMM and between the GEMM and its consumer; then XLA's cost analysis
+and a roofline model of the step time against the BF16 step.
+
+Setup and use (from the repository root)::
+
+  bash scripts/setup-gpu-compile                       # makes .venv-gpu/
+  .venv-gpu/bin/python benchmarks/gpu_compile.py       # every target/recipe
+  .venv-gpu/bin/python benchmarks/gpu_compile.py --targets b200 \\
+      --recipes bf16,mxfp8 --programs layer --tokens 1024 --json out.json
+
+Programs: ``layer`` is one `qlayers.QuantDense` (``--in-features`` x
+``--out-features``, ``--tokens`` rows, BF16 compute) forward and backward,
+``value_and_grad`` of ``sum(y * ct)`` for a cotangent input ``ct`` (a real
+tensor, so XLA cannot fold the backward GEMMs away) with respect to the
+kernel and the input, so Fprop, Dgrad and Wgrad are all live. ``block`` is a
+Llama-style block (RMSNorm, q/k/v/o, causal attention, SwiGLU MLP) of stock
+NNX layers converted with ``qlayers.quantize(model, recipe, rules=())`` and
+one training step with `qlayers.value_and_grad` and `qlayers.Optimizer`.
+
+Each target is compiled with XLA's Triton GEMMs on (its default: without a
+device there is no autotuning, every dot becomes a Triton fusion) and off
+(``xla_gpu_enable_triton_gemm=false``: the cuBLAS/cuDNN path that the
+autotuner weighs against Triton on a real GPU). Each target and flag runs in
+its own worker process; a recipe that fails to compile, or crashes the
+compiler, is reported with its error line.
+
+``--assume-gpu-dispatch`` makes ``jax.default_backend()`` answer ``"gpu"``
+while the programs are traced. qlayers chooses its GEMM code paths from
+``jax.default_backend()``, which is the host (``cpu``) here, so without it a
+GPU target gets the CPU code; the flag is a stopgap until dispatch follows
+the platform being lowered for.
+
+The roofline numbers are a model prediction, not a measurement: each kernel
+takes ``max(flops / peak, bytes / bandwidth)`` at the target's published
+dense peak for the GEMM's operand type, kernels run back to back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import time
+from collections import Counter
+from typing import Any, Iterable
+
+_HERE = pathlib.Path(__file__).resolve().parent
+_ROOT = _HERE.parent
+if str(_HERE) not in sys.path:
+  sys.path.insert(0, str(_HERE))
+
+import mdtable  # noqa: E402
+
+RECIPES = ("bf16", "fp8_current", "fp8_delayed", "fp8_rowwise",
+           "deepseek_v3", "mxfp8", "mxfp6", "mxfp4")
+PROGRAMS = ("layer", "block")
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """A GPU to compile for and its published dense peaks (TFLOP/s, TB/s)."""
+
+  name: str
+  config: str  # GpuTargetConfigProto text file in the gpu-targets folder
+  arch: str
+  bf16: float
+  fp8: float
+  fp4: float | None  # None: no native FP4/FP6 tensor cores
+  tf32: float
+  fp32: float
+  tbps: float
+  source: str
+
+
+# H200 SXM: the H100 SXM5 tensor-core rates (same GH100 silicon) with the
+# H200's 4.8 TB/s HBM3e; dense, no sparsity (NVIDIA H100/H200 datasheets as
+# tabulated on glennklockwood.com/garden/processors/h100). B200: NVIDIA's HGX
+# B200 per-GPU figures (FP8/FP6 9 PF, FP4 18 PF, BF16 4.5 PF, TF32 2.2 PF, all
+# with sparsity, so halved here; FP32 75 TF; 7.7 TB/s), also
+# glennklockwood.com/garden/processors/B200 (HGX, 1000 W).
+TARGETS = {
+    "h200": Target("h200", "h200.txtpb", "sm_90", bf16=989.0, fp8=1979.0,
+                   fp4=None, tf32=494.7, fp32=66.9, tbps=4.8,
+                   source="NVIDIA H100/H200 SXM datasheets (dense)"),
+    "b200": Target("b200", "b200_approx.txtpb", "sm_100", bf16=2250.0,
+                   fp8=4500.0, fp4=9000.0, tf32=1100.0, fp32=75.0, tbps=7.7,
+                   source="NVIDIA HGX B200 per-GPU specs (dense)"),
+}
+
+# ==========================================================================
+# HLO text parsing (pure functions on the optimized HLO of `as_text()`)
+
+DTYPE_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "s4": 0.5, "u4": 0.5, "s16": 2, "u16": 2,
+    "s32": 4, "u32": 4, "s64": 8, "u64": 8, "f16": 2, "bf16": 2, "f32": 4,
+    "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1,
+    "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "f8e4m3": 1, "f8e3m4": 1,
+    "f8e4m3b11fnuz": 1, "f8e8m0fnu": 1, "f4e2m1fn": 0.5, "f6e2m3fn": 0.75,
+    "f6e3m2fn": 0.75, "token": 0,
+}
+NARROW = {d for d, b in DTYPE_BYTES.items()
+          if b <= 1 and d not in ("pred", "s8", "token")}
+WIDE_FLOAT = ("bf16", "f16", "f32", "f64")
+
+GEMM_CALLS = {
+    "__cublas$lt$matmul$f8": "cuBLASLt FP8",
+    "__cublas$lt$matmul": "cuBLASLt",
+    "__cublas$gemm": "cuBLAS",
+    "__cudnn$blockScaledDot": "cuDNN block-scaled",
+}
+# Top-level instructions that move no data (views, plumbing).
+FREE_OPS = {"parameter", "constant", "bitcast", "get-tuple-element", "tuple",
+            "opt-barrier", "after-all", "partition-id", "replica-id",
+            "iota"}
+
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+
+
+@dataclasses.dataclass(frozen=True)
+class Array:
+  dtype: str
+  dims: tuple[int, ...]
+
+  @property
+  def size(self) -> int:
+    return math.prod(self.dims)
+
+  @property
+  def nbytes(self) -> float:
+    return self.size * DTYPE_BYTES.get(self.dtype, 4)
+
+
+def parse_shape(text: str) -> tuple[Array, ...]:
+  """Every array in an HLO shape (``f32[2,3]{1,0}`` or a tuple of them)."""
+  out = []
+  for dtype, dims in _ARRAY.findall(text):
+    if dtype not in DTYPE_BYTES:
+      continue
+    out.append(Array(dtype, tuple(int(d) for d in dims.split(",") if d)))
+  return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class Inst:
+  """One HLO instruction: ``%name = shape opcode(operands), attrs``."""
+
+  name: str
+  shape: str
+  opcode: str
+  operands: tuple[str, ...]
+  attrs: str
+  root: bool = False
+  literal: str = ""
+
+  @property
+  def arrays(self) -> tuple[Array, ...]:
+    return parse_shape(self.shape)
+
+  def attr(self, key: str) -> str | None:
+    """The value of ``key=`` (a ``{...}`` or ``"..."`` group, or a token)."""
+    m = re.search(r"(?:^|[\s,])" + re.escape(key) + r"=", self.attrs)
+    if not m:
+      return None
+    return _group(self.attrs, m.end())
+
+  @property
+  def op_name(self) -> str:
+    m = re.search(r'op_name="([^"]*)"', self.attrs)
+    return m.group(1) if m else ""
+
+
+def _group(text: str, i: int) -> str:
+  """The balanced ``{...}``/``(...)``/``"..."`` group or token at ``i``."""
+  if i >= len(text):
+    return ""
+  if text[i] == '"':
+    j = text.index('"', i + 1)
+    return text[i + 1:j]
+  pairs = {"{": "}", "(": ")", "[": "]"}
+  if text[i] in pairs:
+    depth, j, quoted = 0, i, False
+    while j < len(text):
+      c = text[j]
+      if c == '"':
+        quoted = not quoted
+      elif not quoted and c in pairs:
+        depth += 1
+      elif not quoted and c in pairs.values():
+        depth -= 1
+        if depth == 0:
+          return text[i + 1:j]
+      j += 1
+    return text[i + 1:]
+  m = re.match(r"[^,\s]*", text[i:])
+  return m.group(0) if m else ""
+
+
+def _split_top(text: str) -> list[str]:
+  """Splits on commas outside brackets and quotes."""
+  parts, depth, cur, quoted = [], 0, [], False
+  for c in text:
+    if c == '"':
+      quoted = not quoted
+    if not quoted and c in "{([":
+      depth += 1
+    elif not quoted and c in "})]":
+      depth -= 1
+    if c == "," and depth == 0 and not quoted:
+      parts.append("".join(cur))
+      cur = []
+    else:
+      cur.append(c)
+  if cur:
+    parts.append("".join(cur))
+  return [p.strip() for p in parts if p.strip()]
+
+
+_INST = re.compile(r"^\s*(ROOT\s+)?%([^\s=]+)\s*=\s*(.*)$")
+
+
+def parse_instruction(line: str) -> Inst | None:
+  """Parses one instruction line; ``None`` for anything else."""
+  m = _INST.match(line)
+  if not m:
+    return None
+  root, name, rest = bool(m.group(1)), m.group(2), m.group(3)
+  if rest.startswith("("):
+    shape = "(" + _group(rest, 0) + ")"
+    rest = rest[len(shape):].lstrip()
+  else:
+    shape, _, rest = rest.partition(" ")
+  m2 = re.match(r"([a-z][\w\-\.\$]*)\(", rest)
+  if not m2:
+    return None
+  opcode = m2.group(1)
+  inner = _group(rest, m2.end() - 1)
+  attrs = rest[m2.end() + len(inner) + 1:].lstrip(", ")
+  inner = re.sub(r"/\*.*?\*/", "", inner)
+  operands, literal = [], ""
+  if opcode in ("constant", "parameter"):
+    literal = inner.strip()
+  else:
+    for part in _split_top(inner):
+      ref = re.search(r"%([^\s,\)]+)\s*$", part)
+      if ref:
+        operands.append(ref.group(1))
+  return Inst(name, shape, opcode, tuple(operands), attrs, root, literal)
+
+
+@dataclasses.dataclass
+class Computation:
+  name: str
+  entry: bool
+  insts: dict[str, Inst]
+  params: list[str]  # parameter instruction names by parameter number
+
+  @property
+  def root(self) -> Inst:
+    for inst in self.insts.values():
+      if inst.root:
+        return inst
+    return list(self.insts.values())[-1]
+
+  def users(self) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {n: [] for n in self.insts}
+    for inst in self.insts.values():
+      for op in inst.operands:
+        if op in out:
+          out[op].append(inst.name)
+    return out
+
+
+_COMP = re.compile(r"^(ENTRY\s+)?%([^\s(]+)\s*\(.*\)\s*->.*\{\s*$")
+
+
+def parse_module(text: str) -> dict[str, Computation]:
+  """The computations of an HLO module text, by name."""
+  comps: dict[str, Computation] = {}
+  cur = None
+  for line in text.splitlines():
+    m = _COMP.match(line)
+    if m:
+      cur = Computation(m.group(2), bool(m.group(1)), {}, [])
+      comps[cur.name] = cur
+      continue
+    if cur is None:
+      continue
+    if line.startswith("}"):
+      cur = None
+      continue
+    inst = parse_instruction(line)
+    if inst is None:
+      continue
+    cur.insts[inst.name] = inst
+    if inst.opcode == "parameter":
+      num = int(inst.literal)
+      while len(cur.params) <= num:
+        cur.params.append("")
+      cur.params[num] = inst.name
+  return comps
+
+
+def entry(comps: dict[str, Computation]) -> Computation:
+  for c in comps.values():
+    if c.entry:
+      return c
+  raise ValueError("HLO module has no ENTRY computation")
+
+
+def called(inst: Inst) -> list[str]:
+  """Names of the computations an instruction calls."""
+  names = []
+  for key in ("calls", "body", "condition", "to_apply",
+              "branch_computations"):
+    v = inst.attr(key)
+    if v:
+      names += [p.strip().lstrip("%") for p in v.split(",") if p.strip()]
+  return names
+
+
+def fusion_kind(inst: Inst) -> str:
+  """``kLoop``/``kInput``/``kCustom``, plus the backend kind if any."""
+  kind = inst.attr("kind") or ""
+  m = re.search(r'"kind":"([^"]+)"', inst.attrs)
+  return f"{kind}:{m.group(1)}" if m else kind
+
+
+def _dims_attr(inst: Inst, key: str) -> tuple[int, ...]:
+  v = inst.attr(key)
+  return tuple(int(x) for x in v.split(",") if x.strip()) if v else ()
+
+
+def _json_dims(inst: Inst, key: str) -> tuple[int, ...]:
+  m = re.search(r'"' + key + r'":\[([^\]]*)\]', inst.attrs)
+  if not m:
+    return ()
+  return tuple(int(x.strip().strip('"')) for x in m.group(1).split(",")
+               if x.strip())
+
+
+def dot_dims(lhs: Array, rhs: Array, lc, rc, lb, rb) -> dict:
+  """``batch, m, n, k`` of a dot_general from operand shapes and dims."""
+  del rc
+  batch = math.prod(lhs.dims[d] for d in lb)
+  k = math.prod(lhs.dims[d] for d in lc)
+  m = math.prod(s for d, s in enumerate(lhs.dims) if d not in (*lc, *lb))
+  n = rhs.size // max(batch * k, 1)
+  return {"batch": batch, "m": m, "n": n, "k": k}
+
+
+# --------------------------------------------------------------------------
+# GEMM discovery and classification
+
+
+@dataclasses.dataclass
+class Gemm:
+  """One GEMM kernel of the optimized module and what feeds it."""
+
+  name: str  # top-level instruction
+  kernel: str  # e.g. "cuBLASLt FP8", "Triton", "cuDNN block-scaled"
+  op: str  # dot / scaled-dot / custom-call target
+  a: str  # operand dtypes as the GEMM reads them ("f8e4m3fn", "u8->bf16")
+  b: str
+  out: str
+  dims: dict
+  scales: str  # how the scales reach the GEMM
+  folded: bool | None  # scales applied inside the GEMM kernel
+  epilogue: tuple[str, ...]  # in-kernel ops after the product (Triton)
+  operands: tuple[str, ...]  # top-level operand names (data operands)
+  precision: str = ""
+  op_name: str = ""
+
+  @property
+  def flops(self) -> float:
+    d = self.dims
+    return 2.0 * d["batch"] * d["m"] * d["n"] * d["k"]
+
+
+def _const_value(comp: Computation, name: str) -> str | None:
+  """The literal of a (possibly broadcast/bitcast) constant, else None."""
+  inst = comp.insts.get(name)
+  while inst is not None and inst.opcode in ("broadcast", "bitcast",
+                                             "reshape", "copy", "convert"):
+    inst = comp.insts.get(inst.operands[0]) if inst.operands else None
+  if inst is not None and inst.opcode == "constant":
+    return inst.literal
+  return None
+
+
+def _cone_params(comps, comp: Computation, name: str,
+                 seen=None) -> set[int]:
+  """Parameter numbers of ``comp`` in the backward cone of ``name``,
+  following nested fusions."""
+  seen = set() if seen is None else seen
+  if name in seen:
+    return set()
+  seen.add(name)
+  inst = comp.insts[name]
+  if inst.opcode == "parameter":
+    return {comp.params.index(name)}
+  out: set[int] = set()
+  if inst.opcode == "fusion":
+    inner = comps.get(called(inst)[0]) if called(inst) else None
+    if inner is not None:
+      idx = _cone_params(comps, inner, inner.root.name)
+      for i in idx:
+        if i < len(inst.operands):
+          out |= _cone_params(comps, comp, inst.operands[i], seen)
+      return out
+  for op in inst.operands:
+    out |= _cone_params(comps, comp, op, seen)
+  return out
+
+
+def _find(comps, comp: Computation, opcodes: tuple[str, ...]):
+  """(computation, instruction) of the first op in ``opcodes`` inside
+  ``comp`` or the fusions it calls."""
+  for inst in comp.insts.values():
+    if inst.opcode in opcodes:
+      return comp, inst
+  for inst in comp.insts.values():
+    if inst.opcode == "fusion":
+      for c in called(inst):
+        if c in comps:
+          hit = _find(comps, comps[c], opcodes)
+          if hit:
+            return hit
+  return None
+
+
+def _operand_view(comps, comp, name, outer_params) -> str:
+  """Dtype a dot operand is read as: ``"f8e4m3fn"`` when the dot consumes
+  the loaded type, ``"f8e4m3fn->bf16"`` when it is converted in the kernel
+  first (``outer_params``: dtypes of the fusion's parameters)."""
+  inst = comp.insts[name]
+  mma = inst.arrays[0].dtype if inst.arrays else "?"
+  idx = _cone_params(comps, comp, name)
+  # Large parameters only: scalars (scales, flags) are not the operand.
+  loads = sorted({outer_params[i].dtype for i in idx if i < len(outer_params)
+                  and outer_params[i].size > 1})
+  if not loads or loads == [mma]:
+    return mma
+  return "+".join(loads) + "->" + mma
+
+
+def _forward_ops(comp: Computation, start: str) -> tuple[str, ...]:
+  """Opcodes on the path from ``start`` to the root (the epilogue)."""
+  users = comp.users()
+  ops, cur = [], start
+  while users.get(cur):
+    cur = users[cur][0]
+    op = comp.insts[cur].opcode
+    if op not in ("bitcast", "reshape", "broadcast"):
+      ops.append(op)
+  return tuple(ops)
+
+
+def _precision(inst: Inst) -> str:
+  m = re.search(r"operand_precision=\{([^}]*)\}", inst.attrs)
+  if m:
+    return m.group(1)
+  m = re.search(r'"operand_precision":\[([^\]]*)\]', inst.attrs)
+  alg = re.search(r'"algorithm":"([^"]+)"', inst.attrs)
+  out = m.group(1).replace('"', "") if m else ""
+  if alg and alg.group(1) != "ALG_UNSET":
+    out += f" {alg.group(1)}"
+  return out.strip()
+
+
+def classify_fusion_gemm(comps, top: Computation, inst: Inst) -> Gemm | None:
+  """A fusion holding a dot or scaled-dot (Triton, cuDNN fusion)."""
+  names = called(inst)
+  if not names or names[0] not in comps:
+    return None
+  body = comps[names[0]]
+  hit = _find(comps, body, ("dot", "scaled-dot"))
+  if hit is None:
+    return None
+  where, dot = hit
+  params = [top.insts[o].arrays[0] if top.insts[o].arrays else Array("?", ())
+            for o in inst.operands]
+  kind = fusion_kind(inst)
+  kernel = "Triton" if "triton" in kind else f"fusion {kind}"
+  if "cudnn" in kind:
+    kernel = "cuDNN fusion"
+  lhs, rhs = (where.insts[o].arrays[0] for o in dot.operands[:2])
+  dims = dot_dims(lhs, rhs, _dims_attr(dot, "lhs_contracting_dims"),
+                  _dims_attr(dot, "rhs_contracting_dims"),
+                  _dims_attr(dot, "lhs_batch_dims"),
+                  _dims_attr(dot, "rhs_batch_dims"))
+  if where is body:
+    a = _operand_view(comps, body, dot.operands[0], params)
+    b = _operand_view(comps, body, dot.operands[1], params)
+    epi = _forward_ops(body, dot.name)
+  else:
+    a, b = lhs.dtype, rhs.dtype
+    epi = ()
+  epi_mul = [n for n in _epilogue_names(body, dot.name) if
+             body.insts[n].opcode in ("multiply", "divide")] \
+      if where is body else []
+  pro_mul = _prologue_multiplies(comps, body, dot) if where is body else False
+  if dot.opcode == "scaled-dot":
+    scales = "block scales (operands of scaled-dot)"
+    folded = True
+  elif epi_mul or pro_mul:
+    scales = ("multiply in the kernel epilogue" if epi_mul else
+              "multiply on an operand in the kernel")
+    folded = True
+  else:
+    scales = "none in kernel"
+    folded = None
+  data = tuple(o for o, p in zip(inst.operands, params) if p.size > 1)
+  return Gemm(inst.name, kernel, dot.opcode, a, b, inst.arrays[0].dtype, dims,
+              scales, folded, epi, data, _precision(dot),
+              inst.op_name or dot.op_name)
+
+
+def _epilogue_names(comp: Computation, start: str) -> list[str]:
+  users = comp.users()
+  out, cur = [], start
+  while users.get(cur):
+    cur = users[cur][0]
+    out.append(cur)
+  return out
+
+
+def _prologue_multiplies(comps, comp: Computation, dot: Inst) -> bool:
+  """True when a dot operand is multiplied by something before the dot."""
+  def walk(c, name, depth=0):
+    if depth > 12:
+      return False
+    inst = c.insts[name]
+    if inst.opcode in ("multiply", "divide"):
+      return True
+    if inst.opcode == "fusion":
+      for n in called(inst):
+        if n in comps and walk(comps[n], comps[n].root.name, depth + 1):
+          return True
+      return False
+    return any(walk(c, o, depth + 1) for o in inst.operands)
+  return any(walk(comp, o) for o in dot.operands[:2])
+
+
+def classify_custom_call(top: Computation, inst: Inst) -> Gemm | None:
+  """A vendor GEMM custom call (cuBLAS, cuBLASLt, cuDNN)."""
+  target = inst.attr("custom_call_target") or ""
+  if target not in GEMM_CALLS:
+    return None
+  ops = [top.insts[o] for o in inst.operands]
+  arrs = [o.arrays[0] if o.arrays else Array("?", ()) for o in ops]
+  out = inst.arrays[0]
+  lc = _json_dims(inst, "lhs_contracting_dimensions")
+  rc = _json_dims(inst, "rhs_contracting_dimensions")
+  lb = _json_dims(inst, "lhs_batch_dimensions")
+  rb = _json_dims(inst, "rhs_batch_dimensions")
+  if target == "__cudnn$blockScaledDot" or not lc:
+    # (batch,) m, k x (batch,) n, k: contraction last on both.
+    dims = {"batch": math.prod(out.dims[:-2]), "m": out.dims[-2],
+            "n": out.dims[-1],
+            "k": arrs[0].size // max(math.prod(out.dims[:-1]), 1)}
+  else:
+    dims = dot_dims(arrs[0], arrs[1], lc, rc, lb, rb)
+  if target == "__cublas$lt$matmul$f8":
+    beta = re.search(r'"beta":([0-9.eE+-]+)', inst.attrs)
+    first_scale = 3 if beta and float(beta.group(1)) != 0 else 2
+    descr, real = [], []
+    for role, i in (("a", first_scale), ("b", first_scale + 1)):
+      if i >= len(inst.operands):
+        continue
+      c = _const_value(top, inst.operands[i])
+      src = top.insts[inst.operands[i]].shape.split("{")[0]
+      descr.append(f"{role}:{'const ' + c if c is not None else src}")
+      real.append(c is None)
+    scales = " ".join(descr)
+    folded = all(real) if real else False
+  elif target == "__cudnn$blockScaledDot":
+    scales = "block scales (operands)"
+    folded = True
+  else:
+    scales = "none (wide GEMM)"
+    folded = None
+  return Gemm(inst.name, GEMM_CALLS[target], target, arrs[0].dtype,
+              arrs[1].dtype, out.dtype, dims, scales, folded, (),
+              tuple(inst.operands[:2]), _precision(inst), inst.op_name)
+
+
+def kernel_computations(comps) -> list[Computation]:
+  """The entry and the computations it runs as control flow (not fusion
+  bodies): where kernels are launched from."""
+  out, todo, seen = [], [entry(comps)], set()
+  while todo:
+    c = todo.pop()
+    if c.name in seen:
+      continue
+    seen.add(c.name)
+    out.append(c)
+    for inst in c.insts.values():
+      if inst.opcode in ("while", "conditional", "call"):
+        todo += [comps[n] for n in called(inst) if n in comps]
+  return out
+
+
+def find_gemms(comps) -> list[tuple[Computation, Gemm]]:
+  """Every GEMM kernel of the module, with the computation it runs in."""
+  out = []
+  for comp in kernel_computations(comps):
+    for inst in comp.insts.values():
+      g = None
+      if inst.opcode == "custom-call":
+        g = classify_custom_call(comp, inst)
+      elif inst.opcode == "fusion":
+        g = classify_fusion_gemm(comps, comp, inst)
+      elif inst.opcode in ("dot", "scaled-dot"):
+        lhs, rhs = (comp.insts[o].arrays[0] for o in inst.operands[:2])
+        dims = dot_dims(lhs, rhs, _dims_attr(inst, "lhs_contracting_dims"),
+                        _dims_attr(inst, "rhs_contracting_dims"),
+                        _dims_attr(inst, "lhs_batch_dims"),
+                        _dims_attr(inst, "rhs_batch_dims"))
+        g = Gemm(inst.name, "unfused dot", inst.opcode, lhs.dtype, rhs.dtype,
+                 inst.arrays[0].dtype, dims, "none", None, (),
+                 tuple(inst.operands[:2]), _precision(inst), inst.op_name)
+      if g is not None:
+        out.append((comp, g))
+  return out
+
+
+# --------------------------------------------------------------------------
+# Passes around a GEMM and the per-kernel cost
+
+
+def is_kernel(inst: Inst) -> bool:
+  """Whether a top-level instruction launches work that touches memory."""
+  if inst.opcode in FREE_OPS:
+    return False
+  if inst.opcode == "reshape":
+    return False  # top-level reshapes of the optimized module are views
+  return True
+
+
+def kernel_bytes(comp: Computation, inst: Inst) -> float:
+  """Bytes a kernel reads and writes (its operands and outputs; cuBLAS
+  workspace outputs excluded)."""
+  outs = inst.arrays
+  if inst.opcode == "custom-call" and len(outs) > 1 and outs[-1].dtype == "s8":
+    outs = outs[:-1]
+  total = sum(a.nbytes for a in outs)
+  for op in dict.fromkeys(inst.operands):
+    src = comp.insts.get(op)
+    if src is not None and src.arrays:
+      total += sum(a.nbytes for a in src.arrays) if src.opcode != "tuple" \
+          else 0
+  return total
+
+
+def _through_views(comp: Computation, name: str) -> Inst:
+  inst = comp.insts[name]
+  while inst.opcode in ("bitcast", "get-tuple-element", "reshape") and \
+      inst.operands:
+    inst = comp.insts[inst.operands[0]]
+  return inst
+
+
+def _big_inputs(comp: Computation, inst: Inst, floor: int) -> list[Inst]:
+  out = []
+  for op in inst.operands:
+    src = comp.insts.get(op)
+    if src is not None and src.arrays and max(a.size for a in src.arrays) \
+        >= floor:
+      out.append(src)
+  return out
+
+
+def _narrow(inst: Inst) -> bool:
+  return any(a.dtype in NARROW for a in inst.arrays if a.size > 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pass:
+  name: str
+  what: str  # transpose/copy/convert/..., from the fusion name or opcode
+  nbytes: float
+
+
+def _what(inst: Inst) -> str:
+  if inst.opcode == "fusion":
+    m = re.match(r"(?:loop|input)_(\w+?)_fusion", inst.name)
+    return (m.group(1) if m else inst.name.split(".")[0]) + " fusion"
+  return inst.opcode
+
+
+def pre_passes(comp: Computation, gemm: Gemm) -> list[Pass]:
+  """Kernels between the quantize kernel and the GEMM: kernels on an
+  operand's path that read a quantized (narrow) tensor, such as a transpose
+  or copy of a payload, or a dequantize of it to a wide type."""
+  out, seen = [], set()
+  for op in gemm.operands:
+    cur = _through_views(comp, op)
+    floor = max(cur.arrays[0].size // 4, 2) if cur.arrays else 2
+    while is_kernel(cur) and cur.name not in seen:
+      big = _big_inputs(comp, cur, floor)
+      narrow_in = [b for b in big if _narrow(b)]
+      if not narrow_in:
+        break  # cur quantizes (or computes) from wide data: not extra
+      seen.add(cur.name)
+      out.append(Pass(cur.name, _what(cur), kernel_bytes(comp, cur)))
+      cur = _through_views(comp, narrow_in[0].name)
+  return out
+
+
+def post_passes(comp: Computation, gemm: Gemm) -> list[Pass]:
+  """Kernels that only finish the GEMM's output: every large input they
+  read is this GEMM's output (scale multiply, convert, split-K reduction,
+  transpose), before the real consumer."""
+  users = comp.users()
+  out_size = comp.insts[gemm.name].arrays[0].size
+  # A split-K partial product is reduced to 1/batch of its size.
+  floor = max(out_size // max(8, 2 * gemm.dims["batch"]), 2)
+  found, frontier, seen = [], [gemm.name], {gemm.name}
+  while frontier:
+    cur = frontier.pop()
+    for u in users.get(cur, []):
+      if u in seen:
+        continue
+      seen.add(u)
+      inst = comp.insts[u]
+      if inst.opcode in ("bitcast", "get-tuple-element", "reshape"):
+        frontier.append(u)
+        continue
+      if not is_kernel(inst) or inst.opcode in ("custom-call",) and \
+          inst.attr("custom_call_target") in GEMM_CALLS:
+        continue
+      if inst.opcode == "fusion" and "gemm" in fusion_kind(inst):
+        continue
+      big = [b for b in _big_inputs(comp, inst, floor)
+             if _through_views(comp, b.name).name not in seen
+             and b.name not in seen]
+      full = max((a.size for a in inst.arrays), default=0) >= floor
+      if not big and full:
+        found.append(Pass(inst.name, _what(inst), kernel_bytes(comp, inst)))
+        frontier.append(u)
+  return found
+
+
+def gemm_peak(g: Gemm, target: Target) -> tuple[float, str]:
+  """TFLOP/s the model assumes for a GEMM: by the type the MMA consumes."""
+  mma = {g.a.split("->")[-1], g.b.split("->")[-1]}
+  if g.op == "scaled-dot" and target.fp4 is None:
+    return target.bf16, "bf16 (block-scaled dot emulated on this arch)"
+  if mma <= {"f4e2m1fn", "f6e2m3fn", "f6e3m2fn", "f8e4m3fn", "f8e5m2",
+             "u8"} and mma & {"f4e2m1fn"} and target.fp4:
+    return target.fp4, "fp4"
+  if mma & {"f8e4m3fn", "f8e5m2", "f6e2m3fn", "f6e3m2fn", "f4e2m1fn"} and \
+      not mma & {"bf16", "f16", "f32"}:
+    return target.fp8, "fp8"
+  if "f32" in mma:
+    if "highest" in g.precision.lower() or "F32_F32_F32" in g.precision:
+      return target.fp32, "fp32"
+    return target.tf32, "tf32"
+  return target.bf16, "bf16"
+
+
+def roofline(comps, target: Target) -> dict:
+  """Model step time: every kernel at max(flops/peak, bytes/bandwidth)."""
+  gemms = {g.name: g for _, g in find_gemms(comps)}
+  total_s, gemm_s, flops, nbytes, kernels = 0.0, 0.0, 0.0, 0.0, 0
+  for comp in kernel_computations(comps):
+    for inst in comp.insts.values():
+      if not is_kernel(inst) or inst.opcode in ("while", "conditional",
+                                                "call"):
+        continue
+      kernels += 1
+      b = kernel_bytes(comp, inst)
+      t = b / (target.tbps * 1e12)
+      g = gemms.get(inst.name)
+      if g is not None:
+        peak, _ = gemm_peak(g, target)
+        t = max(t, g.flops / (peak * 1e12))
+        flops += g.flops
+        gemm_s += t
+      nbytes += b
+      total_s += t
+  return {"kernels": kernels, "gemm_flops": flops, "bytes": nbytes,
+          "time_us": total_s * 1e6, "gemm_time_us": gemm_s * 1e6}
+
+
+# --------------------------------------------------------------------------
+# Attribution of GEMMs to layers and roles
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerDims:
+  name: str
+  tokens: int
+  k: int  # in features
+  n: int  # out features
+  weight_param: str = ""  # entry parameter holding the kernel (layer bench)
+  shares_input: str = ""  # layers with the same tag read the same input
+
+
+def attribute(g: Gemm, layers: list[LayerDims], *, backward: bool | None,
+              uses_weight: set[str] | None = None) -> str:
+  """``"<layer> <Fprop|Dgrad|Wgrad>"`` candidates for a GEMM, by shapes.
+
+  ``backward``: the GEMM depends on the loss cotangent (None: unknown).
+  ``uses_weight``: the entry parameters in its operands' cone, which tells
+  Dgrad (reads the weight) from Wgrad when shapes tie. A GEMM whose N is
+  the sum of the N of several layers with one input (XLA merges dots that
+  share an operand: q/k/v, gate/up) is named ``"q+k+v Fprop"``. A batched
+  GEMM is taken for a split-K Wgrad only when it is a Triton fusion.
+  """
+  if "attention" in g.op_name:
+    return "attention"
+  d = g.dims
+  free = sorted((d["m"], d["n"]))
+  split_k = d["batch"] > 1 and g.kernel == "Triton"
+  if d["batch"] > 1 and not split_k:
+    return "other"
+  k = d["k"] * d["batch"]  # split-K: the batch splits the contraction
+  hits = []
+  for group in _layer_groups(layers):
+    ly = group[0]
+    n = sum(x.n for x in group)
+    names = "+".join(x.name for x in group)
+    cands = []
+    if free == sorted((ly.tokens, n)) and k == ly.k:
+      cands.append("Fprop")
+    if len(group) == 1 and free == sorted((ly.tokens, ly.k)) and k == ly.n:
+      cands.append("Dgrad")
+    if free == sorted((ly.k, n)) and ly.tokens == k:
+      cands.append("Wgrad")
+    if backward is True:
+      cands = [c for c in cands if c != "Fprop"] or cands
+    elif backward is False:
+      cands = [c for c in cands if c == "Fprop"] or cands
+    if len(cands) > 1 and uses_weight is not None and ly.weight_param:
+      reads_w = any(ly.weight_param in p for p in uses_weight)
+      cands = [c for c in cands if (c == "Dgrad") == reads_w] or cands
+    hits += [f"{names} {c}" for c in cands]
+  if not hits:
+    return "other"
+  return " | ".join(_merge_names(hits))
+
+
+def _layer_groups(layers: list[LayerDims]) -> list[list[LayerDims]]:
+  """Each layer alone, then every run of 2+ consecutive layers that read
+  the same input (the candidates for a merged GEMM)."""
+  out = [[ly] for ly in layers]
+  for i in range(len(layers)):
+    for j in range(i + 2, len(layers) + 1):
+      run = layers[i:j]
+      tags = {x.shares_input for x in run}
+      if len(tags) == 1 and "" not in tags:
+        out.append(run)
+  return out
+
+
+def _merge_names(hits: list[str]) -> list[str]:
+  """``["q Fprop", "k Fprop"]`` -> ``["q/k Fprop"]``."""
+  by_role: dict[str, list[str]] = {}
+  for h in hits:
+    name, role = h.rsplit(" ", 1)
+    by_role.setdefault(role, []).append(name)
+  return [f"{'/'.join(names)} {role}" for role, names in by_role.items()]
+
+
+def entry_param_cone(comp: Computation, name: str, seen=None) -> set[str]:
+  """Entry parameter instruction names in the cone of ``name``."""
+  seen = set() if seen is None else seen
+  out: set[str] = set()
+  stack = [name]
+  while stack:
+    n = stack.pop()
+    if n in seen or n not in comp.insts:
+      continue
+    seen.add(n)
+    inst = comp.insts[n]
+    if inst.opcode == "parameter":
+      out.add(n)
+    stack += list(inst.operands)
+  return out
+
+
+def param_by_op_name(comp: Computation, needle: str) -> str:
+  """The entry parameter whose op_name (pytree path) contains ``needle``."""
+  for inst in comp.insts.values():
+    if inst.opcode == "parameter" and needle in inst.op_name:
+      return inst.name
+  return ""
+
+
+def describe(comps, layers: list[LayerDims], quantized: bool,
+             cotangent_params: tuple[str, ...] = ()) -> list[dict]:
+  """One record per GEMM: attribution, kernel, dtypes, scales, passes."""
+  top = entry(comps)
+  ct = [param_by_op_name(top, c) for c in cotangent_params]
+  ct = [c for c in ct if c]
+  out = []
+  for comp, g in find_gemms(comps):
+    cone: set[str] = set()
+    for op in comp.insts[g.name].operands:
+      cone |= entry_param_cone(comp, op) if comp is top else set()
+    backward = bool(cone & set(ct)) if ct and comp is top else None
+    role = attribute(g, layers, backward=backward,
+                     uses_weight={p for p in cone} if comp is top else None)
+    wide_mma = not ({g.a.split("->")[-1], g.b.split("->")[-1]} -
+                    set(WIDE_FLOAT))
+    kernel = g.kernel
+    if quantized and wide_mma and role not in ("other", "attention"):
+      kernel += " (emulated: wide operands)"
+    pre, post = pre_passes(comp, g), post_passes(comp, g)
+    out.append({
+        "gemm": g.name, "role": role, "kernel": kernel, "op": g.op,
+        "a": g.a, "b": g.b, "out": g.out, "dims": g.dims,
+        "precision": g.precision, "scales": g.scales, "folded": g.folded,
+        "epilogue": list(g.epilogue),
+        "pre": [dataclasses.asdict(p) for p in pre],
+        "post": [dataclasses.asdict(p) for p in post],
+        "op_name": g.op_name,
+    })
+  return out
+
+
+def summarize_kernels(records: list[dict]) -> str:
+  """``"3 cuBLASLt FP8"``-style count of the GEMM kernels."""
+  c = Counter(r["kernel"] for r in records)
+  return ", ".join(f"{n} {k}" for k, n in sorted(c.items()))
+
+
+# ==========================================================================
+# Programs (need jax, flax, qlayers; imported lazily so the parsing above
+# stays importable without them)
+
+
+def _jax():
+  os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+  import jax  # pylint: disable=g-import-not-at-top
+  return jax
+
+
+@contextlib.contextmanager
+def assumed_backend(name: str | None):
+  """``jax.default_backend()`` answers ``name`` inside (None: unchanged)."""
+  jax = _jax()
+  if name is None:
+    yield
+    return
+  saved = jax.default_backend
+  jax.default_backend = lambda: name
+  try:
+    yield
+  finally:
+    jax.default_backend = saved
+
+
+def gpu_device(target: Target, targets_dir: pathlib.Path):
+  jax = _jax()
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  config = (targets_dir / target.config).read_text()
+  topo = topologies.get_topology_desc(platform="cuda", topology_name="",
+                                      target_config=config,
+                                      topology="1x1x1")
+  return topo.devices[0]
+
+
+def layer_program(recipe: str, tokens: int, k: int, n: int):
+  """(step, args, layers, cotangent param paths) for one QuantDense."""
+  jax = _jax()
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  import qlayers  # pylint: disable=g-import-not-at-top
+
+  class Probe(nnx.Module):
+    """The layer and its input as a Param, so Dgrad is part of the grads."""
+
+    def __init__(self):
+      self.x = nnx.Param(jnp.zeros((tokens, k), jnp.bfloat16))
+      self.layer = qlayers.QuantDense(k, n, recipe=recipe,
+                                      dtype=jnp.bfloat16,
+                                      rngs=nnx.Rngs(0))
+
+  graphdef, state = nnx.split(nnx.eval_shape(Probe))
+
+  def step(state, ct):
+    model = nnx.merge(graphdef, state)
+
+    def loss(m):
+      y = m.layer(m.x[...])
+      return jnp.sum(y.astype(jnp.float32) * ct)
+
+    value, grads = qlayers.value_and_grad(loss)(model)
+    return value, grads
+
+  args = (state, jax.ShapeDtypeStruct((tokens, n), jnp.float32))
+  layers = [LayerDims("dense", tokens, k, n, weight_param="kernel")]
+  return step, args, layers, ("ct",)
+
+
+def block_program(recipe: str, batch: int, seq: int, d: int, heads: int,
+                  ff: int):
+  """(step, args, layers, cotangent param paths) for one train step of a
+  Llama-style block."""
+  jax = _jax()
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  import qlayers  # pylint: disable=g-import-not-at-top
+  bf16 = jnp.bfloat16
+
+  class Block(nnx.Module):
+    """Pre-norm attention + SwiGLU MLP, residuals, BF16 compute."""
+
+    def __init__(self, rngs):
+      lin = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=bf16,
+                                    rngs=rngs)
+      self.attn_norm = nnx.RMSNorm(d, dtype=bf16, rngs=rngs)
+      self.q, self.k, self.v, self.o = (lin(d, d) for _ in range(4))
+      self.mlp_norm = nnx.RMSNorm(d, dtype=bf16, rngs=rngs)
+      self.gate, self.up = lin(d, ff), lin(d, ff)
+      self.down = lin(ff, d)
+
+    def __call__(self, x):
+      b, s, _ = x.shape
+      h = self.attn_norm(x)
+      split = lambda t: t.reshape(b, s, heads, d // heads)
+      q, k, v = split(self.q(h)), split(self.k(h)), split(self.v(h))
+      with jax.named_scope("attention"):  # its GEMMs are not quantized
+        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k,
+                            preferred_element_type=jnp.float32)
+        logits = logits / math.sqrt(d // heads)
+        mask = jnp.tril(jnp.ones((s, s), bool))
+        p = jax.nn.softmax(jnp.where(mask, logits, -1e30), axis=-1)
+        att = jnp.einsum("bhqk,bkhd->bqhd", p.astype(bf16), v)
+      x = x + self.o(att.reshape(b, s, d))
+      h = self.mlp_norm(x)
+      return x + self.down(jax.nn.silu(self.gate(h)) * self.up(h))
+
+  def build():
+    model = Block(nnx.Rngs(0))
+    qlayers.quantize(model, None if recipe == "bf16" else recipe, rules=())
+    opt = qlayers.Optimizer(model, optax.adamw(1e-4))
+    return model, opt
+
+  graphdef, state = nnx.split(nnx.eval_shape(build))
+
+  def step(state, x, target):
+    model, opt = nnx.merge(graphdef, state)
+
+    def loss(m):
+      y = m(x).astype(jnp.float32)
+      return jnp.mean(jnp.square(y - target))
+
+    value, grads = qlayers.value_and_grad(loss)(model)
+    opt.update(model, grads)
+    return value, nnx.state((model, opt))
+
+  args = (state, jax.ShapeDtypeStruct((batch, seq, d), bf16),
+          jax.ShapeDtypeStruct((batch, seq, d), jnp.float32))
+  t = batch * seq
+  layers = [LayerDims(n, t, d, d, shares_input="attn_norm")
+            for n in ("q", "k", "v")]
+  layers += [LayerDims("o", t, d, d)]
+  layers += [LayerDims(n, t, d, ff, shares_input="mlp_norm")
+             for n in ("gate", "up")]
+  layers += [LayerDims("down", t, ff, d)]
+  return step, args, layers, ("target",)
+
+
+def _on_device(args, device):
+  jax = _jax()
+  sharding = jax.sharding.SingleDeviceSharding(device)
+  return jax.tree.map(
+      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+      args)
+
+
+def xla_cost(compiled) -> dict:
+  """XLA's own cost analysis of the compiled module (flops, bytes).
+
+  The deviceless GPU executable does not implement it; then XLA's generic
+  HloCostAnalysis runs on the optimized GPU module through the host client.
+  It counts fusions but not custom calls (cuBLAS/cuDNN: reported as -1).
+  """
+  jax = _jax()
+  try:
+    ca = compiled.cost_analysis()
+    if ca:
+      ca = ca[0] if isinstance(ca, (list, tuple)) else ca
+      return {"flops": ca.get("flops"), "bytes": ca.get("bytes accessed"),
+              "source": "compiled.cost_analysis()"}
+  except Exception:  # pylint: disable=broad-except
+    pass
+  try:
+    from jax._src.lib import xla_client  # pylint: disable=g-import-not-at-top
+    module = compiled.runtime_executable().hlo_modules()[0]
+    host = jax.devices("cpu")[0].client
+    analyse = xla_client._xla.hlo_module_cost_analysis  # pylint: disable=protected-access
+    ca = analyse(host, module)
+    return {"flops": ca.get("flops"), "bytes": ca.get("bytes accessed"),
+            "source": "HloCostAnalysis on the optimized module"}
+  except Exception as e:  # pylint: disable=broad-except
+    return {"flops": None, "bytes": None, "source": f"unavailable: {e}"}
+
+
+def first_line(err: BaseException | str) -> str:
+  """The line of a compiler error that names the problem."""
+  text = str(err)
+  lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+  for pattern in (r"\b(INTERNAL|UNIMPLEMENTED|INVALID_ARGUMENT|"
+                  r"FAILED_PRECONDITION|RESOURCE_EXHAUSTED|UNKNOWN): ",
+                  r"(Unsupported|error:|Error)"):
+    for ln in lines:
+      if re.search(pattern, ln):
+        return ln[:300]
+  return (lines[0] if lines else type(err).__name__)[:300]
+
+
+def compile_one(item: dict, device, targets_dir) -> dict:
+  """Compiles one (target, triton, program, recipe) and describes it."""
+  jax = _jax()
+  target = TARGETS[item["target"]]
+  opts = {} if item["triton"] else {"xla_gpu_enable_triton_gemm": False}
+  t0 = time.perf_counter()
+  rec = dict(item)
+  try:
+    with assumed_backend("gpu" if item["assume_gpu_dispatch"] else None):
+      if item["program"] == "layer":
+        step, args, layers, cts = layer_program(item["recipe"],
+                                                **item["layer"])
+      else:
+        step, args, layers, cts = block_program(item["recipe"],
+                                                **item["block"])
+      lowered = jax.jit(step).lower(*_on_device(args, device))
+    t1 = time.perf_counter()
+    compiled = lowered.compile(compiler_options=opts)
+    t2 = time.perf_counter()
+  except Exception as e:  # pylint: disable=broad-except
+    rec.update(status="failed", error=first_line(e),
+               compile_s=time.perf_counter() - t0)
+    return rec
+  text = compiled.as_text()
+  if item.get("hlo_dir"):
+    path = pathlib.Path(item["hlo_dir"]) / (
+        f"{item['target']}_{'triton' if item['triton'] else 'notriton'}_"
+        f"{item['program']}_{item['recipe']}.hlo")
+    path.write_text(text)
+  comps = parse_module(text)
+  quantized = item["recipe"] not in ("bf16", "fp16")
+  gemms = describe(comps, layers, quantized, cts)
+  rec.update(status="ok", trace_s=t1 - t0, compile_s=t2 - t1,
+             gemms=gemms, kernels=summarize_kernels(
+                 [g for g in gemms if g["role"] not in ("other", "attention")]),
+             roofline=roofline(comps, target), xla_cost=xla_cost(compiled))
+  return rec
+
+
+# ==========================================================================
+# Reports
+
+
+def _mb(nbytes: float) -> str:
+  return f"{nbytes / 2**20:.1f}"
+
+
+def _passes(ps: list[dict]) -> str:
+  if not ps:
+    return "-"
+  return "; ".join(f"{p['what']} {_mb(p['nbytes'])} MiB" for p in ps)
+
+
+def gemm_rows(rec: dict) -> list[tuple]:
+  """Table rows for a record's GEMMs; identical rows merged with a count."""
+  rows = Counter()
+  for g in rec.get("gemms", []):
+    d = g["dims"]
+    shape = (f"{d['batch']}x" if d["batch"] > 1 else "") + \
+        f"{d['m']}x{d['n']}x{d['k']}"
+    folded = {True: "yes", False: "no", None: "-"}[g["folded"]]
+    rows[(g["role"], shape, g["kernel"], f"{g['a']} x {g['b']} -> "
+          f"{g['out']}", f"{folded} ({g['scales']})", _passes(g["pre"]),
+          _passes(g["post"]))] += 1
+  return [(*k, n) for k, n in sorted(rows.items())]
+
+
+def markdown(records: list[dict]) -> str:
+  """One GEMM table and one cost table per (target, Triton flag, program)."""
+  out = []
+  groups: dict[tuple, list[dict]] = {}
+  for r in records:
+    groups.setdefault((r["target"], r["triton"], r["program"]), []).append(r)
+  for (tname, triton, program), recs in groups.items():
+    target = TARGETS[tname]
+    flag = "Triton GEMMs on" if triton else "Triton GEMMs off"
+    dispatch = ("assumed GPU dispatch" if recs[0]["assume_gpu_dispatch"]
+                else "dispatch as traced on the host")
+    out += [f"### {tname} ({target.arch}), {flag}, {program}, {dispatch}",
+            ""]
+    out += mdtable.head(["recipe", "GEMM", "b x m x n x k", "kernel",
+                         "a x b -> out", "scales folded", "extra passes in",
+                         "extra passes out", "count"], "llrlllllr")
+    for r in recs:
+      if r["status"] != "ok":
+        out.append(mdtable.row(r["recipe"], "failed", None, None,
+                               r["error"].replace("|", "/"), None, None,
+                               None, None))
+        continue
+      for row in gemm_rows(r):
+        out.append(mdtable.row(r["recipe"], *row))
+    out += ["", f"Model prediction (roofline at {target.source}: BF16 "
+            f"{target.bf16:g}, FP8 {target.fp8:g} TFLOP/s, {target.tbps:g} "
+            "TB/s); XLA cost from its HloCostAnalysis (-1: custom calls it "
+            "cannot cost).", ""]
+    out += mdtable.head(["recipe", "GEMM kernels", "kernels", "GEMM GFLOP",
+                         "bytes MiB", "XLA GFLOP", "XLA MiB",
+                         "model us", "model GEMM us", "vs bf16",
+                         "compile s"], "llrrrrrrrrr")
+    base = next((r for r in recs if r["recipe"] == "bf16" and
+                 r["status"] == "ok"), None)
+    for r in recs:
+      if r["status"] != "ok":
+        out.append(mdtable.row(r["recipe"], "failed", *([None] * 8),
+                               f"{r['compile_s']:.1f}"))
+        continue
+      rf, xc = r["roofline"], r["xla_cost"]
+      ratio = (f"{base['roofline']['time_us'] / rf['time_us']:.2f}x"
+               if base else "")
+      fmt = lambda v, s: "n/a" if v is None else (
+          "-1" if v < 0 else f"{v / s:.1f}")
+      out.append(mdtable.row(
+          r["recipe"], r["kernels"] or "-", rf["kernels"],
+          f"{rf['gemm_flops'] / 1e9:.1f}", _mb(rf["bytes"]),
+          fmt(xc["flops"], 1e9), fmt(xc["bytes"], 2**20),
+          f"{rf['time_us']:.0f}", f"{rf['gemm_time_us']:.0f}", ratio,
+          f"{r['compile_s']:.1f}"))
+    out.append("")
+  return "\n".join(out)
+
+
+# ==========================================================================
+# Driver: one worker process per (target, Triton flag)
+
+
+def worker(items_path: str) -> None:
+  """Compiles the items of a JSON file, one JSON line per finished item."""
+  items = json.loads(pathlib.Path(items_path).read_text())
+  devices = {}
+  for item in items:
+    targets_dir = pathlib.Path(item["targets_dir"])
+    if item["target"] not in devices:
+      devices[item["target"]] = gpu_device(TARGETS[item["target"]],
+                                           targets_dir)
+    print("START " + json.dumps([item["program"], item["recipe"]]),
+          flush=True)
+    rec = compile_one(item, devices[item["target"]], targets_dir)
+    print("RESULT " + json.dumps(rec), flush=True)
+
+
+def run_items(items: list[dict], python: str, timeout: float,
+              log=print) -> list[dict]:
+  """Runs items in worker processes; a crash fails only the item it hit."""
+  done: list[dict] = []
+  todo = list(items)
+  tmp = pathlib.Path(os.environ.get("TMPDIR", "/tmp"))
+  while todo:
+    path = tmp / f"qlayers_gpu_compile_{os.getpid()}.json"
+    path.write_text(json.dumps(todo))
+    env = dict(os.environ, JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1")
+    proc = subprocess.Popen([python, __file__, "--worker", str(path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, cwd=_ROOT)
+    try:
+      stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+      proc.kill()
+      stdout, stderr = proc.communicate()
+      stderr += f"\nworker timed out after {timeout:.0f} s"
+    finished = 0
+    for line in stdout.splitlines():
+      if line.startswith("RESULT "):
+        rec = json.loads(line[7:])
+        done.append(rec)
+        finished += 1
+        log(f"  {rec['target']} triton={rec['triton']} {rec['program']} "
+            f"{rec['recipe']}: {rec['status']} "
+            f"({rec.get('compile_s', 0):.1f} s) {rec.get('kernels') or ''}"
+            f"{rec.get('error', '')}")
+    todo = todo[finished:]
+    if todo and proc.returncode != 0:
+      bad = dict(todo.pop(0))
+      lines = [ln for ln in stderr.splitlines() if ln.strip()]
+      crash = next((ln for ln in reversed(lines) if re.search(
+          r"(Check failed|F0|Fatal|Error|error|timed out)", ln)),
+                   lines[-1] if lines else f"exit {proc.returncode}")
+      bad.update(status="failed", error=f"compiler crashed: {crash.strip()}"
+                 [:300], compile_s=0.0)
+      done.append(bad)
+      log(f"  {bad['program']} {bad['recipe']}: crashed: {bad['error']}")
+    elif todo:
+      raise RuntimeError("worker stopped early without an error: "
+                         + stderr[-500:])
+    path.unlink(missing_ok=True)
+  return done
+
+
+def _csv(text: str, allowed: Iterable[str], what: str) -> list[str]:
+  vals = [v.strip() for v in text.split(",") if v.strip()]
+  bad = [v for v in vals if v not in allowed]
+  if bad:
+    raise SystemExit(f"unknown {what}: {', '.join(bad)} (choose from "
+                     f"{', '.join(allowed)})")
+  return vals
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                              formatter_class=argparse.RawTextHelpFormatter)
+  p.add_argument("--targets", default="h200,b200")
+  p.add_argument("--triton", default="on,off",
+                 help="Triton GEMMs: on, off or on,off")
+  p.add_argument("--recipes", default=",".join(RECIPES))
+  p.add_argument("--programs", default=",".join(PROGRAMS))
+  p.add_argument("--tokens", type=int, default=4096)
+  p.add_argument("--in-features", type=int, default=4096)
+  p.add_argument("--out-features", type=int, default=4096)
+  p.add_argument("--block-batch", type=int, default=4)
+  p.add_argument("--block-seq", type=int, default=1024)
+  p.add_argument("--block-d", type=int, default=2048)
+  p.add_argument("--block-heads", type=int, default=16)
+  p.add_argument("--block-ff", type=int, default=5632)
+  p.add_argument("--assume-gpu-dispatch", action="store_true",
+                 help="jax.default_backend() answers 'gpu' while tracing "
+                 "(stopgap: qlayers dispatches on the host backend)")
+  p.add_argument("--targets-dir", default=os.environ.get(
+      "QLAYERS_GPU_TARGETS", str(_ROOT.parent / "shared" / "gpu-targets")),
+                 help="folder with h200.txtpb, b200_approx.txtpb "
+                 "($QLAYERS_GPU_TARGETS)")
+  p.add_argument("--json", help="write every record to this file")
+  p.add_argument("--markdown", help="write the tables to this file")
+  p.add_argument("--hlo-dir", help="keep each optimized HLO here")
+  p.add_argument("--timeout", type=float, default=3600,
+                 help="seconds per worker process")
+  p.add_argument("--worker", help=argparse.SUPPRESS)
+  args = p.parse_args(argv)
+  if args.worker:
+    worker(args.worker)
+    return 0
+  targets = _csv(args.targets, TARGETS, "target")
+  tritons = _csv(args.triton, ("on", "off"), "--triton value")
+  recipes = _csv(args.recipes, RECIPES + ("fp16", "mxfp4_rht"), "recipe")
+  programs = _csv(args.programs, PROGRAMS, "program")
+  targets_dir = pathlib.Path(args.targets_dir)
+  for t in targets:
+    if not (targets_dir / TARGETS[t].config).is_file():
+      raise SystemExit(f"{targets_dir / TARGETS[t].config} not found; "
+                       "pass --targets-dir")
+  if args.hlo_dir:
+    pathlib.Path(args.hlo_dir).mkdir(parents=True, exist_ok=True)
+  if args.block_d % args.block_heads:
+    raise SystemExit("--block-d must be a multiple of --block-heads")
+  layer = {"tokens": args.tokens, "k": args.in_features,
+           "n": args.out_features}
+  block = {"batch": args.block_batch, "seq": args.block_seq,
+           "d": args.block_d, "heads": args.block_heads, "ff": args.block_ff}
+  records = []
+  t0 = time.perf_counter()
+  for t in targets:
+    for tr in tritons:
+      items = [{"target": t, "triton": tr == "on", "program": prog,
+                "recipe": r, "layer": layer, "block": block,
+                "assume_gpu_dispatch": args.assume_gpu_dispatch,
+                "targets_dir": str(targets_dir), "hlo_dir": args.hlo_dir}
+               for prog in programs for r in recipes]
+      print(f"{t} Triton {tr}: {len(items)} compiles", flush=True)
+      records += run_items(items, sys.executable, args.timeout)
+  text = markdown(records)
+  print()
+  print(text)
+  print(f"total {time.perf_counter() - t0:.0f} s")
+  if args.markdown:
+    pathlib.Path(args.markdown).write_text(text)
+  if args.json:
+    pathlib.Path(args.json).write_text(json.dumps(
+        {"settings": {"layer": layer, "block": block,
+                      "assume_gpu_dispatch": args.assume_gpu_dispatch,
+                      "targets": {t: dataclasses.asdict(TARGETS[t])
+                                  for t in targets}},
+         "records": records}, indent=1))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,345 @@
+"""HLO parsing and GEMM classification of benchmarks/gpu_compile.py.
+
+Runs on canned optimized-HLO text (no CUDA plugin needed): the snippets
+below have the shape of XLA:GPU output for the patterns the tool reports.
+"""
+
+import pathlib
+import sys
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] /
+                       "benchmarks"))
+import gpu_compile as gc  # noqa: E402
+
+# Per-tensor FP8 on the cuBLAS path: the b payload is transposed (an extra
+# FP8 pass), the GEMM gets a real a-scale and a constant-1 b-scale, writes
+# FP32, and a convert fusion finishes the output.
+CUBLAS_F8 = """
+HloModule jit_step, is_scheduled=true
+
+%fused_quant (p0: bf16[256,512], p1: f32[]) -> f8e4m3fn[256,512] {
+  %p0 = bf16[256,512]{1,0} parameter(0)
+  %p1 = f32[] parameter(1)
+  %c = f32[256,512]{1,0} convert(%p0)
+  %b = f32[256,512]{1,0} broadcast(%p1), dimensions={}
+  %m = f32[256,512]{1,0} multiply(%c, %b)
+  ROOT %q = f8e4m3fn[256,512]{1,0} convert(%m)
+}
+
+%fused_transpose (p0.1: f8e4m3fn[512,128]) -> f8e4m3fn[128,512] {
+  %p0.1 = f8e4m3fn[512,128]{1,0} parameter(0)
+  ROOT %t = f8e4m3fn[128,512]{1,0} transpose(%p0.1), dimensions={1,0}
+}
+
+%fused_convert (p0.2: f32[256,128], p1.2: f32[]) -> bf16[256,128] {
+  %p0.2 = f32[256,128]{1,0} parameter(0)
+  %p1.2 = f32[] parameter(1)
+  %b.2 = f32[256,128]{1,0} broadcast(%p1.2), dimensions={}
+  %m.2 = f32[256,128]{1,0} multiply(%p0.2, %b.2)
+  ROOT %r.2 = bf16[256,128]{1,0} convert(%m.2)
+}
+
+ENTRY %main.1 (x.1: bf16[256,512], w.1: f8e4m3fn[512,128], sa.1: f32[], sb.1: f32[]) -> bf16[256,128] {
+  %x.1 = bf16[256,512]{1,0} parameter(0), metadata={op_name="x"}
+  %w.1 = f8e4m3fn[512,128]{1,0} parameter(1), metadata={op_name="w"}
+  %sa.1 = f32[] parameter(2), metadata={op_name="sa"}
+  %sb.1 = f32[] parameter(3), metadata={op_name="sb"}
+  %constant_1 = f32[] constant(1)
+  %loop_convert_fusion = f8e4m3fn[256,512]{1,0} fusion(%x.1, %sa.1), kind=kLoop, calls=%fused_quant
+  %input_transpose_fusion = f8e4m3fn[128,512]{1,0} fusion(%w.1), kind=kInput, calls=%fused_transpose
+  %bitcast.3 = f8e4m3fn[512,128]{0,1} bitcast(%input_transpose_fusion)
+  %cublas-gemm.1 = (f32[256,128]{1,0}, s8[4194304]{0}) custom-call(%loop_convert_fusion, %bitcast.3, %sa.1, %constant_1), custom_call_target="__cublas$lt$matmul$f8", metadata={op_name="jit(step)/jvp()/dot_general"}, backend_config={"gemm_backend_config":{"alpha_real":1,"beta":0,"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]},"precision_config":{"operand_precision":["DEFAULT","DEFAULT"],"algorithm":"ALG_UNSET"}}}
+  %get-tuple-element.1 = f32[256,128]{1,0} get-tuple-element(%cublas-gemm.1), index=0
+  ROOT %loop_convert_fusion.1 = bf16[256,128]{1,0} fusion(%get-tuple-element.1, %sb.1), kind=kLoop, calls=%fused_convert
+}
+"""
+
+# A Triton GEMM fusion that reads FP8 payloads and applies both scalar
+# scales and the BF16 convert in its epilogue.
+TRITON_F8 = """
+HloModule jit_step, is_scheduled=true
+
+%gemm_fusion_dot.1_computation (parameter_0: f8e4m3fn[256,512], parameter_1: f8e5m2[512,128], parameter_2: f32[], parameter_3: f32[]) -> bf16[256,128] {
+  %parameter_0 = f8e4m3fn[256,512]{1,0} parameter(0)
+  %parameter_1 = f8e5m2[512,128]{1,0} parameter(1)
+  %dot.0 = f32[256,128]{1,0} dot(%parameter_0, %parameter_1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %parameter_2 = f32[] parameter(2)
+  %parameter_3 = f32[] parameter(3)
+  %mul.0 = f32[] multiply(%parameter_2, %parameter_3)
+  %b.0 = f32[256,128]{1,0} broadcast(%mul.0), dimensions={}
+  %mul.1 = f32[256,128]{1,0} multiply(%dot.0, %b.0)
+  ROOT %cv.0 = bf16[256,128]{1,0} convert(%mul.1)
+}
+
+ENTRY %main.2 (a.1: f8e4m3fn[256,512], b.1: f8e5m2[512,128], sa.1: f32[], sb.1: f32[]) -> bf16[256,128] {
+  %a.1 = f8e4m3fn[256,512]{1,0} parameter(0)
+  %b.1 = f8e5m2[512,128]{1,0} parameter(1)
+  %sa.1 = f32[] parameter(2)
+  %sb.1 = f32[] parameter(3)
+  ROOT %gemm_fusion_dot.1 = bf16[256,128]{1,0} fusion(%a.1, %b.1, %sa.1, /*index=3*/%sb.1), kind=kCustom, calls=%gemm_fusion_dot.1_computation, metadata={op_name="jit(step)/jvp()/dot_general"}, backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}
+}
+"""
+
+# MXFP8 as Triton scaled-dot (E8M0 scale operands), and as cuDNN.
+TRITON_SCALED = """
+HloModule jit_step, is_scheduled=true
+
+%fusion_scaled-dot (parameter_0: f8e4m3fn[256,512], parameter_1: f8e4m3fn[512,128], parameter_2: f8e8m0fnu[256,16], parameter_3: f8e8m0fnu[16,128]) -> bf16[256,128] {
+  %parameter_0 = f8e4m3fn[256,512]{1,0} parameter(0)
+  %parameter_1 = f8e4m3fn[512,128]{1,0} parameter(1)
+  %parameter_2 = f8e8m0fnu[256,16]{1,0} parameter(2)
+  %parameter_3 = f8e8m0fnu[16,128]{1,0} parameter(3)
+  %scaled-dot.3 = f32[256,128]{1,0} scaled-dot(%parameter_0, %parameter_1, %parameter_2, %parameter_3), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %convert.34 = bf16[256,128]{1,0} convert(%scaled-dot.3)
+}
+
+ENTRY %main.3 (a.1: f8e4m3fn[256,512], b.1: f8e4m3fn[512,128], sa.1: f8e8m0fnu[256,16], sb.1: f8e8m0fnu[16,128]) -> bf16[256,128] {
+  %a.1 = f8e4m3fn[256,512]{1,0} parameter(0)
+  %b.1 = f8e4m3fn[512,128]{1,0} parameter(1)
+  %sa.1 = f8e8m0fnu[256,16]{1,0} parameter(2)
+  %sb.1 = f8e8m0fnu[16,128]{1,0} parameter(3)
+  ROOT %fusion = bf16[256,128]{1,0} fusion(%a.1, %b.1, %sa.1, %sb.1), kind=kCustom, calls=%fusion_scaled-dot, backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}
+}
+"""
+
+CUDNN_MX = """
+HloModule jit_step, is_scheduled=true
+
+ENTRY %main.4 (a.1: f8e4m3fn[256,512], b.1: f8e4m3fn[128,512], sa.1: f8e8m0fnu[256,16], sb.1: f8e8m0fnu[128,16]) -> bf16[256,128] {
+  %a.1 = f8e4m3fn[256,512]{1,0} parameter(0)
+  %b.1 = f8e4m3fn[128,512]{1,0} parameter(1)
+  %sa.1 = f8e8m0fnu[256,16]{1,0} parameter(2)
+  %sb.1 = f8e8m0fnu[128,16]{1,0} parameter(3)
+  %cudnn.1 = (bf16[256,128]{1,0}, u8[0]{0}) custom-call(%a.1, %b.1, %sa.1, %sb.1), custom_call_target="__cudnn$blockScaledDot"
+  ROOT %gte.1 = bf16[256,128]{1,0} get-tuple-element(%cudnn.1), index=0
+}
+"""
+
+# A split-K Triton Wgrad: the contraction (512 tokens) split in 4 batches,
+# reduced and scaled by a loop fusion afterwards.
+SPLIT_K = """
+HloModule jit_step, is_scheduled=true
+
+%gemm_fusion_dot.2_computation (parameter_0.1: f8e4m3fn[4,128,256], parameter_1.1: f8e5m2[4,128,128]) -> f32[4,256,128] {
+  %parameter_0.1 = f8e4m3fn[4,128,256]{2,1,0} parameter(0)
+  %parameter_1.1 = f8e5m2[4,128,128]{2,1,0} parameter(1)
+  ROOT %dot.1 = f32[4,256,128]{2,1,0} dot(%parameter_0.1, %parameter_1.1), lhs_batch_dims={0}, lhs_contracting_dims={1}, rhs_batch_dims={0}, rhs_contracting_dims={1}
+}
+
+%fused_multiply (param_0.29: f32[4,256,128], param_1.5: f32[]) -> f32[256,128] {
+  %param_0.29 = f32[4,256,128]{2,1,0} parameter(0)
+  %param_1.5 = f32[] parameter(1)
+  %c0 = f32[] constant(0)
+  %r = f32[256,128]{1,0} reduce(%param_0.29, %c0), dimensions={0}, to_apply=%add
+  %bb = f32[256,128]{1,0} broadcast(%param_1.5), dimensions={}
+  ROOT %m = f32[256,128]{1,0} multiply(%r, %bb)
+}
+
+ENTRY %main.5 (x.1: f8e4m3fn[512,256], g.1: f8e5m2[512,128], s.1: f32[]) -> f32[256,128] {
+  %x.1 = f8e4m3fn[512,256]{1,0} parameter(0)
+  %g.1 = f8e5m2[512,128]{1,0} parameter(1)
+  %s.1 = f32[] parameter(2)
+  %bitcast.10 = f8e4m3fn[4,128,256]{2,1,0} bitcast(%x.1)
+  %bitcast.9 = f8e5m2[4,128,128]{2,1,0} bitcast(%g.1)
+  %gemm_fusion_dot.2 = f32[4,256,128]{2,1,0} fusion(%bitcast.10, %bitcast.9), kind=kCustom, calls=%gemm_fusion_dot.2_computation, backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}
+  ROOT %loop_multiply_fusion = f32[256,128]{1,0} fusion(%gemm_fusion_dot.2, %s.1), kind=kLoop, calls=%fused_multiply
+}
+"""
+
+
+def only_gemm(text):
+  gemms = gc.find_gemms(gc.parse_module(text))
+  assert len(gemms) == 1
+  return gemms[0]
+
+
+def test_parse_shape_reads_tuples_and_scalars():
+  arrays = gc.parse_shape("(f32[256,128]{1,0}, s8[4194304]{0})")
+  assert arrays == (gc.Array("f32", (256, 128)), gc.Array("s8", (4194304,)))
+  assert gc.parse_shape("f32[]")[0].size == 1
+  assert gc.Array("f4e2m1fn", (64,)).nbytes == 32
+
+
+def test_parse_instruction_operands_attrs_and_comments():
+  inst = gc.parse_instruction(
+      '  ROOT %f.1 = bf16[8]{0} fusion(%a, %b, /*index=2*/%c), kind=kCustom, '
+      'calls=%comp.1, metadata={op_name="jit(f)/q/dot"}')
+  assert inst.root and inst.opcode == "fusion"
+  assert inst.operands == ("a", "b", "c")
+  assert inst.attr("calls") == "%comp.1"
+  assert inst.attr("kind") == "kCustom"
+  assert inst.op_name == "jit(f)/q/dot"
+  const = gc.parse_instruction("  %constant_1 = f32[] constant(1)")
+  assert const.literal == "1" and const.operands == ()
+  assert gc.parse_instruction("HloModule jit_f") is None
+
+
+def test_parse_module_finds_entry_and_parameters():
+  comps = gc.parse_module(CUBLAS_F8)
+  top = gc.entry(comps)
+  assert top.name == "main.1"
+  assert top.params == ["x.1", "w.1", "sa.1", "sb.1"]
+  assert comps["fused_quant"].root.name == "q"
+
+
+def test_cublas_fp8_one_scale_folded_and_extra_passes():
+  comp, g = only_gemm(CUBLAS_F8)
+  assert g.kernel == "cuBLASLt FP8"
+  assert (g.a, g.b, g.out) == ("f8e4m3fn", "f8e4m3fn", "f32")
+  assert g.dims == {"batch": 1, "m": 256, "n": 128, "k": 512}
+  assert g.scales == "a:f32[] b:const 1"
+  assert g.folded is False
+  pre = gc.pre_passes(comp, g)
+  # The FP8 transpose is extra; the quantize (BF16 in) is not.
+  assert [p.name for p in pre] == ["input_transpose_fusion"]
+  assert pre[0].nbytes == 2 * 512 * 128
+  post = gc.post_passes(comp, g)
+  assert [p.name for p in post] == ["loop_convert_fusion.1"]
+  assert post[0].nbytes == 256 * 128 * (4 + 2) + 4
+
+
+def test_triton_fp8_epilogue_folds_scales_and_writes_bf16():
+  comp, g = only_gemm(TRITON_F8)
+  assert g.kernel == "Triton" and g.op == "dot"
+  assert (g.a, g.b, g.out) == ("f8e4m3fn", "f8e5m2", "bf16")
+  assert g.folded is True
+  assert g.epilogue == ("multiply", "convert")
+  assert g.operands == ("a.1", "b.1")  # scalar scales are not data
+  assert gc.pre_passes(comp, g) == [] and gc.post_passes(comp, g) == []
+
+
+def test_triton_in_kernel_dequantize_is_shown_as_conversion():
+  text = TRITON_F8.replace(
+      "%dot.0 = f32[256,128]{1,0} dot(%parameter_0, %parameter_1)",
+      "%cv.a = bf16[256,512]{1,0} convert(%parameter_0)\n"
+      "  %dot.0 = f32[256,128]{1,0} dot(%cv.a, %parameter_1)")
+  _, g = only_gemm(text)
+  assert g.a == "f8e4m3fn->bf16" and g.b == "f8e5m2"
+
+
+def test_scaled_dot_and_cudnn_block_scaled():
+  _, g = only_gemm(TRITON_SCALED)
+  assert g.kernel == "Triton" and g.op == "scaled-dot"
+  assert g.folded is True and g.out == "bf16"
+  assert g.dims["k"] == 512
+  _, c = only_gemm(CUDNN_MX)
+  assert c.kernel == "cuDNN block-scaled"
+  assert (c.a, c.b, c.out) == ("f8e4m3fn", "f8e4m3fn", "bf16")
+  assert c.dims == {"batch": 1, "m": 256, "n": 128, "k": 512}
+  assert c.folded is True
+
+
+def test_split_k_wgrad_attribution_and_reduce_pass():
+  comp, g = only_gemm(SPLIT_K)
+  assert g.dims == {"batch": 4, "m": 256, "n": 128, "k": 128}
+  layer = [gc.LayerDims("dense", 512, 256, 128)]
+  assert gc.attribute(g, layer, backward=True) == "dense Wgrad"
+  post = gc.post_passes(comp, g)
+  assert [p.name for p in post] == ["loop_multiply_fusion"]
+  # A batched cuBLAS GEMM is not taken for a split-K Wgrad.
+  cublas = gc.Gemm(**{**g.__dict__, "kernel": "cuBLASLt"})
+  assert gc.attribute(cublas, layer, backward=True) == "other"
+
+
+def _gemm(m, n, k, batch=1, op_name=""):
+  return gc.Gemm("g", "cuBLASLt FP8", "dot", "f8e4m3fn", "f8e4m3fn", "f32",
+                 {"batch": batch, "m": m, "n": n, "k": k}, "", None, (),
+                 (), op_name=op_name)
+
+
+def test_attribute_square_layer_uses_direction_and_weight_cone():
+  ly = [gc.LayerDims("dense", 64, 64, 64, weight_param="kernel")]
+  g = _gemm(64, 64, 64)
+  assert gc.attribute(g, ly, backward=False) == "dense Fprop"
+  assert gc.attribute(g, ly, backward=True,
+                      uses_weight={"st_kernel_value.1", "ct.1"}) == \
+      "dense Dgrad"
+  assert gc.attribute(g, ly, backward=True, uses_weight={"ct.1", "x.1"}) \
+      == "dense Wgrad"
+  assert gc.attribute(g, ly, backward=True) == "dense Dgrad | dense Wgrad"
+
+
+def test_attribute_merged_and_attention():
+  layers = [gc.LayerDims(n, 512, 256, 256, shares_input="norm")
+            for n in ("q", "k", "v")]
+  layers.append(gc.LayerDims("o", 512, 256, 256))
+  assert gc.attribute(_gemm(512, 768, 256), layers, backward=False) == \
+      "q+k+v Fprop"
+  assert gc.attribute(_gemm(256, 768, 512), layers, backward=True) == \
+      "q+k+v Wgrad"
+  assert gc.attribute(_gemm(512, 256, 256), layers, backward=False) == \
+      "q/k/v/o Fprop"
+  att = _gemm(128, 128, 64, batch=16, op_name="jit(s)/jvp(attention)/dot")
+  assert gc.attribute(att, layers, backward=False) == "attention"
+  assert gc.attribute(_gemm(7, 9, 11), layers, backward=None) == "other"
+
+
+def test_gemm_peak_by_operand_type_and_arch():
+  h200, b200 = gc.TARGETS["h200"], gc.TARGETS["b200"]
+  fp8 = _gemm(8, 8, 8)
+  assert gc.gemm_peak(fp8, h200) == (h200.fp8, "fp8")
+  wide = gc.Gemm(**{**fp8.__dict__, "a": "bf16", "b": "bf16"})
+  assert gc.gemm_peak(wide, b200) == (b200.bf16, "bf16")
+  f32 = gc.Gemm(**{**fp8.__dict__, "a": "f32", "b": "f32",
+                   "precision": "highest,highest"})
+  assert gc.gemm_peak(f32, h200)[1] == "fp32"
+  fp4 = gc.Gemm(**{**fp8.__dict__, "a": "f4e2m1fn", "b": "f4e2m1fn",
+                   "op": "scaled-dot"})
+  assert gc.gemm_peak(fp4, b200) == (b200.fp4, "fp4")
+  assert gc.gemm_peak(fp4, h200)[0] == h200.bf16
+  mixed = gc.Gemm(**{**fp8.__dict__, "a": "f8e4m3fn->bf16"})
+  assert gc.gemm_peak(mixed, h200)[1] == "bf16"
+
+
+def test_roofline_counts_kernels_and_takes_the_slower_bound():
+  comps = gc.parse_module(CUBLAS_F8)
+  rf = gc.roofline(comps, gc.TARGETS["h200"])
+  assert rf["kernels"] == 4  # quantize, transpose, GEMM, convert
+  assert rf["gemm_flops"] == 2 * 256 * 128 * 512
+  # Small GEMM: memory bound (its bytes exclude the cuBLAS workspace).
+  gemm_bytes = 256 * 512 + 512 * 128 + 4 + 4 + 256 * 128 * 4
+  assert rf["gemm_time_us"] == pytest.approx(gemm_bytes / 4.8e12 * 1e6)
+  assert rf["time_us"] > rf["gemm_time_us"]
+
+
+def test_describe_marks_emulation_and_records_passes():
+  text = CUBLAS_F8.replace('"__cublas$lt$matmul$f8"', '"__cublas$lt$matmul"')
+  text = text.replace("f8e4m3fn[256,512]{1,0} fusion(%x.1, %sa.1)",
+                      "bf16[256,512]{1,0} fusion(%x.1, %sa.1)")
+  text = text.replace("%bitcast.3 = f8e4m3fn", "%bitcast.3 = bf16")
+  comps = gc.parse_module(text)
+  ly = [gc.LayerDims("dense", 256, 512, 128)]
+  rec, = gc.describe(comps, ly, quantized=True)
+  assert rec["role"] == "dense Fprop"
+  assert rec["kernel"] == "cuBLASLt (emulated: wide operands)"
+  assert [p["name"] for p in rec["post"]] == ["loop_convert_fusion.1"]
+  rec, = gc.describe(comps, ly, quantized=False)
+  assert rec["kernel"] == "cuBLASLt"
+
+
+def test_first_line_picks_the_compiler_error():
+  err = RuntimeError("jaxlib.XlaRuntimeError: some context\n"
+                     "INTERNAL: Unsupported instruction opcode: scaled-dot\n"
+                     "more")
+  assert gc.first_line(err) == \
+      "INTERNAL: Unsupported instruction opcode: scaled-dot"
+
+
+def test_markdown_reports_failures_and_ratios():
+  ok = {"target": "h200", "triton": False, "program": "layer",
+        "recipe": "bf16", "assume_gpu_dispatch": False, "status": "ok",
+        "compile_s": 1.0, "kernels": "3 cuBLASLt",
+        "gemms": [], "roofline": {"kernels": 3, "gemm_flops": 1e9,
+                                  "bytes": 2**20, "time_us": 10.0,
+                                  "gemm_time_us": 8.0},
+        "xla_cost": {"flops": -1.0, "bytes": -1.0}}
+  fast = dict(ok, recipe="fp8_current",
+              roofline=dict(ok["roofline"], time_us=5.0))
+  bad = dict(ok, recipe="mxfp8", status="failed", gemms=None,
+             error="INTERNAL: Unsupported instruction opcode: scaled-dot")
+  text = gc.markdown([ok, fast, bad])
+  assert "| mxfp8 | failed |" in text
+  assert "Unsupported instruction opcode: scaled-dot" in text
+  assert "| 2.00x |" in text
