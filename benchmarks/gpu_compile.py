@@ -755,6 +755,52 @@ def post_passes(comp: Computation, gemm: Gemm) -> list[Pass]:
   return found
 
 
+def scaled_outside(comps, comp: Computation, gemm: Gemm) -> bool:
+  """True when a kernel after the GEMM multiplies its output by a
+  broadcast (a scale left out of the GEMM, scalar or per row/column)."""
+  users = comp.users()
+  frontier, seen = [gemm.name], set()
+  while frontier:
+    cur = frontier.pop()
+    for u in users.get(cur, []):
+      if u in seen:
+        continue
+      seen.add(u)
+      inst = comp.insts[u]
+      if inst.opcode in ("bitcast", "get-tuple-element", "reshape"):
+        frontier.append(u)
+      elif inst.opcode == "fusion" and called(inst) and \
+          called(inst)[0] in comps and "gemm" not in fusion_kind(inst):
+        body = comps[called(inst)[0]]
+        for i, op in enumerate(inst.operands):
+          if op == cur and i < len(body.params) and \
+              _multiplied(body, body.params[i]):
+            return True
+  return False
+
+
+def _multiplied(body: Computation, start: str) -> bool:
+  """Whether ``start`` reaches a multiply/divide by a broadcast value
+  through layout and type changes only."""
+  users = body.users()
+  todo, seen = [start], set()
+  while todo:
+    cur = todo.pop()
+    for u in users.get(cur, []):
+      if u in seen:
+        continue
+      seen.add(u)
+      inst = body.insts[u]
+      if inst.opcode in ("multiply", "divide"):
+        others = [body.insts[o] for o in inst.operands if o != cur]
+        if any(o.opcode == "broadcast" for o in others):
+          return True
+      elif inst.opcode in ("bitcast", "reshape", "transpose", "copy",
+                           "convert", "reduce", "slice"):
+        todo.append(u)
+  return False
+
+
 def gemm_peak(g: Gemm, target: Target) -> tuple[float, str]:
   """TFLOP/s the model assumes for a GEMM: by the type the MMA consumes."""
   mma = {g.a.split("->")[-1], g.b.split("->")[-1]}
@@ -922,15 +968,43 @@ def describe(comps, layers: list[LayerDims], quantized: bool,
     if quantized and wide_mma and role not in ("other", "attention"):
       kernel += " (emulated: wide operands)"
     pre, post = pre_passes(comp, g), post_passes(comp, g)
+    folded = g.folded
+    if quantized and role not in ("other", "attention"):
+      # Folded: no kernel after the GEMM applies a scale to its output.
+      folded = not scaled_outside(comps, comp, g)
     out.append({
         "gemm": g.name, "role": role, "kernel": kernel, "op": g.op,
         "a": g.a, "b": g.b, "out": g.out, "dims": g.dims,
-        "precision": g.precision, "scales": g.scales, "folded": g.folded,
+        "precision": g.precision, "scales": g.scales, "folded": folded,
         "epilogue": list(g.epilogue),
         "pre": [dataclasses.asdict(p) for p in pre],
         "post": [dataclasses.asdict(p) for p in post],
         "op_name": g.op_name,
     })
+    out[-1]["issues"] = issues(out[-1]) if quantized else []
+  return out
+
+
+def issues(rec: dict, compute_dtype: str = "bf16") -> list[str]:
+  """What keeps one quantized GEMM record from the ideal: a native
+  low-precision kernel with both scales inside it, writing the layer's
+  dtype (Fprop/Dgrad: ``compute_dtype``, Wgrad: FP32), and no extra pass."""
+  role = rec["role"]
+  if role in ("other", "attention"):
+    return []
+  out = []
+  if "emulated" in rec["kernel"]:
+    out.append("emulated")
+  if rec["folded"] is False:
+    out.append("scale after GEMM")
+  roles = {r.rsplit(" ", 1)[-1] for r in role.split(" | ")}
+  if roles <= {"Fprop", "Dgrad"} and rec["out"] != compute_dtype:
+    out.append(f"writes {rec['out']}")
+  for key, where in (("pre", "in"), ("post", "out")):
+    if rec[key]:
+      mib = sum(p["nbytes"] for p in rec[key]) / 2**20
+      out.append(f"{len(rec[key])} pass{'es' if len(rec[key]) > 1 else ''}"
+                 f" {where} ({mib:.0f} MiB)")
   return out
 
 
@@ -1191,7 +1265,7 @@ def gemm_rows(rec: dict) -> list[tuple]:
     folded = {True: "yes", False: "no", None: "-"}[g["folded"]]
     rows[(g["role"], shape, g["kernel"], f"{g['a']} x {g['b']} -> "
           f"{g['out']}", f"{folded} ({g['scales']})", _passes(g["pre"]),
-          _passes(g["post"]))] += 1
+          _passes(g["post"]), ", ".join(g.get("issues", [])) or "-")] += 1
   return [(*k, n) for k, n in sorted(rows.items())]
 
 
@@ -1210,12 +1284,13 @@ def markdown(records: list[dict]) -> str:
             ""]
     out += mdtable.head(["recipe", "GEMM", "b x m x n x k", "kernel",
                          "a x b -> out", "scales folded", "extra passes in",
-                         "extra passes out", "count"], "llrlllllr")
+                         "extra passes out", "issues", "count"],
+                        "llrllllllr")
     for r in recs:
       if r["status"] != "ok":
         out.append(mdtable.row(r["recipe"], "failed", None, None,
                                r["error"].replace("|", "/"), None, None,
-                               None, None))
+                               None, None, None))
         continue
       for row in gemm_rows(r):
         out.append(mdtable.row(r["recipe"], *row))

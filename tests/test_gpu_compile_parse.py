@@ -343,3 +343,42 @@ def test_markdown_reports_failures_and_ratios():
   assert "| mxfp8 | failed |" in text
   assert "Unsupported instruction opcode: scaled-dot" in text
   assert "| 2.00x |" in text
+
+
+def test_scaled_outside_sees_a_scale_multiply_after_the_gemm():
+  comps = gc.parse_module(CUBLAS_F8)
+  comp, g = gc.find_gemms(comps)[0]
+  assert gc.scaled_outside(comps, comp, g)
+  rec, = gc.describe(comps, [gc.LayerDims("dense", 256, 512, 128)],
+                     quantized=True)
+  assert rec["folded"] is False
+  # The same module with the scale multiply gone from the convert fusion.
+  text = CUBLAS_F8.replace(
+      "%m.2 = f32[256,128]{1,0} multiply(%p0.2, %b.2)\n"
+      "  ROOT %r.2 = bf16[256,128]{1,0} convert(%m.2)",
+      "ROOT %r.2 = bf16[256,128]{1,0} convert(%p0.2)")
+  comps = gc.parse_module(text)
+  comp, g = gc.find_gemms(comps)[0]
+  assert not gc.scaled_outside(comps, comp, g)
+  comps = gc.parse_module(SPLIT_K)
+  comp, g = gc.find_gemms(comps)[0]
+  assert gc.scaled_outside(comps, comp, g)  # through the split-K reduce
+
+
+def test_issues_name_what_keeps_a_gemm_from_the_ideal():
+  comps = gc.parse_module(CUBLAS_F8)
+  rec, = gc.describe(comps, [gc.LayerDims("dense", 256, 512, 128)],
+                     quantized=True)
+  assert rec["issues"] == ["scale after GEMM", "writes f32",
+                           "1 pass in (0 MiB)", "1 pass out (0 MiB)"]
+  comps = gc.parse_module(TRITON_F8)
+  rec, = gc.describe(comps, [gc.LayerDims("dense", 256, 512, 128)],
+                     quantized=True)
+  assert rec["role"] == "dense Fprop" and rec["issues"] == []
+  # A Wgrad writes FP32 by design; its split-K reduce is an extra pass.
+  comps = gc.parse_module(SPLIT_K)
+  rec, = gc.describe(comps, [gc.LayerDims("dense", 512, 256, 128)],
+                     quantized=True)
+  assert rec["role"] == "dense Wgrad"
+  assert rec["issues"] == ["scale after GEMM", "1 pass out (1 MiB)"]
+  assert gc.issues(dict(rec, role="attention")) == []
