@@ -923,20 +923,41 @@ def _merge_names(hits: list[str]) -> list[str]:
   return [f"{'/'.join(names)} {role}" for role, names in by_role.items()]
 
 
-def entry_param_cone(comp: Computation, name: str, seen=None) -> set[str]:
-  """Entry parameter instruction names in the cone of ``name``."""
-  seen = set() if seen is None else seen
+def entry_param_cone(comps, comp: Computation, name: str) -> set[str]:
+  """Entry parameter instruction names in the cone of ``name``.
+
+  Through a fusion, only the fusion operands its result depends on count;
+  through a ``get-tuple-element`` of a multi-output fusion, only those of
+  that output (XLA fuses unrelated work into one kernel, such as a loss
+  reduction with a gradient's quantize).
+  """
   out: set[str] = set()
-  stack = [name]
+  stack, seen = [(name, None)], set()
   while stack:
-    n = stack.pop()
-    if n in seen or n not in comp.insts:
+    n, index = stack.pop()
+    if (n, index) in seen or n not in comp.insts:
       continue
-    seen.add(n)
+    seen.add((n, index))
     inst = comp.insts[n]
     if inst.opcode == "parameter":
       out.add(n)
-    stack += list(inst.operands)
+      continue
+    if inst.opcode == "get-tuple-element" and inst.operands:
+      stack.append((inst.operands[0], int(inst.attr("index") or 0)))
+      continue
+    body = comps.get(called(inst)[0]) if inst.opcode == "fusion" and \
+        called(inst) else None
+    if body is not None:
+      root = body.root
+      start = root.name
+      if index is not None and root.opcode == "tuple" and \
+          index < len(root.operands):
+        start = root.operands[index]
+      used = _cone_params(comps, body, start)
+      stack += [(inst.operands[i], None) for i in sorted(used)
+                if i < len(inst.operands)]
+      continue
+    stack += [(op, None) for op in inst.operands]
   return out
 
 
@@ -958,7 +979,8 @@ def describe(comps, layers: list[LayerDims], quantized: bool,
   for comp, g in find_gemms(comps):
     cone: set[str] = set()
     for op in comp.insts[g.name].operands:
-      cone |= entry_param_cone(comp, op) if comp is top else set()
+      cone |= entry_param_cone(comps, comp, op) if comp is top \
+          else set()
     backward = bool(cone & set(ct)) if ct and comp is top else None
     role = attribute(g, layers, backward=backward,
                      uses_weight={p for p in cone} if comp is top else None)

@@ -382,3 +382,34 @@ def test_issues_name_what_keeps_a_gemm_from_the_ideal():
   assert rec["role"] == "dense Wgrad"
   assert rec["issues"] == ["scale after GEMM", "1 pass out (1 MiB)"]
   assert gc.issues(dict(rec, role="attention")) == []
+
+
+MULTI_OUTPUT = """
+HloModule jit_step, is_scheduled=true
+
+%fused_two (p0: f32[64,64], p1: f32[64,64]) -> (f32[], f8e5m2[64,64]) {
+  %p0 = f32[64,64]{1,0} parameter(0)
+  %p1 = f32[64,64]{1,0} parameter(1)
+  %c0 = f32[] constant(0)
+  %r = f32[] reduce(%p1, %c0), dimensions={0,1}, to_apply=%add
+  %q = f8e5m2[64,64]{1,0} convert(%p0)
+  ROOT %t = (f32[], f8e5m2[64,64]{1,0}) tuple(%r, %q)
+}
+
+ENTRY %main.6 (ct.1: f32[64,64], kernel.1: f32[64,64]) -> f32[] {
+  %ct.1 = f32[64,64]{1,0} parameter(0), metadata={op_name="ct"}
+  %kernel.1 = f32[64,64]{1,0} parameter(1), metadata={op_name="st['kernel'].value"}
+  %fusion.1 = (f32[], f8e5m2[64,64]{1,0}) fusion(%ct.1, %kernel.1), kind=kInput, calls=%fused_two
+  %gte.0 = f32[] get-tuple-element(%fusion.1), index=0
+  ROOT %gte.1 = f8e5m2[64,64]{1,0} get-tuple-element(%fusion.1), index=1
+}
+"""
+
+
+def test_entry_param_cone_follows_one_output_of_a_multi_output_fusion():
+  comps = gc.parse_module(MULTI_OUTPUT)
+  top = gc.entry(comps)
+  assert gc.entry_param_cone(comps, top, "gte.1") == {"ct.1"}
+  assert gc.entry_param_cone(comps, top, "gte.0") == {"kernel.1"}
+  assert gc.entry_param_cone(comps, top, "fusion.1") == {"ct.1", "kernel.1"}
+  assert gc.param_by_op_name(top, "kernel") == "kernel.1"
