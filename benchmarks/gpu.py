@@ -22,7 +22,7 @@ crashing part is reported and the next one runs), inside ``--budget``:
            >= 1.85x BF16 at 8192^3.
 ``mx``     MXFP8 through ``lax.scaled_dot`` (``qlayers.dispatch``), same
            sizes, with its custom calls.
-``layer``  ``qlayers.quantized_matmul`` forward + backward (3 GEMMs) per
+``layer``  ``qlayers.ops.quantized_matmul`` forward + backward (3 GEMMs) per
            recipe against BF16, and how many FP8 GEMM custom calls it
            compiles to.
 ``step``   ``benchmarks/step.py`` (transformer, sized to fill the chip):
@@ -297,10 +297,10 @@ def part_layer(cfg) -> dict[str, Any]:
   ct = jax.random.normal(kc, (m, n), jnp.float32).astype(jnp.bfloat16)
   variants = []
   for name in ("bf16", "fp8_current", "fp8_delayed", "mxfp8"):
-    state = qlayers.init_state(name)
+    state = qlayers.ops.init_state(name)
 
     def loss(x, w, state, ct, name=name):
-      y, _ = qlayers.quantized_matmul(x, w, name, state)
+      y, _ = qlayers.ops.quantized_matmul(x, w, name, state)
       return jnp.vdot(y.astype(jnp.float32), ct.astype(jnp.float32))
 
     variants.append((f"{m}x{k}x{n} fwd+bwd {name}",

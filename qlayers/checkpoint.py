@@ -36,7 +36,8 @@ import numpy as np
 from flax import nnx
 
 from qlayers.recipe import Recipe
-from qlayers.state import DelayedScaling, QuantVariable
+from qlayers.layers.core import QuantGemm, QuantLayer, gemms
+from qlayers.state import QuantVariable
 
 __all__ = ["save", "restore", "read_metadata", "CheckpointMismatchError",
            "CheckpointCorruptError"]
@@ -84,13 +85,15 @@ def _recipe_config(r: Recipe) -> dict:
 
 
 def _layers(model: nnx.Module, quant: dict[str, dict]) -> dict[str, dict]:
-  """Per quantized layer: type, recipe and the shapes of its state."""
+  """Per quantized layer (or bare `QuantGemm`): type, recipe and the shapes
+  of its state."""
+  nodes = dict(nnx.iter_graph(model))
   out = {}
-  for path, node in nnx.iter_graph(model):
-    r = getattr(node, "recipe", None)
-    if (not isinstance(node, nnx.Module) or isinstance(node, DelayedScaling)
-        or not isinstance(r, Recipe)):
-      continue
+  for path, node in gemms(model):
+    r = node.recipe
+    owner = nodes.get(path[:-1]) if path and path[-1] == "quant" else None
+    if isinstance(owner, QuantLayer):
+      path, node = path[:-1], owner
     p = _str_path(path)
     prefix = p + "/" if p else ""
     out[p] = {
@@ -391,10 +394,12 @@ def _mismatch(path, lines: list[str],
 
 
 def _reset_quant_state(model: nnx.Module) -> None:
-  """Fresh delayed-scaling state (as a newly built layer has)."""
-  for _, node in nnx.iter_graph(model):
-    if isinstance(node, DelayedScaling):
-      nnx.update(node, nnx.state(DelayedScaling(node.recipe)))
+  """Fresh delayed-scaling state (as a newly built layer has), keeping the
+  stacked shape of layers made under nnx.vmap."""
+  for _, node in gemms(model):
+    if node.delayed:
+      fresh = QuantGemm(node.recipe, batch_shape=node.x_amax.shape)
+      nnx.update(node, nnx.state(fresh))
 
 
 def restore(path: str | os.PathLike, model: nnx.Module, *,

@@ -16,7 +16,7 @@ The Q/K/V and output projections of ``nnx.MultiHeadAttention`` are
 ``nnx.LinearGeneral`` and convert as such. The new layer adopts the old one's
 Variables (the same ``nnx.Param`` objects, so an optimizer or any other
 reference still sees the same kernel) and attributes; only the quantization
-attributes (``recipe``, ``backend``, ``scaling``) are new. To build it without
+attribute ``quant`` (its `QuantGemm`: recipe, backend, state) is new. To build it without
 initialising a second copy of the weights, the drop-in is constructed through
 its normal constructor with size-1 features and zero initialisers (a few
 bytes of throwaway Params, no random numbers), and then takes over the
@@ -38,11 +38,11 @@ from flax import nnx
 from flax.nnx import graphlib
 
 from qlayers import dispatch
+from qlayers.layers.core import QuantGemm, QuantLayer
 from qlayers.layers.dense import QuantDense
 from qlayers.layers.general import (QuantEinsum, QuantLinearGeneral,
                                     einsum_gemm_plan)
 from qlayers.recipe import Recipe, recipe as load_recipe
-from qlayers.state import DelayedScaling
 
 __all__ = ["Rule", "DEFAULT_KEEP_WIDE", "DEFAULT_RULES", "ConversionReport",
            "Converted", "KeptWide", "Skipped", "quantize", "dequantize_model"]
@@ -221,7 +221,7 @@ _STOCK = (nnx.Linear, nnx.LinearGeneral, nnx.Einsum)
 _QUANT_OF = {nnx.Linear: QuantDense, nnx.LinearGeneral: QuantLinearGeneral,
              nnx.Einsum: QuantEinsum}
 _STOCK_OF = {q: s for s, q in _QUANT_OF.items()}
-_QUANT_ATTRS = ("recipe", "backend", "scaling")
+_QUANT_ATTRS = ("quant",)
 
 
 @dataclasses.dataclass
@@ -236,8 +236,7 @@ def _path_str(path) -> str:
 
 
 def _is_quantized(m) -> bool:
-  return (not isinstance(m, DelayedScaling)
-          and isinstance(getattr(m, "recipe", None), Recipe))
+  return isinstance(m, QuantLayer)
 
 
 def _sites(model: nnx.Module, want) -> list[_Site]:
@@ -511,9 +510,9 @@ def quantize(model: nnx.Module, recipe: Recipe | str | None,
     cls = _QUANT_OF[type(layer)]
     new = _adopt(_twin(cls, layer, recipe=r, backend=b), layer)
     stack = tuple(layer.kernel.shape[:layer.kernel.ndim - _one_gemm(layer)])
-    if stack and new.scaling is not None:
+    if stack and r.delayed:
       # Made under nnx.vmap: one delayed-scaling state per stacked layer.
-      new.scaling = nnx.data(DelayedScaling(r, batch_shape=stack))
+      new.quant = QuantGemm(r, backend=b, batch_shape=stack)
     _replace(site, new)
     report.converted.append(Converted(
         site.path, type(layer).__name__, cls.__name__, shape, r.name,

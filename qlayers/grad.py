@@ -45,7 +45,8 @@ def value_and_grad(f: Callable[..., Any], argnums: int = 0, *,
   Returns ``(value, grads)`` (``((value, aux), grads)`` with ``has_aux``)
   where ``grads`` is an ``nnx.State`` with the gradients of the ``wrt``
   Variables of the model at ``argnums`` plus, at each `QuantGradState`
-  path, the gradient amax of this step (write it with `qlayers.Optimizer`).
+  path, the gradient amax of this step (`qlayers.Optimizer` writes it, or
+  `qlayers.update_scales`).
   Other state the model mutates in ``f`` (forward quantization state, batch
   statistics, RNG counters) is written back to the model, as with NNX.
 
@@ -66,50 +67,66 @@ def value_and_grad(f: Callable[..., Any], argnums: int = 0, *,
     >>> loss_fn = lambda m, x: jnp.mean(m(x) ** 2)
     >>> loss, grads = qlayers.value_and_grad(loss_fn)(model, jnp.ones((2, 8)))
     >>> sorted(grads.keys())
-    ['bias', 'kernel', 'scaling']
+    ['bias', 'kernel', 'quant']
   """
   if not isinstance(argnums, int):
     raise TypeError("qlayers.value_and_grad differentiates one model: "
                     f"argnums must be an int, got {argnums!r}.")
-
-  @functools.wraps(f)
-  def wrapper(*args, **kwargs):
-    model = args[argnums]
-    if not isinstance(model, nnx.Module):
-      raise TypeError(f"Argument {argnums} must be an nnx.Module, got "
-                      f"{type(model).__name__}.")
-    graphdef, *typed = nnx.split(model, wrt, QuantGradState, ...)
-    diff, qgrad, rest = nnx.as_pure(typed)
-
-    def inner(diff, qgrad):
-      m = nnx.merge(graphdef, diff, qgrad, rest)
-      out = f(*args[:argnums], m, *args[argnums + 1:], **kwargs)
-      loss, aux = out if has_aux else (out, None)
-      *_, new_rest = nnx.split(m, wrt, QuantGradState, ...)
-      return loss, (aux, nnx.as_pure(new_rest))
-
-    loss, vjp_fn, (aux, new_rest) = jax.vjp(inner, diff, _to_max(qgrad),
-                                            has_aux=True)
-    seed = jnp.ones_like(loss)
-    if loss_scale is not None:
-      seed = seed * jnp.asarray(loss_scale, loss.dtype)
-    g_diff, g_q = vjp_fn(seed)
-    nnx.update(model, new_rest)
-    grads = nnx.merge_state(_typed(typed[0], g_diff),
-                            _typed(typed[1], _from_max(g_q)))
-    return ((loss, aux) if has_aux else loss), grads
-
-  # The max-combining dtype only exists inside a trace; called eagerly, the
-  # whole step runs under nnx.jit instead.
-  jitted = nnx.jit(wrapper)
+  scale = loss_scale
 
   @functools.wraps(f)
   def dispatch(*args, **kwargs):
+    if len(args) <= argnums or not isinstance(args[argnums], nnx.Module):
+      got = type(args[argnums]).__name__ if len(args) > argnums else "nothing"
+      raise TypeError(f"Argument {argnums} must be an nnx.Module, got {got}.")
     if _tracing(args[argnums]):
-      return wrapper(*args, **kwargs)
-    return jitted(*args, **kwargs)
+      return _value_and_grad(f, argnums, has_aux, wrt, scale, args, kwargs)
+    # The max-combining dtype only exists inside a trace; called eagerly, the
+    # whole step runs under nnx.jit, compiled once per (f, settings).
+    return _eager(f, argnums, has_aux, wrt)(scale, *args, **kwargs)
 
   return dispatch
+
+
+def _value_and_grad(f, argnums, has_aux, wrt, loss_scale, args, kwargs):
+  model = args[argnums]
+  graphdef, *typed = nnx.split(model, wrt, QuantGradState, ...)
+  diff, qgrad, rest = nnx.as_pure(typed)
+
+  def inner(diff, qgrad):
+    m = nnx.merge(graphdef, diff, qgrad, rest)
+    out = f(*args[:argnums], m, *args[argnums + 1:], **kwargs)
+    loss, aux = out if has_aux else (out, None)
+    *_, new_rest = nnx.split(m, wrt, QuantGradState, ...)
+    return loss, (aux, nnx.as_pure(new_rest))
+
+  loss, vjp_fn, (aux, new_rest) = jax.vjp(inner, diff, _to_max(qgrad),
+                                          has_aux=True)
+  seed = jnp.ones_like(loss)
+  if loss_scale is not None:
+    seed = seed * jnp.asarray(loss_scale, loss.dtype)
+  g_diff, g_q = vjp_fn(seed)
+  nnx.update(model, new_rest)
+  grads = nnx.merge_state(_typed(typed[0], g_diff),
+                          _typed(typed[1], _from_max(g_q)))
+  return ((loss, aux) if has_aux else loss), grads
+
+
+def _eager(f, argnums, has_aux, wrt):
+  try:
+    return _eager_cached(f, argnums, has_aux, wrt)
+  except TypeError:  # an unhashable f or filter: compiled per call
+    return _eager_jit(f, argnums, has_aux, wrt)
+
+
+def _eager_jit(f, argnums, has_aux, wrt):
+  def run(loss_scale, *args, **kwargs):
+    return _value_and_grad(f, argnums, has_aux, wrt, loss_scale, args,
+                           kwargs)
+  return nnx.jit(run)
+
+
+_eager_cached = functools.lru_cache(maxsize=64)(_eager_jit)
 
 
 def _typed(template: nnx.State, values) -> nnx.State:

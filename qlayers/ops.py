@@ -13,25 +13,26 @@ shared between GEMMs, since its scale does not depend on the axis).
 Accumulation is FP32; Fprop/Dgrad outputs are in the compute dtype, the
 weight gradient in the weight's dtype (FP32 masters).
 
-Delayed scaling keeps a `ScaleState` per operand role ``x``, ``w``, ``g``:
-the scale in use, the amax history of completed steps, and ``amax``, the
-running max of the current step. Each use of the op quantizes with the stored
-scale (or, while the history is still empty, with the current amax) and
+Delayed scaling keeps a `scaling.ScaleState` per operand role ``x``, ``w``,
+``g``: the amax history of completed steps and ``amax``, the running max of
+the current step. Each use of the op scales every operand of that role from
+the history, for the operand's own format (or, while the history is still
+empty, from the current amax; see `scaling.delayed_amax`), and
 max-accumulates its amax into ``amax``: the forward returns the updated
 ``x``/``w`` states; the gradient's amax is only known in the backward pass, so
 it leaves as the *cotangent of ``state["g"].amax``*, which a training step
 writes back exactly (`qlayers.value_and_grad` and `qlayers.Optimizer` do).
 Held in an extended dtype whose addition is ``max`` while differentiating (as
 `qlayers.value_and_grad` does), the cotangents of several uses of one layer
-combine by max, not sum. Once per step `commit_state` writes ``amax`` into
-the history, computes the next scale and clears ``amax``.
+combine by max, not sum. Once per step `update_scales` writes ``amax`` into
+the history and clears it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
+import math
 
 import jax
 import jax.numpy as jnp
@@ -42,24 +43,17 @@ from qlayers import dispatch
 from qlayers import hadamard
 from qlayers import scaling
 from qlayers.recipe import Recipe, recipe as load_recipe
-from qlayers.scaling import QuantSpec, QTensor
+from qlayers.scaling import QuantSpec, QTensor, ScaleState
 
 __all__ = [
-    "ScaleState",
+    "ROLES",
     "init_state",
-    "commit_state",
+    "update_scales",
     "quantized_matmul",
+    "quantized_dot_general",
     "dot_general",
     "fake_quant_matmul",
 ]
-
-
-class ScaleState(NamedTuple):
-  """Delayed-scaling state of one operand role (plain FP32 arrays)."""
-
-  scale: jax.Array  # () dequantization factor in use
-  amax_history: jax.Array  # (history_len,) completed steps, [0] most recent
-  amax: jax.Array  # () running max |x| of the current step
 
 
 ROLES = ("x", "w", "g")
@@ -68,41 +62,26 @@ ROLES = ("x", "w", "g")
 WGRAD_INPUT_NAME = "qlayers_wgrad_x"
 
 
-def init_state(recipe: Recipe | str) -> dict[str, ScaleState] | None:
-  """Fresh delayed-scaling state ``{"x", "w", "g"}``, or None if stateless."""
+def init_state(recipe: Recipe | str, batch_shape: tuple[int, ...] = ()
+               ) -> dict[str, ScaleState] | None:
+  """Fresh delayed-scaling state ``{"x", "w", "g"}``, or None if stateless.
+
+  ``batch_shape`` stacks it (one state per layer of an ``nnx.vmap`` stack).
+  """
   recipe = load_recipe(recipe)
   if not recipe.delayed:
     return None
-  def one():
-    return ScaleState(jnp.ones((), jnp.float32),
-                      jnp.zeros((recipe.amax_history_len,), jnp.float32),
-                      jnp.zeros((), jnp.float32))
-  return {role: one() for role in ROLES}
+  return {role: scaling.init_scale_state(recipe.amax_history_len, batch_shape)
+          for role in ROLES}
 
 
-def role_specs(recipe: Recipe) -> dict[str, QuantSpec]:
-  """The spec whose format/margin sets each role's per-tensor scale."""
-  return {"x": recipe.fprop.lhs, "w": recipe.fprop.rhs, "g": recipe.dgrad.lhs}
+def update_scales(state: dict[str, ScaleState]) -> dict[str, ScaleState]:
+  """Ends a step for every role (see `scaling.update_scales`).
 
-
-def commit_state(state: dict[str, ScaleState],
-                 recipe: Recipe | str) -> dict[str, ScaleState]:
-  """Ends a step: amax -> history, next scale from the history, amax cleared.
-
-  Call once per optimizer step (`qlayers.Optimizer` does). A step in which a
-  role saw only non-finite values records 0 (see
-  `scaling.update_amax_history`).
+  Call once per optimizer step (`qlayers.Optimizer` does, through
+  `qlayers.update_scales`).
   """
-  recipe = load_recipe(recipe)
-  out = {}
-  for role, spec in role_specs(recipe).items():
-    st = state[role]
-    hist = scaling.update_amax_history(st.amax_history, st.amax)
-    scale = scaling.compute_scale(hist, st.scale, spec.fmt,
-                                  algo=recipe.amax_compute_algo,
-                                  margin=spec.margin, pow2=spec.pow2)
-    out[role] = ScaleState(scale, hist, jnp.zeros_like(st.amax))
-  return out
+  return {role: scaling.update_scales(st) for role, st in state.items()}
 
 
 # ----------------------------------------------------------------------------
@@ -116,32 +95,17 @@ def _to_f32(v):
   return v
 
 
-def _like(v, ref):
-  """``v`` in the dtype of ``ref`` (FP32 or an extended dtype over FP32)."""
-  if v.dtype == ref.dtype:
+def _like(v, dtype):
+  """``v`` (FP32) in ``dtype`` (FP32 or an extended dtype over FP32)."""
+  if v.dtype == dtype:
     return v
-  return lax.convert_element_type(v, ref.dtype)
+  return lax.convert_element_type(v, dtype)
 
 
-def _read_state(s: ScaleState) -> ScaleState:
-  return ScaleState(*map(_to_f32, s))
-
-
-def _delayed(t, st: ScaleState, spec: QuantSpec):
-  """(scale to quantize with now, updated running amax) for one operand.
-
-  The stored scale, unless no step has completed yet (empty history): then
-  the amax seen so far this step, so the first step does not quantize with
-  the initial scale of 1.
-  """
-  st = _read_state(st)
-  a = scaling.amax(t)
-  empty = jnp.all(st.amax_history == 0)
-  current = scaling.te_scale(jnp.maximum(st.amax, a), st.scale, spec.fmt,
-                             margin=spec.margin, pow2=spec.pow2)
-  scale_now = jnp.where(empty, current, st.scale)
-  running = jnp.where(jnp.isfinite(a), jnp.maximum(st.amax, a), st.amax)
-  return scale_now, running
+def _delayed(t, st: ScaleState, recipe: Recipe):
+  """(amax to scale ``t`` by now, updated running amax) for one role."""
+  st = ScaleState(*map(_to_f32, st))
+  return scaling.delayed_amax(st, scaling.amax(t), recipe.amax_compute_algo)
 
 
 def _transposes(spec: QuantSpec, axis: int, backend=None) -> bool:
@@ -150,13 +114,13 @@ def _transposes(spec: QuantSpec, axis: int, backend=None) -> bool:
       spec.granularity, backend))
 
 
-def _quantize(t, spec: QuantSpec, axis: int, scale=None, key=None,
+def _quantize(t, spec: QuantSpec, axis: int, amax=None, key=None,
               backend=None) -> QTensor:
   """Quantizes a 2-D operand along ``axis`` (transposed first if needed)."""
   if _transposes(spec, axis, backend):
-    q = scaling.quantize(t.T, spec, 1, scale=scale, key=key)
+    q = scaling.quantize(t.T, spec, 1, tensor_amax=amax, key=key)
     return dataclasses.replace(q, transposed=True)
-  return scaling.quantize(t, spec, axis, scale=scale, key=key)
+  return scaling.quantize(t, spec, axis, tensor_amax=amax, key=key)
 
 
 def _along(q, axis: int):
@@ -199,22 +163,42 @@ def _data_key(t):
   return jax.random.key(bits)
 
 
-def _operand(t, spec, axis, scale, key, backend=None):
-  """Quantized copy, or the wide tensor when ``spec`` is None."""
+def _operand(t, spec, axis, amax, key, recipe: Recipe, backend=None):
+  """Quantized copy, or ``t`` in the compute dtype when ``spec`` is None."""
   if spec is None:
-    return t
+    return t.astype(recipe.dtype)
   if spec.stochastic and key is None:
     key = _data_key(t)
-  return _quantize(t, spec, axis, scale=scale,
+  return _quantize(t, spec, axis, amax=amax,
                    key=key if spec.stochastic else None, backend=backend)
+
+
+def _transformed(t, size: int, axis: int):
+  """A gradient-GEMM operand, Hadamard-transformed along its contraction
+  ``axis`` when ``size`` is set (see `qlayers.hadamard`)."""
+  return hadamard.transform(t, size, axis=axis) if size else t
+
+
+def _zero_cotangent(shape, dtype):
+  """Zero cotangent of ``shape`` in ``dtype`` (FP32 or max-combining)."""
+  if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+    # The additive identity of a max-combining dtype is its lowest value.
+    return lax.convert_element_type(
+        jnp.full(shape, -jnp.inf, jnp.float32), dtype)
+  return jnp.zeros(shape, dtype)
 
 
 # ----------------------------------------------------------------------------
 # The custom_vjp core on 2-D operands
+#
+# ``dtypes`` (static) is ``(x dtype, w dtype, state dtypes)``, state dtypes
+# a ``ScaleState`` of leaf dtypes per role (None when stateless): the
+# backward rule returns cotangents in the primal dtypes, and a state leaf is
+# FP32 or, under `qlayers.value_and_grad`, a max-combining extended dtype.
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _qmm(recipe, backend, out_dtype, x, w, state, key):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _qmm(recipe, backend, out_dtype, dtypes, x, w, state, key):
   y, new_state, _ = _qmm_forward(recipe, backend, out_dtype, x, w, state, key)
   return y, new_state
 
@@ -223,16 +207,17 @@ def _qmm_forward(recipe: Recipe, backend, out_dtype, x, w, state, key):
   fx, fw = recipe.fprop.lhs, recipe.fprop.rhs
   wx = recipe.wgrad.lhs
   kx, kw, kwx, kb = _keys(key, 4)
-  sx = sw = None
+  ax = aw = None
   new_state = state
   if recipe.delayed:
-    sx, ax = _delayed(x, state["x"], fx)
-    sw, aw = _delayed(w, state["w"], fw)
-    new_state = {"x": state["x"]._replace(amax=_like(ax, state["x"].amax)),
-                 "w": state["w"]._replace(amax=_like(aw, state["w"].amax)),
-                 "g": state["g"]}
-  qx = _operand(x, fx, 1, sx, kx, backend)
-  qw = _operand(w, fw, 0, sw, kw, backend)
+    ax, run_x = _delayed(x, state["x"], recipe)
+    aw, run_w = _delayed(w, state["w"], recipe)
+    new_state = {
+        "x": state["x"]._replace(amax=_like(run_x, state["x"].amax.dtype)),
+        "w": state["w"]._replace(amax=_like(run_w, state["w"].amax.dtype)),
+        "g": state["g"]}
+  qx = _operand(x, fx, 1, ax, kx, recipe, backend)
+  qw = _operand(w, fw, 0, aw, kw, recipe, backend)
   y = _run(qx, qw, (1, 0), out_dtype, backend)
 
   # What Wgrad needs of x: the Fprop copy when it is axis-free, a copy
@@ -243,8 +228,8 @@ def _qmm_forward(recipe: Recipe, backend, out_dtype, x, w, state, key):
     if _shares(fx, wx, backend) and not rht:
       x_saved = qx
     else:
-      x_saved = _operand(_transformed(x, rht, 0), wx, 0,
-                         sx if recipe.delayed else None, kwx, backend)
+      x_saved = _operand(_transformed(x, rht, 0), wx, 0, ax, kwx, recipe,
+                         backend)
   else:
     x_saved = x
   w_saved = (qw if _shares(fw, recipe.dgrad.rhs, backend)
@@ -252,91 +237,64 @@ def _qmm_forward(recipe: Recipe, backend, out_dtype, x, w, state, key):
   # Named, so a remat policy (save_only_these_names) can keep just this.
   x_saved = jax.tree.map(lambda t: checkpoint_name(t, WGRAD_INPUT_NAME),
                          x_saved)
-  # Zero-size arrays carry dtypes to the backward rule: of the inputs, and of
-  # the forward roles' state (whose values the backward does not need).
-  dtypes = (_dtype_carrier(x), _dtype_carrier(w))
-  xw_dtypes = None
-  if recipe.delayed:
-    xw_dtypes = jax.tree.map(_dtype_carrier, (state["x"], state["w"]))
   g_state = state["g"] if recipe.delayed else None
-  res = (x_saved, w_saved, sx, sw, g_state, xw_dtypes, kb, dtypes)
+  res = (x_saved, w_saved, ax, aw, g_state, kb)
   return y, new_state, res
 
 
-def _transformed(t, size: int, axis: int):
-  """A gradient-GEMM operand, Hadamard-transformed along its contraction
-  ``axis`` when ``size`` is set (see `qlayers.hadamard`)."""
-  return hadamard.transform(t, size, axis=axis) if size else t
-
-
-def _dtype_carrier(v):
-  return jnp.reshape(v, (-1,))[:0]
-
-
-def _qmm_fwd(recipe, backend, out_dtype, x, w, state, key):
+def _qmm_fwd(recipe, backend, out_dtype, dtypes, x, w, state, key):
   y, new_state, res = _qmm_forward(recipe, backend, out_dtype, x, w, state,
                                    key)
   return (y, new_state), res
 
 
-def _qmm_bwd(recipe: Recipe, backend, out_dtype, res, cts):
+def _qmm_bwd(recipe: Recipe, backend, out_dtype, dtypes, res, cts):
   del out_dtype
-  x_saved, w_saved, sx, sw, g_state, xw_dtypes, key, (x_like, w_like) = res
-  x_dtype, w_dtype = x_like.dtype, w_like.dtype
+  x_dtype, w_dtype, state_dtypes = dtypes
+  x_saved, w_saved, ax, aw, g_state, key = res
   g, _ = cts
   dg, dw_gemm = recipe.dgrad, recipe.wgrad
   kd, kwg = _keys(key, 2)
 
-  sg = None
-  g_cotangent = None
+  ag = None
+  state_ct = None
   if recipe.delayed:
-    sg, ag = _delayed(g, g_state, dg.lhs)
-    g_cotangent = jax.tree.map(_zero_cotangent, g_state, g_state)._replace(
-        amax=_like(ag, g_state.amax))
+    ag, run_g = _delayed(g, g_state, recipe)
+    hist_shape = g_state.amax_history.shape
+    # Only the gradient role's running amax leaves the backward pass; the
+    # forward roles left through the output.
+    state_ct = {role: ScaleState(_zero_cotangent(hist_shape, dt.amax_history),
+                                 _zero_cotangent((), dt.amax))
+                for role, dt in zip(ROLES, state_dtypes)}
+    state_ct["g"] = state_ct["g"]._replace(
+        amax=_like(run_g, state_dtypes[2].amax))
 
   # Dgrad: dx = g @ w.T, contracted over N (both Hadamard-transformed along
   # N first if the recipe says so: (g Q.T) @ (w Q.T).T = g @ w.T).
   rht_n = dg.hadamard
-  qg = _operand(_transformed(g, rht_n, 1), dg.lhs, 1, sg, kd, backend)
+  qg = _operand(_transformed(g, rht_n, 1), dg.lhs, 1, ag, kd, recipe, backend)
   if isinstance(w_saved, QTensor):
     qw = w_saved
   else:
-    qw = _operand(_transformed(w_saved, rht_n, 1), dg.rhs, 1,
-                  sw if recipe.delayed else None, None, backend)
+    qw = _operand(_transformed(w_saved, rht_n, 1), dg.rhs, 1, aw, None,
+                  recipe, backend)
   dx = _run(qg, qw, (1, 1), dg.out_dtype or x_dtype, backend)
 
   # Wgrad: dw = x.T @ g, contracted over M (both Hadamard-transformed along
   # M first if the recipe says so: (Qx).T @ (Qg) = x.T @ g).
   rht = dw_gemm.hadamard
-  if isinstance(x_saved, QTensor) or dw_gemm.lhs is None:
+  if isinstance(x_saved, QTensor):
     qx = x_saved
   else:
-    qx = _operand(_transformed(x_saved, rht, 0), dw_gemm.lhs, 0,
-                  sx if recipe.delayed else None, None, backend)
+    qx = _operand(_transformed(x_saved, rht, 0), dw_gemm.lhs, 0, ax, None,
+                  recipe, backend)
   if _shares(dg.lhs, dw_gemm.rhs, backend) and not (rht or rht_n):
     qg_w = qg
   else:
-    qg_w = _operand(_transformed(g, rht, 0), dw_gemm.rhs, 0, sg, kwg,
+    qg_w = _operand(_transformed(g, rht, 0), dw_gemm.rhs, 0, ag, kwg, recipe,
                     backend)
   dw = _run(qx, qg_w, (0, 0), dw_gemm.out_dtype or jnp.float32, backend)
-
-  state_ct = None
-  if recipe.delayed:
-    # Only the gradient role's running amax leaves the backward pass; all
-    # else gets a zero cotangent (the forward roles left through the output).
-    x_ct, w_ct = (jax.tree.map(_zero_cotangent, g_state, d) for d in xw_dtypes)
-    state_ct = {"x": x_ct, "w": w_ct, "g": g_cotangent}
   return dx.astype(x_dtype), dw.astype(w_dtype), state_ct, None
-
-
-def _zero_cotangent(shape_like, dtype_like):
-  """Zero cotangent of the shape of one array and the dtype of another."""
-  shape, dtype = shape_like.shape, dtype_like.dtype
-  if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
-    # The additive identity of a max-combining dtype is its lowest value.
-    return lax.convert_element_type(
-        jnp.full(shape, -jnp.inf, jnp.float32), dtype)
-  return jnp.zeros(shape, dtype)
 
 
 _qmm.defvjp(_qmm_fwd, _qmm_bwd)
@@ -346,11 +304,25 @@ _qmm.defvjp(_qmm_fwd, _qmm_bwd)
 # Public entry points
 
 
+def _default_out_dtype(recipe: Recipe, x_dtype):
+  """The recipe's Fprop out_dtype, else ``x``'s dtype unless it is narrower
+  than 16 bits (an FP8 input must not make an FP8 output), else the recipe's
+  compute dtype."""
+  if recipe.fprop.out_dtype:
+    return jnp.dtype(recipe.fprop.out_dtype)
+  x_dtype = jnp.dtype(x_dtype)
+  return x_dtype if x_dtype.itemsize >= 2 else jnp.dtype(recipe.dtype)
+
+
 def quantized_matmul(x: jax.Array, w: jax.Array, recipe: Recipe | str,
                      state: dict[str, ScaleState] | None = None, *,
                      key: jax.Array | None = None,
                      out_dtype=None, backend: str | None = None):
   """``x @ w`` with every GEMM of forward and backward quantized by ``recipe``.
+
+  A recipe that quantizes nothing (``"bf16"``) runs the same three GEMMs on
+  operands cast to its compute dtype, with FP32 accumulation (the FP32
+  weight gradient included).
 
   Args:
     x: activations ``(..., K)``.
@@ -359,15 +331,15 @@ def quantized_matmul(x: jax.Array, w: jax.Array, recipe: Recipe | str,
     state: delayed-scaling state from `init_state` (required for delayed
       recipes, ignored otherwise).
     key: PRNG key for stochastic rounding (derived from the data if omitted).
-    out_dtype: output dtype (default: the recipe's Fprop out_dtype or
-      ``x.dtype``).
+    out_dtype: output dtype (default: the recipe's Fprop out_dtype, else
+      ``x.dtype`` when it has 16 bits or more, else the compute dtype).
     backend: force a GEMM backend (``xla`` or ``ffi``).
 
   Returns:
     ``(y, new_state)``: ``y`` of shape ``(..., N)``; ``new_state`` has the
-    forward roles updated (``None`` for stateless recipes). Under
-    differentiation the cotangent of ``state["g"]`` is the updated gradient
-    state.
+    forward roles' running amax updated (``None`` for stateless recipes).
+    Under differentiation the cotangent of ``state["g"].amax`` is the
+    gradient role's running amax.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -386,13 +358,7 @@ def quantized_matmul(x: jax.Array, w: jax.Array, recipe: Recipe | str,
   for name, t in (("x", x), ("w", w)):
     if not jnp.issubdtype(t.dtype, jnp.floating):
       raise TypeError(f"{name} must be floating point, got {t.dtype}.")
-  out_dtype = jnp.dtype(out_dtype or recipe.fprop.out_dtype or x.dtype)
-  lead = x.shape[:-1]
-  x2 = x.reshape(-1, x.shape[-1])
-  if not recipe.quantized:
-    y = lax.dot_general(x2, w, (((1,), (0,)), ((), ())),
-                        preferred_element_type=jnp.float32)
-    return y.astype(out_dtype).reshape(*lead, w.shape[1]), state
+  out_dtype = jnp.dtype(out_dtype or _default_out_dtype(recipe, x.dtype))
   if recipe.delayed:
     if state is None:
       raise ValueError(f"Recipe {recipe.name!r} uses delayed scaling and "
@@ -400,12 +366,20 @@ def quantized_matmul(x: jax.Array, w: jax.Array, recipe: Recipe | str,
     _check_state(state, recipe)
   else:
     state = None
-  y, new_state = _qmm(recipe, backend, out_dtype, x2, w, state, key)
-  return y.reshape(*lead, w.shape[1]), new_state
+  lead, n = x.shape[:-1], w.shape[1]
+  x2 = x.reshape(-1, x.shape[-1])
+  if x2.shape[0] == 0 or n == 0 or w.shape[0] == 0:
+    # Nothing to multiply (an empty batch): no amax to take, state unchanged.
+    return jnp.zeros((*lead, n), out_dtype), state
+  state_dtypes = None if state is None else tuple(
+      ScaleState(*(v.dtype for v in state[role])) for role in ROLES)
+  dtypes = (x.dtype, w.dtype, state_dtypes)
+  y, new_state = _qmm(recipe, backend, out_dtype, dtypes, x2, w, state, key)
+  return y.reshape(*lead, n), new_state
 
 
 def _check_state(state, recipe: Recipe):
-  if not isinstance(state, dict) or set(state) != {"x", "w", "g"}:
+  if not isinstance(state, dict) or set(state) != set(ROLES):
     raise ValueError("Delayed-scaling state must be a dict with keys "
                      "'x', 'w', 'g' (see init_state).")
   for role, st in state.items():
@@ -414,17 +388,79 @@ def _check_state(state, recipe: Recipe):
       raise ValueError(
           f"State {role!r} has an amax history of shape {hist.shape} but "
           f"recipe {recipe.name!r} keeps {recipe.amax_history_len}.")
-    if st.scale.shape != () or st.amax.shape != ():
-      raise ValueError(f"State {role!r} scale and amax must be scalars, got "
-                       f"shapes {st.scale.shape} and {st.amax.shape}.")
+    if st.amax.shape != ():
+      raise ValueError(f"State {role!r} amax must be a scalar, got shape "
+                       f"{st.amax.shape}.")
+
+
+def quantized_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
+                          recipe: Recipe | str,
+                          state: dict[str, ScaleState] | None = None, *,
+                          preferred_element_type=None,
+                          key: jax.Array | None = None,
+                          backend: str | None = None):
+  """`lax.dot_general` of ``lhs`` and ``rhs``, quantized by ``recipe``.
+
+  Any dimension numbers lower to the 2-D op: ``lhs``'s free dims then its
+  contracting dims flatten into ``(M, K)``, ``rhs``'s contracting dims then
+  its free dims into ``(K, N)``; the result has ``lhs``'s free dims, then
+  ``rhs``'s, as ``lax.dot_general`` orders them. Batch dims map the op over
+  each batch entry (each entry its own GEMM with its own scales), which a
+  delayed recipe's single state cannot do, so it refuses them.
+
+  Returns:
+    ``(out, new_state)`` as `quantized_matmul`.
+  """
+  recipe = load_recipe(recipe)
+  (lc, rc), (lb, rb) = dimension_numbers
+  lc, rc, lb, rb = map(tuple, (lc, rc, lb, rb))
+  if len(lc) != len(rc) or len(lb) != len(rb):
+    raise ValueError(f"Malformed dimension_numbers {dimension_numbers}.")
+  out_dtype = preferred_element_type or jnp.result_type(lhs, rhs)
+  if lb:
+    if recipe.delayed:
+      raise ValueError(
+          f"Recipe {recipe.name!r} uses delayed scaling, whose single "
+          "per-tensor state cannot scale a batched GEMM (dimension numbers "
+          f"with batch dims {lb}, {rb}); use a current-scaling recipe.")
+    inner = ((tuple(_shift(d, lb[0]) for d in lc),
+              tuple(_shift(d, rb[0]) for d in rc)),
+             (tuple(_shift(d, lb[0]) for d in lb[1:]),
+              tuple(_shift(d, rb[0]) for d in rb[1:])))
+    def one(a, b):
+      return quantized_dot_general(a, b, inner, recipe,
+                                   preferred_element_type=out_dtype,
+                                   key=key, backend=backend)[0]
+    return jax.vmap(one, in_axes=(lb[0], rb[0]))(lhs, rhs), state
+  lfree = [d for d in range(lhs.ndim) if d not in lc]
+  rfree = [d for d in range(rhs.ndim) if d not in rc]
+  k = math.prod(lhs.shape[d] for d in lc)
+  if [rhs.shape[d] for d in rc] != [lhs.shape[d] for d in lc]:
+    raise ValueError(f"Contracting dims of shapes {lhs.shape} and "
+                     f"{rhs.shape} do not match ({lc} vs {rc}).")
+  a = _permute(lhs, lfree + list(lc))
+  a = a.reshape(*(lhs.shape[d] for d in lfree), k)
+  b = _permute(rhs, list(rc) + rfree).reshape(k, -1)
+  y, new_state = quantized_matmul(a, b, recipe, state, key=key,
+                                  out_dtype=out_dtype, backend=backend)
+  return y.reshape(*y.shape[:-1], *(rhs.shape[d] for d in rfree)), new_state
+
+
+def _permute(t, order):
+  return t if list(order) == list(range(t.ndim)) else jnp.transpose(t, order)
+
+
+def _shift(d, removed):
+  return d - 1 if d > removed else d
 
 
 def dot_general(recipe: Recipe | str, *, backend: str | None = None):
-  """A `lax.dot_general`-compatible callable quantized by ``recipe``.
+  """A stateless `lax.dot_general`-compatible callable quantized by ``recipe``.
 
   Plugs into ``nnx.Linear(dot_general=...)`` and
-  ``jnp.einsum(..., _dot_general=...)``. Stateless: delayed-scaling recipes
-  need the layer state that `qlayers.QuantDense` keeps, so they are refused.
+  ``jnp.einsum(..., _dot_general=...)``. Delayed-scaling recipes need state,
+  so they are refused here: use `qlayers.QuantGemm`, a stateful callable of
+  the same signature.
 
   Example:
     >>> import jax.numpy as jnp
@@ -437,16 +473,17 @@ def dot_general(recipe: Recipe | str, *, backend: str | None = None):
   if recipe.delayed:
     raise ValueError(
         f"Recipe {recipe.name!r} uses delayed scaling, which needs per-layer "
-        "state; use qlayers.QuantDense (or qlayers.quantize) instead of a "
-        "stateless dot_general.")
+        "state; use qlayers.QuantGemm (or qlayers.QuantDense, "
+        "qlayers.quantize) instead of a stateless dot_general.")
 
   def fn(lhs, rhs, dimension_numbers, precision=None,
          preferred_element_type=None, out_sharding=None, **kwargs):
     del precision  # the recipe decides operand precision
     if kwargs:
       raise TypeError(f"Unsupported dot_general arguments: {sorted(kwargs)}.")
-    out = _general(recipe, backend, lhs, rhs, dimension_numbers,
-                   preferred_element_type)
+    out, _ = quantized_dot_general(
+        lhs, rhs, dimension_numbers, recipe,
+        preferred_element_type=preferred_element_type, backend=backend)
     if out_sharding is not None:
       out = jax.sharding.reshard(out, out_sharding)
     return out
@@ -455,42 +492,11 @@ def dot_general(recipe: Recipe | str, *, backend: str | None = None):
   return fn
 
 
-def _general(recipe, backend, lhs, rhs, dimension_numbers,
-             preferred_element_type):
-  (lc, rc), (lb, rb) = dimension_numbers
-  lc, rc, lb, rb = map(tuple, (lc, rc, lb, rb))
-  if lb:
-    # Batch dims: map the 2-D core over them (outermost first).
-    inner = ((tuple(_shift(d, lb[0]) for d in lc),
-              tuple(_shift(d, rb[0]) for d in rc)),
-             (tuple(_shift(d, lb[0]) for d in lb[1:]),
-              tuple(_shift(d, rb[0]) for d in rb[1:])))
-    f = functools.partial(_general, recipe, backend,
-                          dimension_numbers=inner,
-                          preferred_element_type=preferred_element_type)
-    return jax.vmap(lambda a, b: f(a, b), in_axes=(lb[0], rb[0]))(lhs, rhs)
-  lfree = [d for d in range(lhs.ndim) if d not in lc]
-  rfree = [d for d in range(rhs.ndim) if d not in rc]
-  k = 1
-  for d in lc:
-    k *= lhs.shape[d]
-  a = jnp.transpose(lhs, lfree + list(lc)).reshape(-1, k)
-  b = jnp.transpose(rhs, list(rc) + rfree).reshape(k, -1)
-  out_dtype = preferred_element_type or jnp.result_type(lhs, rhs)
-  y, _ = quantized_matmul(a, b, recipe, out_dtype=out_dtype, backend=backend)
-  return y.reshape([lhs.shape[d] for d in lfree] +
-                   [rhs.shape[d] for d in rfree])
-
-
-def _shift(d, removed):
-  return d - 1 if d > removed else d
-
-
-def _qdq(t, spec: QuantSpec | None, axis: int, scale=None, key=None):
+def _qdq(t, spec: QuantSpec | None, axis: int, amax=None):
   """Quantize-dequantize ``t`` (2-D) along ``axis``, in ``t``'s layout."""
   if spec is None:
     return t
-  d = _quantize(t, spec, axis, scale=scale, key=key).dequantize(t.dtype)
+  d = _quantize(t, spec, axis, amax=amax).dequantize(t.dtype)
   return d.T if _transposes(spec, axis) else d
 
 
@@ -505,14 +511,14 @@ def fake_quant_matmul(x, w, recipe: Recipe | str, state=None):
   x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
   w = w.astype(jnp.float32)
   fx, fw = recipe.fprop.lhs, recipe.fprop.rhs
-  sx = sw = None
+  ax = aw = None
   if recipe.delayed:
-    sx, _ = _delayed(x2, state["x"], fx)
-    sw, _ = _delayed(w, state["w"], fw)
+    ax, _ = _delayed(x2, state["x"], recipe)
+    aw, _ = _delayed(w, state["w"], recipe)
 
-  def ste(t, spec, axis, scale):
-    return t + lax.stop_gradient(_qdq(t, spec, axis, scale) - t)
+  def ste(t, spec, axis, amax):
+    return t + lax.stop_gradient(_qdq(t, spec, axis, amax) - t)
 
-  y = jnp.dot(ste(x2, fx, 1, sx), ste(w, fw, 0, sw),
+  y = jnp.dot(ste(x2, fx, 1, ax), ste(w, fw, 0, aw),
               precision=lax.Precision.HIGHEST)
   return y.reshape(*x.shape[:-1], w.shape[1])

@@ -6,7 +6,8 @@ Only Params go through the optax transformation; quantization state never
 does (running it through Adam silently corrupts it). ``optax.apply_updates``
 only adds (``p + u``), which cannot write a value exactly (1e3 -> 1e-3 comes
 back as 0.00097656 in FP32), so `Optimizer.update` writes narrow Params from
-their masters and the gradient-side quantization state by assignment.
+their masters, and the gradient-side quantization state is written by
+`qlayers.update_scales`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from qlayers.state import QuantGradState, commit_scales, write_grad_state
+from qlayers.layers.core import gemms, update_scales
 
 __all__ = ["MixedPrecisionState", "mixed_precision", "Optimizer"]
 
@@ -160,11 +161,7 @@ def mixed_precision(
 
 
 def _wants_dynamic_loss_scale(model) -> bool:
-  for _, node in nnx.iter_graph(model):
-    recipe = getattr(node, "recipe", None)
-    if getattr(recipe, "loss_scaling", "none") == "dynamic":
-      return True
-  return False
+  return any(g.recipe.loss_scaling == "dynamic" for _, g in gemms(model))
 
 
 @functools.lru_cache(maxsize=64)
@@ -192,10 +189,10 @@ class Optimizer(nnx.Optimizer):
   """``nnx.Optimizer`` for quantized models (same ``update(model, grads)``).
 
   Applies ``tx`` wrapped in `mixed_precision` to the ``wrt`` Params; writes
-  narrow Params exactly from their FP32 masters; writes the gradient-side
-  quantization state returned by `qlayers.value_and_grad` by assignment
-  (never through ``tx``); then commits every delayed-scaling state once
-  (history roll, next scale).
+  narrow Params exactly from their FP32 masters; then ends the step of every
+  quantized GEMM with `qlayers.update_scales` (the gradient amaxes returned
+  by `qlayers.value_and_grad` are written, by max and never through ``tx``,
+  and every amax history rolls once).
 
   Args:
     model: the model.
@@ -264,7 +261,5 @@ class Optimizer(nnx.Optimizer):
     nnx.update(model, new_params)
     nnx.update(self.opt_state, nnx.state(new_state))
     self.step[...] += 1
-    if nnx.state(grads, QuantGradState):
-      write_grad_state(model, grads)
-    commit_scales(model)
+    update_scales(model, grads)
     return updates

@@ -35,8 +35,8 @@ def remat_policy(*extra_names: str):
     >>> import jax, jax.numpy as jnp
     >>> import qlayers
     >>> def mlp(w1, w2, x):
-    ...   h, _ = qlayers.quantized_matmul(x, w1, "fp8_current")
-    ...   y, _ = qlayers.quantized_matmul(jax.nn.gelu(h), w2, "fp8_current")
+    ...   h, _ = qlayers.ops.quantized_matmul(x, w1, "fp8_current")
+    ...   y, _ = qlayers.ops.quantized_matmul(jax.nn.gelu(h), w2, "fp8_current")
     ...   return jnp.sum(y ** 2)
     >>> f = jax.checkpoint(mlp, policy=qlayers.remat_policy())
     >>> w1, w2, x = jnp.ones((64, 128)), jnp.ones((128, 64)), jnp.ones((8, 64))

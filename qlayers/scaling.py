@@ -19,7 +19,8 @@ Scale rules:
 
 * ``te``: ``scale = amax * 2**margin / max`` (TE convention); optional
   power-of-two (``pow2``: the multiplier rounded down, so the scale rounds
-  up). Zero or non-finite amax keeps the previous scale (1 when stateless).
+  up). A zero amax gives scale 1; a non-finite amax a NaN scale (the
+  operand holds Inf/NaN, and so does every GEMM of it).
 * ``deepseek``: ``scale = max(amax, 1e-4) / max`` (DeepSeek-V3 report, sec.
   3.3), or with ``pow2`` the same rounded up to a power of two (UE8M0).
 * ``mx_floor``: OCP MX v1.0 sec. 6.3: ``2**(floor(log2 amax) - emax_elem)``.
@@ -36,7 +37,7 @@ original one.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,12 +50,13 @@ __all__ = [
     "QTensor",
     "quantize",
     "amax",
-    "compute_scale",
-    "update_amax_history",
-    "delayed_scale",
     "te_scale",
-    "e8m0_encode",
     "e8m0_decode",
+    "ScaleState",
+    "init_scale_state",
+    "history_amax",
+    "delayed_amax",
+    "update_scales",
     "mx_scale_codes",
 ]
 
@@ -216,12 +218,6 @@ class QTensor:
       out = out[tuple(slice(0, n) for n in self.shape)]
     return out.astype(dtype)
 
-  @property
-  def nbytes(self) -> int:
-    """Bytes of payload plus scales."""
-    return int(self.payload.size * self.payload.dtype.itemsize
-               + self.scale.size * self.scale.dtype.itemsize)
-
 
 # ----------------------------------------------------------------------------
 # Blocks
@@ -357,11 +353,6 @@ def mx_scale_codes(amax_value: jax.Array, fmt: Format,
   return code.astype(jnp.uint8)
 
 
-def e8m0_encode(exponent: jax.Array) -> jax.Array:
-  """uint8 E8M0 codes of integer exponents (clamped to [-127, 127])."""
-  return (jnp.clip(exponent, -127, 127) + 127).astype(jnp.uint8)
-
-
 def e8m0_decode(codes: jax.Array) -> jax.Array:
   """FP32 values ``2**(code - 127)``; code 0xFF is NaN.
 
@@ -378,55 +369,81 @@ def e8m0_decode(codes: jax.Array) -> jax.Array:
 # Delayed scaling
 
 
-def update_amax_history(history: jax.Array, amax_value: jax.Array) -> jax.Array:
-  """Rolls the history one step and writes ``amax`` at index 0 (most recent).
+class ScaleState(NamedTuple):
+  """Delayed-scaling state of one operand role: plain FP32 arrays.
 
-  The history is the last axis; leading axes (stacked layers) are batched. A
-  non-finite amax is recorded as 0 ("no information") so that one bad step
-  cannot poison the next ``history_len`` scales.
+  Attributes:
+    amax_history: ``(..., history_len)`` amaxes of completed steps, index 0
+      the most recent (0: a step that saw nothing finite). Leading axes stack
+      the state of layers made under ``nnx.vmap``.
+    amax: ``(...)`` running max |x| of the current step (every use of the
+      role max-combines into it).
+
+  The scale itself is not stored: each use derives it from the history for
+  its own operand's format and margin (`delayed_amax`, then `quantize`), so
+  two GEMMs that quantize one role to different formats each get their own.
   """
-  a = jnp.asarray(amax_value, jnp.float32)
-  a = jnp.where(jnp.isfinite(a), a, 0.0)
-  return jnp.roll(history, 1, axis=-1).at[..., 0].set(a)
+
+  amax_history: jax.Array
+  amax: jax.Array
 
 
-def compute_scale(history: jax.Array, prev_scale: jax.Array, fmt: Format, *,
-                  algo: str = "max", margin: int = 0,
-                  pow2: bool = False) -> jax.Array:
-  """Next per-tensor scale from an amax history (TE delayed scaling).
+def init_scale_state(history_len: int,
+                     batch_shape: tuple[int, ...] = ()) -> ScaleState:
+  """A fresh `ScaleState` (empty history, zero running amax)."""
+  return ScaleState(jnp.zeros((*batch_shape, history_len), jnp.float32),
+                    jnp.zeros(batch_shape, jnp.float32))
 
-  ``algo`` is ``max`` (over the whole history) or ``most_recent``
-  (``history[0]``). Zero/non-finite amax keeps ``prev_scale``.
+
+def history_amax(history: jax.Array, algo: str = "max") -> jax.Array:
+  """The amax a delayed scale is computed from (0 while the history is empty).
+
+  ``algo`` is ``max`` (over the whole history) or ``most_recent``: the most
+  recent non-zero entry, so a step that recorded nothing keeps the scale of
+  the step before (Transformer Engine keeps the previous scale then).
   """
   if algo == "max":
-    a = jnp.max(history, axis=-1)
-  elif algo == "most_recent":
-    a = history[..., 0]
-  else:
-    raise ValueError(f"Unknown amax_compute_algo {algo!r}.")
-  return te_scale(a, prev_scale, fmt, margin=margin, pow2=pow2)
+    return jnp.max(history, axis=-1)
+  if algo == "most_recent":
+    seen = history != 0
+    first = jnp.argmax(seen, axis=-1)
+    latest = jnp.take_along_axis(history, first[..., None], axis=-1)[..., 0]
+    return jnp.where(jnp.any(seen, axis=-1), latest, 0.0)
+  raise ValueError(f"Unknown amax_compute_algo {algo!r}.")
 
 
-def delayed_scale(x_amax: jax.Array, scale: jax.Array, history: jax.Array,
-                  fmt: Format, *, algo: str = "max", margin: int = 0,
-                  pow2: bool = False):
-  """One delayed-scaling step.
+def delayed_amax(state: ScaleState, current: jax.Array,
+                 algo: str = "max") -> tuple[jax.Array, jax.Array]:
+  """One use of a delayed-scaling role: ``(amax to scale by, new running amax)``.
 
-  Order: quantize with the stored scale, write the current amax into the
-  history, compute the next scale from it. While the history is still empty
-  (all zero) the current amax gives the scale used now, so that the first
-  step does not quantize with the initial scale of 1.
-
-  Returns:
-    ``(scale_now, next_scale, next_history)``.
+  The amax to scale by comes from the history of completed steps; while the
+  history is still empty (the first step), it is the running amax of this
+  step including ``current``, so the first step does not quantize with a
+  scale of 1 (which flushes small gradients in E5M2). A non-finite
+  ``current`` (the operand holds Inf/NaN) is returned as the amax to scale
+  by, which makes the quantized operand, and so its GEMM, non-finite, but it
+  never enters the running amax.
   """
-  empty = jnp.all(history == 0, axis=-1)
-  current = te_scale(x_amax, scale, fmt, margin=margin, pow2=pow2)
-  scale_now = jnp.where(empty, current, scale)
-  next_history = update_amax_history(history, x_amax)
-  next_scale = compute_scale(next_history, scale_now, fmt, algo=algo,
-                             margin=margin, pow2=pow2)
-  return scale_now, next_scale, next_history
+  current = jnp.asarray(current, jnp.float32)
+  finite = jnp.isfinite(current)
+  running = jnp.where(finite, jnp.maximum(state.amax, current), state.amax)
+  stored = history_amax(state.amax_history, algo)
+  use = jnp.where(stored > 0, stored, running)
+  return jnp.where(finite, use, current), running
+
+
+def update_scales(state: ScaleState) -> ScaleState:
+  """Ends a step: the running amax enters the history (rolled one step, index
+  0 most recent) and is cleared.
+
+  A non-finite running amax is recorded as 0 ("no information"), so one bad
+  step cannot poison the next ``history_len`` scales. Leading axes (stacked
+  layers) are batched.
+  """
+  a = jnp.asarray(state.amax, jnp.float32)
+  a = jnp.where(jnp.isfinite(a), a, 0.0)
+  history = jnp.roll(state.amax_history, 1, axis=-1).at[..., 0].set(a)
+  return ScaleState(history, jnp.zeros_like(state.amax))
 
 
 # ----------------------------------------------------------------------------
@@ -442,7 +459,7 @@ def _cast(values, fmt: Format, key):
 
 
 def quantize(x: jax.Array, spec: QuantSpec, axis: int = -1, *,
-             scale: jax.Array | None = None,
+             tensor_amax: jax.Array | None = None,
              key: jax.Array | None = None) -> QTensor:
   """Quantizes ``x`` along ``axis`` following ``spec``.
 
@@ -450,8 +467,10 @@ def quantize(x: jax.Array, spec: QuantSpec, axis: int = -1, *,
     x: high-precision input (FP32/BF16/FP16).
     spec: format, granularity and scale rule.
     axis: the axis quantized along (the contraction axis of its GEMM).
-    scale: a given per-tensor scale (delayed scaling); computed from ``x``
-      (current scaling) when omitted.
+    tensor_amax: per-tensor granularity only: the amax the scale is computed
+      from (delayed scaling passes the one of its history); ``max |x|``
+      (current scaling) when omitted. A non-finite amax gives a NaN scale, so
+      the operand, and any GEMM of it, is non-finite.
     key: PRNG key, required when ``spec.rounding == "stochastic"``.
 
   Returns:
@@ -481,15 +500,16 @@ def quantize(x: jax.Array, spec: QuantSpec, axis: int = -1, *,
   # values), so XLA fuses the FP32 upcast into each consumer instead of
   # materializing an FP32 copy of ``x``.
   if block is None:
-    if scale is None:
-      scale = te_scale(amax(x), 1.0, fmt, margin=spec.margin, pow2=spec.pow2)
-    scale = jnp.asarray(scale, jnp.float32)
+    a = amax(x) if tensor_amax is None else jnp.asarray(tensor_amax,
+                                                         jnp.float32)
+    scale = te_scale(a, 1.0, fmt, margin=spec.margin, pow2=spec.pow2)
+    scale = jnp.where(jnp.isfinite(a), scale, jnp.nan)
     payload = _cast(xf * (1.0 / scale), fmt, key)
     return QTensor(payload, scale, fmt.name, spec.granularity, None, axis,
                    tuple(x.shape))
 
-  if scale is not None:
-    raise ValueError("A given scale applies to per-tensor granularity only.")
+  if tensor_amax is not None:
+    raise ValueError("tensor_amax applies to per-tensor granularity only.")
   padded = _padded_shape(x.shape, block)
   xp = _pad(xf, padded)
   block_amax = _block_amax(_pad(x, padded), block).astype(jnp.float32)
@@ -522,9 +542,4 @@ def bytes_per_element(spec: QuantSpec | None, compute_bytes: int = 2) -> float:
   if spec.granularity == "block":
     return b + 4 / spec.block_size**2
   return b
-
-
-def dequantize(qt: QTensor, dtype=jnp.float32) -> jax.Array:
-  """Functional alias of `QTensor.dequantize`."""
-  return qt.dequantize(dtype)
 

@@ -24,3 +24,11 @@ def pytest_configure(config):
 @pytest.fixture
 def sqnr():
   return sqnr_db
+
+
+@pytest.fixture
+def optax_promotion():
+  """optax.adam computes ``decay ** count`` (float ** int32), which strict
+  dtype promotion refuses: run optimizer updates under the standard rules."""
+  with jax.numpy_dtype_promotion("standard"):
+    yield

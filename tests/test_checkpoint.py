@@ -100,8 +100,8 @@ def test_round_trip_is_bit_exact_and_training_continues(trained):
   assert_same(nnx.state(opt), nnx.state(fresh_opt))
   quant = pure(nnx.state(fresh, qlayers.QuantVariable))
   assert {v.dtype for v in quant.values()} == {np.dtype(np.float32)}
-  assert quant["up/scaling/x_amax_history"].shape == (16,)
-  assert np.all(quant["up/scaling/x_amax_history"][:3] > 0)
+  assert quant["up/quant/x_amax_history"].shape == (16,)
+  assert np.all(quant["up/quant/x_amax_history"][:3] > 0)
 
   np.testing.assert_array_equal(np.asarray(apply(model, X)),
                                 np.asarray(apply(fresh, X)))
@@ -123,9 +123,9 @@ def test_metadata_records_recipes_and_state_shapes(trained):
   up = meta["layers"]["up"]
   assert (up["type"], up["recipe"], up["scaling"], up["amax_history_len"]) \
       == ("QuantDense", "fp8_delayed", "delayed", 16)
-  assert up["state"]["scaling/x_amax_history"] == [16]
-  assert up["state"]["scaling/g_amax"] == []
-  assert meta["variables"]["quant"]["up/scaling/g_amax"]["type"] == \
+  assert up["state"]["quant/x_amax_history"] == [16]
+  assert up["state"]["quant/g_amax"] == []
+  assert meta["variables"]["quant"]["up/quant/g_amax"]["type"] == \
       "QuantGradState"
   assert meta["variables"]["model"]["up/kernel"] == {
       "type": "Param", "shape": [32, 64], "dtype": "float32"}
@@ -136,13 +136,13 @@ def test_plain_checkpoint_into_quantized_model(tmp_path):
   checkpoint.save(tmp_path / "plain", plain)
   target = build(seed=3)
   apply(target, X)
-  qlayers.commit_scales(target)  # quantization state no longer fresh
+  qlayers.update_scales(target)  # quantization state no longer fresh
   info = checkpoint.restore(tmp_path / "plain", target)
   assert info["restored"] == "params_only"
   assert_same(nnx.state(plain, nnx.Param), nnx.state(target, nnx.Param))
   for layer in (target.up, target.down):
-    assert_same(nnx.state(qlayers.DelayedScaling(RECIPE)),
-                nnx.state(layer.scaling))
+    assert_same(nnx.state(qlayers.QuantGemm(RECIPE)),
+                nnx.state(layer.quant))
 
 
 def test_quantized_checkpoint_params_into_plain_model(trained):
@@ -151,7 +151,7 @@ def test_quantized_checkpoint_params_into_plain_model(trained):
   info = checkpoint.restore(path, plain)
   assert info["restored"] == "params_only"
   got = pure(nnx.state(plain))
-  assert got.keys() == {k for k in snapshot if "/scaling/" not in k}
+  assert got.keys() == {k for k in snapshot if "/quant/" not in k}
   for k, v in got.items():
     np.testing.assert_array_equal(v, snapshot[k], err_msg=k)
 

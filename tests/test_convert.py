@@ -116,7 +116,7 @@ def test_default_rules_convert_blocks_keep_embed_and_head_wide():
   assert all(c.recipe == "fp8_delayed" and c.rule is None
              for c in report.converted)
   assert [(k.path, k.rule) for k in report.kept_wide] == [
-      ("head", qlayers.DEFAULT_KEEP_WIDE)]
+      ("head", qlayers.convert.DEFAULT_KEEP_WIDE)]
   assert report.skipped == [] and report.unmatched_rules == []
   assert report.model is model
   for b in model.blocks:
@@ -124,7 +124,7 @@ def test_default_rules_convert_blocks_keep_embed_and_head_wide():
       assert type(getattr(b.attn, p)) is qlayers.QuantLinearGeneral
     assert type(b.mlp.up) is qlayers.QuantDense
     assert type(b.mlp.down) is qlayers.QuantDense
-    assert isinstance(b.mlp.up.scaling, qlayers.DelayedScaling)
+    assert isinstance(b.mlp.up.quant, qlayers.QuantGemm)
   assert type(model.head) is nnx.Linear
   assert type(model.embed) is nnx.Embed
   # Shapes in the report are the GEMM's (K, N).
@@ -156,7 +156,7 @@ def test_default_keep_wide_pattern():
           "head", "decoder/logits", "unembed", "output", "wte", "head/dense"]
   narrow = ["blocks/0/mlp/up", "blocks/0/attn/out", "layers/3/output/dense",
             "headless", "blocks/0/attn/heads", "proj"]
-  rule = qlayers.DEFAULT_RULES[0]
+  rule = qlayers.convert.DEFAULT_RULES[0]
   assert rule.recipe is None
   assert [p for p in wide if not rule.matches(p)] == []
   assert [p for p in narrow if rule.matches(p)] == []
@@ -182,7 +182,7 @@ def test_rules_per_recipe_first_match_wins_and_unmatched_reported():
   assert recipes["blocks/1/mlp/up"] == ("fp8_delayed", r"/mlp/")
   assert model.blocks[1].attn.out.recipe.name == "mxfp8"
   assert model.blocks[0].mlp.down.recipe.name == "fp8_delayed"
-  assert model.blocks[1].attn.query.scaling is None  # MX: no state
+  assert not nnx.state(model.blocks[1].attn.query.quant)  # MX: no state
   assert type(model.blocks[1].mlp.down) is nnx.Linear
   assert {(k.path, k.rule) for k in report.kept_wide} == {
       ("blocks/1/mlp/down", r"^blocks/1/mlp/down$"),
@@ -198,7 +198,7 @@ def test_strict_raises_on_unmatched_rule_and_changes_nothing():
   before = param_objects(model)
   rules = [qlayers.Rule(pattern=r"/mlp/", recipe="fp8_delayed"),
            qlayers.Rule(pattern=r"^decoder/", recipe="mxfp8"),
-           *qlayers.DEFAULT_RULES]
+           *qlayers.convert.DEFAULT_RULES]
   with pytest.raises(ValueError, match=r"decide no layer.*\^decoder/"):
     qlayers.quantize(model, "fp8_current", rules, strict=True)
   assert type(model.blocks[0].mlp.up) is nnx.Linear
@@ -358,11 +358,11 @@ def test_stacked_layers_convert_with_per_layer_state(recipe, sqnr):
   assert sqnr(ref, apply(model, x)) > 20
   if recipe == "fp8_delayed":
     # One delayed-scaling state per stacked layer, each seeing its own input.
-    s = model.layers.scaling
-    assert s.x_amax_history.shape == (3, 1024) and s.x_scale.shape == (3,)
+    s = model.layers.quant
+    assert s.x_amax_history.shape == (3, 1024) and s.x_amax.shape == (3,)
     amax = np.asarray(s.x_amax[...])
     assert np.all(amax > 0) and len(set(amax.tolist())) == 3
-    qlayers.commit_scales(model)
+    qlayers.update_scales(model)
     np.testing.assert_allclose(s.x_amax_history[...][:, 0], amax)
 
 
@@ -506,6 +506,6 @@ def test_converted_model_trains():
   losses = [float(_train_step(model, opt, tokens)) for _ in range(4)]
   assert all(np.isfinite(losses))
   assert losses[-1] < 0.7 * losses[0], losses
-  hist = model.blocks[0].mlp.up.scaling.x_amax_history[...]
+  hist = model.blocks[0].mlp.up.quant.x_amax_history[...]
   assert hist.shape == (16,) and float(hist[0]) > 0 and float(hist[3]) > 0
   assert int(opt.step[...]) == 4

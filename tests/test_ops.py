@@ -5,6 +5,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import chex
 import numpy as np
 import pytest
 from flax import nnx
@@ -133,60 +134,74 @@ def test_delayed_state_flow(data):
   st = ops.init_state(r)
   y, dx, dw, new, dstate = run(r, x, w, g, state=st)
   ax, aw, ag = (float(jnp.max(jnp.abs(t))) for t in (x, w, g))
-  # Forward roles: running amax updated in the forward output, history and
-  # scale untouched until the step is committed.
+  # Forward roles: running amax updated in the forward output, history
+  # untouched until the step ends.
   np.testing.assert_allclose([new["x"].amax, new["w"].amax], [ax, aw],
                              rtol=1e-6)
   np.testing.assert_array_equal(new["x"].amax_history, np.zeros(4))
-  assert float(new["x"].scale) == 1.0
   assert float(new["g"].amax) == 0.0
-  # The gradient role's amax leaves through the backward rule.
+  # The gradient role's amax leaves through the backward rule; nothing else.
   np.testing.assert_allclose(dstate["g"].amax, ag, rtol=1e-6)
-  assert float(jnp.abs(dstate["g"].scale)) == 0.0
+  assert float(jnp.abs(dstate["g"].amax_history).sum()) == 0.0
   assert float(jnp.abs(dstate["x"].amax)) == 0.0
-  # Step 0 quantized with the current amax, not the initial scale of 1:
-  # tiny gradients (amax 3e-3) would otherwise flush to zero in E5M2.
+  # Step 0 quantized with the current amax, not a scale of 1: tiny
+  # gradients (amax 3e-3) would otherwise flush to zero in E5M2.
   assert sqnr_db(g @ w.T, dx) > 17
-  # Commit: history written, next scale from it, running amax cleared.
+  # End of step: history written, running amax cleared.
   new["g"] = new["g"]._replace(amax=dstate["g"].amax)
-  done = ops.commit_state(new, r)
+  done = ops.update_scales(new)
   np.testing.assert_allclose(done["x"].amax_history, [ax, 0, 0, 0], rtol=1e-6)
-  np.testing.assert_allclose(done["x"].scale, ax / 448, rtol=1e-6)
-  np.testing.assert_allclose(done["g"].scale, ag / 57344, rtol=1e-6)
+  np.testing.assert_allclose(done["g"].amax_history, [ag, 0, 0, 0], rtol=1e-6)
   assert float(done["w"].amax) == 0.0
 
 
-def test_delayed_matches_pure_reference_over_steps():
-  """The op + commit over several steps follows scaling.delayed_scale."""
+def test_delayed_trajectory_by_hand():
+  """Op + end of step over several steps, against hand-computed scales:
+  step 0 scales by its own amax, later steps by the max of the history
+  (which a NaN step does not enter), with a history of 3."""
   r = qlayers.recipe("fp8_delayed", amax_history_len=3)
   st = ops.init_state(r)
-  ref_scale, ref_hist = jnp.float32(1), jnp.zeros(3)
   w = jnp.eye(32)
-  for i, a in enumerate([2.0, 4.0, 44.8, float("nan"), 1.0, 1.0]):
+  amaxes = [2.0, 4.0, 44.8, float("nan"), 1.0, 1.0, 1.0]
+  # amax used at each step: own (empty history), then max of the last 3.
+  used = [2.0, 2.0, 4.0, 44.8, 44.8, 44.8, 1.0]
+  for i, (a, u) in enumerate(zip(amaxes, used)):
     x = jnp.zeros((4, 32)).at[0, i].set(a)
-    now, ref_scale, ref_hist = S.delayed_scale(jnp.float32(a), ref_scale,
-                                               ref_hist, qlayers.formats.E4M3)
     y, st = ops.quantized_matmul(x, w, r, st, out_dtype=jnp.float32)
-    if np.isfinite(a):  # the value comes back quantized with scale `now`
-      q = qlayers.formats.cast(jnp.float32(a) / now, "e4m3")
-      np.testing.assert_allclose(y[0, i], q.astype(jnp.float32) * now,
+    if np.isfinite(a):  # the value comes back quantized with scale u / 448
+      scale = np.float32(u) / np.float32(448)
+      q = qlayers.formats.cast(jnp.float32(a) / scale, "e4m3")
+      np.testing.assert_allclose(y[0, i], q.astype(jnp.float32) * scale,
                                  rtol=1e-6)
-    st = ops.commit_state(st, r)
-    np.testing.assert_allclose(st["x"].amax_history, ref_hist, rtol=1e-6)
-    np.testing.assert_allclose(st["x"].scale, ref_scale, rtol=1e-6)
+    else:  # a non-finite operand makes the GEMM non-finite
+      assert not np.isfinite(np.asarray(y[0])).all()
+    st = ops.update_scales(st)
+  np.testing.assert_allclose(st["x"].amax_history, [1.0, 1.0, 1.0])
 
 
-def test_delayed_step_uses_stored_scale(data):
+def test_delayed_step_uses_stored_history(data):
   x, w, g = data
   r = qlayers.recipe("fp8_delayed", amax_history_len=4)
   st = ops.init_state(r)
-  # A stored x scale 100x too small saturates most of x: visible error.
+  # A stored x amax 100x too small saturates most of x: visible error.
   amx = float(jnp.max(jnp.abs(x)))
-  st["x"] = ops.ScaleState(jnp.float32(amx / 448 / 100),
-                           jnp.array([amx / 100, 0, 0, 0], jnp.float32),
-                           jnp.float32(0))
+  st["x"] = S.ScaleState(jnp.array([amx / 100, 0, 0, 0], jnp.float32),
+                         jnp.float32(0))
   y, *_ = run(r, x, w, g, state=st)
   assert sqnr_db(x @ w, y) < 10
+
+
+def test_gradient_role_scaled_per_format(data):
+  """A delayed recipe whose two gradient operands differ in format (Dgrad g
+  E5M2, Wgrad g E4M3) scales each by its own format's max."""
+  x, w, g = data
+  base = qlayers.recipe("fp8_delayed", amax_history_len=4)
+  wgrad = dataclasses.replace(base.wgrad, rhs=dataclasses.replace(
+      base.wgrad.rhs, format="e4m3"))
+  r = base.replace(wgrad=wgrad)
+  _, dx, dw, _, _ = jax.jit(lambda x, w, g: run(r, x, w, g))(x, w, g)
+  assert sqnr_db(x.T @ g, dw) > 20
+  assert sqnr_db(g @ w.T, dx) > 17
 
 
 def test_state_errors():
@@ -215,7 +230,7 @@ def test_output_dtypes_follow_inputs():
 
 
 def test_dot_general_in_stock_nnx_linear():
-  lin = nnx.Linear(64, 32, dot_general=qlayers.dot_general("fp8_current"),
+  lin = nnx.Linear(64, 32, dot_general=ops.dot_general("fp8_current"),
                    rngs=nnx.Rngs(0))
   ref = nnx.Linear(64, 32, rngs=nnx.Rngs(0))
   x = jax.random.normal(jax.random.key(0), (3, 5, 64))
@@ -224,17 +239,53 @@ def test_dot_general_in_stock_nnx_linear():
   lin16 = nnx.Linear(64, 32, dtype=jnp.bfloat16, rngs=nnx.Rngs(0),
                      use_bias=False,  # bf16 bias + f32 y is strict-unsafe
                      preferred_element_type=jnp.float32,
-                     dot_general=qlayers.dot_general("mxfp8"))
+                     dot_general=ops.dot_general("mxfp8"))
   assert lin16(x.astype(jnp.bfloat16)).dtype == jnp.float32
   with pytest.raises(ValueError, match="needs per-layer state"):
-    qlayers.dot_general("fp8_delayed")
+    ops.dot_general("fp8_delayed")
+
+
+def test_quant_gemm_as_stock_dot_general_keeps_delayed_state():
+  """A stateful QuantGemm plugs into a stock nnx.Linear as its dot_general;
+  its state is part of the layer's NNX state and moves with training."""
+  lin = nnx.Linear(64, 32, dot_general=qlayers.QuantGemm("fp8_delayed"),
+                   rngs=nnx.Rngs(0))
+  ref = nnx.Linear(64, 32, rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(0), (3, 5, 64))
+  assert sqnr_db(ref(x), lin(x)) > 25
+  np.testing.assert_allclose(lin.dot_general.x_amax[...],
+                             jnp.max(jnp.abs(x)), rtol=1e-6)
+  assert qlayers.update_scales(lin) == 1
+  np.testing.assert_allclose(lin.dot_general.x_amax_history[0],
+                             jnp.max(jnp.abs(x)), rtol=1e-6)
+
+
+def test_zero_size_batch_returns_empty_and_keeps_state():
+  for name in ("fp8_delayed", "fp8_rowwise", "mxfp8", "deepseek_v3", "bf16"):
+    st = ops.init_state(name)
+    x, w = jnp.zeros((0, 64)), jnp.ones((64, 32))
+    y, new = ops.quantized_matmul(x, w, name, st)
+    assert y.shape == (0, 32), name
+    chex.assert_trees_all_equal(new, st)
+    dw = jax.grad(lambda w: ops.quantized_matmul(x, w, name, st)[0].sum())(w)
+    assert dw.shape == w.shape and not np.asarray(dw).any()
+
+
+def test_narrow_inputs_do_not_set_the_output_dtype():
+  """FP8 inputs give an output in the compute dtype, not FP8 (where values
+  above 448 would become NaN)."""
+  x = (jnp.ones((4, 64)) * 96).astype(jnp.float8_e4m3fn)
+  w = jnp.ones((64, 32)).astype(jnp.float8_e4m3fn)
+  y, _ = ops.quantized_matmul(x, w, "fp8_current")
+  assert y.dtype == jnp.bfloat16
+  assert float(y[0, 0]) == 96 * 64
 
 
 def test_dot_general_with_einsum_batch_dims():
   k = jax.random.split(jax.random.key(3), 2)
   a = jax.random.normal(k[0], (2, 3, 7, 64))
   b = jax.random.normal(k[1], (2, 64, 3, 40))
-  dg = qlayers.dot_general("mxfp8")
+  dg = ops.dot_general("mxfp8")
   got = jax.jit(lambda a, b: jnp.einsum("bhqd,bdhk->bhqk", a, b,
                                         _dot_general=dg))(a, b)
   ref = jnp.einsum("bhqd,bdhk->bhqk", a, b)

@@ -1,7 +1,12 @@
-"""Quantized NNX layers."""
+"""Quantized NNX layers, all running their GEMMs through `QuantGemm`."""
 
 from qlayers.layers.attention import QuantAttentionProj
+from qlayers.layers.core import QuantGemm
+from qlayers.layers.core import QuantLayer
 from qlayers.layers.dense import QuantDense
+from qlayers.layers.general import QuantEinsum
+from qlayers.layers.general import QuantLinearGeneral
 from qlayers.layers.logits import QuantLogits
 
-__all__ = ["QuantAttentionProj", "QuantDense", "QuantLogits"]
+__all__ = ["QuantAttentionProj", "QuantDense", "QuantEinsum", "QuantGemm",
+           "QuantLayer", "QuantLinearGeneral", "QuantLogits"]

@@ -3,31 +3,30 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
-from qlayers import ops
-from qlayers.recipe import Recipe, recipe as load_recipe
-from qlayers.state import DelayedScaling
+from qlayers.layers.core import QuantGemm, QuantLayer
+from qlayers.recipe import Recipe
 
 __all__ = ["QuantDense"]
 
 
-class QuantDense(nnx.Linear):
+class QuantDense(QuantLayer, nnx.Linear):
   """``nnx.Linear`` whose GEMMs (forward and backward) run quantized.
 
   Same constructor, Params (``kernel (in, out)``, ``bias (out,)``), names,
   shapes and dtypes as ``nnx.Linear``, so checkpoints move between the two.
   Quantization is keyword-only and last: ``recipe`` (name, path or `Recipe`)
-  and ``backend``. With a recipe that quantizes nothing (``"bf16"``) it
-  computes exactly what ``nnx.Linear`` computes.
+  and ``backend``. A recipe that quantizes nothing (``"bf16"``) runs the GEMMs
+  on operands in its compute dtype with FP32 accumulation.
 
   The kernel is quantized from its stored (FP32 master) value; inputs are
-  promoted to ``dtype`` first, as ``nnx.Linear`` does. ``precision`` only
-  affects unquantized recipes. Delayed-scaling recipes keep their state in a
-  `DelayedScaling` submodule ``scaling`` (`QuantState` / `QuantGradState`
-  Variables, never Params). Stochastic rounding draws its keys from the data
-  being rounded, so the layer needs no RNG stream.
+  promoted to ``dtype`` first, as ``nnx.Linear`` does. ``precision`` is
+  ignored (the recipe sets operand precision). The quantized GEMM and its
+  state live in the `QuantGemm` at ``quant`` (`QuantState` /
+  `QuantGradState` Variables, never Params); ``model.eval()`` stops it
+  writing state. Stochastic rounding draws its keys from the data being
+  rounded, so the layer needs no RNG stream.
 
   Args:
     in_features: the number of input features.
@@ -61,31 +60,20 @@ class QuantDense(nnx.Linear):
                recipe: Recipe | str = "fp8_delayed",
                backend: str | None = None, **kwargs):
     super().__init__(in_features, out_features, **kwargs)
-    self.recipe = load_recipe(recipe)
-    self.backend = backend
-    self.scaling = nnx.data(
-        DelayedScaling(self.recipe) if self.recipe.delayed else None)
+    self.quant = QuantGemm(recipe, backend=backend)
 
   def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
     """Applies the quantized linear map along the last input dimension."""
     if inputs.shape[-1] != self.in_features:
       raise ValueError(f"{type(self).__name__} expects inputs with last dim "
                        f"{self.in_features}, got shape {inputs.shape}.")
-    if not self.recipe.quantized:
-      return super().__call__(inputs, out_sharding=out_sharding)
     kernel = self.kernel[...]
     bias = self.bias[...] if self.bias is not None else None
+    # Promoted as nnx.Linear promotes them; the kernel is quantized from its
+    # stored value (the promoted copy is not used).
     inputs, _, bias = self.promote_dtype((inputs, kernel, bias),
                                          dtype=self.dtype)
-    out_dtype = self.preferred_element_type or inputs.dtype
-    state = self.scaling.read() if self.scaling is not None else None
-    y, new_state = ops.quantized_matmul(inputs, kernel, self.recipe, state,
-                                        out_dtype=out_dtype,
-                                        backend=self.backend)
-    if self.scaling is not None:
-      self.scaling.write_forward(new_state)
-    if bias is not None:
-      y = y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,)).astype(y.dtype)
-    if out_sharding is not None:
-      y = jax.sharding.reshard(y, out_sharding)
-    return y
+    return self.quant.matmul(
+        inputs, kernel, bias=bias,
+        out_dtype=self.preferred_element_type or inputs.dtype,
+        out_sharding=out_sharding)

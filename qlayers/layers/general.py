@@ -1,48 +1,29 @@
 """Drop-in quantized ``nnx.LinearGeneral`` and ``nnx.Einsum``.
 
 Both keep the Params of the layer they replace (same names, shapes, dtypes)
-and run as one 2-D quantized GEMM: the contracted axes are moved last and
-flattened into K, the kernel is reshaped to ``(K, N)``, and the output is
-reshaped (and, for an einsum, transposed) back. Layers that are not one GEMM
-(``LinearGeneral`` with ``batch_axis``, an einsum with batch indices or
-one-sided sums) are refused with an explanation.
+and hand their contraction to the `QuantGemm` at ``quant`` as dimension
+numbers (it lowers them to one 2-D quantized GEMM: the contracted axes
+flatten into K, the kernel's other axes into N). Layers that are not one
+GEMM of the input against the kernel (``LinearGeneral`` with
+``batch_axis``, an einsum with batch indices or one-sided sums) are refused
+with an explanation.
 """
 
 from __future__ import annotations
 
-import math
 import string
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from qlayers import ops
-from qlayers.recipe import Recipe, recipe as load_recipe
-from qlayers.state import DelayedScaling
+from qlayers.layers.core import QuantGemm, QuantLayer
+from qlayers.recipe import Recipe
 
 __all__ = ["QuantLinearGeneral", "QuantEinsum", "einsum_gemm_plan"]
 
 
-def _init_quant(layer, recipe, backend):
-  layer.recipe = load_recipe(recipe)
-  layer.backend = backend
-  layer.scaling = nnx.data(
-      DelayedScaling(layer.recipe) if layer.recipe.delayed else None)
-
-
-def _gemm(layer, x2: jax.Array, kernel2: jax.Array, out_dtype) -> jax.Array:
-  """``x2 (M, K) @ kernel2 (K, N)`` under the layer's recipe and state."""
-  state = layer.scaling.read() if layer.scaling is not None else None
-  y, new_state = ops.quantized_matmul(x2, kernel2, layer.recipe, state,
-                                      out_dtype=out_dtype,
-                                      backend=layer.backend)
-  if layer.scaling is not None:
-    layer.scaling.write_forward(new_state)
-  return y
-
-
-class QuantLinearGeneral(nnx.LinearGeneral):
+class QuantLinearGeneral(QuantLayer, nnx.LinearGeneral):
   """``nnx.LinearGeneral`` whose GEMMs (forward and backward) run quantized.
 
   Same constructor and Params as ``nnx.LinearGeneral``: ``kernel
@@ -88,12 +69,10 @@ class QuantLinearGeneral(nnx.LinearGeneral):
       raise ValueError(
           "QuantLinearGeneral does not support batch_axis (a batched GEMM "
           "with one weight per batch entry); keep this layer unquantized.")
-    _init_quant(self, recipe, backend)
+    self.quant = QuantGemm(recipe, backend=backend)
 
   def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
     """Contracts ``inputs`` over ``axis``; output ``(*rest, *out_features)``."""
-    if not self.recipe.quantized:
-      return super().__call__(inputs, out_sharding=out_sharding)
     # Sorted, as nnx.LinearGeneral contracts them: kernel dims follow the
     # input's axis order, not the order ``axis`` lists them in.
     axis = tuple(sorted(a % inputs.ndim for a in self.axis))
@@ -102,23 +81,18 @@ class QuantLinearGeneral(nnx.LinearGeneral):
       raise ValueError(
           f"{type(self).__name__} expects input dims {self.in_features} at "
           f"axis {self.axis}, got shape {inputs.shape}.")
-    free = [d for d in range(inputs.ndim) if d not in axis]
-    k = math.prod(self.in_features)
-    n = math.prod(self.out_features)
     kernel = self.kernel[...]
     bias = self.bias[...] if self.bias is not None else None
-    inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias),
-                                              dtype=self.dtype)
-    order = free + list(axis)
-    if order != list(range(inputs.ndim)):
-      inputs = jnp.transpose(inputs, order)
-    lead = tuple(inputs.shape[:len(free)])
-    out_dtype = self.preferred_element_type or inputs.dtype
-    y = _gemm(self, inputs.reshape(*lead, k), kernel.reshape(k, n), out_dtype)
-    y = y.reshape(*lead, *self.out_features)
+    # The kernel is quantized from its stored value (see QuantDense).
+    inputs, _, bias = self.promote_dtype((inputs, kernel, bias),
+                                         dtype=self.dtype)
+    dims = ((axis, tuple(range(len(axis)))), ((), ()))
+    y = self.quant(inputs, kernel, dims,
+                   preferred_element_type=(self.preferred_element_type
+                                           or inputs.dtype))
     if bias is not None:
-      y = y + jnp.reshape(bias, (1,) * len(lead) + self.out_features).astype(
-          y.dtype)
+      y = y + jnp.reshape(bias, (1,) * (y.ndim - bias.ndim) + bias.shape
+                          ).astype(y.dtype)
     if out_sharding is not None:
       y = jax.sharding.reshard(y, out_sharding)
     return y
@@ -185,7 +159,7 @@ def einsum_gemm_plan(einsum_str: str) -> tuple[list, list, list, list, list]:
   return lhs, rhs, out, contracted, rhs_free
 
 
-class QuantEinsum(nnx.Einsum):
+class QuantEinsum(QuantLayer, nnx.Einsum):
   """``nnx.Einsum`` whose GEMMs (forward and backward) run quantized.
 
   Same constructor and Params as ``nnx.Einsum``. The equation must be one
@@ -230,20 +204,18 @@ class QuantEinsum(nnx.Einsum):
     if len(rhs) != len(self.kernel_shape):
       raise ValueError(f"Einsum {einsum_str!r} names {len(rhs)} kernel dims "
                        f"but kernel_shape is {tuple(kernel_shape)}.")
-    _init_quant(self, recipe, backend)
+    self.quant = QuantGemm(recipe, backend=backend)
 
   def __call__(self, inputs: jax.Array, einsum_str: str | None = None,
                out_sharding=None) -> jax.Array:
     """Applies the equation (``einsum_str`` overrides the stored one)."""
-    if not self.recipe.quantized:
-      return super().__call__(inputs, einsum_str, out_sharding=out_sharding)
     eq = (einsum_str or self.einsum_str).replace(" ", "")
-    lhs, rhs, out, contracted, rhs_free = einsum_gemm_plan(eq)
+    lhs, rhs, out, contracted, _ = einsum_gemm_plan(eq)
     lhs, out = _expand_ellipsis(eq, lhs, out, inputs.ndim)
     kernel = self.kernel[...]
     bias = self.bias[...] if self.bias is not None else None
-    inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias),
-                                              dtype=self.dtype)
+    inputs, promoted, bias = self.promote_dtype((inputs, kernel, bias),
+                                                dtype=self.dtype)
     if len(lhs) != inputs.ndim or len(rhs) != kernel.ndim:
       raise ValueError(f"Einsum {eq!r} does not fit input {inputs.shape} and "
                        f"kernel {kernel.shape}.")
@@ -252,18 +224,18 @@ class QuantEinsum(nnx.Einsum):
       if size.setdefault(c, n) != n:
         raise ValueError(f"Einsum {eq!r}: index {c!r} is {n} in the input "
                          f"but {size[c]} in the kernel.")
-    lhs_free = [c for c in lhs if c in out]
-    x = _permute(inputs, lhs, lhs_free + contracted)
-    w = _permute(kernel, rhs, contracted + rhs_free)
-    k = math.prod(size[c] for c in contracted)
-    n = math.prod(size[c] for c in rhs_free)
-    lead = tuple(size[c] for c in lhs_free)
-    out_dtype = self.preferred_element_type or inputs.dtype
-    y = _gemm(self, x.reshape(*lead, k), w.reshape(k, n), out_dtype)
-    y = y.reshape(*lead, *(size[c] for c in rhs_free))
-    y = _permute(y, lhs_free + rhs_free, out)
+    dims = ((tuple(lhs.index(c) for c in contracted),
+             tuple(rhs.index(c) for c in contracted)), ((), ()))
+    y = self.quant(inputs, kernel, dims,
+                   preferred_element_type=(self.preferred_element_type
+                                           or inputs.dtype))
+    # dot_general orders the output as the input's free indices, then the
+    # kernel's; the equation may want them interleaved.
+    have = [c for c in lhs if c in out] + [c for c in rhs if c in out]
+    if have != out:
+      y = jnp.transpose(y, [have.index(c) for c in out])
     if bias is not None:
-      shape = self._infer_broadcasted_bias_shape(eq, inputs, kernel)
+      shape = self._infer_broadcasted_bias_shape(eq, inputs, promoted)
       y = y + jnp.reshape(bias, shape).astype(y.dtype)
     if out_sharding is not None:
       y = jax.sharding.reshard(y, out_sharding)
@@ -283,8 +255,3 @@ def _expand_ellipsis(eq, lhs, out, ndim):
     return t[:i] + fresh + t[i + 1:]
   return sub(lhs), sub(out)
 
-
-def _permute(x, have: list, want: list):
-  if have == want:
-    return x
-  return jnp.transpose(x, [have.index(c) for c in want])

@@ -12,15 +12,15 @@ from flax.nnx.nn import dtypes
 from jax import lax
 
 from qlayers import ops
-from qlayers.recipe import Recipe, recipe as load_recipe
-from qlayers.state import DelayedScaling
+from qlayers.layers.core import QuantGemm, QuantLayer
+from qlayers.recipe import Recipe
 
 __all__ = ["QuantLogits"]
 
 _default_kernel_init = nnx.initializers.lecun_normal()
 
 
-class QuantLogits(nnx.Module):
+class QuantLogits(QuantLayer, nnx.Module):
   """Output head producing FP32 logits, optionally quantized.
 
   Untied, it owns ``kernel (in_features, vocab_size)`` (and ``bias
@@ -28,8 +28,8 @@ class QuantLogits(nnx.Module):
   (``embed=...``), it reuses the ``nnx.Embed`` table ``embedding (vocab, d)``
   transposed, so gradients of the logits flow into the embedding.
 
-  The logits GEMM is wide by default (``recipe="bf16"``: operands in
-  ``dtype``, FP32 accumulation and output): the vocabulary projection is
+  The logits GEMM is not quantized by default (``recipe="bf16"``: BF16
+  operands, FP32 accumulation and output): the vocabulary projection is
   sensitive to quantization, so quantizing it is opt-in with any recipe.
   `loss` computes the mean token cross-entropy over chunks of the sequence,
   recomputing each chunk's logits in the backward pass, so the
@@ -43,7 +43,8 @@ class QuantLogits(nnx.Module):
     dtype: computation dtype of the GEMM operands (default: ``embed.dtype``
       when tied, else inferred from inputs and params).
     param_dtype: dtype of the kernel and bias.
-    precision: ``lax.Precision`` of the unquantized GEMM.
+    precision: accepted for ``nnx.Linear`` compatibility; the recipe sets
+      the operand precision.
     kernel_init: initializer of the untied kernel.
     bias_init: initializer of the bias.
     rngs: RNG streams (``params``); needed when this module creates Params.
@@ -114,10 +115,7 @@ class QuantLogits(nnx.Module):
     self.dtype = dtype
     self.param_dtype = param_dtype
     self.precision = precision
-    self.recipe = load_recipe(recipe)
-    self.backend = backend
-    self.scaling = nnx.data(
-        DelayedScaling(self.recipe) if self.recipe.delayed else None)
+    self.quant = QuantGemm(recipe, backend=backend)
 
   @property
   def tied(self) -> bool:
@@ -130,22 +128,14 @@ class QuantLogits(nnx.Module):
     else:
       kernel = self.kernel[...]
     bias = self.bias[...] if self.bias is not None else None
-    state = self.scaling.read() if self.scaling is not None else None
-    return kernel, bias, state
+    return kernel, bias, self.quant.read()
 
   def _logits(self, x, kernel, bias, state):
     """Pure: FP32 logits ``(..., vocab)`` and the op's new state."""
-    x, wide_kernel, bias = dtypes.promote_dtype((x, kernel, bias),
-                                                dtype=self.dtype)
-    if self.recipe.quantized:
-      y, new_state = ops.quantized_matmul(x, kernel, self.recipe, state,
-                                          out_dtype=jnp.float32,
-                                          backend=self.backend)
-    else:
-      y = lax.dot_general(x, wide_kernel, (((x.ndim - 1,), (0,)), ((), ())),
-                          precision=self.precision,
-                          preferred_element_type=jnp.float32)
-      new_state = None
+    x, _, bias = dtypes.promote_dtype((x, kernel, bias), dtype=self.dtype)
+    y, new_state = ops.quantized_matmul(x, kernel, self.recipe, state,
+                                        out_dtype=jnp.float32,
+                                        backend=self.backend)
     if bias is not None:
       y = y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,)).astype(y.dtype)
     return y, new_state
@@ -160,8 +150,7 @@ class QuantLogits(nnx.Module):
     self._check(x)
     kernel, bias, state = self._weights()
     y, new_state = self._logits(x, kernel, bias, state)
-    if self.scaling is not None:
-      self.scaling.write_forward(new_state)
+    self.quant.write(new_state)
     return y
 
   def loss(self, x: jax.Array, labels: jax.Array, *,
@@ -236,8 +225,8 @@ class QuantLogits(nnx.Module):
                                (split(x), split(labels), split(mask)))
       total = jnp.sum(totals)
       amaxes = tuple(jnp.max(a, axis=0) for a in amaxes)
-    if self.scaling is not None:
+    if state is not None:
       ax, aw = amaxes
-      self.scaling.write_forward({"x": state["x"]._replace(amax=ax),
-                                  "w": state["w"]._replace(amax=aw)})
+      self.quant.write({"x": state["x"]._replace(amax=ax),
+                        "w": state["w"]._replace(amax=aw)})
     return total / jnp.maximum(jnp.sum(mask), 1.0)

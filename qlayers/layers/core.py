@@ -1,0 +1,240 @@
+"""QuantGemm: the one quantized-GEMM core every qlayers layer runs.
+
+A `QuantGemm` is a small NNX module holding what a quantized GEMM needs
+besides its operands: the recipe, the backend, the delayed-scaling state (as
+`QuantState` / `QuantGradState` Variables) and the train/eval mode. Every
+layer of qlayers owns one per GEMM (at ``.quant``) and differs from the
+others only in what it owns (a kernel, a tied embedding, several
+projections) and in how it maps its shapes onto ``x (..., K) @ w (K, N)``.
+
+It is also a `lax.dot_general`-compatible callable, so a stock layer takes
+it as its ``dot_general``::
+
+  nnx.Linear(512, 512, dot_general=qlayers.QuantGemm("fp8_delayed"), rngs=...)
+
+(a stock layer casts its kernel to ``dtype`` before the call, so the kernel
+is quantized from that cast; the qlayers layers quantize the FP32 master).
+
+Train/eval follows NNX: ``model.eval()`` sets ``use_running_average=True``
+(as for ``nnx.BatchNorm``), and then the layer scales from its stored amax
+history and writes nothing; ``model.train()`` resumes updating it.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from qlayers import ops
+from qlayers.recipe import Recipe, recipe as load_recipe
+from qlayers.scaling import ScaleState
+from qlayers.state import QuantGradState, QuantState
+
+__all__ = ["QuantGemm", "QuantLayer", "gemms", "update_scales"]
+
+
+class QuantGemm(nnx.Module):
+  """One quantized GEMM: recipe, backend, delayed-scaling state and mode.
+
+  For a delayed-scaling recipe it holds, per operand role ``x`` (input),
+  ``w`` (weight) and ``g`` (output gradient), ``{role}_amax_history``
+  (completed steps, index 0 most recent) and ``{role}_amax`` (the running
+  max of the current step): `QuantState` Variables, except ``g_amax``, a
+  `QuantGradState` (it is only known in the backward pass; see
+  `qlayers.value_and_grad` and `qlayers.update_scales`). Other recipes hold
+  no Variables.
+
+  Args:
+    recipe: a recipe name, TOML path or `Recipe` (default
+      ``"fp8_delayed"``).
+    backend: force a GEMM backend (``"xla"`` or ``"ffi"``); default: chosen
+      per platform and format (see ``qlayers.backends()``).
+    batch_shape: leading shape of the state, one per stacked layer (for
+      layers made under ``nnx.vmap``).
+    use_running_average: start in eval mode (see the module docstring).
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import qlayers
+    >>> lin = nnx.Linear(64, 32, rngs=nnx.Rngs(0),
+    ...                  dot_general=qlayers.QuantGemm("fp8_delayed"))
+    >>> lin(jnp.ones((2, 64))).shape
+    (2, 32)
+    >>> sorted(nnx.state(lin, qlayers.QuantVariable)["dot_general"])[:2]
+    ['g_amax', 'g_amax_history']
+  """
+
+  def __init__(self, recipe: Recipe | str = "fp8_delayed", *,
+               backend: str | None = None,
+               batch_shape: tuple[int, ...] = (),
+               use_running_average: bool = False):
+    self.recipe = load_recipe(recipe)
+    self.backend = backend
+    self.use_running_average = use_running_average
+    state = ops.init_state(self.recipe, tuple(batch_shape))
+    for role, st in (state or {}).items():
+      setattr(self, f"{role}_amax_history", QuantState(st.amax_history))
+      kind = QuantGradState if role == "g" else QuantState
+      setattr(self, f"{role}_amax", kind(st.amax))
+
+  @property
+  def delayed(self) -> bool:
+    """Whether this GEMM keeps delayed-scaling state."""
+    return self.recipe.delayed
+
+  def set_view(self, use_running_average: bool | None = None):
+    """Used by ``nnx.view``: sets the mode (see the module docstring)."""
+    if use_running_average is not None:
+      self.use_running_average = use_running_average
+
+  # --------------------------------------------------------------------------
+  # State
+
+  def read(self) -> dict[str, ScaleState] | None:
+    """The state as `ops.quantized_matmul` takes it (None if stateless)."""
+    if not self.delayed:
+      return None
+    return {role: ScaleState(getattr(self, f"{role}_amax_history")[...],
+                             getattr(self, f"{role}_amax")[...])
+            for role in ops.ROLES}
+
+  def write(self, new_state: dict[str, ScaleState] | None) -> None:
+    """Stores the forward roles' running amax returned by the op (nothing in
+    eval mode, or for a stateless recipe)."""
+    if not self.delayed or self.use_running_average:
+      return
+    for role in ("x", "w"):
+      # set_value, not [...] =: assignment inside a trace re-traces in NNX.
+      getattr(self, f"{role}_amax").set_value(
+          jax.lax.stop_gradient(new_state[role].amax))
+
+  def update_scales(self) -> None:
+    """Ends a step: every role's running amax enters its history and is
+    cleared. `qlayers.update_scales` calls this on every `QuantGemm`."""
+    if not self.delayed:
+      return
+    new = ops.update_scales(self.read())
+    for role, st in new.items():
+      getattr(self, f"{role}_amax_history").set_value(st.amax_history)
+      getattr(self, f"{role}_amax").set_value(st.amax)
+
+  # --------------------------------------------------------------------------
+  # The GEMM
+
+  def matmul(self, x: jax.Array, w: jax.Array, *, bias: jax.Array | None = None,
+             out_dtype=None, out_sharding=None) -> jax.Array:
+    """``x (..., K) @ w (K, N) [+ bias (N,)]``, quantized by the recipe.
+
+    ``w`` is quantized from the value given (pass the FP32 master); the
+    output has ``out_dtype`` (see `ops.quantized_matmul` for the default)
+    and, when given, the sharding ``out_sharding``.
+    """
+    y, new_state = ops.quantized_matmul(x, w, self.recipe, self.read(),
+                                        out_dtype=out_dtype,
+                                        backend=self.backend)
+    self.write(new_state)
+    return _finish(y, bias, out_sharding)
+
+  def __call__(self, lhs: jax.Array, rhs: jax.Array, dimension_numbers,
+               precision=None, preferred_element_type=None,
+               out_sharding=None) -> jax.Array:
+    """`lax.dot_general` of an input ``lhs`` and a weight ``rhs``, quantized.
+
+    ``precision`` is ignored: the recipe sets the operand precision.
+    """
+    del precision
+    y, new_state = ops.quantized_dot_general(
+        lhs, rhs, dimension_numbers, self.recipe, self.read(),
+        preferred_element_type=preferred_element_type, backend=self.backend)
+    self.write(new_state)
+    return _finish(y, None, out_sharding)
+
+
+def _finish(y, bias, out_sharding):
+  if bias is not None:
+    y = y + bias.reshape((1,) * (y.ndim - 1) + (-1,)).astype(y.dtype)
+  if out_sharding is not None:
+    y = jax.sharding.reshard(y, out_sharding)
+  return y
+
+
+class QuantLayer:
+  """Mixin of the qlayers layers: each runs its GEMM through the `QuantGemm`
+  at ``self.quant`` (`isinstance(m, QuantLayer)` finds them all)."""
+
+  quant: QuantGemm
+
+  @property
+  def recipe(self) -> Recipe:
+    return self.quant.recipe
+
+  @property
+  def backend(self) -> str | None:
+    return self.quant.backend
+
+
+def gemms(model: nnx.Module) -> Iterator[tuple[tuple, QuantGemm]]:
+  """Every `QuantGemm` in ``model`` with its path (each shared one once)."""
+  for path, node in nnx.iter_graph(model):
+    if isinstance(node, QuantGemm):
+      yield path, node
+
+
+def update_scales(model: nnx.Module, grads: nnx.State | None = None) -> int:
+  """Ends a training step for every quantized GEMM of ``model``.
+
+  Writes the gradient amaxes from ``grads`` (where it holds `QuantGradState`
+  values: `qlayers.value_and_grad` returns them, as does
+  ``nnx.value_and_grad(..., argnums=nnx.DiffState(0, (nnx.Param,
+  qlayers.QuantGradState)))``), then rolls every amax history one step.
+  `qlayers.Optimizer.update` calls it; with another optimizer, call it once
+  per step after the update, or delayed scales never move.
+
+  Returns:
+    The number of `QuantGemm` modules updated.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> from flax import nnx
+    >>> import qlayers
+    >>> model = qlayers.QuantDense(8, 4, rngs=nnx.Rngs(0))
+    >>> opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    >>> diff = nnx.DiffState(0, (nnx.Param, qlayers.QuantGradState))
+    >>> loss = lambda m, x: jnp.mean(m(x) ** 2)
+    >>> _, grads = nnx.value_and_grad(loss, argnums=diff)(model,
+    ...                                                   jnp.ones((2, 8)))
+    >>> _ = opt.update(model, grads)
+    >>> qlayers.update_scales(model, grads)
+    1
+    >>> float(model.quant.g_amax_history[0]) > 0
+    True
+  """
+  if grads is not None:
+    _write_grad_state(model, grads)
+  n = 0
+  for _, gemm in gemms(model):
+    gemm.update_scales()
+    n += 1
+  return n
+
+
+def _write_grad_state(model: nnx.Module, grads: nnx.State) -> None:
+  """Writes the gradient amaxes in ``grads`` into ``model``, by max.
+
+  A value of -inf (an unused layer under max-combining) or any non-finite
+  value carries no information and is ignored.
+  """
+  updates = nnx.state(grads, QuantGradState)
+  if not updates:
+    return
+  current = nnx.state(model, QuantGradState)
+
+  def merge(old, new):
+    new = new.astype(old.dtype)
+    return jnp.maximum(old, jnp.where(jnp.isfinite(new), new, 0.0))
+
+  nnx.update(model, jax.tree.map(merge, current, updates))

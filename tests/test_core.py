@@ -1,0 +1,153 @@
+"""QuantGemm, the core of every layer: NNX transforms, delayed-scaling
+state flow, and a real training loop."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import qlayers
+from qlayers import ops
+from qlayers import scaling as S
+from helpers import (DEFAULT_FLOOR, DENSE_FLOORS, delayed, optax_rules, pure,
+                     param_signature, train_step, weighted_sum)
+from numerics import sqnr_db
+
+
+def test_dense_jit_matches_eager():
+  a = qlayers.QuantDense(16, 8, rngs=nnx.Rngs(0), recipe=delayed())
+  b = qlayers.QuantDense(16, 8, rngs=nnx.Rngs(0), recipe=delayed())
+  x = jax.random.normal(jax.random.key(0), (4, 16))
+  ya = a(x)
+  yb = nnx.jit(lambda m, x: m(x))(b, x)
+  assert np.array_equal(ya, yb)
+  sa, sb = pure(nnx.state(a)), pure(nnx.state(b))
+  for k in sa:
+    assert np.array_equal(sa[k], sb[k]), k
+  assert float(b.quant.x_amax[...]) == float(jnp.max(jnp.abs(x)))
+
+
+L_STACK = 3
+
+
+class Stack(nnx.Module):
+  """``L_STACK`` QuantDense layers made with nnx.vmap, applied by nnx.scan."""
+
+  def __init__(self, recipe, rngs):
+    @nnx.split_rngs(splits=L_STACK)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+      return qlayers.QuantDense(8, 8, recipe=recipe, rngs=rngs)
+    self.layers = make(rngs)
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+    def body(layer, x):
+      return jnp.tanh(layer(x))
+    return body(self.layers, x)
+
+
+def test_scan_stack_state_per_layer():
+  r = delayed()
+  model = Stack(r, nnx.Rngs(0))
+  sc = model.layers.quant
+  assert sc.x_amax[...].shape == (L_STACK,)
+  assert sc.g_amax_history[...].shape == (L_STACK, 4)
+  opt = qlayers.Optimizer(model, optax.sgd(0.1))
+  step = train_step(lambda m, x: jnp.mean(m(x) ** 2))
+  hist = []
+  for i in range(3):
+    step(model, opt, jax.random.normal(jax.random.key(i), (4, 8)))
+    hist.append({role: np.asarray(getattr(sc, f"{role}_amax_history")[...])
+                 for role in ops.ROLES})
+  for role in ops.ROLES:
+    h = hist[-1][role]
+    assert np.all(h[:, :3] > 0) and np.all(h[:, 3] == 0), role
+    # Each layer's row rolls by itself...
+    for t in (1, 2):
+      assert np.array_equal(hist[t][role][:, 1:], hist[t - 1][role][:, :-1])
+      assert np.all(hist[t][role][:, 0] != hist[t - 1][role][:, 0])
+    # ... and holds its own values.
+    assert len(set(h[:, 0].tolist())) == L_STACK, role
+    assert np.all(getattr(sc, f"{role}_amax")[...] == 0)
+
+  # The scanned stack computes what the layers compute one after another.
+  x = jax.random.normal(jax.random.key(9), (4, 8))
+  layers = []
+  for l in range(L_STACK):
+    one = qlayers.QuantDense(8, 8, recipe=r, rngs=nnx.Rngs(0))
+    nnx.update(one, jax.tree.map(lambda a, l=l: a[l],
+                                 nnx.state(model.layers)))
+    layers.append(one)
+  @nnx.jit
+  def one_by_one(layers, y):
+    for one in layers:
+      y = jnp.tanh(one(y))
+    return y
+  y = one_by_one(layers, x)
+  assert np.allclose(nnx.jit(lambda m, x: m(x))(model, x), y, rtol=1e-6,
+                     atol=1e-6)
+  for l, one in enumerate(layers):
+    np.testing.assert_allclose(one.quant.x_amax[...], sc.x_amax[...][l],
+                               rtol=1e-6)
+
+
+def test_remat_matches_plain():
+  c = jnp.linspace(-2.0, 3.0, 4 * 8).reshape(4, 8)
+  x = jax.random.normal(jax.random.key(0), (4, 16))
+
+  def plain(m, x):
+    return weighted_sum(m(x), c)
+
+  def remat(m, x):
+    return weighted_sum(nnx.remat(lambda m, x: m(x))(m, x), c)
+
+  outs = []
+  for f in (plain, remat):
+    m = qlayers.QuantDense(16, 8, rngs=nnx.Rngs(0), recipe=delayed())
+    loss, grads = qlayers.value_and_grad(f)(m, x)
+    outs.append((loss, pure(grads), pure(nnx.state(m))))
+  (l0, g0, s0), (l1, g1, s1) = outs
+  assert np.array_equal(l0, l1)
+  assert g0.keys() == g1.keys() and s0.keys() == s1.keys()
+  for k in g0:
+    assert np.allclose(g0[k], g1[k], rtol=1e-6, atol=0), k
+  assert g1["quant/g_amax"] == 3.0  # max |c|
+  for k in s0:
+    assert np.array_equal(s0[k], s1[k]), k
+
+
+class MLP(nnx.Module):
+
+  def __init__(self, recipe, rngs):
+    self.l1 = qlayers.QuantDense(16, 32, recipe=recipe, rngs=rngs)
+    self.l2 = qlayers.QuantDense(32, 32, recipe=recipe, rngs=rngs)
+    self.l3 = qlayers.QuantDense(32, 4, recipe=recipe, rngs=rngs)
+
+  def __call__(self, x):
+    return self.l3(nnx.gelu(self.l2(nnx.gelu(self.l1(x)))))
+
+
+def test_training_fp8_delayed_moves_state_and_loss():
+  model = MLP(delayed(history_len=32), nnx.Rngs(0))
+  opt = qlayers.Optimizer(model, optax.adam(1e-2))
+  teacher = jax.random.normal(jax.random.key(1), (16, 4))
+  step = train_step(
+      lambda m, x, y: jnp.mean((m(x) - y) ** 2))
+  keys = jax.random.split(jax.random.key(2), 20)
+  losses, hists = [], []
+  for key in keys:
+    x = jax.random.normal(key, (32, 16))
+    losses.append(float(step(model, opt, x, jnp.tanh(x @ teacher))))
+    hists.append({k: v for k, v in pure(nnx.state(model, qlayers.state.QuantState))
+                  .items() if k.endswith("amax_history")})
+  assert len(hists[0]) == 9  # x, w, g of three layers
+  for t in range(1, len(hists)):
+    for name, h in hists[t].items():
+      prev = hists[t - 1][name]
+      assert h[0] > 0 and h[0] != prev[0], (t, name)
+      assert np.array_equal(h[1:t + 1], prev[:t]), (t, name)
+  # Measured here: 0.86 at step 0, a mean of 0.37 over the last 5 steps.
+  assert np.mean(losses[-5:]) < 0.6 * losses[0], losses
