@@ -128,17 +128,24 @@ class Attention(nnx.Module):
     self.dtype = cfg.dtype
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    b, t, d = x.shape
+    return self.o(self.core(self.q(x), self.k(x), self.v(x)))
+
+  def core(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Scores, causal mask, softmax and the value product (no weights).
+
+    ``[B, T, D]`` projections in, ``[B, T, D]`` out: the part a fused
+    (flash) attention kernel replaces.
+    """
+    b, t, d = q.shape
     h = self.n_heads
     split = lambda y: y.reshape(b, t, h, d // h)
-    q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
+    q, k, v = split(q), split(k), split(v)
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
     scores = scores / jnp.sqrt(jnp.float32(d // h))
     causal = jnp.tril(jnp.ones((t, t), dtype=bool))
     scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-    out = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, d)
-    return self.o(out)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, d)
 
 
 class Block(nnx.Module):
@@ -153,8 +160,12 @@ class Block(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     x = x + self.attn(self.ln1(x)).astype(x.dtype)
-    y = self.down(jax.nn.gelu(self.up(self.ln2(x))))
+    y = self.down(self.activation(self.up(self.ln2(x))))
     return x + y.astype(x.dtype)
+
+  def activation(self, h: jax.Array) -> jax.Array:
+    """The MLP's nonlinearity: GELU (tanh form)."""
+    return jax.nn.gelu(h)
 
 
 class TransformerLM(nnx.Module):
