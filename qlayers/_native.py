@@ -1,8 +1,9 @@
 """Bindings for the native XLA FFI kernels built from ``ffi/``.
 
-The kernels live in plain shared libraries next to this file
-(``libqlayers_cpu.so`` always; ``libqlayers_cuda.so`` / ``libqlayers_rocm.so``
-where cuBLASLt / hipBLASLt were found at build time). They are loaded with
+The kernels live in plain shared libraries in the package's folders, or in
+``$QLAYERS_NATIVE_DIR`` (see `_library_dirs`): ``libqlayers_cpu.so`` always;
+``libqlayers_cuda.so`` / ``libqlayers_rocm.so`` where cuBLASLt / hipBLASLt
+were found at build time. They are loaded with
 ``ctypes`` on first use and each handler symbol is registered with
 ``jax.ffi.register_ffi_target``; no Python extension module is involved.
 
@@ -56,8 +57,6 @@ __all__ = [
   "gemm_fp8_tensor",
   "gemm_mx",
   "gemm_blockwise",
-  "cast_fp8_rowcol",
-  "cast_mxfp8_rowcol",
   "MX_FORMATS",
   "supports",
   "gemm",
@@ -68,8 +67,6 @@ _CPU_HANDLERS = {
   "qlayers_gemm_fp8_tensor": "QlayersGemmFp8Tensor",
   "qlayers_gemm_mx": "QlayersGemmMx",
   "qlayers_gemm_blockwise": "QlayersGemmBlockwise",
-  "qlayers_cast_fp8_rowcol": "QlayersCastFp8RowCol",
-  "qlayers_cast_mxfp8_rowcol": "QlayersCastMxRowCol",
 }
 _GPU_HANDLERS = {
   "qlayers_gemm_fp8_tensor": "QlayersGemmFp8TensorGpu",
@@ -89,42 +86,27 @@ _lock = threading.Lock()
 _state: dict[str, Any] | None = None
 
 
-def _is_sanitizer_build(build_dir: pathlib.Path) -> bool:
-  try:
-    return "QLAYERS_SANITIZE:BOOL=ON" in (build_dir / "CMakeCache.txt").read_text()
-  except OSError:
-    return False
+def _library_dirs() -> list[pathlib.Path]:
+  """Where the libraries are looked for, in order.
 
-
-def _search_dirs() -> list[pathlib.Path]:
-  """Directories that may hold the libraries, most specific first."""
-  dirs: list[pathlib.Path] = []
+  ``$QLAYERS_NATIVE_DIR`` if set (e.g. a sanitizer build, see
+  ``ffi/sanitize.sh``), then the folders of the ``qlayers`` package, where
+  ``pip install`` (editable or not) and ``ffi/build_inplace.sh`` put them.
+  """
+  dirs = []
   env = os.environ.get("QLAYERS_NATIVE_DIR")
   if env:
     dirs.append(pathlib.Path(env))
-  here = pathlib.Path(__file__).resolve().parent
-  dirs.append(here)
   package = sys.modules.get(__package__ or "")
-  # An editable install may split the package over several folders.
+  # An editable install splits the package over the source tree and the
+  # folder pip installed the built files into.
   dirs.extend(pathlib.Path(p) for p in getattr(package, "__path__", []))
-  # A CMake build tree inside a source checkout (build/<name>/ffi/), newest
-  # first; sanitizer builds only load under their runtime (ffi/sanitize.sh
-  # points QLAYERS_NATIVE_DIR at them).
-  builds = sorted(
-    (here.parent / "build").glob("*/ffi/libqlayers_cpu.so"),
-    key=lambda p: p.stat().st_mtime,
-    reverse=True,
-  )
-  dirs.extend(p.parent for p in builds if not _is_sanitizer_build(p.parent.parent))
-  unique: list[pathlib.Path] = []
-  for d in dirs:
-    if d not in unique:
-      unique.append(d)
-  return unique
+  here = pathlib.Path(__file__).resolve().parent
+  return list(dict.fromkeys([*dirs, here]))
 
 
 def _find(filename: str) -> pathlib.Path | None:
-  for d in _search_dirs():
+  for d in _library_dirs():
     path = d / filename
     if path.is_file():
       return path
@@ -317,69 +299,6 @@ def gemm_blockwise(
     a_rows_per_scale=np.int64(a_rows_per_scale),
     b_rows_per_scale=np.int64(b_rows_per_scale),
   )
-
-
-def cast_fp8_rowcol(x, scale, *, dtype=jnp.float8_e4m3fn, scale_kind: str = "dequant"):
-  """Per-tensor fp8 cast of ``x`` (R, C) into a rowwise and a columnwise copy.
-
-  ``q = RNE(clip(x / scale, -max, max))`` for ``scale_kind="dequant"`` (the
-  scale the GEMM receives), or ``q = RNE(clip(x * scale, -max, max))`` for
-  ``scale_kind="quant"``; the quotient/product is rounded to f32 first.
-  NaN stays NaN, +-Inf saturates to +-max.
-
-  Args:
-    x: ``(R, C)`` float32 or bfloat16.
-    scale: f32 scalar.
-    dtype: fp8 output dtype (e4m3fn, e5m2 or the fnuz variants).
-    scale_kind: ``"dequant"`` or ``"quant"``.
-
-  Returns:
-    ``(row, col)``: ``row`` is ``(R, C)``; ``col`` is ``(C, R)``, the
-    transpose of ``row`` (contraction-last for the GEMM contracting R).
-  """
-  _require()
-  if scale_kind not in ("dequant", "quant"):
-    raise ValueError(f"scale_kind must be 'dequant' or 'quant', got {scale_kind!r}")
-  if jnp.ndim(x) != 2:
-    raise ValueError(f"x must be 2-D, got shape {jnp.shape(x)}")
-  r, c = jnp.shape(x)
-  outs = (jax.ShapeDtypeStruct((r, c), dtype), jax.ShapeDtypeStruct((c, r), dtype))
-  return _call(
-    "qlayers_cast_fp8_rowcol", outs, x, _scale(scale),
-    multiply=scale_kind == "quant",
-  )
-
-
-def cast_mxfp8_rowcol(x, *, dtype=jnp.float8_e4m3fn):
-  """MX fp8 cast of ``x`` (R, C), both multiples of 32, along both axes.
-
-  Per 32-element block: ``amax = max|x|``; the E8M0 code is the RCEIL rule
-  (smallest ``c`` in [0, 254] with ``2**(c-127) >= amax / max``, computed
-  from ``amax / max`` in f32), so a zero block gets code 0 and zero payload;
-  ``q = RNE(clip(x * 2**(127-c), -max, max))``. A block containing Inf or
-  NaN gets code 0xFF and every payload byte set to the format's NaN.
-
-  Args:
-    x: ``(R, C)`` float32 or bfloat16.
-    dtype: ``float8_e4m3fn`` (MXFP8 default) or ``float8_e5m2``.
-
-  Returns:
-    ``(row, row_scales, col, col_scales)`` with shapes ``(R, C)``,
-    ``(R, C/32)`` uint8, ``(C, R)`` (transposed payload) and ``(C, R/32)``.
-  """
-  _require()
-  if jnp.ndim(x) != 2:
-    raise ValueError(f"x must be 2-D, got shape {jnp.shape(x)}")
-  r, c = jnp.shape(x)
-  if r % 32 or c % 32:
-    raise ValueError(f"x shape {(r, c)} must have both dimensions multiples of 32")
-  outs = (
-    jax.ShapeDtypeStruct((r, c), dtype),
-    jax.ShapeDtypeStruct((r, c // 32), jnp.uint8),
-    jax.ShapeDtypeStruct((c, r), dtype),
-    jax.ShapeDtypeStruct((c, r // 32), jnp.uint8),
-  )
-  return _call("qlayers_cast_mxfp8_rowcol", outs, x)
 
 
 # ----------------------------------------------------------------------------

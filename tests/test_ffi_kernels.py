@@ -260,99 +260,6 @@ def test_gemm_blockwise(ra, rb, m, n, k):
   assert_gemm_close(out, ref, abs_ref, k, out_dtype)
 
 
-# ----------------------------------------------------------------------------
-# Fused casts
-
-
-def _compare_fp8(got, want):
-  """Bit-exact except that any NaN code matches any NaN code."""
-  got = np.asarray(got)
-  g, w = got.view(np.uint8), want.view(np.uint8)
-  gnan, wnan = np.isnan(got.astype(np.float32)), np.isnan(want.astype(np.float32))
-  np.testing.assert_array_equal(gnan, wnan)
-  np.testing.assert_array_equal(np.where(gnan, 0, g), np.where(wnan, 0, w))
-
-
-def _test_input(rng, shape, dtype):
-  x = rng.standard_normal(shape).astype(np.float32) * 30.0
-  x.flat[0] = np.nan
-  x.flat[-1] = -np.inf
-  x.flat[len(x.flat) // 2] = 1e6  # saturates
-  x.flat[len(x.flat) // 3] = 1e-12  # rounds to zero
-  return x.astype(dtype)
-
-
-@pytest.mark.parametrize("r,c", [(1, 1), (3, 70), (33, 65), (64, 32)])
-@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "e4m3fnuz"])
-@pytest.mark.parametrize("in_dtype", [np.float32, ml_dtypes.bfloat16])
-@pytest.mark.parametrize("scale_kind", ["dequant", "quant"])
-def test_cast_fp8_rowcol(r, c, fmt, in_dtype, scale_kind):
-  rng = np.random.default_rng(r * c)
-  x = _test_input(rng, (r, c), in_dtype)
-  s = np.float32(0.0625 if scale_kind == "dequant" else 3.7)
-  row, col = _native.cast_fp8_rowcol(jnp.asarray(x), s, dtype=FP8[fmt],
-                                     scale_kind=scale_kind)
-  assert row.shape == (r, c) and col.shape == (c, r) and row.dtype == FP8[fmt]
-  x32 = x.astype(np.float32)
-  q = x32 / s if scale_kind == "dequant" else x32 * s
-  fmax = float(ml_dtypes.finfo(FP8[fmt]).max)
-  want = np.clip(q, -fmax, fmax).astype(FP8[fmt])
-  _compare_fp8(row, want)
-  _compare_fp8(col, want.T)
-
-
-def mx_cast_reference(x, fmt):
-  """Independent RCEIL MX reference along the last axis (frexp based)."""
-  dt = FP8[fmt]
-  fmax = np.float32(ml_dtypes.finfo(dt).max)
-  blocks = x.astype(np.float32).reshape(x.shape[0], -1, 32)
-  amax = np.max(np.abs(blocks), axis=-1)
-  bad = ~np.all(np.isfinite(blocks), axis=-1)
-  with np.errstate(invalid="ignore"):
-    d = (np.where(bad, 0, amax).astype(np.float32) / fmax).astype(np.float64)
-  mant, exp = np.frexp(d)  # d = mant * 2**exp, mant in [0.5, 1)
-  e = np.where(mant == 0.5, exp - 1, exp)  # ceil(log2 d)
-  code = np.where(d == 0, 0, np.clip(e + 127, 0, 254))
-  code = np.where(bad, 255, code).astype(np.uint8)
-  inv = np.ldexp(1.0, 127 - np.minimum(code, 254).astype(np.int64))
-  with np.errstate(invalid="ignore", over="ignore"):
-    q = (blocks.astype(np.float64) * inv[..., None]).astype(np.float32)
-  q = np.clip(q, -fmax, fmax).astype(dt)
-  q = np.where(bad[..., None], np.array(np.nan, dt), q)
-  return q.reshape(x.shape), code
-
-
-@pytest.mark.parametrize("r,c", [(32, 32), (64, 96), (96, 64)])
-@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-@pytest.mark.parametrize("in_dtype", [np.float32, ml_dtypes.bfloat16])
-def test_cast_mxfp8_rowcol(r, c, fmt, in_dtype):
-  rng = np.random.default_rng(r + c)
-  x = rng.standard_normal((r, c)).astype(np.float32)
-  # Per-32x32-tile magnitudes from 2^-140 (f32 subnormal) to 2^100.
-  mags = 2.0 ** rng.integers(-140, 100, size=(r // 32, c // 32))
-  x *= np.kron(mags, np.ones((32, 32))).astype(np.float32)
-  x[0, 0:32] = 0.0  # a zero row block: code 0, zero payload
-  x[5, 40 % c] = np.nan
-  x[40 % r, 7] = np.inf
-  x[1, 1] = 1e-42  # subnormal amax in a block
-  x = x.astype(in_dtype)
-  row, row_s, col, col_s = _native.cast_mxfp8_rowcol(jnp.asarray(x), dtype=FP8[fmt])
-  assert row.shape == (r, c) and row_s.shape == (r, c // 32) and row_s.dtype == jnp.uint8
-  assert col.shape == (c, r) and col_s.shape == (c, r // 32)
-  want_row, want_row_s = mx_cast_reference(x, fmt)
-  want_col, want_col_s = mx_cast_reference(np.ascontiguousarray(x.T), fmt)
-  np.testing.assert_array_equal(np.asarray(row_s), want_row_s)
-  np.testing.assert_array_equal(np.asarray(col_s), want_col_s)
-  _compare_fp8(row, want_row)
-  _compare_fp8(col, want_col)
-  assert np.asarray(row_s)[0, 0] == 0
-  assert np.all(np.asarray(row)[0, :32].view(np.uint8) == 0)
-
-
-# ----------------------------------------------------------------------------
-# Transformations, adapters, packaging
-
-
 def test_jit_and_vmap():
   rng = np.random.default_rng(6)
   ca = random_codes(rng, (3, 5, 64), "e4m3")
@@ -364,11 +271,6 @@ def test_jit_and_vmap():
   for i in range(3):
     np.testing.assert_array_equal(
         got[i], np.asarray(_native.gemm_fp8_tensor(a[i], 2.0, b, 0.5)))
-  xs = jnp.asarray(rng.standard_normal((2, 32, 64)).astype(np.float32))
-  rows, _, cols, _ = jax.vmap(_native.cast_mxfp8_rowcol)(xs)
-  assert rows.shape == (2, 32, 64) and cols.shape == (2, 64, 32)
-  np.testing.assert_array_equal(np.asarray(rows[1]).view(np.uint8),
-                                np.asarray(_native.cast_mxfp8_rowcol(xs[1])[0]).view(np.uint8))
 
 
 def test_qtensor_adapter():
