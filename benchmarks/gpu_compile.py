@@ -1421,6 +1421,15 @@ def _csv(text: str, allowed: Iterable[str], what: str) -> list[str]:
   return vals
 
 
+def _targets_dir() -> str:
+  if os.environ.get("QLAYERS_GPU_TARGETS"):
+    return os.environ["QLAYERS_GPU_TARGETS"]
+  for base in (_ROOT, _ROOT.parent):
+    if (base / "shared" / "gpu-targets").is_dir():
+      return str(base / "shared" / "gpu-targets")
+  return str(_ROOT / "shared" / "gpu-targets")
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.RawTextHelpFormatter)
@@ -1440,10 +1449,10 @@ def main(argv=None) -> int:
   p.add_argument("--assume-gpu-dispatch", action="store_true",
                  help="jax.default_backend() answers 'gpu' while tracing "
                  "(stopgap: qlayers dispatches on the host backend)")
-  p.add_argument("--targets-dir", default=os.environ.get(
-      "QLAYERS_GPU_TARGETS", str(_ROOT.parent / "shared" / "gpu-targets")),
+  p.add_argument("--targets-dir", default=_targets_dir(),
                  help="folder with h200.txtpb, b200_approx.txtpb "
-                 "($QLAYERS_GPU_TARGETS)")
+                 "($QLAYERS_GPU_TARGETS; default: shared/gpu-targets in or "
+                 "next to the checkout)")
   p.add_argument("--json", help="write every record to this file")
   p.add_argument("--markdown", help="write the tables to this file")
   p.add_argument("--hlo-dir", help="keep each optimized HLO here")
