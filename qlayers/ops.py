@@ -33,11 +33,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from qlayers import dispatch
 from qlayers import hadamard
@@ -179,22 +181,40 @@ def _transformed(t, size: int, axis: int):
   return hadamard.transform(t, size, axis=axis) if size else t
 
 
-def _zero_cotangent(shape, dtype):
-  """Zero cotangent of ``shape`` in ``dtype`` (FP32 or max-combining)."""
-  if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
-    # The additive identity of a max-combining dtype is its lowest value.
-    return lax.convert_element_type(
-        jnp.full(shape, -jnp.inf, jnp.float32), dtype)
-  return jnp.zeros(shape, dtype)
+def _values(tree):
+  """The primal values of a tree of `CustomVJPPrimal` (see `_qmm_fwd`)."""
+  return jax.tree.map(lambda p: p.value, tree,
+                      is_leaf=lambda p: isinstance(p, CustomVJPPrimal))
+
+
+_warned_uncollected = False
+
+
+def _warn_if_gradient_amax_lost(recipe: Recipe, x, w, state) -> None:
+  """Warns once when a delayed layer is differentiated but its gradient amax
+  is not (so the gradient's delayed scale could never move)."""
+  global _warned_uncollected
+  if (_warned_uncollected or not recipe.delayed
+      or not (x.perturbed or w.perturbed) or state["g"].amax.perturbed):
+    return
+  _warned_uncollected = True
+  warnings.warn(
+      f"A layer with the delayed-scaling recipe {recipe.name!r} is being "
+      "differentiated without its gradient amax (QuantGradState): the "
+      "output-gradient scale will never be updated. Use "
+      "qlayers.value_and_grad (with qlayers.Optimizer), or "
+      "nnx.value_and_grad(..., argnums=nnx.DiffState(0, (nnx.Param, "
+      "qlayers.QuantGradState))) and call qlayers.update_scales(model, "
+      "grads) after each optimizer update.", stacklevel=2)
 
 
 # ----------------------------------------------------------------------------
 # The custom_vjp core on 2-D operands
 #
-# ``dtypes`` (static) is ``(x dtype, w dtype, state dtypes)``, state dtypes
-# a ``ScaleState`` of leaf dtypes per role (None when stateless): the
-# backward rule returns cotangents in the primal dtypes, and a state leaf is
-# FP32 or, under `qlayers.value_and_grad`, a max-combining extended dtype.
+# ``dtypes`` (static) is ``(x dtype, w dtype)``: the backward rule returns
+# the input gradients in them. Symbolic zeros: the forward rule sees which
+# inputs are differentiated, and the backward rule returns None (zero) for
+# every state leaf but the gradient role's running amax.
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
@@ -243,16 +263,21 @@ def _qmm_forward(recipe: Recipe, backend, out_dtype, x, w, state, key):
 
 
 def _qmm_fwd(recipe, backend, out_dtype, dtypes, x, w, state, key):
-  y, new_state, res = _qmm_forward(recipe, backend, out_dtype, x, w, state,
-                                   key)
+  del dtypes
+  if state is not None:
+    _warn_if_gradient_amax_lost(recipe, x, w, state)
+  y, new_state, res = _qmm_forward(recipe, backend, out_dtype, x.value,
+                                   w.value, _values(state), _values(key))
   return (y, new_state), res
 
 
 def _qmm_bwd(recipe: Recipe, backend, out_dtype, dtypes, res, cts):
   del out_dtype
-  x_dtype, w_dtype, state_dtypes = dtypes
+  x_dtype, w_dtype = dtypes
   x_saved, w_saved, ax, aw, g_state, key = res
   g, _ = cts
+  if isinstance(g, SymbolicZero):  # the output is not used
+    return None, None, None, None
   dg, dw_gemm = recipe.dgrad, recipe.wgrad
   kd, kwg = _keys(key, 2)
 
@@ -260,14 +285,10 @@ def _qmm_bwd(recipe: Recipe, backend, out_dtype, dtypes, res, cts):
   state_ct = None
   if recipe.delayed:
     ag, run_g = _delayed(g, g_state, recipe)
-    hist_shape = g_state.amax_history.shape
     # Only the gradient role's running amax leaves the backward pass; the
     # forward roles left through the output.
-    state_ct = {role: ScaleState(_zero_cotangent(hist_shape, dt.amax_history),
-                                 _zero_cotangent((), dt.amax))
-                for role, dt in zip(ROLES, state_dtypes)}
-    state_ct["g"] = state_ct["g"]._replace(
-        amax=_like(run_g, state_dtypes[2].amax))
+    state_ct = {"x": None, "w": None,
+                "g": ScaleState(None, _like(run_g, g_state.amax.dtype))}
 
   # Dgrad: dx = g @ w.T, contracted over N (both Hadamard-transformed along
   # N first if the recipe says so: (g Q.T) @ (w Q.T).T = g @ w.T).
@@ -297,7 +318,7 @@ def _qmm_bwd(recipe: Recipe, backend, out_dtype, dtypes, res, cts):
   return dx.astype(x_dtype), dw.astype(w_dtype), state_ct, None
 
 
-_qmm.defvjp(_qmm_fwd, _qmm_bwd)
+_qmm.defvjp(_qmm_fwd, _qmm_bwd, symbolic_zeros=True)
 
 
 # ----------------------------------------------------------------------------
@@ -371,9 +392,7 @@ def quantized_matmul(x: jax.Array, w: jax.Array, recipe: Recipe | str,
   if x2.shape[0] == 0 or n == 0 or w.shape[0] == 0:
     # Nothing to multiply (an empty batch): no amax to take, state unchanged.
     return jnp.zeros((*lead, n), out_dtype), state
-  state_dtypes = None if state is None else tuple(
-      ScaleState(*(v.dtype for v in state[role])) for role in ROLES)
-  dtypes = (x.dtype, w.dtype, state_dtypes)
+  dtypes = (x.dtype, w.dtype)
   y, new_state = _qmm(recipe, backend, out_dtype, dtypes, x2, w, state, key)
   return y.reshape(*lead, n), new_state
 

@@ -151,3 +151,86 @@ def test_training_fp8_delayed_moves_state_and_loss():
       assert np.array_equal(h[1:t + 1], prev[:t]), (t, name)
   # Measured here: 0.86 at step 0, a mean of 0.37 over the last 5 steps.
   assert np.mean(losses[-5:]) < 0.6 * losses[0], losses
+
+
+# ----------------------------------------------------------------------------
+# Train and eval modes
+
+
+def test_eval_mode_uses_stored_scales_and_writes_nothing():
+  m = qlayers.QuantDense(16, 8, rngs=nnx.Rngs(0), recipe=delayed())
+  x = jax.random.normal(jax.random.key(0), (4, 16))
+  m(x)
+  qlayers.update_scales(m)  # history [amax(x), 0, 0, 0]
+  before = pure(nnx.state(m, qlayers.QuantVariable))
+  m.eval()
+  assert m.quant.use_running_average
+  big = 100.0 * x
+  y_eval = nnx.jit(lambda m, x: m(x))(m, big)
+  # Nothing written, and the stored scale (from amax(x)) saturates `big`.
+  after = pure(nnx.state(m, qlayers.QuantVariable))
+  assert before.keys() == after.keys()
+  for k in before:
+    assert np.array_equal(before[k], after[k]), k
+  assert sqnr_db(big @ m.kernel[...], y_eval - m.bias[...][None]) < 10
+  m.train()
+  assert not m.quant.use_running_average
+  m(big)
+  assert float(m.quant.x_amax[...]) == float(jnp.max(jnp.abs(big)))
+
+
+def test_eval_mode_before_any_step_scales_by_the_current_amax():
+  """A fresh model (empty history) evaluates with the current amax, not a
+  scale of 1, and still writes nothing."""
+  m = qlayers.QuantDense(16, 8, rngs=nnx.Rngs(0), recipe=delayed())
+  x = 1e-3 * jax.random.normal(jax.random.key(0), (4, 16))
+  ref = nnx.Linear(16, 8, rngs=nnx.Rngs(0))
+  v = nnx.view(m, use_running_average=True)
+  assert sqnr_db(ref(x), v(x)) > 20
+  assert float(m.quant.x_amax[...]) == 0.0
+
+
+# ----------------------------------------------------------------------------
+# The stock NNX training loop
+
+
+def test_stock_nnx_loop_with_update_scales_matches_qlayers_loop():
+  """nnx.value_and_grad over (Param, QuantGradState) + nnx.Optimizer +
+  qlayers.update_scales moves every history as the qlayers loop does."""
+  x = jax.random.normal(jax.random.key(0), (4, 16))
+  c = jnp.linspace(-2.0, 3.0, 4 * 8).reshape(4, 8)
+  loss_fn = lambda m, x: weighted_sum(m(x), c)
+  diff = nnx.DiffState(0, (nnx.Param, qlayers.QuantGradState))
+
+  @nnx.jit
+  def stock_step(m, opt, x):
+    loss, grads = nnx.value_and_grad(loss_fn, argnums=diff)(m, x)
+    opt.update(m, grads)
+    qlayers.update_scales(m, grads)
+    return loss
+
+  a = qlayers.QuantDense(16, 8, rngs=nnx.Rngs(0), recipe=delayed())
+  b = qlayers.QuantDense(16, 8, rngs=nnx.Rngs(0), recipe=delayed())
+  opt_a = nnx.Optimizer(a, optax.sgd(0.1), wrt=nnx.Param)
+  opt_b = qlayers.Optimizer(b, optax.sgd(0.1))
+  q_step = train_step(loss_fn)
+  for i in range(3):
+    xi = x * (i + 1)
+    la, lb = stock_step(a, opt_a, xi), q_step(b, opt_b, xi)
+    np.testing.assert_allclose(la, lb, rtol=1e-6)
+  sa = pure(nnx.state(a, qlayers.QuantVariable))
+  sb = pure(nnx.state(b, qlayers.QuantVariable))
+  for k in sa:
+    np.testing.assert_allclose(sa[k], sb[k], rtol=1e-6, err_msg=k)
+  assert np.all(sa["quant/g_amax_history"][:3] == 3.0)  # max |c|
+
+
+def test_differentiating_without_the_gradient_amax_warns():
+  m = qlayers.QuantDense(16, 8, rngs=nnx.Rngs(0), recipe=delayed())
+  x = jnp.ones((4, 16))
+  monkey = pytest.MonkeyPatch()
+  monkey.setattr(ops, "_warned_uncollected", False)
+  with monkey.context(), pytest.warns(UserWarning,
+                                      match="qlayers.update_scales"):
+    nnx.grad(lambda m: m(x).sum())(m)
+  monkey.undo()
