@@ -40,11 +40,13 @@ from flax.nnx import graphlib
 from qlayers import dispatch
 from qlayers.layers.core import QuantGemm, QuantLayer
 from qlayers.layers.dense import QuantDense
+from qlayers.layers.embed import QuantEmbed
 from qlayers.layers.general import (QuantEinsum, QuantLinearGeneral,
                                     einsum_gemm_plan)
 from qlayers.recipe import Recipe, recipe as load_recipe
 
-__all__ = ["Rule", "DEFAULT_KEEP_WIDE", "DEFAULT_RULES", "ConversionReport",
+__all__ = ["Rule", "DEFAULT_KEEP_WIDE", "KEEP_HEAD_WIDE", "DEFAULT_RULES",
+           "ConversionReport",
            "Converted", "KeptWide", "Skipped", "quantize", "dequantize_model"]
 
 DEFAULT_KEEP_WIDE = (r"(^|/)(embed\w*|\w+_embed\w*|wte|wpe|lm_head|head|"
@@ -61,9 +63,18 @@ class Rule:
   Attributes:
     pattern: a regular expression searched (``re.search``) in the module path,
       its parts joined by ``/``: ``"blocks/0/mlp/up"``. Anchor it
-      (``^...$``, ``(^|/)name($|/)``) to match whole components.
+      (``^...$``, ``(^|/)name($|/)``) to match whole components. The
+      default ``""`` matches every path.
     recipe: a recipe name, path or `Recipe`; ``None`` keeps the layer wide.
+      A rule with a recipe that matches an ``nnx.Embed`` quantizes its
+      ``attend`` (a tied output head; see `qlayers.layers.QuantEmbed`);
+      embeddings are never quantized otherwise.
     backend: force a GEMM backend for these layers (``"xla"``, ``"ffi"``).
+    head: match only the model's output head, found by what it is rather
+      than by name: a linear layer whose N is the vocabulary size of an
+      ``nnx.Embed`` of the model, or else the last linear layer defined
+      whose N features feed no other linear layer (the classifier of a
+      ViT, the ``output_layer`` of a GPT).
 
   Example:
     >>> import qlayers
@@ -72,9 +83,10 @@ class Rule:
     True
   """
 
-  pattern: str
+  pattern: str = ""
   recipe: str | Recipe | None
   backend: str | None = None
+  head: bool = False
 
   def __post_init__(self):
     if not isinstance(self.pattern, str):
@@ -94,13 +106,21 @@ class Rule:
       raise ValueError(f"Rule backend must be one of {dispatch.BACKENDS} or "
                        f"None, got {self.backend!r}.")
 
-  def matches(self, path: str) -> bool:
-    """Whether ``pattern`` occurs in the module path ``path``."""
+  def matches(self, path: str, head: str | None = None) -> bool:
+    """Whether ``pattern`` occurs in the module path ``path`` (and, for a
+    ``head`` rule, the layer is the output head: ``head`` says why)."""
+    if self.head and not head:
+      return False
     return re.search(self.pattern, path) is not None
 
 
-DEFAULT_RULES = (Rule(pattern=DEFAULT_KEEP_WIDE, recipe=None),)
-"""The rules `quantize` applies when given ``rules=None``."""
+KEEP_HEAD_WIDE = Rule(head=True, recipe=None)
+"""Keeps the model's output head wide, whatever its name (see `Rule.head`)."""
+
+DEFAULT_RULES = (Rule(pattern=DEFAULT_KEEP_WIDE, recipe=None), KEEP_HEAD_WIDE)
+"""The rules `quantize` applies when given ``rules=None``: embeddings and
+output heads by name (`DEFAULT_KEEP_WIDE`), and the output head by what it
+is (`KEEP_HEAD_WIDE`)."""
 
 
 # ----------------------------------------------------------------------------
@@ -126,11 +146,12 @@ class Converted:
 @dataclasses.dataclass(frozen=True)
 class KeptWide:
   """A layer left unquantized by a rule (``rule=None``: no rule matched and
-  there was no default recipe)."""
+  there was no default recipe); ``why`` says how an output head was found."""
 
   path: str
   layer_type: str
   rule: str | None
+  why: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,13 +209,14 @@ class ConversionReport:
     table("kept wide", ["path", "layer", "rule"],
           [[k.path, k.layer_type,
             "no rule matched, no default recipe" if k.rule is None
-            else _rule_str(k.rule, self.operation)] for k in self.kept_wide])
+            else _rule_str(k.rule, self.operation)
+            + (f": {k.why}" if k.why else "")] for k in self.kept_wide])
     table("skipped", ["path", "layer", "reason"],
           [[s.path or "(model)", s.layer_type, s.reason] for s in self.skipped])
     table("left as they were", ["path", "layer", "reason"],
           [[s.path, s.layer_type, s.reason] for s in self.already_quantized])
     table("rules that matched nothing", ["pattern", "recipe"],
-          [[_rule_str(r.pattern, self.operation), _recipe_name(r.recipe)]
+          [[_rule_str(_rule_name(r), self.operation), _recipe_name(r.recipe)]
            for r in self.unmatched_rules])
     return "\n".join(lines)
 
@@ -204,7 +226,16 @@ def _rule_str(pattern: str | None, operation: str) -> str:
     return "default recipe" if operation == "qlayers.quantize" else "-"
   if pattern == DEFAULT_KEEP_WIDE:
     return "DEFAULT_KEEP_WIDE"
+  if pattern == _HEAD:
+    return "output head"
   return repr(pattern)
+
+
+_HEAD = "<output head>"  # how a head rule is named in the report
+
+
+def _rule_name(rule: Rule) -> str:
+  return _HEAD if rule.head and not rule.pattern else rule.pattern
 
 
 def _recipe_name(r) -> str:
@@ -219,7 +250,7 @@ def _recipe_name(r) -> str:
 
 _STOCK = (nnx.Linear, nnx.LinearGeneral, nnx.Einsum)
 _QUANT_OF = {nnx.Linear: QuantDense, nnx.LinearGeneral: QuantLinearGeneral,
-             nnx.Einsum: QuantEinsum}
+             nnx.Einsum: QuantEinsum, nnx.Embed: QuantEmbed}
 _STOCK_OF = {q: s for s, q in _QUANT_OF.items()}
 _QUANT_ATTRS = ("quant",)
 
@@ -288,6 +319,8 @@ class _Skip(Exception):
 
 def _dims(layer) -> tuple[int, int]:
   """``(K, N)`` of the GEMM a (stock or quantized) layer runs."""
+  if isinstance(layer, nnx.Embed):  # its attend: query @ embedding.T
+    return layer.features, layer.num_embeddings
   if isinstance(layer, nnx.Linear):
     return layer.in_features, layer.out_features
   if isinstance(layer, nnx.LinearGeneral):
@@ -304,6 +337,8 @@ def _dims(layer) -> tuple[int, int]:
 def _one_gemm(layer) -> int:
   """Raises _Skip unless ``layer`` is one plain GEMM; returns kernel rank."""
   injected = "a custom {} is injected; replacing the layer would drop it"
+  if isinstance(layer, nnx.Embed):
+    return 2
   if isinstance(layer, nnx.Linear):
     if layer.dot_general is not jax.lax.dot_general:
       raise _Skip(injected.format("dot_general"))
@@ -335,6 +370,8 @@ def _twin(cls, layer, **quant) -> nnx.Module:
   Its throwaway Params are size-1 NumPy zeros (no random initialisation to
   run or compile); `_adopt` then replaces them with ``layer``'s Variables.
   """
+  if issubclass(cls, nnx.Embed):
+    return cls(1, 1, embedding_init=_zero_init, rngs=nnx.Rngs(0), **quant)
   kw = dict(kernel_init=_zero_init, bias_init=_zero_init,
             rngs=nnx.Rngs(0), **quant)
   if issubclass(cls, nnx.Linear):
@@ -359,7 +396,7 @@ def _min_block(recipe: Recipe) -> tuple[int, str]:
 def _check(layer, recipe: Recipe) -> tuple[int, int]:
   """``(K, N)`` if ``layer`` can take ``recipe``, else raises _Skip."""
   if type(layer) not in _QUANT_OF:
-    base = next(t for t in _STOCK if isinstance(layer, t))
+    base = next(t for t in _QUANT_OF if isinstance(layer, t))
     raise _Skip(f"a subclass of nnx.{base.__name__}, whose behaviour the "
                 "drop-in would not keep")
   rank = _one_gemm(layer)
@@ -370,6 +407,98 @@ def _check(layer, recipe: Recipe) -> tuple[int, int]:
                 f"scaling block of recipe {recipe.name!r} (mostly padding; "
                 "block-scaled GEMM kernels reject it)")
   return k, n
+
+
+def _weight(layer) -> nnx.Variable:
+  return layer.embedding if isinstance(layer, nnx.Embed) else layer.kernel
+
+
+# ----------------------------------------------------------------------------
+# What the model is made of: its output head, and matmuls we cannot convert
+
+
+def _in_definition_order(model) -> list:
+  """Modules of ``model`` depth first, in the order their attributes were
+  set (``__init__`` order, which for most models is the forward order)."""
+  out, seen = [], set()
+
+  def visit(node):
+    if id(node) in seen:
+      return
+    seen.add(id(node))
+    if isinstance(node, nnx.Module):
+      out.append(node)
+    if isinstance(node, (list, tuple)):
+      children = list(node)
+    elif isinstance(node, dict):
+      children = list(node.values())
+    elif isinstance(node, nnx.Module) or graphlib.is_node(node):
+      items = (vars(node).items() if hasattr(node, "__dict__")
+               else graphlib.get_node_impl(node).node_dict(node).items())
+      children = [v for k, v in items if not str(k).startswith("_pytree__")]
+    else:
+      return
+    for child in children:
+      if isinstance(child, (nnx.Module, list, tuple, dict)) or (
+          graphlib.is_node(child) and not isinstance(child, nnx.Variable)):
+        visit(child)
+
+  visit(model)
+  return out
+
+
+def _output_heads(model, linears: list) -> dict[int, str]:
+  """``{id(layer): why}`` for the model's output head (see `Rule.head`)."""
+  linears = [l for l in linears if not isinstance(l, nnx.Embed)]
+  # A head's N feeds no other linear layer (a K of one would be a width).
+  ks = {_dims(layer)[0] for layer in linears}
+  vocab = {}
+  for node in _in_definition_order(model):
+    if isinstance(node, nnx.Embed) and node.num_embeddings not in ks:
+      vocab.setdefault(node.num_embeddings, node)
+  heads = {}
+  for layer in linears:
+    n = _dims(layer)[1]
+    if n in vocab:
+      heads[id(layer)] = (f"N={n} is the vocabulary of the embedding "
+                          f"({vocab[n].num_embeddings} x {vocab[n].features})")
+  if heads:
+    return heads
+  ids = {id(l) for l in linears}
+  order = [m for m in _in_definition_order(model) if id(m) in ids]
+  # A lone layer is not a model with a head.
+  if len(order) > 1 and _dims(order[-1])[1] not in ks:
+    n = _dims(order[-1])[1]
+    heads[id(order[-1])] = (f"the last linear layer defined; its N={n} "
+                            "features feed no other linear layer")
+  return heads
+
+
+def _unrecognised(model, known: set[int]) -> list[Skipped]:
+  """Modules that own a matmul weight (a Param of rank >= 2) but are not a
+  layer `quantize` converts: listed so they are not passed over silently."""
+  out = []
+  for path, node in nnx.iter_graph(model):
+    if (not isinstance(node, nnx.Module) or id(node) in known
+        or isinstance(node, (QuantGemm, QuantLayer, nnx.Embed, *_STOCK))):
+      continue
+    weights = [(k, v) for k, v in vars(node).items()
+               if isinstance(v, nnx.Param) and np.ndim(v.get_value()) >= 2]
+    if not weights:
+      continue
+    name, var = weights[0]
+    shape = tuple(np.shape(var.get_value()))
+    if isinstance(node, nnx.Conv):
+      why = ("not converted: a convolution (qlayers quantizes the GEMMs of "
+             "nnx.Linear, nnx.LinearGeneral and nnx.Einsum)")
+    else:
+      why = (f"not converted: not a recognised linear layer (it owns the "
+             f"Param {name!r} of shape {shape}); build it from nnx.Linear, "
+             "or run its matmul through qlayers.QuantGemm, which takes "
+             "lax.dot_general's arguments")
+    out.append(Skipped(_path_str(path) or "(model)", type(node).__name__,
+                       why))
+  return out
 
 
 # ----------------------------------------------------------------------------
@@ -411,9 +540,14 @@ def quantize(model: nnx.Module, recipe: Recipe | str | None,
   """Swaps the linear layers of ``model`` for quantized drop-ins, in place.
 
   Each ``nnx.Linear`` / ``nnx.LinearGeneral`` / ``nnx.Einsum`` (see the module
-  docstring) is decided by the first rule whose pattern occurs in its module
-  path: that rule's recipe, or kept wide for ``recipe=None``. Layers no rule
-  matches get ``recipe`` (``None``: left as they are). A chosen layer is
+  docstring) is decided by the first rule that matches it (its pattern occurs
+  in the module path; a ``head`` rule also needs the layer to be the output
+  head): that rule's recipe, or kept wide for ``recipe=None``. Layers no rule
+  matches get ``recipe`` (``None``: left as they are). An ``nnx.Embed``
+  becomes a `qlayers.layers.QuantEmbed` (its ``attend``, a tied head,
+  quantized) only when a rule with a recipe matches it. Modules that own a
+  matmul weight but are none of these (``nnx.Conv``, a hand-written linear
+  with a raw ``nnx.Param``) are listed in the report as not converted. A chosen layer is
   skipped, with the reason in the report, when it cannot take the recipe:
   its K or N is smaller than one scaling block of the recipe (tile/block:
   128, MX: 32; per-tensor and row-wise scaling take any size), it is not one GEMM (``batch_axis``, a batched einsum), it is a
@@ -426,9 +560,10 @@ def quantize(model: nnx.Module, recipe: Recipe | str | None,
     recipe: the recipe of layers no rule decides (name, path, `Recipe`), or
       ``None``.
     rules: `Rule` objects, first match wins. ``None`` uses `DEFAULT_RULES`,
-      which keeps embeddings and the output head wide (`DEFAULT_KEEP_WIDE`).
-      Explicit rules replace the defaults: append ``*qlayers.DEFAULT_RULES``
-      to keep them.
+      which keeps embeddings and output heads wide, by name
+      (`DEFAULT_KEEP_WIDE`) and by what they are (`KEEP_HEAD_WIDE`).
+      Explicit rules replace the defaults: append
+      ``*qlayers.convert.DEFAULT_RULES`` to keep them.
     backend: GEMM backend for layers no rule gives one.
     strict: raise ValueError, before changing anything, if a rule decides no
       layer (the built-in `DEFAULT_RULES` are exempt).
@@ -466,20 +601,26 @@ def quantize(model: nnx.Module, recipe: Recipe | str | None,
   _root(model, report, lambda m: isinstance(m, _STOCK) or _is_quantized(m))
   used: set[int] = set()
   plan = []
-  for site in _sites(model, lambda m: isinstance(m, _STOCK)
-                     or _is_quantized(m)):
+  sites = _sites(model, lambda m: isinstance(m, (*_STOCK, nnx.Embed))
+                 or _is_quantized(m))
+  heads = _output_heads(model, [s.layer for s in sites])
+  for site in sites:
     layer, kind = site.layer, type(site.layer).__name__
-    rule = next((r for r in rules if r.matches(site.path)), None)
+    head = heads.get(id(layer))
+    rule = next((r for r in rules if r.matches(site.path, head)), None)
     if rule is not None:
       used.add(id(rule))
     if _is_quantized(layer):
       report.already_quantized.append(Skipped(
           site.path, kind, f"already quantized ({layer.recipe.name})"))
       continue
+    if isinstance(layer, nnx.Embed) and (rule is None or rule.recipe is None):
+      continue  # an embedding is only converted when a rule asks for it
     r = resolved[id(rule)] if rule is not None else default
     if r is None:
       report.kept_wide.append(KeptWide(
-          site.path, kind, None if rule is None else rule.pattern))
+          site.path, kind, None if rule is None else _rule_name(rule),
+          head if rule is not None and rule.head else ""))
       continue
     try:
       shape = _check(layer, r)
@@ -500,7 +641,7 @@ def quantize(model: nnx.Module, recipe: Recipe | str | None,
     if bad:
       raise ValueError(
           "qlayers.quantize(strict=True): these rules decide no layer: "
-          + "; ".join(f"{r.pattern!r} -> {_recipe_name(r.recipe)}"
+          + "; ".join(f"{_rule_name(r)!r} -> {_recipe_name(r.recipe)}"
                       for r in bad)
           + ". Nothing was changed. Layer paths: "
           + ", ".join(s.path for s in _sites(model, lambda m: isinstance(
@@ -509,15 +650,17 @@ def quantize(model: nnx.Module, recipe: Recipe | str | None,
     layer = site.layer
     cls = _QUANT_OF[type(layer)]
     new = _adopt(_twin(cls, layer, recipe=r, backend=b), layer)
-    stack = tuple(layer.kernel.shape[:layer.kernel.ndim - _one_gemm(layer)])
+    weight = _weight(layer)
+    stack = tuple(weight.shape[:weight.ndim - _one_gemm(layer)])
     if stack and r.delayed:
       # Made under nnx.vmap: one delayed-scaling state per stacked layer.
       new.quant = QuantGemm(r, backend=b, batch_shape=stack)
     _replace(site, new)
     report.converted.append(Converted(
         site.path, type(layer).__name__, cls.__name__, shape, r.name,
-        None if rule is None else rule.pattern,
+        None if rule is None else _rule_name(rule),
         tuple(p for _, _, p in site.refs if p != site.path)))
+  report.skipped.extend(_unrecognised(model, {id(s.layer) for s in sites}))
   return report
 
 

@@ -226,13 +226,13 @@ def test_skip_by_dimension():
       self.wide = nnx.Linear(64, 64, rngs=rngs)
       self.gate = nnx.Linear(64, 16, rngs=rngs)
   net = Narrow(nnx.Rngs(0))
-  report = qlayers.quantize(net, "mxfp8")
+  report = qlayers.quantize(net, "mxfp8", rules=())  # gate is also the head
   assert [c.path for c in report.converted] == ["wide"]
   assert [(s.path, s.reason[:12]) for s in report.skipped] == [
       ("gate", "K=64, N=16: ")]
   assert "32-element mx scaling block" in report.skipped[0].reason
   # Per-tensor scaling takes any size.
-  report = qlayers.quantize(Narrow(nnx.Rngs(0)), "fp8_current")
+  report = qlayers.quantize(Narrow(nnx.Rngs(0)), "fp8_current", rules=())
   assert len(report.converted) == 2
 
 
@@ -509,3 +509,114 @@ def test_converted_model_trains():
   hist = model.blocks[0].mlp.up.quant.x_amax_history[...]
   assert hist.shape == (16,) and float(hist[0]) > 0 and float(hist[3]) > 0
   assert int(opt.step[...]) == 4
+
+
+# ----------------------------------------------------------------------------
+# Output heads by what they are, unconvertible matmuls, tied embeddings
+
+
+class MiniGPT(nnx.Module):
+  """Heads named as third-party models name them: the vocabulary projection
+  ``output_layer`` and a fused ``c_attn`` whose N (3d) is no layer's K."""
+
+  def __init__(self, head_name="output_layer", vocab=1000, d=64):
+    rngs = nnx.Rngs(0)
+    self.token_emb = nnx.Embed(vocab, d, rngs=rngs)
+    self.c_attn = nnx.Linear(d, 3 * d, rngs=rngs)
+    self.c_proj = nnx.Linear(d, d, rngs=rngs)
+    self.fc = nnx.Linear(d, 4 * d, rngs=rngs)
+    self.fc_out = nnx.Linear(4 * d, d, rngs=rngs)
+    setattr(self, head_name, nnx.Linear(d, vocab, rngs=rngs))
+
+
+class ViT(nnx.Module):
+
+  def __init__(self, d=64, classes=10):
+    rngs = nnx.Rngs(0)
+    self.patch = nnx.Conv(3, d, (4, 4), strides=(4, 4), rngs=rngs)
+    self.mlp_in = nnx.Linear(d, 2 * d, rngs=rngs)
+    self.mlp_out = nnx.Linear(2 * d, d, rngs=rngs)
+    self.classifier = nnx.Linear(d, classes, rngs=rngs)
+
+
+@pytest.mark.parametrize("name", ["output_layer", "score", "fc_vocab"])
+def test_vocabulary_head_kept_wide_whatever_its_name(name):
+  model = MiniGPT(name)
+  report = qlayers.quantize(model, "fp8_current")
+  assert [k.path for k in report.kept_wide] == [name]
+  assert "vocabulary of the embedding (1000 x 64)" in report.kept_wide[0].why
+  assert "output head" in str(report)
+  assert sorted(c.path for c in report.converted) == [
+      "c_attn", "c_proj", "fc", "fc_out"]
+
+
+def test_classifier_kept_wide_and_conv_reported():
+  report = qlayers.quantize(ViT(), "mxfp8")
+  assert [k.path for k in report.kept_wide] == ["classifier"]
+  assert "last linear layer defined" in report.kept_wide[0].why
+  assert [(s.path, s.layer_type) for s in report.skipped] == [
+      ("patch", "Conv")]
+  assert "convolution" in report.skipped[0].reason
+  # Explicit rules replace the defaults: the classifier is converted.
+  report = qlayers.quantize(ViT(), "fp8_current", rules=())
+  assert "classifier" in [c.path for c in report.converted]
+
+
+def test_hand_written_linear_is_reported_not_passed_over():
+  class ShardedLinear(nnx.Module):
+    def __init__(self, rngs):
+      self.w = nnx.Param(jax.random.normal(rngs.params(), (64, 64)))
+
+    def __call__(self, x):
+      return jnp.matmul(x, self.w[...])
+
+  class Net(nnx.Module):
+    def __init__(self):
+      rngs = nnx.Rngs(0)
+      self.norm = nnx.LayerNorm(64, rngs=rngs)
+      self.proj = ShardedLinear(rngs)
+      self.up = nnx.Linear(64, 64, rngs=rngs)
+
+  report = qlayers.quantize(Net(), "fp8_current")
+  assert [c.path for c in report.converted] == ["up"]
+  (s,) = report.skipped
+  assert (s.path, s.layer_type) == ("proj", "ShardedLinear")
+  assert "not a recognised linear layer" in s.reason
+  assert "'w' of shape (64, 64)" in s.reason and "QuantGemm" in s.reason
+
+
+class TiedGPT(nnx.Module):
+
+  def __init__(self, vocab=256, d=64):
+    rngs = nnx.Rngs(0)
+    self.wte = nnx.Embed(vocab, d, rngs=rngs)
+    self.mlp = MLP(d, rngs)
+
+  def __call__(self, tokens):
+    x = self.wte(tokens)
+    return self.wte.attend(x + self.mlp(x))
+
+
+def test_tied_embedding_head_quantized_by_opt_in_rule(sqnr):
+  model = TiedGPT()
+  table = model.wte.embedding
+  ref = apply(model, TOKENS)
+  # By default the embedding (and so its attend) stays wide.
+  report = qlayers.quantize(model, "fp8_current")
+  assert type(model.wte) is nnx.Embed
+  assert "wte" not in [c.path for c in report.converted]
+  rules = [qlayers.Rule(pattern=r"(^|/)wte$", recipe="fp8_current"),
+           *qlayers.convert.DEFAULT_RULES]
+  report = qlayers.quantize(model, None, rules)
+  assert [(c.path, c.new_type) for c in report.converted] == [
+      ("wte", "QuantEmbed")]
+  assert model.wte.embedding is table  # the same Param
+  got = apply(model, TOKENS)
+  assert sqnr(ref, got) > 20
+  # Lookups are untouched; gradients reach the table through attend.
+  np.testing.assert_array_equal(model.wte(TOKENS), table[...][TOKENS])
+  grads = nnx.grad(lambda m: jnp.sum(m(TOKENS)[..., 7]))(model)
+  g = np.asarray(grads["wte"]["embedding"][...])
+  assert np.abs(g[7]).sum() > 0
+  qlayers.dequantize_model(model)
+  assert type(model.wte) is nnx.Embed and model.wte.embedding is table

@@ -4,9 +4,10 @@ from qlayers.layers.attention import QuantAttentionProj
 from qlayers.layers.core import QuantGemm
 from qlayers.layers.core import QuantLayer
 from qlayers.layers.dense import QuantDense
+from qlayers.layers.embed import QuantEmbed
 from qlayers.layers.general import QuantEinsum
 from qlayers.layers.general import QuantLinearGeneral
 from qlayers.layers.logits import QuantLogits
 
-__all__ = ["QuantAttentionProj", "QuantDense", "QuantEinsum", "QuantGemm",
-           "QuantLayer", "QuantLinearGeneral", "QuantLogits"]
+__all__ = ["QuantAttentionProj", "QuantDense", "QuantEinsum", "QuantEmbed",
+           "QuantGemm", "QuantLayer", "QuantLinearGeneral", "QuantLogits"]
