@@ -9,6 +9,7 @@ Usage (from the repository root)::
   python benchmarks/compile.py --model smollm2 --blocks 4     # a shorter stack
   python benchmarks/compile.py --quick                        # ~1 min smoke run
   python benchmarks/compile.py breakdown --recipe fp8_current # what adds HLO
+  python benchmarks/compile.py report gpt.json                # tables again
 
 Models (``--model``, ``--blocks N`` changes the number of blocks):
 
@@ -444,7 +445,7 @@ def render(results: list[dict[str, Any]], header: dict[str, Any]) -> str:
       f"- command: `{header['command']}`", "",
       *mdtable.head(
           ["variant", "converted", "trace s", "lower s", "compile s",
-           "compile CPU s", "compile vs stock", "jaxpr eqns",
+           "compile CPU s", "compile vs stock (wall / CPU)", "jaxpr eqns",
            "StableHLO lines", "HLO instr", "HLO lines", "fusions",
            "HLO instr vs stock"], "l" + "r" * 12),
   ]
@@ -462,7 +463,8 @@ def render(results: list[dict[str, Any]], header: dict[str, Any]) -> str:
     lines.append(mdtable.row(
         r["variant"], conv, f"{r['trace_s']:.2f}", f"{r['lower_s']:.2f}",
         f"{r['compile_s']:.2f}", f"{r['compile_cpu_s']:.2f}",
-        _ratio(r["compile_s"], base and base["compile_s"]),
+        _ratio(r["compile_s"], base and base["compile_s"]) + " / "
+        + _ratio(r["compile_cpu_s"], base and base["compile_cpu_s"]),
         f"{r['jaxpr_eqns']:,}", f"{r['stablehlo_lines']:,}",
         f"{r['hlo_instructions']:,}", f"{r['hlo_lines']:,}",
         f"{r['fusions']:,}",
@@ -573,6 +575,14 @@ def _run(args: argparse.Namespace) -> int:
   return 1 if any("error" in r for r in results) else 0
 
 
+def _report_cmd(args: argparse.Namespace) -> int:
+  """Prints the tables of earlier ``--json`` files again."""
+  for path in args.paths:
+    data = json.loads(pathlib.Path(path).read_text())
+    print(render(data["results"], data["header"]))
+  return 0
+
+
 def _measure_cmd(args: argparse.Namespace) -> int:
   res = measure(args.model, args.variant, blocks=args.blocks,
                 rules=args.rules)
@@ -610,6 +620,8 @@ def _parser() -> argparse.ArgumentParser:
   m = sub.add_parser("measure", help="one variant, JSON on stdout (internal)")
   _add_common(m)
   m.add_argument("--variant", required=True)
+  rep = sub.add_parser("report", help="the tables of earlier --json files")
+  rep.add_argument("paths", nargs="+", metavar="JSON")
   b = sub.add_parser("breakdown", help="where one recipe's step gets its "
                      "size (see compile_breakdown.py)")
   _add_common(b)
@@ -622,12 +634,14 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
-  if not argv or argv[0] not in ("run", "measure", "breakdown", "-h",
-                                 "--help"):
+  if not argv or argv[0] not in ("run", "measure", "report", "breakdown",
+                                 "-h", "--help"):
     argv.insert(0, "run")
   args = _parser().parse_args(argv)
   if args.cmd == "measure":
     return _measure_cmd(args)
+  if args.cmd == "report":
+    return _report_cmd(args)
   if args.cmd == "breakdown":
     import compile_breakdown
     return compile_breakdown.main(args)

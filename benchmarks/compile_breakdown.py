@@ -13,7 +13,8 @@ compiles, and never runs:
    kernel and input) as ``nnx.Linear`` and as ``QuantDense`` at the shape of
    the model's MLP up projection; the optimizer update alone
    (``nnx.Optimizer`` vs ``qlayers.Optimizer``, the unquantized model, given
-   gradients); ``value_and_grad`` alone (``nnx`` vs ``qlayers``, on the
+   gradients; for delayed scaling also the quantized model, whose update
+   commits the scales); ``value_and_grad`` alone (``nnx`` vs ``qlayers``, on the
    unquantized and the quantized model); ``qlayers.Optimizer.update`` at 1
    and 2 blocks (linear growth doubles, quadratic quadruples); and the whole
    step, ``stock`` vs ``qlayers/RECIPE``. Each with its jaxpr equations
@@ -278,23 +279,30 @@ def gemm_parts(model_name: str, recipe: str) -> list[Part]:
   out = []
   for name, layer in layers.items():
     gd, params, rest = nnx.split(layer, nnx.Param, ...)
+    params, rest = nnx.as_pure(params), nnx.as_pure(rest)
 
-    def loss(p, x, ct, rest=rest, gd=gd):
-      y = nnx.merge(gd, p, rest)(x)
+    def loss(p, r, x, ct, gd=gd):
+      y = nnx.merge(gd, p, r)(x)
       return jnp.vdot(y.astype(jnp.float32), ct)
 
     out.append(compile_part(f"one GEMM {m}x{k}x{n} fwd+bwd", name,
-                            jax.grad(loss, (0, 1)), params, x, ct))
+                            jax.grad(loss, (0, 2)), params, rest, x, ct))
   return out
 
 
 def optimizer_parts(model_name: str, recipe: str, blocks) -> list[Part]:
-  """``opt.update`` alone, given gradients (the Params' own values)."""
+  """``opt.update`` alone, given gradients (the Params' own values).
+
+  With a delayed-scaling recipe also on the quantized model, whose update
+  commits the scales; otherwise that update is the unquantized one.
+  """
+  import qlayers
   out = []
-  for variant, label in (("stock", "nnx.Optimizer"),
-                         ("qlayers-wide", "qlayers.Optimizer"),
-                         (f"qlayers/{recipe}",
-                          f"qlayers.Optimizer, {recipe} model")):
+  variants = [("stock", "nnx.Optimizer"), ("qlayers-wide", "qlayers.Optimizer")]
+  if qlayers.recipe(recipe).delayed:
+    variants.append((f"qlayers/{recipe}",
+                     f"qlayers.Optimizer, {recipe} model"))
+  for variant, label in variants:
     parts = cb.build_parts(model_name, variant, blocks=blocks)
     grads = nnx.state(parts.model, nnx.Param)
 
