@@ -1,38 +1,24 @@
 """Checkpoints of (quantized) models and their optimizers, with orbax.
 
-A checkpoint is one orbax composite checkpoint plus a digest list::
+A checkpoint is one orbax composite checkpoint: items ``model`` (Variables
+other than quantization state), ``quant`` (`QuantVariable` state) and
+``optimizer``, with orbax's tree, shape, dtype and sharding metadata and, as
+its custom metadata, the qlayers description (versions, per quantized layer
+its recipe and settings). qlayers adds what orbax does not do:
 
-  model/        the model's Variables other than quantization state
-  quant/        its quantization state (`QuantVariable`), when it has any
-  optimizer/    the optimizer's state, when one was saved
-  _CHECKPOINT_METADATA   orbax's step metadata; its custom metadata holds the
-                qlayers description (versions, items, per quantized layer
-                its recipe and all settings)
-  qlayers.json  size and SHA-256 of every other file
+* ``qlayers.json``: size and SHA-256 of every other file. Orbax reads a
+  flipped bit in an array's data file back as a wrong value, silently.
+* Kill-safe replacement: the new checkpoint is written complete beside the
+  old one and swapped in atomically (Linux ``renameat2(RENAME_EXCHANGE)``;
+  elsewhere two renames, after which a cut-off swap is found and finished).
+* Checks of the target before anything is read into it (same Variables,
+  same recipes), and params-only loads that start quantization state fresh.
 
-Orbax records the tree, shapes, dtypes and shardings of every item, writes
-each array from the processes that hold it and finalizes atomically. What
-qlayers adds:
-
-* Digests. Orbax does not notice a flipped bit in an array's data file (it
-  restores the wrong value), so every file is hashed at save and checked at
-  restore.
-* Replacement that survives a kill: the new checkpoint is written complete
-  beside the old one and swapped in atomically (Linux ``renameat2``
-  ``RENAME_EXCHANGE``; elsewhere two renames, with the finished one found
-  and put back in place by the next `save`).
-* Checks of the target before any array is read: the same Variables with the
-  same shapes and dtypes, the same layers quantized with the same recipes,
-  or a params-only load that starts the quantization state fresh.
-
-Under ``jax.distributed`` every process calls `save` and `restore`; orbax
-writes each process's shards, only process 0 writes metadata and digests and
-swaps directories, and every process reads and checks. Arrays come back with
-the shardings of the target's arrays.
-
-Zero-size arrays (e.g. the master-weight markers of `qlayers.Optimizer`)
-hold no data; orbax cannot save them, so they are skipped and kept from the
-target.
+Under ``jax.distributed`` every process calls `save` and `restore`: orbax
+writes each process's shards, process 0 alone writes the metadata and
+swaps, every process checks and reads. Arrays come back with the target's
+shardings. Zero-size arrays (e.g. `qlayers.Optimizer`'s master markers) hold
+no data and orbax cannot save them: they are skipped and kept from the target.
 """
 
 from __future__ import annotations
@@ -47,7 +33,6 @@ import json
 import os
 import pathlib
 import shutil
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -55,7 +40,6 @@ import numpy as np
 from flax import nnx
 
 from qlayers.layers.core import QuantGemm, QuantLayer, gemms
-from qlayers.recipe import Recipe
 from qlayers.state import QuantVariable
 
 __all__ = ["save", "restore", "read_metadata", "CheckpointMismatchError",
@@ -81,17 +65,8 @@ class CheckpointCorruptError(ValueError):
 # Model state as orbax trees
 
 
-def _value(v):
-  return v.get_value() if isinstance(v, nnx.Variable) else v
-
-
-def _split(model: nnx.Module) -> tuple[nnx.State, nnx.State]:
-  quant, rest = nnx.state(model, QuantVariable, ...)
-  return rest, quant
-
-
 def _items(model, optimizer) -> dict[str, nnx.State]:
-  rest, quant = _split(model)
+  quant, rest = nnx.state(model, QuantVariable, ...)
   items = {"model": rest, "quant": quant}
   if optimizer is not None:
     items["optimizer"] = nnx.state(optimizer)
@@ -102,23 +77,19 @@ def _tree(state: nnx.State) -> dict:
   """Nested ``{str: array}`` of the non-empty arrays in ``state``."""
   out: dict = {}
   for path, var in nnx.to_flat_state(state):
-    x = _value(var)
-    if np.size(x) == 0:
-      continue
-    node = out
-    for p in path[:-1]:
-      node = node.setdefault(str(p), {})
-    node[str(path[-1])] = x
+    if np.size(var.get_value()):
+      node = out
+      for p in path[:-1]:
+        node = node.setdefault(str(p), {})
+      node[str(path[-1])] = var.get_value()
   return out
 
 
-def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+def _flat(tree, prefix: str = "") -> dict:
   if not isinstance(tree, dict):
     return {prefix: tree}
-  out = {}
-  for k, v in tree.items():
-    out.update(_flat(v, f"{prefix}/{k}" if prefix else str(k)))
-  return out
+  return {k: v for key, sub in tree.items()
+          for k, v in _flat(sub, f"{prefix}/{key}" if prefix else key).items()}
 
 
 def _abstract(x):
@@ -128,16 +99,11 @@ def _abstract(x):
 
 def _fill(state: nnx.State, values: dict) -> nnx.State:
   """``state`` with the arrays of ``values`` (zero-size ones kept)."""
-  def lookup(path, var):
-    if np.size(_value(var)) == 0:
-      return var
-    node = values
-    for p in path:
-      node = node[str(p)]
-    return var.replace(node)
-
-  return nnx.from_flat_state(
-      [(path, lookup(path, var)) for path, var in nnx.to_flat_state(state)])
+  flat = _flat(values)
+  return nnx.from_flat_state([
+      (path, var.replace(flat["/".join(map(str, path))])
+       if np.size(var.get_value()) else var)
+      for path, var in nnx.to_flat_state(state)])
 
 
 def _layers(model: nnx.Module) -> dict[str, dict]:
@@ -145,26 +111,24 @@ def _layers(model: nnx.Module) -> dict[str, dict]:
   nodes = dict(nnx.iter_graph(model))
   out = {}
   for path, node in gemms(model):
-    r: Recipe = node.recipe
+    r = node.recipe
     owner = nodes.get(path[:-1]) if path and path[-1] == "quant" else None
     if isinstance(owner, QuantLayer):
       path, node = path[:-1], owner
     out["/".join(map(str, path))] = {
-        "type": type(node).__name__,
-        "recipe": r.name,
+        "type": type(node).__name__, "recipe": r.name,
         "scaling": ("delayed" if r.delayed
                     else "current" if r.quantized else "none"),
         "amax_history_len": r.amax_history_len if r.delayed else None,
-        "recipe_config": json.loads(json.dumps(dataclasses.asdict(r))),
-    }
+        "recipe_config": json.loads(json.dumps(dataclasses.asdict(r)))}
   return out
 
 
-def _checkpointer():
+def _checkpointer(items=_ITEMS):
   import orbax.checkpoint as ocp
 
   return ocp.Checkpointer(ocp.CompositeCheckpointHandler(
-      **{name: ocp.StandardCheckpointHandler() for name in _ITEMS}))
+      **{name: ocp.StandardCheckpointHandler() for name in items}))
 
 
 def _primary() -> bool:
@@ -201,9 +165,9 @@ def _verify_files(path: pathlib.Path, files: dict, items, digests: bool):
   """Checks the files of ``items`` and the top-level ones against ``files``."""
   problems = []
   for rel, rec in files.items():
+    f = path / rel
     if "/" in rel and rel.split("/", 1)[0] not in items:
       continue
-    f = path / rel
     if not f.is_file():
       problems.append(f"{rel} is missing")
     elif f.stat().st_size != rec["size"]:
@@ -212,9 +176,8 @@ def _verify_files(path: pathlib.Path, files: dict, items, digests: bool):
     elif digests and _digest(f) != rec["sha256"]:
       problems.append(f"{rel} changed since it was saved (SHA-256 differs)")
   if problems:
-    raise CheckpointCorruptError(
-        f"Checkpoint {path} is damaged:\n" + "\n".join(
-            _listed("files", problems)[1:]))
+    raise CheckpointCorruptError(f"Checkpoint {path} is damaged:\n" +
+                                 "\n".join(_listed("", problems)[1:]))
 
 
 def _write_json(file: pathlib.Path, obj) -> None:
@@ -231,8 +194,8 @@ def _write_json(file: pathlib.Path, obj) -> None:
 
 
 def _sibling(path: pathlib.Path, role: str) -> pathlib.Path:
-  """Where a checkpoint is written before its swap (``new``) or the old one
-  waits to be removed (``old``)."""
+  """Where a checkpoint is written before its swap (``new``), or where the
+  old one waits for removal after two renames (``old``)."""
   return path.with_name(f".{path.name}.qlayers-{role}")
 
 
@@ -261,41 +224,35 @@ def _exchange(a: pathlib.Path, b: pathlib.Path) -> bool:
 
 
 def _swap_in(new: pathlib.Path, path: pathlib.Path) -> None:
-  """Puts the complete checkpoint ``new`` at ``path``; some complete
-  checkpoint is at ``path`` or at a sibling `_recover` restores, whenever the
-  process is killed."""
+  """Moves the complete checkpoint ``new`` to ``path``. Killed at any point,
+  a complete checkpoint is at ``path`` or (between two renames) beside it,
+  where `_resolve` finds it."""
+  old = None
   if not os.path.lexists(path):
     os.rename(new, path)
-    _fsync_dir(path.parent)
-    return
-  if _exchange(new, path):
+  elif _exchange(new, path):
     old = new
   else:
     old = _sibling(path, "old")
     os.rename(path, old)
     os.rename(new, path)
   _fsync_dir(path.parent)
-  shutil.rmtree(old)
-
-
-def _complete(path: pathlib.Path) -> bool:
-  return (path / DIGESTS_FILE).is_file()
+  if old is not None:
+    shutil.rmtree(old)
 
 
 def _resolve(path: pathlib.Path) -> pathlib.Path:
-  """``path``, or while a replacement was cut off between its two renames,
-  the complete sibling that `save` will put back."""
-  if os.path.lexists(path):
-    return path
-  for sib in (_sibling(path, "new"), _sibling(path, "old")):
-    if _complete(sib):
-      return sib
+  """``path``, or if a swap by two renames was cut off between them, the
+  complete checkpoint beside it."""
+  if not os.path.lexists(path):
+    for sib in (_sibling(path, "new"), _sibling(path, "old")):
+      if (sib / DIGESTS_FILE).is_file():
+        return sib
   return path
 
 
 def _recover(path: pathlib.Path) -> None:
-  """Puts back a checkpoint left beside ``path`` by a killed save, then
-  removes what is left of unfinished saves."""
+  """Finishes a cut-off swap and removes what unfinished saves left."""
   found = _resolve(path)
   if found != path:
     os.rename(found, path)
@@ -312,15 +269,14 @@ def save(path: str | os.PathLike, model: nnx.Module, *,
          overwrite: bool = False) -> pathlib.Path:
   """Saves ``model`` (and ``optimizer``) to the directory ``path``.
 
-  The checkpoint is written beside ``path`` and moved there when complete,
-  so a save that is killed leaves the previous checkpoint (or nothing, or
-  the new one) and can simply be run again. Under ``jax.distributed`` every
-  process must call it.
+  The checkpoint is written beside ``path`` and swapped in when complete: a
+  save that is killed leaves the previous checkpoint (or the new one) and
+  can simply be run again. Under ``jax.distributed`` every process calls it.
 
   Args:
     path: checkpoint directory; must not exist unless ``overwrite``.
     model: the model: every Variable is saved (Params, quantization state,
-      batch statistics, RNG state, ...), sharded arrays from the processes
+      batch statistics, RNG state, ...), sharded arrays by the processes
       that hold them.
     optimizer: an ``nnx.Optimizer`` (e.g. `qlayers.Optimizer`) to save too.
     overwrite: replace an existing checkpoint (only a directory holding a
@@ -353,7 +309,8 @@ def save(path: str | os.PathLike, model: nnx.Module, *,
     if not overwrite:
       raise FileExistsError(f"{path} exists; pass overwrite=True to replace "
                             "it.")
-    if not path.is_dir() or not (_complete(path) or not any(path.iterdir())):
+    if not path.is_dir() or not ((path / DIGESTS_FILE).is_file()
+                                 or not any(path.iterdir())):
       raise FileExistsError(f"{path} exists and is not a qlayers checkpoint; "
                             "refusing to overwrite it.")
   path.parent.mkdir(parents=True, exist_ok=True)
@@ -367,7 +324,7 @@ def save(path: str | os.PathLike, model: nnx.Module, *,
                  "has_optimizer": optimizer is not None,
                  "layers": _layers(model)}
   new = _sibling(path, "new")
-  with _checkpointer() as ckptr:
+  with _checkpointer() as ckptr:  # orbax finalizes `new` atomically
     ckptr.save(new, ocp.args.Composite(
         **{name: ocp.args.StandardSave(tree) for name, tree in trees.items()}),
                custom_metadata=description, force=True)
@@ -384,34 +341,10 @@ def save(path: str | os.PathLike, model: nnx.Module, *,
 # Restore
 
 
-def _read_digests(path: pathlib.Path) -> dict:
-  if not path.exists():
-    raise FileNotFoundError(f"No checkpoint at {path}.")
-  if not path.is_dir():
-    raise CheckpointCorruptError(f"{path} is not a checkpoint directory.")
-  file = path / DIGESTS_FILE
-  if not file.is_file():
-    raise CheckpointCorruptError(
-        f"{path} has no {DIGESTS_FILE}: the save did not finish, or this is "
-        "not a qlayers checkpoint.")
+def _orbax_metadata(path: pathlib.Path, items=()):
+  """Orbax's step metadata, with the tree metadata of ``items``."""
   try:
-    digests = json.loads(file.read_text())
-  except (OSError, ValueError) as e:
-    raise CheckpointCorruptError(f"{file} is not readable JSON: {e}") from None
-  if not isinstance(digests, dict) or digests.get("format") != FORMAT or \
-      not isinstance(digests.get("files"), dict):
-    raise CheckpointCorruptError(f"{file} is not qlayers checkpoint metadata.")
-  if digests.get("format_version") != FORMAT_VERSION:
-    raise CheckpointCorruptError(
-        f"{path} has checkpoint format version "
-        f"{digests.get('format_version')}; this qlayers reads version "
-        f"{FORMAT_VERSION}.")
-  return digests
-
-
-def _orbax_metadata(path: pathlib.Path):
-  try:
-    with _checkpointer() as ckptr:
+    with _checkpointer(items) as ckptr:
       return ckptr.metadata(path)
   except Exception as e:  # orbax and tensorstore raise many types
     raise _unreadable(path, e) from e
@@ -425,11 +358,31 @@ def _unreadable(path, e: Exception) -> CheckpointCorruptError:
 
 def read_metadata(path: str | os.PathLike) -> dict:
   """The description of the checkpoint at ``path`` (raises if not one):
-  versions, ``items``, ``has_optimizer``, per quantized layer its
+  versions, ``items``, ``has_optimizer``, per quantized layer its ``type``,
   ``recipe``, ``scaling``, ``amax_history_len`` and ``recipe_config``, and
   the ``files`` with their sizes and SHA-256."""
   path = _resolve(pathlib.Path(path).expanduser().absolute())
-  digests = _read_digests(path)
+  if not path.exists():
+    raise FileNotFoundError(f"No checkpoint at {path}.")
+  if not path.is_dir():
+    raise CheckpointCorruptError(f"{path} is not a checkpoint directory.")
+  file = path / DIGESTS_FILE
+  if not file.is_file():
+    raise CheckpointCorruptError(
+        f"{path} has no {DIGESTS_FILE}: the save did not finish, or this is "
+        "not a qlayers checkpoint.")
+  try:
+    digests = json.loads(file.read_text())
+  except (OSError, ValueError) as e:
+    raise CheckpointCorruptError(f"{file} is not readable JSON: {e}") from None
+  if not (isinstance(digests, dict) and digests.get("format") == FORMAT
+          and isinstance(digests.get("files"), dict)):
+    raise CheckpointCorruptError(f"{file} is not qlayers checkpoint metadata.")
+  if digests.get("format_version") != FORMAT_VERSION:
+    raise CheckpointCorruptError(
+        f"{path} has checkpoint format version "
+        f"{digests.get('format_version')}; this qlayers reads version "
+        f"{FORMAT_VERSION}.")
   meta = dict(_orbax_metadata(path).custom_metadata or {})
   for key in ("format", "items", "layers", "has_optimizer"):
     if key not in meta:
@@ -439,65 +392,61 @@ def read_metadata(path: str | os.PathLike) -> dict:
   return {**meta, "files": digests["files"]}
 
 
-def _fmt(x) -> str:
-  """Shape and dtype of an orbax ArrayMetadata or a ShapeDtypeStruct."""
-  return f"{tuple(x.shape)} {np.dtype(x.dtype)}"
-
-
 def _listed(title: str, items: list[str]) -> list[str]:
-  if not items:
-    return []
   more = len(items) - _SHOW
   shown = items[:_SHOW] + ([f"... and {more} more"] if more > 0 else [])
-  return [f"{title}:"] + [f"  {s}" for s in shown]
+  return [f"{title}:"] + [f"  {s}" for s in shown] if items else []
 
 
 def _variable_diff(what: str, ckpt: dict, target: dict) -> list[str]:
-  missing = sorted(set(target) - set(ckpt))
-  extra = sorted(set(ckpt) - set(target))
-  changed = [f"{p}: checkpoint {_fmt(ckpt[p])}, {what} {_fmt(target[p])}"
+  """Differences of two ``{path: ArrayMetadata | ShapeDtypeStruct}``."""
+  fmt = lambda x: f"{tuple(x.shape)} {np.dtype(x.dtype)}"
+  changed = [f"{p}: checkpoint {fmt(ckpt[p])}, {what} {fmt(target[p])}"
              for p in sorted(set(ckpt) & set(target))
-             if _fmt(ckpt[p]) != _fmt(target[p])]
-  return (_listed(f"{what} Variables missing from the checkpoint", missing)
-          + _listed(f"checkpoint Variables the {what} does not have", extra)
+             if fmt(ckpt[p]) != fmt(target[p])]
+  return (_listed(f"{what} Variables missing from the checkpoint",
+                  sorted(set(target) - set(ckpt)))
+          + _listed(f"checkpoint Variables the {what} does not have",
+                    sorted(set(ckpt) - set(target)))
           + _listed(f"{what} Variables that differ", changed))
 
 
-def _describe_recipe(layer: dict) -> str:
-  hist = layer["amax_history_len"]
-  return (f"{layer['type']} recipe {layer['recipe']!r} ({layer['scaling']}"
-          + (f" scaling, amax_history_len={hist})" if hist else " scaling)"))
-
-
 def _layer_diff(ckpt: dict, target: dict) -> list[str]:
-  missing = [f"{p or '(model)'}: {_describe_recipe(target[p])}"
-             for p in sorted(set(target) - set(ckpt))]
-  extra = [f"{p or '(model)'}: {_describe_recipe(ckpt[p])}"
-           for p in sorted(set(ckpt) - set(target))]
+  def describe(layer):
+    hist = layer["amax_history_len"]
+    return (f"{layer['type']} recipe {layer['recipe']!r} ({layer['scaling']}"
+            + (f" scaling, amax_history_len={hist})" if hist else " scaling)"))
+
   changed = []
   for p in sorted(set(ckpt) & set(target)):
     c, t = ckpt[p], target[p]
-    fc = _flat(c["recipe_config"])
-    ft = _flat(t["recipe_config"])
+    fc, ft = _flat(c["recipe_config"]), _flat(t["recipe_config"])
     fields = [f"{k.replace('/', '.')}: {fc.get(k)!r} vs {ft.get(k)!r}"
               for k in sorted(set(fc) | set(ft)) if fc.get(k) != ft.get(k)]
     if c["type"] != t["type"]:
       fields.append(f"layer type {c['type']} vs {t['type']}")
     if fields:
-      changed.append(f"{p or '(model)'}: checkpoint {_describe_recipe(c)}, "
-                     f"model {_describe_recipe(t)}; " + "; ".join(fields))
+      changed.append(f"{p or '(model)'}: checkpoint {describe(c)}, model "
+                     f"{describe(t)}; " + "; ".join(fields))
+  only = lambda a, b: [f"{p or '(model)'}: {describe(a[p])}"
+                       for p in sorted(set(a) - set(b))]
   return (_listed("layers quantized in the model but not in the checkpoint",
-                  missing)
+                  only(target, ckpt))
           + _listed("layers quantized in the checkpoint but not in the model",
-                    extra)
+                    only(ckpt, target))
           + _listed("layers whose recipe differs", changed))
 
 
-def _mismatch(path, lines: list[str],
-              hint: str = "") -> CheckpointMismatchError:
+def _mismatch(path, lines: list[str], hint: str = "") -> Exception:
   return CheckpointMismatchError(
       f"Checkpoint {path} does not match the target:\n" + "\n".join(lines)
       + (f"\n{hint}" if hint else ""))
+
+
+_FRESH_HINT = ("To load only the Params and start the quantization state "
+               "fresh, pass params_only=True.")
+_OPT_HINT = ("The optimizer must be built like the saved one (same optax "
+             "transformation and wrapper, same model Params).")
 
 
 def _reset_quant_state(model: nnx.Module) -> None:
@@ -505,11 +454,10 @@ def _reset_quant_state(model: nnx.Module) -> None:
   stacked shape of layers made under nnx.vmap and the arrays' shardings."""
   for _, node in gemms(model):
     if node.delayed:
-      old = nnx.state(node)
       fresh = nnx.state(QuantGemm(node.recipe, batch_shape=node.x_amax.shape))
       nnx.update(node, jax.tree.map(
           lambda f, o: jax.device_put(f, o.sharding)
-          if isinstance(o, jax.Array) else f, fresh, old))
+          if isinstance(o, jax.Array) else f, fresh, nnx.state(node)))
 
 
 def restore(path: str | os.PathLike, model: nnx.Module, *,
@@ -573,21 +521,16 @@ def restore(path: str | os.PathLike, model: nnx.Module, *,
   if not params_only:
     lines = _layer_diff(layers_c, layers_t)
     if lines:
-      raise _mismatch(path, lines, "To load only the Params and start the "
-                      "quantization state fresh, pass params_only=True.")
+      raise _mismatch(path, lines, _FRESH_HINT)
 
   states = _items(model, optimizer)
   if params_only:
     del states["quant"]
-  _verify_files(path, meta["files"], states, digests=False)
-  saved = _orbax_metadata(path).item_metadata
+  _verify_files(path, meta["files"], states, digests=verify)
+  saved = _orbax_metadata(path, tuple(states)).item_metadata
   targets = {name: jax.tree.map(_abstract, _tree(state))
              for name, state in states.items()}
-  hints = {"quant": "To load only the Params and start the quantization "
-                    "state fresh, pass params_only=True.",
-           "optimizer": "The optimizer must be built like the saved one "
-                        "(same optax transformation and wrapper, same model "
-                        "Params)."}
+  hints = {"quant": _FRESH_HINT, "optimizer": _OPT_HINT}
   for name, tree in targets.items():
     item = saved.get(name) if name in meta["items"] else None
     lines = _variable_diff(name if name != "quant" else "model",
@@ -595,17 +538,18 @@ def restore(path: str | os.PathLike, model: nnx.Module, *,
                            _flat(tree))
     if lines:
       raise _mismatch(path, lines, hints.get(name, ""))
-  if verify:
-    _verify_files(path, meta["files"], states, digests=True)
 
   read = {name: tree for name, tree in targets.items() if tree}
-  try:
-    with _checkpointer() as ckptr:
-      values = ckptr.restore(path, ocp.args.Composite(
-          **{name: ocp.args.StandardRestore(tree)
-             for name, tree in read.items()}))
-  except Exception as e:  # orbax and tensorstore raise many types
-    raise _unreadable(path, e) from e
+  values = {}
+  if read:
+    try:
+      with _checkpointer() as ckptr:
+        values = ckptr.restore(path, ocp.args.Composite(
+            **{name: ocp.args.StandardRestore(tree)
+               for name, tree in read.items()}))
+    except Exception as e:  # orbax and tensorstore raise many types
+      raise _unreadable(path, e) from e
+  # Everything is read: only now is the target changed.
   filled = {name: _fill(state, values[name] if name in read else {})
             for name, state in states.items()}
   for name, state in filled.items():

@@ -223,6 +223,11 @@ def test_missing_and_damaged_checkpoints(trained, tmp_path):
   (copy / "qlayers.json").write_text("{not json")
   with pytest.raises(CheckpointCorruptError, match="not readable JSON"):
     checkpoint.restore(copy, target)
+  (copy / "qlayers.json").write_text(json.dumps(
+      {"format": "qlayers-checkpoint", "format_version": 1, "files": {}}))
+  with pytest.raises(CheckpointCorruptError, match="format version 1; this "
+                     "qlayers reads version 2"):
+    checkpoint.restore(copy, target)
 
   copy = shutil.copytree(path, tmp_path / "copy2")
   shutil.rmtree(copy / "quant")
