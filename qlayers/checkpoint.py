@@ -124,11 +124,11 @@ def _layers(model: nnx.Module) -> dict[str, dict]:
   return out
 
 
-def _checkpointer(items=_ITEMS):
+def _checkpointer():
   import orbax.checkpoint as ocp
 
   return ocp.Checkpointer(ocp.CompositeCheckpointHandler(
-      **{name: ocp.StandardCheckpointHandler() for name in items}))
+      **{name: ocp.StandardCheckpointHandler() for name in _ITEMS}))
 
 
 def _primary() -> bool:
@@ -242,12 +242,12 @@ def _swap_in(new: pathlib.Path, path: pathlib.Path) -> None:
 
 
 def _resolve(path: pathlib.Path) -> pathlib.Path:
-  """``path``, or if a swap by two renames was cut off between them, the
-  complete checkpoint beside it."""
-  if not os.path.lexists(path):
-    for sib in (_sibling(path, "new"), _sibling(path, "old")):
-      if (sib / DIGESTS_FILE).is_file():
-        return sib
+  """``path``, or if a swap by two renames was cut off between them (no
+  ``path``, both siblings complete), the new checkpoint beside it."""
+  new, old = _sibling(path, "new"), _sibling(path, "old")
+  if not os.path.lexists(path) and all((p / DIGESTS_FILE).is_file()
+                                       for p in (new, old)):
+    return new
   return path
 
 
@@ -341,13 +341,17 @@ def save(path: str | os.PathLike, model: nnx.Module, *,
 # Restore
 
 
-def _orbax_metadata(path: pathlib.Path, items=()):
-  """Orbax's step metadata, with the tree metadata of ``items``."""
+def _item_metadata(path: pathlib.Path, item: str):
+  """Orbax's tree metadata (shapes, dtypes, shardings) of one item."""
+  import orbax.checkpoint as ocp
+
+  handler = ocp.StandardCheckpointHandler()
   try:
-    with _checkpointer(items) as ckptr:
-      return ckptr.metadata(path)
+    return handler.metadata(path / item).tree
   except Exception as e:  # orbax and tensorstore raise many types
     raise _unreadable(path, e) from e
+  finally:
+    handler.close()
 
 
 def _unreadable(path, e: Exception) -> CheckpointCorruptError:
@@ -383,7 +387,12 @@ def read_metadata(path: str | os.PathLike) -> dict:
         f"{path} has checkpoint format version "
         f"{digests.get('format_version')}; this qlayers reads version "
         f"{FORMAT_VERSION}.")
-  meta = dict(_orbax_metadata(path).custom_metadata or {})
+  import orbax.checkpoint as ocp
+
+  try:
+    meta = dict(ocp.metadata.get_step_metadata(path).custom_metadata or {})
+  except (OSError, ValueError):
+    meta = {}
   for key in ("format", "items", "layers", "has_optimizer"):
     if key not in meta:
       raise CheckpointCorruptError(
@@ -527,15 +536,13 @@ def restore(path: str | os.PathLike, model: nnx.Module, *,
   if params_only:
     del states["quant"]
   _verify_files(path, meta["files"], states, digests=verify)
-  saved = _orbax_metadata(path, tuple(states)).item_metadata
   targets = {name: jax.tree.map(_abstract, _tree(state))
              for name, state in states.items()}
   hints = {"quant": _FRESH_HINT, "optimizer": _OPT_HINT}
   for name, tree in targets.items():
-    item = saved.get(name) if name in meta["items"] else None
+    saved = (_item_metadata(path, name) if name in meta["items"] else {})
     lines = _variable_diff(name if name != "quant" else "model",
-                           _flat(item.tree) if item is not None else {},
-                           _flat(tree))
+                           _flat(saved), _flat(tree))
     if lines:
       raise _mismatch(path, lines, hints.get(name, ""))
 

@@ -77,6 +77,7 @@ def _worker(process_id: int, nproc: int, directory: str, port: int):
   import orbax.checkpoint as ocp
   import qlayers
   from qlayers import checkpoint
+  from jax.experimental import multihost_utils
   from jax.sharding import NamedSharding, PartitionSpec as P
 
   assert jax.process_count() == nproc and jax.device_count() == 8
@@ -131,9 +132,9 @@ def _worker(process_id: int, nproc: int, directory: str, port: int):
     """{shard index: value} of this process's shards."""
     return {str(s.index): np.asarray(s.data) for s in x.addressable_shards}
 
-  def _global(x):
-    return np.asarray(jax.experimental.multihost_utils.process_allgather(
-        x, tiled=True))
+  def gather(x):
+    """The global value of ``x`` on every process."""
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
   def optimizer(model):
     with jax.set_mesh(mesh):
@@ -148,7 +149,7 @@ def _worker(process_id: int, nproc: int, directory: str, port: int):
   hist = src["dly/quant/x_amax_history"]
   assert hist.sharding.is_fully_replicated and len(hist.sharding.device_set) \
       == 8, hist.sharding
-  src_global = {k: _global(v) for k, v in src.items()}
+  src_global = {k: gather(v) for k, v in src.items()}
 
   # Only process 0 writes the metadata and digests.
   written = []
@@ -181,7 +182,7 @@ def _worker(process_id: int, nproc: int, directory: str, port: int):
                                       err_msg=k)
     for k, v in arrays(target_opt).items():
       if np.size(v):
-        np.testing.assert_array_equal(_global(v), _global(arrays(opt)[k]),
+        np.testing.assert_array_equal(gather(v), gather(arrays(opt)[k]),
                                       err_msg=k)
     checks.append(f"restored into {what} shardings")
 
@@ -189,13 +190,13 @@ def _worker(process_id: int, nproc: int, directory: str, port: int):
   plain = build(2, rules=[])
   checkpoint.restore(path, plain)
   for k, v in arrays(plain).items():
-    np.testing.assert_array_equal(_global(v), src_global[k], err_msg=k)
+    np.testing.assert_array_equal(gather(v), src_global[k], err_msg=k)
   target = build(3)
   checkpoint.restore(path, target, params_only=True)
   h = target.dly.quant.x_amax_history[...]
   assert h.sharding.is_fully_replicated and len(h.sharding.device_set) == 8
-  assert not np.any(_global(h))
-  np.testing.assert_array_equal(_global(target.cur.kernel[...]),
+  assert not np.any(gather(h))
+  np.testing.assert_array_equal(gather(target.cur.kernel[...]),
                                 src_global["cur/kernel"])
   checks.append("params-only, fresh state replicated")
 
@@ -211,7 +212,7 @@ def _worker(process_id: int, nproc: int, directory: str, port: int):
     data.write_bytes(bytes(raw))
   sync("damaged")
   target = build(4)
-  before = {k: _global(v) for k, v in arrays(target).items()}
+  before = {k: gather(v) for k, v in arrays(target).items()}
   try:
     checkpoint.restore(damaged, target)
   except checkpoint.CheckpointCorruptError as e:
@@ -219,14 +220,14 @@ def _worker(process_id: int, nproc: int, directory: str, port: int):
   else:
     raise AssertionError("damage not detected")
   for k, v in arrays(target).items():
-    np.testing.assert_array_equal(_global(v), before[k], err_msg=k)
+    np.testing.assert_array_equal(gather(v), before[k], err_msg=k)
   checks.append("damage detected")
 
   # Replacing works across processes too.
   checkpoint.save(path, build(5), overwrite=True)
   target = build(6)
   checkpoint.restore(path, target)
-  np.testing.assert_array_equal(_global(target.dly.quant.x_amax[...]),
+  np.testing.assert_array_equal(gather(target.dly.quant.x_amax[...]),
                                 np.full((), 5 + 3 / 8, np.float32))
   sync("done")
   print(f"process {jax.process_index()}:", "; ".join(checks))
