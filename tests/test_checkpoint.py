@@ -1,6 +1,7 @@
 """Checkpoints: exact round trips with quantization and optimizer state,
 plain <-> quantized Params, mismatches and damaged checkpoints."""
 
+import hashlib
 import json
 import shutil
 
@@ -113,22 +114,32 @@ def test_round_trip_is_bit_exact_and_training_continues(trained):
   assert_same(nnx.state(opt), nnx.state(fresh_opt))
 
 
-def test_metadata_records_recipes_and_state_shapes(trained):
+def test_metadata_records_recipes_and_file_digests(trained):
   _, _, path, _ = trained
   meta = checkpoint.read_metadata(path)
-  assert meta == json.loads((path / "qlayers.json").read_text())
   assert meta["qlayers_version"] == qlayers.__version__
   assert meta["items"] == ["model", "quant", "optimizer"]
+  assert meta["has_optimizer"] is True
   assert sorted(meta["layers"]) == ["down", "up"]
   up = meta["layers"]["up"]
   assert (up["type"], up["recipe"], up["scaling"], up["amax_history_len"]) \
       == ("QuantDense", "fp8_delayed", "delayed", 16)
-  assert up["state"]["quant/x_amax_history"] == [16]
-  assert up["state"]["quant/g_amax"] == []
-  assert meta["variables"]["quant"]["up/quant/g_amax"]["type"] == \
-      "QuantGradState"
-  assert meta["variables"]["model"]["up/kernel"] == {
-      "type": "Param", "shape": [32, 64], "dtype": "float32"}
+  assert up["recipe_config"]["amax_history_len"] == 16
+  # The description is orbax's custom step metadata, written by orbax.
+  orbax_meta = json.loads((path / "_CHECKPOINT_METADATA").read_text())
+  assert orbax_meta["custom_metadata"]["layers"] == meta["layers"]
+  # Digests cover every file of the directory but their own.
+  files = {f.relative_to(path).as_posix(): f for f in path.rglob("*")
+           if f.is_file() and f.name != "qlayers.json"}
+  assert meta["files"].keys() == files.keys()
+  assert {k.split("/")[0] for k in files} >= {"model", "quant", "optimizer",
+                                              "_CHECKPOINT_METADATA"}
+  for rel, rec in meta["files"].items():
+    assert rec["size"] == files[rel].stat().st_size
+    assert rec["sha256"] == hashlib.sha256(files[rel].read_bytes()).hexdigest()
+  # Orbax records the tree, shapes and dtypes: nothing of that is repeated.
+  assert "variables" not in meta
+  assert not list(path.parent.glob(".step3*"))  # no staging left behind
 
 
 def test_plain_checkpoint_into_quantized_model(tmp_path):
@@ -176,7 +187,7 @@ def test_mismatches_raise_and_leave_the_target_untouched(trained, tmp_path):
   fails(build(recipe=None, rules=[qlayers.Rule(pattern=".", recipe=RECIPE)]),
         r"(?s)quantized in the model but not in the checkpoint:\n  head")
   fails(build(d=48), r"(?s)model Variables that differ:\n  down/bias: "
-        r"checkpoint Param \(32,\) float32, model Param \(48,\) float32")
+        r"checkpoint \(32,\) float32, model \(48,\) float32")
   fails(build(), r"(?s)checkpoint Variables the optimizer does not have:\n"
         r"  opt_state/inner_state/0/count",
         optimizer=qlayers.Optimizer(build(), optax.sgd(0.1)))
@@ -212,6 +223,11 @@ def test_missing_and_damaged_checkpoints(trained, tmp_path):
   (copy / "qlayers.json").write_text("{not json")
   with pytest.raises(CheckpointCorruptError, match="not readable JSON"):
     checkpoint.restore(copy, target)
+  (copy / "qlayers.json").write_text(json.dumps(
+      {"format": "qlayers-checkpoint", "format_version": 1, "files": {}}))
+  with pytest.raises(CheckpointCorruptError, match="format version 1; this "
+                     "qlayers reads version 2"):
+    checkpoint.restore(copy, target)
 
   copy = shutil.copytree(path, tmp_path / "copy2")
   shutil.rmtree(copy / "quant")
@@ -221,18 +237,110 @@ def test_missing_and_damaged_checkpoints(trained, tmp_path):
   checkpoint.restore(copy, Net(), params_only=True)  # quant/ not needed
 
   copy = shutil.copytree(path, tmp_path / "copy3")
-  data = sorted(f for f in (copy / "model").rglob("*") if f.is_file()
-                and f.stat().st_size > 16 and "/d/" in f.as_posix())[0]
+  (copy / "_CHECKPOINT_METADATA").unlink()  # orbax's metadata, with ours
+  with pytest.raises(CheckpointCorruptError, match="lacks the qlayers "
+                     "description"):
+    checkpoint.restore(copy, target)
+
+  copy = shutil.copytree(path, tmp_path / "copy4")
+  data = _largest_data_file(copy / "model")
   raw = bytearray(data.read_bytes())
-  raw[-1] ^= 1  # one flipped bit, same size
+  raw[len(raw) // 2] ^= 1  # one flipped bit, same size
   data.write_bytes(bytes(raw))
   with pytest.raises(CheckpointCorruptError, match="SHA-256 differs"):
     checkpoint.restore(copy, target)
-  data.write_bytes(b"short")
-  with pytest.raises(CheckpointCorruptError, match="5 bytes"):
+  data.write_bytes(bytes(raw[:-7]))
+  with pytest.raises(CheckpointCorruptError,
+                     match=rf"{len(raw) - 7} bytes, {len(raw)} when saved"):
     checkpoint.restore(copy, target, verify=False)
   after = pure(nnx.state(target))
   assert all(np.array_equal(before[k], after[k]) for k in before)
+
+
+def _largest_data_file(item):
+  return max((f for f in item.rglob("*") if f.is_file()
+              and "/d/" in f.as_posix()), key=lambda f: f.stat().st_size)
+
+
+def test_orbax_alone_misses_a_flipped_bit_that_digests_catch(tmp_path):
+  """Why the digests are kept: orbax restores a flipped bit in an array's
+  data file as a wrong value, without an error."""
+  import orbax.checkpoint as ocp
+
+  model = Net(seed=7, d=64)
+  path = checkpoint.save(tmp_path / "c", model)
+  saved = nnx.to_pure_dict(nnx.state(model))
+  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                        saved)
+  data = _largest_data_file(path / "model")
+  raw = data.read_bytes()
+  silent = 0
+  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+    for pos in range(len(raw) // 4, len(raw), len(raw) // 4):
+      flipped = bytearray(raw)
+      flipped[pos] ^= 1
+      data.write_bytes(bytes(flipped))
+      with pytest.raises(CheckpointCorruptError, match="SHA-256 differs"):
+        checkpoint.restore(path, Net(seed=8, d=64))
+      try:
+        got = ckptr.restore(path, ocp.args.Composite(
+            model=ocp.args.StandardRestore(target)))["model"]
+      except Exception:  # orbax noticed this one
+        continue
+      silent += not all(jax.tree.leaves(jax.tree.map(
+          lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)), got,
+          saved)))
+  assert silent >= 1
+  data.write_bytes(raw)
+  fresh = Net(seed=8, d=64)
+  checkpoint.restore(path, fresh)
+  assert_same(nnx.state(model), nnx.state(fresh))
+
+
+def test_params_only_restore_keeps_stacked_state_shapes(tmp_path):
+  """A stack made with nnx.vmap (applied with nnx.scan) and converted keeps
+  its (3, history) state through a params-only restore."""
+
+  class Stacked(nnx.Module):
+
+    def __init__(self, seed):
+      @nnx.split_rngs(splits=3)
+      @nnx.vmap(in_axes=(0,), out_axes=0)
+      def make(rngs):
+        return nnx.Linear(16, 16, rngs=rngs)
+      self.layers = make(nnx.Rngs(seed))
+
+    def __call__(self, x):
+      @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+      def body(layer, x):
+        return jax.nn.tanh(layer(x))
+      return body(self.layers, x)
+
+  def stack(seed, recipe):
+    model = Stacked(seed)
+    if recipe is not None:
+      qlayers.quantize(model, recipe, strict=True)
+    return model
+
+  source = stack(0, "fp8_delayed")
+  apply(source, X[:, :16])
+  qlayers.update_scales(source)
+  checkpoint.save(tmp_path / "q", source)
+  checkpoint.save(tmp_path / "plain", stack(1, None))
+  for ckpt in ("q", "plain"):
+    target = stack(2, "fp8_delayed")
+    info = checkpoint.restore(tmp_path / ckpt, target, params_only=True)
+    assert info["restored"] == "params_only"
+    s = target.layers.quant
+    assert s.x_amax_history.shape == (3, 1024) and s.x_amax.shape == (3,)
+    assert s.g_amax.shape == (3,)
+    assert not np.any(np.asarray(s.x_amax_history[...]))  # fresh
+  # A full restore brings the stacked state back as it was.
+  target = stack(2, "fp8_delayed")
+  checkpoint.restore(tmp_path / "q", target)
+  assert_same(nnx.state(source), nnx.state(target))
+  hist = np.asarray(target.layers.quant.x_amax_history[...])
+  assert hist.shape == (3, 1024) and np.all(hist[:, 0] > 0)
 
 
 def test_save_refuses_to_overwrite(tmp_path):
