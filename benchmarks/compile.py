@@ -37,9 +37,9 @@ gpt-d64, gpt-d64-fused and d512 use ``optax.adamw(3e-4, weight_decay=0.01)``
   ``qlayers.value_and_grad`` (what the qlayers loop costs by itself).
 * ``stock-opt/RECIPE``: the quantized model, ``qlayers.value_and_grad`` and
   ``nnx.Optimizer`` on the Params; for delayed-scaling recipes the step also
-  writes the gradient amax back and commits the scales
-  (``qlayers.state.write_grad_state``, ``qlayers.commit_scales``), so it
-  does what ``qlayers.Optimizer`` does except the optax wrapper.
+  writes the gradient amax back and rolls the histories
+  (``qlayers.update_scales``), so it does what ``qlayers.Optimizer`` does
+  except the optax wrapper.
 * ``qlayers/RECIPE``: the quantized model with ``qlayers.Optimizer`` and
   ``qlayers.value_and_grad`` (the loop of the examples).
 
@@ -244,11 +244,24 @@ class Parts:
     loss, grads = self.value_and_grad(self.loss_fn)(model, batch)
     opt.update(model, grads)
     if self.flavour == "stock-opt" and self.info["delayed"]:
-      import qlayers
-      from qlayers import state as qstate
-      qstate.write_grad_state(model, grads)
-      qlayers.commit_scales(model)
+      _end_delayed_step(model, grads)
     return loss
+
+
+def _end_delayed_step(model, grads) -> None:
+  """What ``qlayers.Optimizer.update`` does to delayed-scaling state.
+
+  Writes the gradient amaxes in ``grads`` and rolls the histories, through
+  ``qlayers.update_scales``, or at library versions before it (934f975)
+  through ``qlayers.state.write_grad_state`` and ``qlayers.commit_scales``.
+  """
+  import qlayers
+  if hasattr(qlayers, "update_scales"):
+    qlayers.update_scales(model, grads)
+    return
+  from qlayers import state as qstate
+  qstate.write_grad_state(model, grads)
+  qlayers.commit_scales(model)
 
 
 def build_parts(model_name: str, variant: str, *, blocks: int | None = None,
