@@ -474,6 +474,10 @@ def _output_heads(model, linears: list) -> dict[int, str]:
   return heads
 
 
+# Params named like lookup tables (embeddings, positions), not matmul weights.
+_TABLE_NAME = re.compile(r"emb|pos|wpe|wte|table|cache", re.IGNORECASE)
+
+
 def _unrecognised(model, known: set[int]) -> list[Skipped]:
   """Modules that own a matmul weight (a Param of rank >= 2) but are not a
   layer `quantize` converts: listed so they are not passed over silently."""
@@ -483,7 +487,8 @@ def _unrecognised(model, known: set[int]) -> list[Skipped]:
         or isinstance(node, (QuantGemm, QuantLayer, nnx.Embed, *_STOCK))):
       continue
     weights = [(k, v) for k, v in vars(node).items()
-               if isinstance(v, nnx.Param) and np.ndim(v.get_value()) >= 2]
+               if isinstance(v, nnx.Param) and np.ndim(v.get_value()) >= 2
+               and not _TABLE_NAME.search(k)]
     if not weights:
       continue
     name, var = weights[0]

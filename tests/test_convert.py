@@ -573,6 +573,7 @@ def test_hand_written_linear_is_reported_not_passed_over():
   class Net(nnx.Module):
     def __init__(self):
       rngs = nnx.Rngs(0)
+      self.pos_emb = nnx.Param(jnp.zeros((16, 64)))  # a table, not a matmul
       self.norm = nnx.LayerNorm(64, rngs=rngs)
       self.proj = ShardedLinear(rngs)
       self.up = nnx.Linear(64, 64, rngs=rngs)
