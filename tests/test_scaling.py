@@ -135,12 +135,19 @@ def test_deepseek_scale_formula():
 
 def test_te_scale_margin_pow2_and_bad_amax():
   e4 = F.E4M3
-  assert float(S.te_scale(448.0, 1.0, e4)) == 1.0
-  assert float(S.te_scale(448.0, 1.0, e4, margin=2)) == 4.0
-  assert float(S.te_scale(300.0, 1.0, e4, pow2=True)) == 1.0
-  assert float(S.te_scale(500.0, 1.0, e4, pow2=True)) == 2.0
-  for bad in (0.0, np.inf, np.nan):
-    assert float(S.te_scale(bad, 0.25, e4)) == 0.25
+  assert float(S.te_scale(448.0, e4)) == 1.0
+  assert float(S.te_scale(448.0, e4, margin=2)) == 4.0
+  assert float(S.te_multiplier(448.0, e4, margin=2)) == 0.25
+  assert float(S.te_scale(300.0, e4, pow2=True)) == 1.0
+  assert float(S.te_scale(500.0, e4, pow2=True)) == 2.0
+  assert float(S.te_scale(0.0, e4)) == 1.0  # nothing to scale: s = 1
+  for bad in (np.inf, np.nan):  # the unit holds Inf/NaN: its GEMM is too
+    assert np.isnan(float(S.te_scale(bad, e4)))
+  # max / amax overflows FP32: the multiplier is the FP32 max (TE's
+  # value_for_inf), rounded down to 2**127 with pow2.
+  tiny = np.float32(2.0**-126)
+  assert float(S.te_multiplier(tiny, e4)) == np.finfo(np.float32).max
+  assert float(S.te_multiplier(tiny, e4, pow2=True)) == 2.0**127
 
 
 def test_rowwise_scales_along_axis():
