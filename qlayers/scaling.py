@@ -37,6 +37,7 @@ original one.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from typing import Literal, NamedTuple
@@ -755,6 +756,9 @@ def quantize(x: jax.Array, spec: QuantSpec, axis: int = -1, *,
                  tuple(x.shape))
 
 
+# Jitted so that an eager `quantize` compiles the scale rule once per (grid
+# shape, spec) rather than each of its integer steps; inlined under jit.
+@functools.partial(jax.jit, static_argnums=1)
 def _unit_scales(a: jax.Array, spec: QuantSpec) -> tuple[jax.Array, jax.Array]:
   """(multiplier applied to ``x``, stored scale) per scaling unit of amax ``a``.
 
