@@ -15,19 +15,32 @@ is the contraction axis of the GEMM that consumes the tensor):
 * ``mx``: OCP MX blocks of ``block_size`` (32) along ``axis``, one E8M0 scale
   each, stored as uint8 codes.
 
-Scale rules:
+Scale rules (``amax`` = max |x| over the unit):
 
-* ``te``: ``scale = amax * 2**margin / max`` (TE convention); optional
-  power-of-two (``pow2``: the multiplier rounded down, so the scale rounds
-  up). A zero amax gives scale 1; a non-finite amax a NaN scale (the
-  operand holds Inf/NaN, and so does every GEMM of it).
-* ``deepseek``: ``scale = max(amax, 1e-4) / max`` (DeepSeek-V3 report, sec.
-  3.3), or with ``pow2`` the same rounded up to a power of two (UE8M0).
+* ``te`` (Transformer Engine): multiplier ``s = (max / amax) / 2**margin``,
+  one correctly rounded FP32 division; payload ``sat(x * s)``; stored scale
+  ``1 / s`` (TE's ``scale_inv``). ``pow2`` rounds ``s`` down to a power of
+  two. A zero amax gives ``s = 1``.
+* ``deepseek`` (DeepSeek-V3 / DeepGEMM): stored scale
+  ``max(amax, 1e-4) / max``, correctly rounded; payload ``sat(x * (1 /
+  scale))``; ``pow2`` rounds the scale up to a power of two (UE8M0). With
+  the 1e-4 floor a unit whose amax is below 1e-4 keeps only E4M3's
+  subnormal steps of 1e-4 / 448 * 2**-9, and values below half of one
+  (about 2.2e-10 for E4M3) quantize to zero.
 * ``mx_floor``: OCP MX v1.0 sec. 6.3: ``2**(floor(log2 amax) - emax_elem)``.
-* ``mx_rceil``: ``2**ceil(log2(amax / max))`` (round the exponent of
-  ``amax / max`` up when its mantissa is non-zero; the rule of TE/cuBLAS).
-  Both MX rules give code 0 (2**-127) to an all-zero block and the NaN code
-  0xFF to a block holding Inf or NaN.
+* ``mx_rceil``: ``2**ceil(log2(amax / max))`` (the exponent of ``amax / max``
+  rounded up when its mantissa is non-zero; the rule of TE/cuBLAS).
+  Both MX rules read exponents off the bits, give code 0 (2**-127) to an
+  all-zero block and the NaN code 0xFF to a block holding Inf or NaN.
+
+Non-finite values: every amax maps NaN to +Inf before its max reduction (XLA
+on CPU can drop a NaN there), and a unit (tensor, row, tile, block) whose
+amax is not finite gets a NaN scale, so the GEMMs that read it give
+non-finite outputs, which a training step detects and skips. Divisions are
+computed so that they are the IEEE FP32 quotient on every platform (XLA
+rewrites ``a / const`` as ``a * fl(1 / const)``, and XLA:GPU divides with
+``div.full.f32``); see `divide_rn` and `rdivide_rn`. FP32 subnormals are
+read as zero by XLA on CPU (not worked around); elsewhere they are kept.
 
 Non-multiple shapes are padded with zeros up to the block grid; the payload
 keeps the padded shape (``QTensor.padded_shape``) and ``QTensor.shape`` is the
@@ -140,7 +153,8 @@ class QuantSpec:
   Attributes:
     format: element format name (see `qlayers.formats.FORMATS`).
     granularity: ``tensor`` | ``row`` | ``tile`` | ``block`` | ``mx``.
-    block_size: tile/block/MX block length (defaults 128/128/32).
+    block_size: tile/block length (default 128); MX blocks are 32, the
+      only size OCP MX v1.0 defines. Not allowed for tensor/row.
     scale_rule: ``te`` | ``deepseek`` | ``mx_floor`` | ``mx_rceil``;
       defaults by granularity (te, te, deepseek, deepseek, mx_rceil).
     margin: TE margin (scale multiplied by ``2**margin``), ``te`` rule only.
