@@ -378,8 +378,10 @@ def _abs_for_max(x: jax.Array) -> jax.Array:
   XLA:CPU's vectorized max reduction drops a NaN of an FP32 array of 4096 or
   more elements unless it is the last of its block, so NaN is never left to
   the reduction: +Inf survives any max, and every scale rule treats an
-  infinite amax as "this unit holds Inf or NaN". One select fused into the
-  reduction. Formats without Inf (FP8 inputs) are widened first.
+  infinite amax as "this unit holds Inf or NaN". On GPU the select fuses
+  into the reduction; XLA:CPU's YNNPACK reduction fusion takes abs but not
+  a select, so there it is one more elementwise pass. Formats without Inf
+  (FP8 inputs) are widened first.
   """
   if jnp.finfo(x.dtype).bits < 16:
     x = x.astype(jnp.float32)
@@ -422,6 +424,15 @@ def _pow2_ceil(v: jax.Array) -> jax.Array:
   b = _bits(v)
   e = ((b >> 23) & 0xFF) + ((b & 0x7FFFFF) != 0).astype(jnp.uint32)
   return _from_bits(e << 23)
+
+
+def _odd_part(value: float) -> tuple[int, int]:
+  """(n, k) with ``value = n * 2**k``, ``n`` odd (positive finite ``value``)."""
+  num, den = float(value).as_integer_ratio()
+  if value <= 0 or den & (den - 1):
+    raise ValueError(f"expected a positive finite constant, got {value}.")
+  tz = (num & -num).bit_length() - 1
+  return num >> tz, tz - (den.bit_length() - 1)
 
 
 def divide_rn(a: jax.Array, divisor: float) -> jax.Array:
@@ -470,15 +481,6 @@ def divide_rn(a: jax.Array, divisor: float) -> jax.Array:
   exact = _from_bits((e.astype(jnp.uint32) << 23) | (keep & 0x7FFFFF))
   fast = (ea >= 1) & (ea <= 254) & (e >= 1) & (e <= 254)
   return jnp.where(fast, exact, a / divisor)
-
-
-def _odd_part(value: float) -> tuple[int, int]:
-  """(n, k) with ``value = n * 2**k``, ``n`` odd (positive finite ``value``)."""
-  num, den = float(value).as_integer_ratio()
-  if value <= 0 or den & (den - 1):
-    raise ValueError(f"expected a positive finite constant, got {value}.")
-  tz = (num & -num).bit_length() - 1
-  return num >> tz, tz - (den.bit_length() - 1)
 
 
 def rdivide_rn(numerator: float, b: jax.Array) -> jax.Array:
