@@ -207,13 +207,16 @@ def cast(x: jax.Array, fmt: Format | str, *,
          key: jax.Array | None = None) -> jax.Array:
   """Saturating cast of ``x`` to ``fmt``.
 
-  Returns an array of the format's JAX dtype (FP8, E8M0), or uint8 codes
+  Returns an array of the format's JAX dtype (FP8), or uint8 codes
   (unpacked, one per element) for FP6/FP4. Round-to-nearest-even unless a
-  stochastic-rounding ``key`` is given.
+  stochastic-rounding ``key`` is given. +-Inf saturates like any overflow;
+  `qlayers.scaling.quantize` gives a unit holding Inf or NaN a NaN scale, so
+  a non-finite operand still makes its GEMM non-finite.
   """
   fmt = get_format(fmt)
   if fmt is E8M0:
-    raise ValueError("Use scaling.e8m0_encode for E8M0 scales, not cast().")
+    raise ValueError("E8M0 holds scales: use scaling.mx_scale_codes, not "
+                     "cast().")
   if fmt.packed:
     return encode(round_to_format(x, fmt, key=key), fmt)
   if key is None:

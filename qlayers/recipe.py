@@ -14,6 +14,7 @@ TOML files in ``recipes/``; ``qlayers.recipe("fp8_delayed")`` loads one.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib.resources
 import os
 import pathlib
@@ -23,7 +24,7 @@ from typing import Any, Literal
 import jax.numpy as jnp
 
 from qlayers import hadamard
-from qlayers.scaling import QuantSpec
+from qlayers.scaling import QuantSpec, check_fields
 
 __all__ = ["GemmRecipe", "Recipe", "recipe", "available_recipes", "validate"]
 
@@ -53,6 +54,9 @@ class GemmRecipe:
   out_dtype: str | None = None
   accum_dtype: str = "float32"
   hadamard: int = 0
+
+  def __post_init__(self):
+    check_fields(self)
 
   @property
   def quantized(self) -> bool:
@@ -126,7 +130,9 @@ class Recipe:
 
 
 def validate(r: Recipe) -> None:
-  """Raises ValueError with an actionable message if ``r`` is inconsistent."""
+  """Raises ValueError with an actionable message if ``r`` is inconsistent
+  (TypeError for a field of the wrong type, see `scaling.check_fields`)."""
+  check_fields(r)
   where = f"recipe {r.name!r}"
   if r.scaling not in ("current", "delayed"):
     raise ValueError(f"{where}: scaling must be 'current' or 'delayed', got "
@@ -134,8 +140,9 @@ def validate(r: Recipe) -> None:
   if r.amax_compute_algo not in ("max", "most_recent"):
     raise ValueError(f"{where}: amax_compute_algo must be 'max' or "
                      f"'most_recent', got {r.amax_compute_algo!r}.")
-  if not isinstance(r.amax_history_len, int) or r.amax_history_len < 1:
-    raise ValueError(f"{where}: amax_history_len must be a positive int.")
+  if r.amax_history_len < 1:
+    raise ValueError(f"{where}: amax_history_len must be >= 1, got "
+                     f"{r.amax_history_len}.")
   if r.compute_dtype not in _DTYPES:
     raise ValueError(f"{where}: compute_dtype must be one of "
                      f"{sorted(_DTYPES)}, got {r.compute_dtype!r}.")
@@ -249,15 +256,21 @@ def from_dict(data: dict, source: str = "<dict>") -> Recipe:
         return None
       return {**defaults, **t}
 
-    kwargs[gname] = GemmRecipe(
-        lhs=_spec(merged(lrole), f"{source}: {gname}.{lrole}"),
-        rhs=_spec(merged(rrole), f"{source}: {gname}.{rrole}"),
-        out_dtype=out_dtype, accum_dtype=accum, hadamard=rht)
+    lhs = _spec(merged(lrole), f"{source}: {gname}.{lrole}")
+    rhs = _spec(merged(rrole), f"{source}: {gname}.{rrole}")
+    try:
+      kwargs[gname] = GemmRecipe(lhs=lhs, rhs=rhs, out_dtype=out_dtype,
+                                 accum_dtype=accum, hadamard=rht)
+    except (TypeError, ValueError) as e:
+      raise ValueError(f"{source}: [{gname}] {e}") from None
   known = {f.name for f in dataclasses.fields(Recipe)}
   unknown = set(data) - known
   if unknown:
     raise ValueError(f"{source}: unknown recipe keys {sorted(unknown)}.")
-  return Recipe(**data, **kwargs)
+  try:
+    return Recipe(**data, **kwargs)
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"{source}: {e}") from None
 
 
 def recipe(name_or_path: "str | os.PathLike | Recipe", **changes) -> Recipe:
@@ -276,8 +289,11 @@ def recipe(name_or_path: "str | os.PathLike | Recipe", **changes) -> Recipe:
         path = d / f"{text}.toml"
         break
     else:
-      raise ValueError(f"Unknown recipe {text!r}; available: "
-                       f"{available_recipes()} (or pass a .toml path).")
+      names = available_recipes()
+      close = difflib.get_close_matches(text, names, n=3, cutoff=0.5)
+      hint = f" did you mean {' or '.join(map(repr, close))}?" if close else ""
+      raise ValueError(f"Unknown recipe {text!r};{hint} available: {names} "
+                       "(or pass a .toml path).")
   if not path.is_file():
     raise FileNotFoundError(f"Recipe file {path} does not exist.")
   try:

@@ -15,19 +15,32 @@ is the contraction axis of the GEMM that consumes the tensor):
 * ``mx``: OCP MX blocks of ``block_size`` (32) along ``axis``, one E8M0 scale
   each, stored as uint8 codes.
 
-Scale rules:
+Scale rules (``amax`` = max |x| over the unit):
 
-* ``te``: ``scale = amax * 2**margin / max`` (TE convention); optional
-  power-of-two (``pow2``: the multiplier rounded down, so the scale rounds
-  up). A zero amax gives scale 1; a non-finite amax a NaN scale (the
-  operand holds Inf/NaN, and so does every GEMM of it).
-* ``deepseek``: ``scale = max(amax, 1e-4) / max`` (DeepSeek-V3 report, sec.
-  3.3), or with ``pow2`` the same rounded up to a power of two (UE8M0).
+* ``te`` (Transformer Engine): multiplier ``s = (max / amax) / 2**margin``,
+  one correctly rounded FP32 division; payload ``sat(x * s)``; stored scale
+  ``1 / s`` (TE's ``scale_inv``). ``pow2`` rounds ``s`` down to a power of
+  two. A zero amax gives ``s = 1``.
+* ``deepseek`` (DeepSeek-V3 / DeepGEMM): stored scale
+  ``max(amax, 1e-4) / max``, correctly rounded; payload ``sat(x * (1 /
+  scale))``; ``pow2`` rounds the scale up to a power of two (UE8M0). With
+  the 1e-4 floor a unit whose amax is below 1e-4 keeps only E4M3's
+  subnormal steps of 1e-4 / 448 * 2**-9, and values below half of one
+  (about 2.2e-10 for E4M3) quantize to zero.
 * ``mx_floor``: OCP MX v1.0 sec. 6.3: ``2**(floor(log2 amax) - emax_elem)``.
-* ``mx_rceil``: ``2**ceil(log2(amax / max))`` (round the exponent of
-  ``amax / max`` up when its mantissa is non-zero; the rule of TE/cuBLAS).
-  Both MX rules give code 0 (2**-127) to an all-zero block and the NaN code
-  0xFF to a block holding Inf or NaN.
+* ``mx_rceil``: ``2**ceil(log2(amax / max))`` (the exponent of ``amax / max``
+  rounded up when its mantissa is non-zero; the rule of TE/cuBLAS).
+  Both MX rules read exponents off the bits, give code 0 (2**-127) to an
+  all-zero block and the NaN code 0xFF to a block holding Inf or NaN.
+
+Non-finite values: every amax maps NaN to +Inf before its max reduction (XLA
+on CPU can drop a NaN there), and a unit (tensor, row, tile, block) whose
+amax is not finite gets a NaN scale, so the GEMMs that read it give
+non-finite outputs, which a training step detects and skips. Divisions are
+computed so that they are the IEEE FP32 quotient on every platform (XLA
+rewrites ``a / const`` as ``a * fl(1 / const)``, and XLA:GPU divides with
+``div.full.f32``); see `divide_rn` and `rdivide_rn`. FP32 subnormals are
+read as zero by XLA on CPU (not worked around); elsewhere they are kept.
 
 Non-multiple shapes are padded with zeros up to the block grid; the payload
 keeps the padded shape (``QTensor.padded_shape``) and ``QTensor.shape`` is the
@@ -37,10 +50,14 @@ original one.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import types
+import typing
 from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from qlayers import formats
 from qlayers.formats import Format
@@ -51,6 +68,10 @@ __all__ = [
     "quantize",
     "amax",
     "te_scale",
+    "te_multiplier",
+    "divide_rn",
+    "rdivide_rn",
+    "check_fields",
     "e8m0_decode",
     "ScaleState",
     "init_scale_state",
@@ -63,12 +84,66 @@ __all__ = [
 Granularity = Literal["tensor", "row", "tile", "block", "mx"]
 ScaleRule = Literal["te", "deepseek", "mx_floor", "mx_rceil"]
 
-_DEFAULT_BLOCK = {"tile": 128, "block": 128, "mx": 32}
+_MX_BLOCK = 32
+_DEFAULT_BLOCK = {"tile": 128, "block": 128, "mx": _MX_BLOCK}
 _DEFAULT_RULE = {"tensor": "te", "row": "te", "tile": "deepseek",
                  "block": "deepseek", "mx": "mx_rceil"}
 # DeepSeek-V3's floor on the amax of a tile/block before dividing by max.
 _DEEPSEEK_AMAX_FLOOR = 1e-4
 _MX_ELEMENT_FORMATS = ("e4m3", "e5m2", "e3m2", "e2m3", "e2m1")
+
+
+def _type_name(tp) -> str:
+  if typing.get_origin(tp) is Literal:
+    return " | ".join(repr(a) for a in typing.get_args(tp))
+  if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+    return " or ".join(_type_name(a) for a in typing.get_args(tp))
+  return "None" if tp is type(None) else tp.__name__
+
+
+def _matches(value, tp) -> bool:
+  if typing.get_origin(tp) is Literal:
+    return any(type(value) is type(a) and value == a
+               for a in typing.get_args(tp))
+  if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+    return any(_matches(value, a) for a in typing.get_args(tp))
+  if tp is bool:
+    return isinstance(value, (bool, np.bool_))
+  if tp is int:  # bool is an int subclass; True is not a length
+    return (isinstance(value, (int, np.integer))
+            and not isinstance(value, (bool, np.bool_)))
+  if tp is typing.Any:
+    return True
+  return isinstance(value, tp)
+
+
+def check_fields(obj) -> None:
+  """Checks every field of the dataclass ``obj`` against its annotation.
+
+  The one type check of `QuantSpec`, `qlayers.recipe.GemmRecipe` and
+  `qlayers.recipe.Recipe`: ``bool`` fields take only booleans (not the
+  string ``"false"``), ``int`` fields refuse booleans, ``Literal`` fields
+  take their listed values only. Raises TypeError (wrong type) or ValueError
+  (a value not listed) naming the field.
+  """
+  hints = typing.get_type_hints(type(obj))
+  for f in dataclasses.fields(obj):
+    value, tp = getattr(obj, f.name), hints[f.name]
+    if not _matches(value, tp):
+      # Right type, value not among a Literal's: a ValueError.
+      error = (ValueError if any(type(value) is type(a)
+                                 for a in _literal_values(tp)) else TypeError)
+      raise error(
+          f"{type(obj).__name__}.{f.name} must be {_type_name(tp)}, got "
+          f"{value!r} ({type(value).__name__}).")
+
+
+def _literal_values(tp) -> tuple:
+  if typing.get_origin(tp) is Literal:
+    return typing.get_args(tp)
+  if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+    return sum((_literal_values(a) for a in typing.get_args(tp)), ())
+  return ()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -78,7 +153,8 @@ class QuantSpec:
   Attributes:
     format: element format name (see `qlayers.formats.FORMATS`).
     granularity: ``tensor`` | ``row`` | ``tile`` | ``block`` | ``mx``.
-    block_size: tile/block/MX block length (defaults 128/128/32).
+    block_size: tile/block length (default 128); MX blocks are 32, the
+      only size OCP MX v1.0 defines. Not allowed for tensor/row.
     scale_rule: ``te`` | ``deepseek`` | ``mx_floor`` | ``mx_rceil``;
       defaults by granularity (te, te, deepseek, deepseek, mx_rceil).
     margin: TE margin (scale multiplied by ``2**margin``), ``te`` rule only.
@@ -100,22 +176,22 @@ class QuantSpec:
   rounding: Literal["nearest", "stochastic"] = "nearest"
 
   def __post_init__(self):
+    if isinstance(self.format, Format):
+      object.__setattr__(self, "format", self.format.name)
+    check_fields(self)
     fmt = formats.get_format(self.format)
     object.__setattr__(self, "format", fmt.name)
     if fmt is formats.E8M0:
       raise ValueError("E8M0 is a scale format, not an element format.")
-    if self.granularity not in _DEFAULT_RULE:
-      raise ValueError(
-          f"Unknown granularity {self.granularity!r}; expected one of "
-          f"{sorted(_DEFAULT_RULE)}.")
+    gran = self.granularity
     if self.block_size is None:
-      object.__setattr__(self, "block_size",
-                         _DEFAULT_BLOCK.get(self.granularity))
+      object.__setattr__(self, "block_size", _DEFAULT_BLOCK.get(gran))
+    elif gran not in _DEFAULT_BLOCK:
+      raise ValueError(f"block_size applies to tile/block/mx granularity, not "
+                       f"{gran!r}; drop it.")
     if self.scale_rule is None:
-      object.__setattr__(self, "scale_rule", _DEFAULT_RULE[self.granularity])
-    rule, gran = self.scale_rule, self.granularity
-    if rule not in ("te", "deepseek", "mx_floor", "mx_rceil"):
-      raise ValueError(f"Unknown scale_rule {rule!r}.")
+      object.__setattr__(self, "scale_rule", _DEFAULT_RULE[gran])
+    rule = self.scale_rule
     if (gran == "mx") != rule.startswith("mx_"):
       raise ValueError(
           f"scale_rule {rule!r} does not fit granularity {gran!r}: MX "
@@ -127,20 +203,20 @@ class QuantSpec:
       raise ValueError(
           f"{fmt.name} has {fmt.bits} bits and needs block scales: use "
           "granularity='mx'.")
-    if gran in _DEFAULT_BLOCK and (self.block_size is None
-                                   or self.block_size <= 0):
+    if gran == "mx" and self.block_size != _MX_BLOCK:
+      # OCP MX v1.0: every concrete MX-compliant format (MXFP8/6/4, MXINT8)
+      # has block size k = 32, and the MX GEMM kernels take nothing else.
+      raise ValueError(f"block_size must be {_MX_BLOCK} for granularity 'mx' "
+                       f"(OCP MX v1.0 fixes the block size), got "
+                       f"{self.block_size}.")
+    if gran in _DEFAULT_BLOCK and self.block_size <= 0:
       raise ValueError(f"block_size must be positive, got {self.block_size}.")
-    if fmt.bits == 6 and gran == "mx" and self.block_size % 4:
-      raise ValueError("FP6 packs 4 values in 3 bytes: block_size must be a "
-                       "multiple of 4.")
     if self.margin < 0:
       raise ValueError(f"margin must be >= 0, got {self.margin}.")
     if self.margin and rule != "te":
       raise ValueError("margin applies to the 'te' scale rule only.")
     if self.pow2 and rule.startswith("mx_"):
       raise ValueError("MX scales are powers of two already; drop pow2.")
-    if self.rounding not in ("nearest", "stochastic"):
-      raise ValueError(f"Unknown rounding {self.rounding!r}.")
 
   @property
   def fmt(self) -> Format:
@@ -282,7 +358,8 @@ def _apply_blocks(values, scale, block, op):
 
 
 def _block_amax(x: jax.Array, block: tuple[int, ...]) -> jax.Array:
-  return jnp.max(_split_blocks(jnp.abs(x), block), axis=_block_axes(block))
+  """max |x| per block; +Inf for a block holding Inf or NaN (see `amax`)."""
+  return jnp.max(_split_blocks(_abs_for_max(x), block), axis=_block_axes(block))
 
 
 def _pad(x: jax.Array, padded: tuple[int, ...]) -> jax.Array:
@@ -295,56 +372,233 @@ def _pad(x: jax.Array, padded: tuple[int, ...]) -> jax.Array:
 # Scale rules
 
 
+def _abs_for_max(x: jax.Array) -> jax.Array:
+  """|x| with NaN mapped to +Inf, ready for a max reduction.
+
+  XLA:CPU's vectorized max reduction drops a NaN of an FP32 array of 4096 or
+  more elements unless it is the last of its block, so NaN is never left to
+  the reduction: +Inf survives any max, and every scale rule treats an
+  infinite amax as "this unit holds Inf or NaN". On GPU the select fuses
+  into the reduction; XLA:CPU's YNNPACK reduction fusion takes abs but not
+  a select, so there it is one more elementwise pass. Formats without Inf
+  (FP8 inputs) are widened first.
+  """
+  if jnp.finfo(x.dtype).bits < 16:
+    x = x.astype(jnp.float32)
+  return jnp.where(jnp.isnan(x), jnp.inf, jnp.abs(x))
+
+
 def amax(x: jax.Array) -> jax.Array:
-  """max |x| as FP32 (NaN if ``x`` holds a NaN)."""
-  return jnp.max(jnp.abs(x)).astype(jnp.float32)
+  """max |x| as FP32; +Inf if ``x`` holds any Inf or NaN."""
+  return jnp.max(_abs_for_max(x)).astype(jnp.float32)
 
 
-def _pow2_up(v: jax.Array) -> jax.Array:
-  """Smallest power of two >= v (for positive finite v), exactly."""
-  m, e = jnp.frexp(v)  # v = m * 2**e, m in [0.5, 1)
-  e = jnp.where(m == 0.5, e - 1, e)
-  return jnp.ldexp(jnp.ones_like(v), e)
+def _bits(v: jax.Array) -> jax.Array:
+  return jax.lax.bitcast_convert_type(v.astype(jnp.float32), jnp.uint32)
 
 
-def te_scale(amax_value: jax.Array, prev_scale: jax.Array, fmt: Format, *,
-             margin: int = 0, pow2: bool = False) -> jax.Array:
-  """TE per-tensor scale (dequantization factor) from ``amax``.
+def _from_bits(b: jax.Array) -> jax.Array:
+  return jax.lax.bitcast_convert_type(b.astype(jnp.uint32), jnp.float32)
 
-  ``scale = amax * 2**margin / max``; zero or non-finite amax keeps
-  ``prev_scale``. With ``pow2`` the scale is rounded up to a power of two (the
-  TE multiplier rounded down).
+
+def _biased_exponent(v: jax.Array) -> jax.Array:
+  """The 8-bit exponent field of FP32 ``v`` as int32 (0: zero/subnormal)."""
+  return ((_bits(v) >> 23) & 0xFF).astype(jnp.int32)
+
+
+def _f32_fields(value: float) -> tuple[int, int]:
+  """(unbiased exponent, 23-bit mantissa field) of a normal FP32 constant."""
+  b = int(np.float32(value).view(np.uint32))
+  return ((b >> 23) & 0xFF) - 127, b & 0x7FFFFF
+
+
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _pow2_ceil(v: jax.Array) -> jax.Array:
+  """Smallest power of two >= v, for positive normal FP32 v, from its bits.
+
+  The exponent field plus one when the mantissa is non-zero (DeepGEMM's
+  ``ceil_to_ue8m0``, deep_gemm/utils/math.py); exact, no log2/exp2.
+  """
+  b = _bits(v)
+  e = ((b >> 23) & 0xFF) + ((b & 0x7FFFFF) != 0).astype(jnp.uint32)
+  return _from_bits(e << 23)
+
+
+def _odd_part(value: float) -> tuple[int, int]:
+  """(n, k) with ``value = n * 2**k``, ``n`` odd (positive finite ``value``)."""
+  num, den = float(value).as_integer_ratio()
+  if value <= 0 or den & (den - 1):
+    raise ValueError(f"expected a positive finite constant, got {value}.")
+  tz = (num & -num).bit_length() - 1
+  return num >> tz, tz - (den.bit_length() - 1)
+
+
+def divide_rn(a: jax.Array, divisor: float) -> jax.Array:
+  """``a / divisor`` correctly rounded (RNE) in FP32, for a constant divisor.
+
+  XLA rewrites a division by a constant (or by any broadcast scalar) into a
+  multiplication by its FP32 reciprocal, which is 1 ulp off the quotient for
+  about half of all ``a`` when the divisor is not a power of two (448, say).
+  This divides the 24-bit significand of ``a`` by the divisor's odd part in
+  integer arithmetic (exact on every platform) and rounds the quotient to
+  nearest even from its remainder. Positive normal ``a`` with a normal
+  quotient take this path; zero, subnormal, non-finite or out-of-range values
+  fall back to the plain division.
+
+  Args:
+    a: FP32 array.
+    divisor: positive finite Python number whose odd part is below 128
+      (every element format's max is: 448 = 7 * 2**6, 57344 = 7 * 2**13,
+      240 = 15 * 2**4, ...).
+  """
+  a = jnp.asarray(a, jnp.float32)
+  n, k = _odd_part(divisor)  # divisor = n * 2**k, n odd
+  if n == 1:
+    return a * (2.0**-k)  # a power of two: exact
+  if n >= 128:
+    raise ValueError(f"divide_rn supports odd parts below 128; {divisor} has "
+                     f"{n}.")
+  bits = _bits(a)
+  ea = ((bits >> 23) & 0xFF).astype(jnp.int32)
+  sig = (bits & 0x7FFFFF) | 0x800000  # a = sig * 2**(ea - 150)
+  # sig * 2**s / n has 25 or 26 bits (n in (2**(b-1), 2**b)); the numerator
+  # stays below 2**(25 + b) <= 2**32.
+  s = n.bit_length() + 1
+  wide = sig << s
+  q = wide // n
+  rem = wide - q * n
+  t = jnp.where(q >= (1 << 25), 2, 1).astype(jnp.uint32)
+  keep = q >> t
+  dropped = q & ((jnp.uint32(1) << t) - 1)
+  half = jnp.uint32(1) << (t - 1)
+  up = (dropped > half) | ((dropped == half) & ((rem != 0) | ((keep & 1) != 0)))
+  keep = keep + up.astype(jnp.uint32)
+  carry = keep >> 24  # rounding reached 2**24: one more binade
+  keep = jnp.where(carry != 0, keep >> 1, keep)
+  e = ea - k - s + t.astype(jnp.int32) + carry.astype(jnp.int32)
+  exact = _from_bits((e.astype(jnp.uint32) << 23) | (keep & 0x7FFFFF))
+  fast = (ea >= 1) & (ea <= 254) & (e >= 1) & (e <= 254)
+  return jnp.where(fast, exact, a / divisor)
+
+
+def rdivide_rn(numerator: float, b: jax.Array) -> jax.Array:
+  """``numerator / b`` correctly rounded (RNE) in FP32, for a constant numerator.
+
+  XLA:GPU lowers an FP32 division to PTX ``div.full.f32`` (an approximation
+  within 2 ulp), not the IEEE ``div.rn.f32`` that Transformer Engine's
+  ``__fdiv_rn`` is. This long-divides ``n * 2**48`` (``numerator = n *
+  2**k``, ``n`` odd) by the 24-bit significand of ``b`` in base-256 integer
+  steps, so every platform gets the IEEE quotient. Positive normal ``b`` with
+  a normal quotient take this path; anything else (zero, subnormal,
+  non-finite, an overflowing or subnormal quotient) falls back to the plain
+  division.
+
+  Args:
+    numerator: positive finite Python number with an odd part below 128
+      (448, 57344, 240, 1.0, ...).
+    b: FP32 array.
+  """
+  n, k = _odd_part(numerator)
+  if n >= 128:
+    raise ValueError(f"rdivide_rn supports odd parts below 128; {numerator} "
+                     f"has {n}.")
+  b = jnp.asarray(b, jnp.float32)
+  bits = _bits(b)
+  eb = ((bits >> 23) & 0xFF).astype(jnp.int32)
+  sig = (bits & 0x7FFFFF) | 0x800000  # b = sig * 2**(eb - 150)
+  # q = floor(n * 2**48 / sig), one base-256 digit at a time: remainders stay
+  # below 2**24, so (rem << 8) fits uint32; q < 2n * 2**24 < 2**32.
+  rem = jnp.full(sig.shape, n << 24, jnp.uint32)
+  q = jnp.zeros(sig.shape, jnp.uint32)
+  for i in range(4):
+    if i:
+      rem = rem << 8
+    digit = rem // sig
+    rem = rem - digit * sig
+    q = (q << 8) | digit
+  t = (8 - jax.lax.clz(q)).astype(jnp.uint32)  # bits beyond 24: 1..8
+  keep = q >> t
+  dropped = q & ((jnp.uint32(1) << t) - 1)
+  half = jnp.uint32(1) << (t - 1)
+  up = (dropped > half) | ((dropped == half) & ((rem != 0) | ((keep & 1) != 0)))
+  keep = keep + up.astype(jnp.uint32)
+  carry = keep >> 24
+  keep = jnp.where(carry != 0, keep >> 1, keep)
+  # numerator / b = q * 2**(k - eb + 102), q ~ keep * 2**(t + carry).
+  e = t.astype(jnp.int32) + carry.astype(jnp.int32) + k - eb + 252
+  exact = _from_bits((e.astype(jnp.uint32) << 23) | (keep & 0x7FFFFF))
+  fast = (eb >= 1) & (eb <= 254) & (e >= 1) & (e <= 254)
+  return jnp.where(fast, exact, numerator / b)
+
+
+def te_multiplier(amax_value: jax.Array, fmt: Format, *, margin: int = 0,
+                  pow2: bool = False) -> jax.Array:
+  """Transformer Engine's quantization multiplier ``s`` (payload ``x * s``).
+
+  ``s = (max / amax) / 2**margin`` with one correctly rounded FP32 division,
+  as TE computes it (transformer_engine/common/recipe/recipe_common.cuh,
+  ``compute_scale_from_amax``: ``__fdiv_rn(max_fp8, amax)``; the delayed
+  recipe's ``fp8_max / amax / 2**margin``). ``pow2`` clears the mantissa
+  bits, rounding ``s`` down to a power of two, as TE does. A zero amax gives
+  ``s = 1``; an amax so small that ``max / amax`` overflows gives the FP32
+  max (TE's ``value_for_inf``); a non-finite amax (the unit holds Inf or
+  NaN) gives NaN, which makes the payload, and any GEMM of it, non-finite.
   """
   a = jnp.asarray(amax_value, jnp.float32)
-  s = a * (2.0**margin) / fmt.max
+  s = rdivide_rn(fmt.max, a) * (2.0**-margin)  # / 2**margin, exactly
+  s = jnp.where(jnp.isinf(s), _F32_MAX, s)
   if pow2:
-    s = _pow2_up(s)
-  ok = (a > 0) & jnp.isfinite(a) & (s > 0) & jnp.isfinite(s)
-  return jnp.where(ok, s, jnp.asarray(prev_scale, jnp.float32))
+    s = _from_bits(_bits(s) & jnp.uint32(0xFF800000))
+  s = jnp.where(a == 0, 1.0, s)
+  return jnp.where(jnp.isfinite(a), s, jnp.nan)
+
+
+def te_scale(amax_value: jax.Array, fmt: Format, *, margin: int = 0,
+             pow2: bool = False) -> jax.Array:
+  """TE per-tensor scale as a dequantization factor: ``1 / te_multiplier``.
+
+  This is TE's ``scale_inv`` (FP32 reciprocal of the multiplier); 1 for a
+  zero amax, NaN for a non-finite one.
+  """
+  return rdivide_rn(1.0, te_multiplier(amax_value, fmt, margin=margin,
+                                       pow2=pow2))
 
 
 def _deepseek_scale(a: jax.Array, fmt: Format, pow2: bool) -> jax.Array:
-  s = jnp.maximum(a, _DEEPSEEK_AMAX_FLOOR) / fmt.max
+  """DeepSeek-V3 tile/block scale ``max(amax, 1e-4) / max`` (dequantization
+  factor), correctly rounded, as DeepGEMM's reference casts compute it
+  (deep_gemm/utils/math.py: ``amax.clamp(1e-4) / 448.0``); ``pow2``: rounded
+  up to a power of two (UE8M0). NaN for a unit holding Inf or NaN."""
+  s = divide_rn(jnp.maximum(a, _DEEPSEEK_AMAX_FLOOR), fmt.max)
   if pow2:
-    s = _pow2_up(s)
-  return jnp.where(jnp.isfinite(a), s, 1.0).astype(jnp.float32)
+    s = _pow2_ceil(s)
+  return jnp.where(jnp.isfinite(a), s, jnp.nan)
 
 
 def mx_scale_codes(amax_value: jax.Array, fmt: Format,
                    rule: str = "mx_rceil") -> jax.Array:
   """E8M0 codes (uint8) of MX block scales from per-block amax.
 
-  FLOOR (OCP MX v1.0): ``e = floor(log2 amax) - emax_elem``.
-  RCEIL: ``e = ceil(log2(amax / max))`` with ``amax / max`` an FP32 division.
-  Zero blocks get code 0 (2**-127); Inf/NaN blocks get 0xFF.
+  FLOOR (OCP MX v1.0 sec. 6.3): ``e = floor(log2 amax) - emax_elem``.
+  RCEIL: ``e = ceil(log2(amax / max))``: the exponent of ``amax / max``,
+  plus one when its mantissa is non-zero. Both are read off the bits of
+  ``amax`` (and of the constant ``max``): ``amax / max`` is never formed, so
+  a quotient below the FP32 normal range (amax under ~5e-36 for E4M3, which
+  XLA:CPU flushes to zero) cannot lose its exponent. For a normal quotient
+  this is the FP32-quotient rule exactly: ``fl(amax / max) > 2**k`` iff
+  ``amax > max * 2**k``. Exponents clamp to [-127, 127]; zero blocks get
+  code 0 (2**-127); Inf/NaN blocks get 0xFF.
   """
   a = amax_value.astype(jnp.float32)
+  e = _biased_exponent(a) - 127  # floor(log2 a); -127 for zero/subnormal
   if rule == "mx_floor":
-    _, e = jnp.frexp(a)
-    e = e - 1 - fmt.emax
+    e = e - fmt.emax
   elif rule == "mx_rceil":
-    m, e = jnp.frexp(a / fmt.max)
-    e = jnp.where(m == 0.5, e - 1, e)
+    e_max, m_max = _f32_fields(fmt.max)
+    above = (_bits(a) & 0x7FFFFF) > m_max
+    e = e - e_max + above.astype(jnp.int32)
   else:
     raise ValueError(f"{rule!r} is not an MX scale rule.")
   code = jnp.clip(e, -127, 127) + 127
@@ -354,14 +608,14 @@ def mx_scale_codes(amax_value: jax.Array, fmt: Format,
 
 
 def e8m0_decode(codes: jax.Array) -> jax.Array:
-  """FP32 values ``2**(code - 127)``; code 0xFF is NaN.
+  """FP32 values ``2**(code - 127)``, from bits; code 0xFF is NaN.
 
   Never ``astype(float8_e8m0fnu)`` a float: that rounds to nearest and maps 0
-  to NaN. Note XLA on CPU flushes FP32 subnormals, so code 0 (2**-127) reads
-  as 0 there; its blocks are all-zero anyway.
+  to NaN. Code 0 is the FP32 subnormal 2**-127, which XLA:CPU reads as 0, so
+  on CPU a block scaled by it (amax below ~2**-118) dequantizes to zeros.
   """
-  c = codes.astype(jnp.int32)
-  v = jnp.ldexp(jnp.ones(c.shape, jnp.float32), c - 127)
+  c = codes.astype(jnp.uint32)
+  v = _from_bits(jnp.where(c == 0, jnp.uint32(0x400000), c << 23))
   return jnp.where(c == 255, jnp.nan, v)
 
 
@@ -502,9 +756,8 @@ def quantize(x: jax.Array, spec: QuantSpec, axis: int = -1, *,
   if block is None:
     a = amax(x) if tensor_amax is None else jnp.asarray(tensor_amax,
                                                          jnp.float32)
-    scale = te_scale(a, 1.0, fmt, margin=spec.margin, pow2=spec.pow2)
-    scale = jnp.where(jnp.isfinite(a), scale, jnp.nan)
-    payload = _cast(xf * (1.0 / scale), fmt, key)
+    mult, scale = _unit_scales(a, spec)
+    payload = _cast(xf * mult, fmt, key)
     return QTensor(payload, scale, fmt.name, spec.granularity, None, axis,
                    tuple(x.shape))
 
@@ -513,20 +766,36 @@ def quantize(x: jax.Array, spec: QuantSpec, axis: int = -1, *,
   padded = _padded_shape(x.shape, block)
   xp = _pad(xf, padded)
   block_amax = _block_amax(_pad(x, padded), block).astype(jnp.float32)
-  if spec.granularity == "mx":
-    scale = mx_scale_codes(block_amax, fmt, spec.scale_rule)
-    inv = e8m0_decode(254 - scale.astype(jnp.int32))  # 2**-e, exact
-    inv = jnp.where(scale == 255, 0.0, inv)
-  else:
-    if spec.scale_rule == "te":
-      scale = te_scale(block_amax, 1.0, fmt, margin=spec.margin,
-                       pow2=spec.pow2)
-    else:
-      scale = _deepseek_scale(block_amax, fmt, spec.pow2)
-    inv = 1.0 / scale
-  payload = _cast(_apply_blocks(xp, inv, block, jnp.multiply), fmt, key)
+  mult, scale = _unit_scales(block_amax, spec)
+  payload = _cast(_apply_blocks(xp, mult, block, jnp.multiply), fmt, key)
   return QTensor(payload, scale, fmt.name, spec.granularity, block, axis,
                  tuple(x.shape))
+
+
+# Jitted so that an eager `quantize` compiles the scale rule once per (grid
+# shape, spec) rather than each of its integer steps; inlined under jit.
+@functools.partial(jax.jit, static_argnums=1)
+def _unit_scales(a: jax.Array, spec: QuantSpec) -> tuple[jax.Array, jax.Array]:
+  """(multiplier applied to ``x``, stored scale) per scaling unit of amax ``a``.
+
+  * ``te``: multiplier ``s`` = `te_multiplier`, stored ``1 / s`` (TE's
+    ``scale_inv``).
+  * ``deepseek``: stored ``s`` = `_deepseek_scale`, multiplier ``1 / s``
+    (DeepGEMM's casts: ``x * (1.0 / sf)``; DeepSeek-V3's inference kernel
+    divides, ``x / s``, which can differ by 1 ulp before the cast).
+  * MX: stored E8M0 code, multiplier ``2**-e`` (exact); 0 for a NaN code (the
+    scale carries the NaN).
+  """
+  fmt = spec.fmt
+  if spec.scale_rule == "te":
+    mult = te_multiplier(a, fmt, margin=spec.margin, pow2=spec.pow2)
+    return mult, rdivide_rn(1.0, mult)
+  if spec.scale_rule == "deepseek":
+    scale = _deepseek_scale(a, fmt, spec.pow2)
+    return rdivide_rn(1.0, scale), scale
+  codes = mx_scale_codes(a, fmt, spec.scale_rule)
+  mult = e8m0_decode(254 - codes.astype(jnp.int32))  # 2**-e, exact
+  return jnp.where(codes == 255, 0.0, mult), codes
 
 
 def bytes_per_element(spec: QuantSpec | None, compute_bytes: int = 2) -> float:

@@ -80,3 +80,86 @@ def test_validation_errors(tmp_path):
   wrong_role.write_text('[fprop]\ng = { format = "e4m3" }\n')
   with pytest.raises(ValueError, match="takes operands"):
     qlayers.recipe(wrong_role)
+
+
+def _load(tmp_path, text, name="r"):
+  p = tmp_path / f"{name}.toml"
+  p.write_text(text)
+  return qlayers.recipe(p)
+
+
+@pytest.mark.parametrize("block", [7, 16, 64])
+def test_mx_block_size_must_be_32(tmp_path, block):
+  """OCP MX v1.0 fixes the block size at 32: refused when the recipe is
+  made, naming the field, not at the first GEMM (or never)."""
+  with pytest.raises(ValueError, match=f"block_size must be 32.*got {block}"):
+    QuantSpec(format="e4m3", granularity="mx", block_size=block)
+  with pytest.raises(ValueError, match=r"fprop\.x: block_size must be 32"):
+    _load(tmp_path, f'[defaults]\ngranularity = "mx"\nformat = "e2m3"\n'
+          f'block_size = {block}\n[fprop]\nx = {{}}\nw = {{}}\n')
+  assert QuantSpec(format="e4m3", granularity="mx", block_size=32)
+
+
+def test_block_size_only_where_it_applies():
+  with pytest.raises(ValueError, match="block_size applies to"):
+    QuantSpec(format="e4m3", granularity="tensor", block_size=128)
+  assert QuantSpec(granularity="tile", block_size=64).block_size == 64
+
+
+@pytest.mark.parametrize("text,field", [
+    ('save_quantized_wgrad_input = "false"\n', "save_quantized_wgrad_input"),
+    ('scaling = "delayed"\namax_history_len = true\n[fprop]\n'
+     'x = { format = "e4m3" }\nw = { format = "e4m3" }\n', "amax_history_len"),
+    ('amax_history_len = 16.0\n', "amax_history_len"),
+    ('[fprop]\nx = { format = "e4m3", pow2 = "true" }\n'
+     'w = { format = "e4m3" }\n', "pow2"),
+    ('[fprop]\nx = { format = "e4m3", margin = false }\n'
+     'w = { format = "e4m3" }\n', "margin"),
+    ('[dgrad]\nhadamard = true\ng = { format = "e2m1", granularity = "mx" }\n'
+     'w = { format = "e2m1", granularity = "mx" }\n', "hadamard"),
+    ('[fprop]\nout_dtype = 16\nx = { format = "e4m3" }\n'
+     'w = { format = "e4m3" }\n', "out_dtype"),
+    ('compute_dtype = ["bfloat16"]\n', "compute_dtype"),
+    ('description = 3\n', "description"),
+])
+def test_toml_fields_of_the_wrong_type_are_refused(tmp_path, text, field):
+  with pytest.raises(ValueError, match=rf"\.{field} must be"):
+    _load(tmp_path, text)
+
+
+def test_every_field_is_type_checked_in_python_too():
+  e4 = QuantSpec(format="e4m3")
+  with pytest.raises(TypeError, match="Recipe.amax_history_len must be int"):
+    Recipe(amax_history_len=True)
+  with pytest.raises(TypeError, match="save_quantized_wgrad_input must be"):
+    Recipe(save_quantized_wgrad_input="false")
+  with pytest.raises(TypeError, match="amax_history_len must be int"):
+    qlayers.recipe("fp8_delayed", amax_history_len=True)
+  with pytest.raises(ValueError, match="Recipe.scaling must be"):
+    Recipe(scaling="dynamic")
+  with pytest.raises(TypeError, match="GemmRecipe.lhs must be QuantSpec"):
+    GemmRecipe(lhs={"format": "e4m3"}, rhs=e4)
+  with pytest.raises(TypeError, match="Recipe.fprop must be GemmRecipe"):
+    Recipe(fprop=None)
+  with pytest.raises(TypeError, match="QuantSpec.pow2 must be bool"):
+    QuantSpec(pow2=1)
+  with pytest.raises(TypeError, match="QuantSpec.block_size must be int"):
+    QuantSpec(granularity="tile", block_size=128.0)
+  with pytest.raises(ValueError, match="QuantSpec.rounding must be"):
+    QuantSpec(rounding="floor")
+  with pytest.raises(ValueError, match="amax_history_len must be >= 1"):
+    Recipe(amax_history_len=0)
+  # numpy integers are integers; Format objects name their format.
+  import numpy as np
+  from qlayers import formats
+  assert Recipe(amax_history_len=np.int64(4)).amax_history_len == 4
+  assert QuantSpec(format=formats.E5M2).format == "e5m2"
+
+
+def test_unknown_recipe_suggests_the_closest_names():
+  with pytest.raises(ValueError, match=r"did you mean 'fp8_delayed'"):
+    qlayers.recipe("fp8_delay")
+  with pytest.raises(ValueError, match=r"did you mean 'mxfp8'.*available"):
+    qlayers.recipe("mxpf8")
+  with pytest.raises(ValueError, match=r"Unknown recipe 'zzz'; available"):
+    qlayers.recipe("zzz")

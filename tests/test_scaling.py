@@ -135,12 +135,19 @@ def test_deepseek_scale_formula():
 
 def test_te_scale_margin_pow2_and_bad_amax():
   e4 = F.E4M3
-  assert float(S.te_scale(448.0, 1.0, e4)) == 1.0
-  assert float(S.te_scale(448.0, 1.0, e4, margin=2)) == 4.0
-  assert float(S.te_scale(300.0, 1.0, e4, pow2=True)) == 1.0
-  assert float(S.te_scale(500.0, 1.0, e4, pow2=True)) == 2.0
-  for bad in (0.0, np.inf, np.nan):
-    assert float(S.te_scale(bad, 0.25, e4)) == 0.25
+  assert float(S.te_scale(448.0, e4)) == 1.0
+  assert float(S.te_scale(448.0, e4, margin=2)) == 4.0
+  assert float(S.te_multiplier(448.0, e4, margin=2)) == 0.25
+  assert float(S.te_scale(300.0, e4, pow2=True)) == 1.0
+  assert float(S.te_scale(500.0, e4, pow2=True)) == 2.0
+  assert float(S.te_scale(0.0, e4)) == 1.0  # nothing to scale: s = 1
+  for bad in (np.inf, np.nan):  # the unit holds Inf/NaN: its GEMM is too
+    assert np.isnan(float(S.te_scale(bad, e4)))
+  # max / amax overflows FP32: the multiplier is the FP32 max (TE's
+  # value_for_inf), rounded down to 2**127 with pow2.
+  tiny = np.float32(2.0**-126)
+  assert float(S.te_multiplier(tiny, e4)) == np.finfo(np.float32).max
+  assert float(S.te_multiplier(tiny, e4, pow2=True)) == 2.0**127
 
 
 def test_rowwise_scales_along_axis():
@@ -244,3 +251,182 @@ def test_stacked_state_updates_per_layer():
   nxt = S.update_scales(st)
   np.testing.assert_array_equal(nxt.amax_history, [[1, 0], [2, 0], [0, 0]])
   np.testing.assert_array_equal(nxt.amax, [0, 0, 0])
+
+
+# --------------------------------------------------- non-finite, exactness
+
+# Jitted: one compile per (spec, shape) instead of one per primitive.
+jquantize = jax.jit(S.quantize, static_argnums=(1, 2),
+                    static_argnames=("axis",))
+jdequantize = jax.jit(lambda q: q.dequantize())
+
+# XLA on CPU reads FP32 subnormals as zero (see the README's numerics notes).
+FTZ = float(jax.jit(lambda v: v * 3.0)(np.float32(1e-40))) == 0.0
+
+
+@pytest.mark.parametrize("spec,axis", [
+    (QuantSpec(format="e4m3", granularity="row"), 1),
+    (QuantSpec(format="e4m3", granularity="row", pow2=True), 0),
+    (QuantSpec(format="e5m2", granularity="tile", scale_rule="te"), 1),
+    (QuantSpec(format="e4m3", granularity="tile"), 1),
+    (QuantSpec(format="e4m3", granularity="tile", pow2=True), 0),
+    (QuantSpec(format="e4m3", granularity="block"), 1),
+    (QuantSpec(format="e4m3", granularity="mx"), 1),
+])
+def test_units_holding_inf_or_nan_get_nan_scales(spec, axis):
+  """Every unit holding Inf/NaN gets a NaN scale (MX: 0xFF) and dequantizes
+  to NaN; every other unit is exactly what it is without them."""
+  x = np.asarray(jax.random.normal(jax.random.key(3), (256, 256)))
+  bad = x.copy()
+  bad[3, 5], bad[200, 130], bad[70, 250] = np.inf, np.nan, -np.inf
+  clean = jquantize(jnp.asarray(x), spec, axis)
+  q = jquantize(jnp.asarray(bad), spec, axis)
+  s, s0 = np.asarray(q.scale), np.asarray(clean.scale)
+  nan_scale = (s == 255) if spec.granularity == "mx" else np.isnan(s)
+  # Units touched: broadcast the keep-dims grid to elements.
+  per_elem = nan_scale
+  for ax, n in enumerate(x.shape):
+    per_elem = np.repeat(per_elem, n // per_elem.shape[ax], axis=ax)
+  assert per_elem[3, 5] and per_elem[200, 130] and per_elem[70, 250]
+  assert nan_scale.sum() <= 3  # only the units holding them
+  np.testing.assert_array_equal(s[~nan_scale], s0[~nan_scale])
+  deq, deq0 = np.asarray(jdequantize(q)), np.asarray(jdequantize(clean))
+  assert np.all(np.isnan(deq[per_elem]))
+  np.testing.assert_array_equal(deq[~per_elem], deq0[~per_elem])
+
+
+def test_nan_survives_amax_of_large_fp32_arrays():
+  """XLA:CPU's max reduction drops a NaN of an FP32 array of 4096+ elements
+  unless it is the last of its block; every amax maps NaN to +Inf first."""
+  x = np.ones((4, 1024), np.float32)
+  x[0, 6] = np.nan
+  xj = jnp.asarray(x)
+  assert float(S.amax(xj)) == np.inf
+  assert float(jax.jit(S.amax)(xj)) == np.inf
+  mx = jquantize(xj, QuantSpec(format="e4m3", granularity="mx"))
+  assert int(mx.scale[0, 0]) == 255  # was 119, the code of its ones
+  assert int(mx.scale[0, 1]) == 119  # ceil(log2(1 / 448)) = -8
+  assert np.isnan(float(jquantize(xj, QuantSpec(format="e4m3")).scale))
+  for gran in ("row", "tile"):
+    q = jquantize(xj, QuantSpec(format="e4m3", granularity=gran))
+    assert np.isnan(np.asarray(q.scale)[0, 0])
+    assert np.all(np.isfinite(np.asarray(q.scale)[1:]))
+  # Delayed scaling: the NaN step scales by a non-finite amax and records 0.
+  st = S.init_scale_state(4)
+  now, running = S.delayed_amax(st, S.amax(xj))
+  assert not np.isfinite(float(now)) and float(running) == 0.0
+  for dtype in (jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn):
+    assert float(S.amax(xj.astype(dtype))) == np.inf
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "e3m2", "e2m3", "e2m1"])
+def test_rceil_tiny_block_gets_code_0_and_keeps_payload(fmt):
+  """amax / max below the FP32 normal range (CPU flushes the quotient): the
+  exponent comes from the bits of amax, so 2**-120 gets code 0 (2**-127) and
+  payload 2**7, as OCP/TE/cuBLAS give."""
+  x = jnp.zeros((1, 32)).at[0, 0].set(2.0**-120).at[0, 1].set(-2.0**-121)
+  q = jquantize(x, mx(fmt, "mx_rceil"))
+  fm = F.get_format(fmt).max
+  # e = ceil(log2(2**-120 / max)), clamped at -127 (448: -128.8 -> -127).
+  e = max(-127, int(np.ceil(np.log2(2.0**-120 / fm))))
+  assert int(q.scale[0, 0]) == e + 127
+  assert np.asarray(q.elements())[0, :2].tolist() == [2.0**(-120 - e),
+                                                      -2.0**(-121 - e)]
+  if fmt == "e4m3":
+    assert int(q.scale[0, 0]) == 0 and float(q.elements()[0, 0]) == 128
+  codes = S.mx_scale_codes(jnp.asarray([2.0**-120, 5e-36, 2.0**-126, 1e-30],
+                                       jnp.float32), F.E4M3, "mx_rceil")
+  # / 448: 2**-128.8, 2**-126.1, 2**-134.8 (clamp to -127), 2**-108.4.
+  assert np.asarray(codes).tolist() == [0, 1, 0, 19]
+
+
+def test_fp32_subnormal_inputs_follow_the_platform():
+  """FP32 subnormals: XLA:CPU treats them as zero (a subnormal-only block is
+  a zero block); a platform that keeps them quantizes them like the
+  reference. Not worked around: the references keep them, CPU does not."""
+  sub = np.float32(3 * 2.0**-130)
+  x = jnp.zeros((1, 32)).at[0, 0].set(sub)
+  q = jquantize(x, mx("e4m3", "mx_rceil"))
+  if FTZ:
+    assert int(q.scale[0, 0]) == 0
+    assert np.all(np.asarray(q.elements()) == 0)
+    assert float(S.amax(x)) == 0.0
+  else:
+    assert int(q.scale[0, 0]) == 0  # 2**-127: payload 3 * 2**-3
+    assert float(q.elements()[0, 0]) == 0.375
+
+
+def test_per_tensor_payload_uses_te_multiplier():
+  """TE: s = fl(448 / amax), payload sat(x * s). With the old 1 / fl(amax /
+  448) the payload of this pair was 112 instead of 104 (exact 107.99999)."""
+  amax, x = np.float32(31.683146), np.float32(7.6379008)
+  s = np.float32(448) / amax
+  assert (x * s).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) == 104
+  q = jquantize(jnp.asarray([x, amax]), QuantSpec(format="e4m3"))
+  assert float(q.elements()[0]) == 104.0
+  # Stored scale = TE's scale_inv = 1 / s in FP32; also through tensor_amax.
+  assert np.float32(q.scale) == np.float32(1) / s
+  q2 = jquantize(jnp.asarray([x]), QuantSpec(format="e4m3"),
+                  tensor_amax=jnp.float32(amax))
+  assert float(q2.elements()[0]) == 104.0
+  assert np.float32(q2.scale) == np.float32(1) / s
+
+
+def test_margin_divides_the_multiplier_by_a_power_of_two():
+  amax = np.float32(31.683146)
+  for margin in (0, 1, 4):
+    s = float(S.te_multiplier(jnp.float32(amax), F.E5M2, margin=margin))
+    assert s == float((np.float32(57344) / amax) / np.float32(2**margin))
+
+
+def _binade(biased_exponent):
+  """Every FP32 value with this exponent field (2**23 of them)."""
+  mant = np.arange(1 << 23, dtype=np.uint32)
+  return ((np.uint32(biased_exponent) << 23) | mant).view(np.float32)
+
+
+@pytest.mark.parametrize("const", [448.0, 57344.0, 240.0, 7.5])
+def test_divisions_are_correctly_rounded_on_a_whole_binade(const):
+  """divide_rn(a, c) and rdivide_rn(c, a) equal NumPy's IEEE FP32 division
+  for all 2**23 significands (the quotient's significand depends on the
+  significand only), where XLA's a / c (a * fl(1/c)) is 1 ulp off for about
+  half of them and XLA:GPU's c / a is div.full.f32 (2 ulp)."""
+  a = _binade(120)
+  got = np.asarray(jax.jit(lambda v: S.divide_rn(v, const))(a))
+  np.testing.assert_array_equal(got.view(np.uint32),
+                                (a / np.float32(const)).view(np.uint32))
+  got = np.asarray(jax.jit(lambda v: S.rdivide_rn(const, v))(a))
+  np.testing.assert_array_equal(got.view(np.uint32),
+                                (np.float32(const) / a).view(np.uint32))
+  recip = np.asarray(jax.jit(lambda v: S.rdivide_rn(1.0, v))(a))
+  np.testing.assert_array_equal(recip.view(np.uint32),
+                                (np.float32(1) / a).view(np.uint32))
+
+
+def test_deepseek_tile_scales_are_exact_quotients():
+  """sf = fl(max(amax, 1e-4) / 448) (DeepGEMM's reference), payload
+  x * fl(1 / sf) (DeepGEMM's per_token_cast_to_fp8), on 4096 tiles."""
+  x = np.asarray(jax.random.normal(jax.random.key(7), (4096, 128)),
+                 np.float32) * np.float32(3)
+  x = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
+  q = jquantize(jnp.asarray(x, jnp.bfloat16),
+                 QuantSpec(format="e4m3", granularity="tile"))
+  amax = np.max(np.abs(x), axis=1, keepdims=True)
+  sf = np.maximum(amax, np.float32(1e-4)) / np.float32(448)
+  np.testing.assert_array_equal(np.asarray(q.scale), sf)
+  payload = np.clip(x * (np.float32(1) / sf), -448, 448).astype(
+      ml_dtypes.float8_e4m3fn)
+  np.testing.assert_array_equal(payload_codes(q), payload.view(np.uint8))
+
+
+def test_deepseek_floor_flushes_tiny_tiles():
+  """The 1e-4 amax floor of DeepSeek-V3/DeepGEMM: a tile of ~1e-10 gets
+  scale 1e-4 / 448 and a zero payload (documented in recipes/deepseek_v3);
+  MXFP8 keeps it."""
+  x = jnp.full((2, 128), 1e-10, jnp.float32)
+  q = jquantize(x, QuantSpec(format="e4m3", granularity="tile"))
+  np.testing.assert_array_equal(np.asarray(q.scale),
+                                np.float32(1e-4) / np.float32(448))
+  assert np.all(np.asarray(jdequantize(q)) == 0)
+  m = jquantize(x, mx("e4m3"))
+  np.testing.assert_allclose(np.asarray(jdequantize(m)), 1e-10, rtol=0.07)
