@@ -25,10 +25,10 @@ def _step(name):
   recipe = qlayers.recipe(name)
 
   def run(x, w, g, state):
-    def f(x, w):
+    def f(x, w, state):  # the state too, as a training step differentiates it
       return ops.quantized_matmul(x, w, recipe, state)[0]
-    y, vjp = jax.vjp(f, x, w)
-    dx, dw = vjp(g.astype(y.dtype))
+    y, vjp = jax.vjp(f, x, w, state)
+    dx, dw, _ = vjp(g.astype(y.dtype))
     return y, dx, dw
   return jax.jit(run)
 
