@@ -26,6 +26,11 @@ Held in an extended dtype whose addition is ``max`` while differentiating (as
 `qlayers.value_and_grad` does), the cotangents of several uses of one layer
 combine by max, not sum. Once per step `update_scales` writes ``amax`` into
 the history and clears it.
+
+Under a mesh every amax is the amax of the whole tensor (see
+`qlayers.sharding`): XLA reduces over shards under jit, ``lax.pmax`` does it
+inside ``shard_map``; with explicit mesh axes the op runs in an auto-axes
+region whose outputs get ``lax.dot_general``'s explicit-mode shardings.
 """
 
 from __future__ import annotations
@@ -38,10 +43,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
 
 from qlayers import dispatch
 from qlayers import hadamard
 from qlayers import scaling
+from qlayers import sharding
 from qlayers.recipe import Recipe, recipe as load_recipe
 from qlayers.scaling import QuantSpec, QTensor, ScaleState
 
@@ -105,7 +112,8 @@ def _like(v, dtype):
 def _delayed(t, st: ScaleState, recipe: Recipe):
   """(amax to scale ``t`` by now, updated running amax) for one role."""
   st = ScaleState(*map(_to_f32, st))
-  return scaling.delayed_amax(st, scaling.amax(t), recipe.amax_compute_algo)
+  current = sharding.global_amax(scaling.amax(t), t)
+  return scaling.delayed_amax(st, current, recipe.amax_compute_algo)
 
 
 def _transposes(spec: QuantSpec, axis: int, backend=None) -> bool:
@@ -169,6 +177,9 @@ def _operand(t, spec, axis, amax, key, recipe: Recipe, backend=None):
     return t.astype(recipe.dtype)
   if spec.stochastic and key is None:
     key = _data_key(t)
+  if amax is None and spec.granularity == "tensor" and sharding.varying_axes(t):
+    # A shard_map shard: scale by the whole tensor's amax.
+    amax = sharding.global_amax(scaling.amax(t), t)
   return _quantize(t, spec, axis, amax=amax,
                    key=key if spec.stochastic else None, backend=backend)
 
@@ -191,10 +202,12 @@ def _zero_cotangent(shape, dtype):
 # ----------------------------------------------------------------------------
 # The custom_vjp core on 2-D operands
 #
-# ``dtypes`` (static) is ``(x dtype, w dtype, state dtypes)``, state dtypes
-# a ``ScaleState`` of leaf dtypes per role (None when stateless): the
+# ``dtypes`` (static) is ``(x dtype, w dtype, state dtypes, vma)``, state
+# dtypes a ``ScaleState`` of leaf dtypes per role (None when stateless): the
 # backward rule returns cotangents in the primal dtypes, and a state leaf is
 # FP32 or, under `qlayers.value_and_grad`, a max-combining extended dtype.
+# ``vma`` holds the manual mesh axes ``x`` and ``w`` vary over (inside
+# shard_map; empty elsewhere), which their cotangents are reduced to.
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
@@ -250,7 +263,7 @@ def _qmm_fwd(recipe, backend, out_dtype, dtypes, x, w, state, key):
 
 def _qmm_bwd(recipe: Recipe, backend, out_dtype, dtypes, res, cts):
   del out_dtype
-  x_dtype, w_dtype, state_dtypes = dtypes
+  x_dtype, w_dtype, state_dtypes, (x_vma, w_vma) = dtypes
   x_saved, w_saved, ax, aw, g_state, key = res
   g, _ = cts
   dg, dw_gemm = recipe.dgrad, recipe.wgrad
@@ -294,6 +307,8 @@ def _qmm_bwd(recipe: Recipe, backend, out_dtype, dtypes, res, cts):
     qg_w = _operand(_transformed(g, rht, 0), dw_gemm.rhs, 0, ag, kwg, recipe,
                     backend)
   dw = _run(qx, qg_w, (0, 0), dw_gemm.out_dtype or jnp.float32, backend)
+  dx = sharding.sum_over_broadcast(dx, x_vma)
+  dw = sharding.sum_over_broadcast(dw, w_vma)
   return dx.astype(x_dtype), dw.astype(w_dtype), state_ct, None
 
 
@@ -367,15 +382,29 @@ def quantized_matmul(x: jax.Array, w: jax.Array, recipe: Recipe | str,
   else:
     state = None
   lead, n = x.shape[:-1], w.shape[1]
-  x2 = x.reshape(-1, x.shape[-1])
-  if x2.shape[0] == 0 or n == 0 or w.shape[0] == 0:
+  if math.prod(lead) == 0 or n == 0 or w.shape[0] == 0:
     # Nothing to multiply (an empty batch): no amax to take, state unchanged.
     return jnp.zeros((*lead, n), out_dtype), state
   state_dtypes = None if state is None else tuple(
       ScaleState(*(v.dtype for v in state[role])) for role in ROLES)
-  dtypes = (x.dtype, w.dtype, state_dtypes)
-  y, new_state = _qmm(recipe, backend, out_dtype, dtypes, x2, w, state, key)
-  return y.reshape(*lead, n), new_state
+  dtypes = (x.dtype, w.dtype, state_dtypes,
+            (sharding.varying_axes(x), sharding.varying_axes(w)))
+
+  def run(x, w, state, key):
+    x2 = x.reshape(-1, x.shape[-1])
+    y, new_state = _qmm(recipe, backend, out_dtype, dtypes, x2, w, state, key)
+    return y.reshape(*lead, n), new_state
+
+  if sharding.explicit_axes():
+    y_spec = sharding.dot_spec(sharding.spec_of(x)[:-1],
+                               sharding.spec_of(w)[1:])
+    run = sharding.auto_region(run, (y_spec, _replicated_specs(state)))
+  return run(x, w, state, key)
+
+
+def _replicated_specs(state):
+  """Explicit specs of new quantization state: replicated."""
+  return jax.tree.map(lambda v: P(*(None,) * v.ndim), state)
 
 
 def _check_state(state, recipe: Recipe):
@@ -417,6 +446,18 @@ def quantized_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
   if len(lc) != len(rc) or len(lb) != len(rb):
     raise ValueError(f"Malformed dimension_numbers {dimension_numbers}.")
   out_dtype = preferred_element_type or jnp.result_type(lhs, rhs)
+  if sharding.explicit_axes():
+    ls, rs = sharding.spec_of(lhs), sharding.spec_of(rhs)
+    lfree = [d for d in range(lhs.ndim) if d not in lc and d not in lb]
+    rfree = [d for d in range(rhs.ndim) if d not in rc and d not in rb]
+    y_spec = sharding.dot_spec(tuple(ls[d] for d in (*lb, *lfree)),
+                               tuple(rs[d] for d in rfree))
+    def run(lhs, rhs, state, key):
+      return quantized_dot_general(
+          lhs, rhs, dimension_numbers, recipe, state,
+          preferred_element_type=out_dtype, key=key, backend=backend)
+    run = sharding.auto_region(run, (y_spec, _replicated_specs(state)))
+    return run(lhs, rhs, state, key)
   if lb:
     if recipe.delayed:
       raise ValueError(
@@ -431,7 +472,8 @@ def quantized_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
       return quantized_dot_general(a, b, inner, recipe,
                                    preferred_element_type=out_dtype,
                                    key=key, backend=backend)[0]
-    return jax.vmap(one, in_axes=(lb[0], rb[0]))(lhs, rhs), state
+    with sharding.unpartitioned():
+      return jax.vmap(one, in_axes=(lb[0], rb[0]))(lhs, rhs), state
   lfree = [d for d in range(lhs.ndim) if d not in lc]
   rfree = [d for d in range(rhs.ndim) if d not in rc]
   k = math.prod(lhs.shape[d] for d in lc)
