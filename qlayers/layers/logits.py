@@ -4,6 +4,8 @@ chunked cross-entropy that never materialises the full logits."""
 from __future__ import annotations
 
 import math
+from types import MappingProxyType
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +49,9 @@ class QuantLogits(QuantLayer, nnx.Module):
       the operand precision.
     kernel_init: initializer of the untied kernel.
     bias_init: initializer of the bias.
+    kernel_metadata: metadata of the untied kernel (e.g. ``{"out_sharding":
+      (None, "model")}``), as ``nnx.Linear`` takes it.
+    bias_metadata: metadata of the bias.
     rngs: RNG streams (``params``); needed when this module creates Params.
     recipe: quantization recipe (default ``"bf16"``: not quantized).
     backend: force a GEMM backend (``"xla"`` or ``"ffi"``).
@@ -81,6 +86,8 @@ class QuantLogits(QuantLayer, nnx.Module):
                dtype=None, param_dtype=jnp.float32, precision=None,
                kernel_init=_default_kernel_init,
                bias_init=nnx.initializers.zeros_init(),
+               kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+               bias_metadata: Mapping[str, Any] = MappingProxyType({}),
                rngs: nnx.Rngs | None = None,
                recipe: Recipe | str = "bf16", backend: str | None = None):
     if embed is not None:
@@ -99,13 +106,14 @@ class QuantLogits(QuantLayer, nnx.Module):
 
     if embed is None:
       self.kernel = nnx.Param(
-          kernel_init(rngs.params(), (in_features, vocab_size), param_dtype))
+          kernel_init(rngs.params(), (in_features, vocab_size), param_dtype),
+          **kernel_metadata)
     else:
       self.kernel = nnx.data(None)
     self.embed = embed if embed is not None else nnx.data(None)
     if use_bias:
       self.bias = nnx.Param(bias_init(rngs.params(), (vocab_size,),
-                                      param_dtype))
+                                      param_dtype), **bias_metadata)
     else:
       self.bias = nnx.data(None)
 
