@@ -14,12 +14,24 @@ from flax.nnx.nn import dtypes
 from jax import lax
 
 from qlayers import ops
+from qlayers import sharding
 from qlayers.layers.core import QuantGemm, QuantLayer
 from qlayers.recipe import Recipe
 
 __all__ = ["QuantLogits"]
 
 _default_kernel_init = nnx.initializers.lecun_normal()
+
+
+def _pick(logits, labels):
+  """``logits[..., labels]``. With explicit mesh axes (the vocabulary may be
+  split over devices) a masked sum over the vocabulary, which needs no
+  output sharding spelled out; the same value, as every other term is 0."""
+  if not sharding.explicit_axes():
+    return jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
+  vocab = lax.broadcasted_iota(labels.dtype, logits.shape, logits.ndim - 1,
+                               out_sharding=jax.typeof(logits).sharding)
+  return jnp.sum(jnp.where(vocab == labels[..., None], logits, 0.0), axis=-1)
 
 
 class QuantLogits(QuantLayer, nnx.Module):
@@ -209,7 +221,7 @@ class QuantLogits(QuantLayer, nnx.Module):
       xc, yc, mc = args
       logits, new_state = self._logits(xc, kernel, bias, state)
       lse = jax.nn.logsumexp(logits, axis=-1)
-      picked = jnp.take_along_axis(logits, yc[..., None], axis=-1)[..., 0]
+      picked = _pick(logits, yc)
       total = jnp.sum((lse - picked) * mc)
       if new_state is None:
         return total, ()
