@@ -7,6 +7,8 @@
       --batch-size 64 --seq-len 256                        # a longer run (GPU)
   python examples/train_lm.py --merge out/a.json,out/b.json --out out/ab
                                                            # one table from both
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 \
+      python examples/train_lm.py --mesh data=2,fsdp=4     # sharded, 8 devices
 
 Every run builds the same GPT (``_common/gpt.py``) from the same seed, so all
 recipes start from identical weights and see the same batches in the same
@@ -28,11 +30,19 @@ with the same training settings (more seeds, more recipes) into one table,
 plot and JSON, and checks that a (recipe, seed) run present in several files
 gave the same numbers.
 
+``--mesh data=2,fsdp=4`` (axes ``data``, ``fsdp``, ``model``; see
+``_common/sharding.py``) shards every run over a device mesh: the batch over
+``data`` and ``fsdp``, weight matrices and their optimizer state over
+``fsdp`` (gathered per GEMM, as FP8 payloads in the quantized runs), and
+``model`` splits the MLP matrices (tensor parallelism). The same command
+runs on simulated CPU devices and on a multi-GPU host.
+
 JAX picks the accelerator when there is one; nothing here forces the CPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -51,7 +61,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 import qlayers
-from _common import cli, gpt, lm, shakespeare, training
+from _common import cli, gpt, lm, shakespeare, sharding, training
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 BASELINE_NAMES = {"bfloat16": "bf16", "float32": "fp32"}
@@ -84,6 +94,9 @@ class Config:
     json: also write all numbers to this file.
     progress: show progress bars.
     merge: train nothing; combine these ``--json`` files of earlier runs.
+    mesh: shard over a device mesh, ``AXIS=SIZE,...`` with axes ``data``,
+      ``fsdp``, ``model`` (sizes multiplying to the device count); empty:
+      one device.
   """
 
   recipes: tuple[str, ...] = ("fp8_delayed",)
@@ -113,6 +126,7 @@ class Config:
   json: str | None = None
   progress: bool = True
   merge: tuple[str, ...] = ()
+  mesh: str = ""
 
   @property
   def baseline(self) -> str:
@@ -155,7 +169,10 @@ def parse_args(argv=None) -> Config:
       merge={"metavar": "JSONS",
              "help": "train nothing; combine these comma-separated --json "
                      "files of earlier runs into one table"},
-      dtype={"choices": sorted(DTYPES)})
+      dtype={"choices": sorted(DTYPES)},
+      mesh={"metavar": "AXIS=SIZE,...",
+            "help": "shard over a device mesh of axes data, fsdp, model, "
+                    "e.g. data=2,fsdp=4 (empty: one device)"})
   p.add_argument("--recipe", default=None,
                  help="one recipe (shorthand for --recipes NAME)")
   args = vars(p.parse_args(argv))
@@ -174,6 +191,12 @@ def parse_args(argv=None) -> Config:
     p.error(f"--tolerance must be positive, got {args['tolerance']}")
   if not args["seeds"]:
     p.error("--seeds needs at least one seed")
+  if args["mesh"]:
+    try:
+      sharding.check_batch(sharding.make_mesh(args["mesh"]),
+                           args["batch_size"])
+    except ValueError as e:
+      p.error(f"--mesh: {e}")
   return Config(**args)
 
 
@@ -254,12 +277,24 @@ def train_run(cfg: Config, run: str, seed: int, data, tx, *,
   Pass the same ``tx`` to every run: it is part of the optimizer's static
   structure, so a new one would make ``nnx.jit`` compile the step again.
   """
+  mesh = sharding.make_mesh(cfg.mesh) if cfg.mesh else None
+  with jax.set_mesh(mesh) if mesh else contextlib.nullcontext():
+    return _train_run(cfg, run, seed, data, tx, verbose=verbose, mesh=mesh)
+
+
+def _train_run(cfg: Config, run: str, seed: int, data, tx, *, verbose: bool,
+               mesh) -> Run:
   model, report = build_model(cfg, run, seed)
   if report is not None and verbose:
     tqdm.write(str(report))
   optimizer = qlayers.Optimizer(model, tx)
   stream = shakespeare.batches(data["train"], batch_size=cfg.batch_size,
                                seq_len=cfg.seq_len, seed=seed)
+  valid = data["valid"]
+  if mesh is not None:
+    sharding.shard_model(mesh, model, optimizer)
+    stream = (sharding.put_batch(mesh, *batch) for batch in stream)
+    valid = [sharding.put_batch(mesh, *batch) for batch in valid]
   tokens = cfg.batch_size * cfg.seq_len
   losses, eval_steps, val_losses, wall, cpu = [], [], [], [], []
   bar = training.progress(cfg.steps, f"{run} seed {seed}",
@@ -280,7 +315,7 @@ def train_run(cfg: Config, run: str, seed: int, data, tx, *,
     losses.append(loss)
     if step % cfg.eval_every == 0 or step == cfg.steps:
       eval_steps.append(step)
-      val_losses.append(evaluate(model, data["valid"]))
+      val_losses.append(evaluate(model, valid))
     postfix = {"loss": f"{loss:.3f}"}
     if val_losses:
       postfix["val"] = f"{val_losses[-1]:.3f}"
@@ -486,7 +521,7 @@ def environment() -> dict[str, str]:
 # must agree between the files that `merge_runs` combines.
 _NOT_TRAINING = ("recipes", "seeds", "prompt", "sample_tokens", "temperature",
                  "tolerance", "tolerances", "out", "json", "progress",
-                 "merge")
+                 "merge", "mesh")
 
 
 def merge_runs(cfg: Config) -> tuple[Config, dict[str, Any],
@@ -578,7 +613,8 @@ def train_all(cfg: Config):
   print(f"GPT d_model={cfg.d_model} layers={cfg.layers} heads={cfg.heads} "
         f"d_ff={model_cfg.d_ff} ({n_params / 1e6:.2f} M params), "
         f"{cfg.steps} steps of {cfg.batch_size}x{cfg.seq_len} tokens, "
-        f"dtype {cfg.dtype}, on {env['backend']} ({env['device']})")
+        f"dtype {cfg.dtype}, on {env['backend']} ({env['device']})"
+        + (f", mesh {cfg.mesh}" if cfg.mesh else ""))
   data = load_data(cfg)
   tx = make_tx(cfg)
   runs: dict[str, list[Run]] = {}

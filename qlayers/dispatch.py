@@ -13,6 +13,11 @@ Every backend takes the same contract: two operands, each a `QTensor`
 * ``ffi``: native kernels from ``ffi/`` through XLA FFI (see `qlayers._native`).
 
 ``QLAYERS_BACKEND=xla|ffi`` (or the ``backend=`` argument) forces a backend.
+
+Under a mesh with auto axes, quantized GEMMs run through `qlayers.partition`
+(each device its local GEMM; FSDP weights gathered as payloads): always for
+``ffi``, and for ``xla`` unless ``QLAYERS_QUANTIZED_GATHER=0`` (see
+`qlayers.sharding`).
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from qlayers import partition
+from qlayers import sharding
 from qlayers.scaling import QTensor
 
 __all__ = ["gemm", "select", "report", "BACKENDS"]
@@ -198,11 +205,25 @@ def gemm(a, b, *, axes: tuple[int, int], out_dtype,
     raise ValueError(f"operands were quantized along axes {(a.axis, b.axis)}"
                      f" but the GEMM contracts {tuple(axes)}.")
   name, _ = select(a, b, backend)
-  if name == "ffi":
-    return _native().gemm(a, b, out_dtype=out_dtype)
-  return xla_gemm(a, b, out_dtype, axes,
-                  use_scaled_dot=jax.default_backend() in ("gpu", "cuda",
-                                                           "rocm"))
+  if (isinstance(a, QTensor) and sharding.auto_mesh() is not None
+      and not sharding.unpartitioned_now()
+      and (name == "ffi" or sharding.quantized_gather())):
+    return partition.gemm(a, b, axes, out_dtype, name)
+  return _LOCAL[name](a, b, tuple(axes), out_dtype)
+
+
+def _use_scaled_dot() -> bool:
+  return jax.default_backend() in ("gpu", "cuda", "rocm")
+
+
+_LOCAL = {
+    "xla": lambda a, b, axes, out_dtype: xla_gemm(
+        a, b, out_dtype, axes, use_scaled_dot=_use_scaled_dot()),
+    "ffi": lambda a, b, axes, out_dtype: _native().gemm(
+        a, b, out_dtype=out_dtype),
+}
+for _name, _fn in _LOCAL.items():
+  partition.register_local(_name, _fn)
 
 
 def _choice_for(recipe) -> tuple[str, str]:

@@ -26,6 +26,11 @@ Held in an extended dtype whose addition is ``max`` while differentiating (as
 `qlayers.value_and_grad` does), the cotangents of several uses of one layer
 combine by max, not sum. Once per step `update_scales` writes ``amax`` into
 the history and clears it.
+
+Under a mesh every amax is the amax of the whole tensor (see
+`qlayers.sharding`): XLA reduces over shards under jit, ``lax.pmax`` does it
+inside ``shard_map``; with explicit mesh axes the op runs in an auto-axes
+region whose outputs get ``lax.dot_general``'s explicit-mode shardings.
 """
 
 from __future__ import annotations
@@ -40,10 +45,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
+from jax.sharding import PartitionSpec as P
 
 from qlayers import dispatch
 from qlayers import hadamard
 from qlayers import scaling
+from qlayers import sharding
 from qlayers.recipe import Recipe, recipe as load_recipe
 from qlayers.scaling import QuantSpec, QTensor, ScaleState
 
@@ -107,7 +114,8 @@ def _like(v, dtype):
 def _delayed(t, st: ScaleState, recipe: Recipe):
   """(amax to scale ``t`` by now, updated running amax) for one role."""
   st = ScaleState(*map(_to_f32, st))
-  return scaling.delayed_amax(st, scaling.amax(t), recipe.amax_compute_algo)
+  current = sharding.global_amax(scaling.amax(t), t)
+  return scaling.delayed_amax(st, current, recipe.amax_compute_algo)
 
 
 def _transposes(spec: QuantSpec, axis: int, backend=None) -> bool:
@@ -171,6 +179,9 @@ def _operand(t, spec, axis, amax, key, recipe: Recipe, backend=None):
     return t.astype(recipe.dtype)
   if spec.stochastic and key is None:
     key = _data_key(t)
+  if amax is None and spec.granularity == "tensor" and sharding.varying_axes(t):
+    # A shard_map shard: scale by the whole tensor's amax.
+    amax = sharding.global_amax(scaling.amax(t), t)
   return _quantize(t, spec, axis, amax=amax,
                    key=key if spec.stochastic else None, backend=backend)
 
@@ -211,10 +222,12 @@ def _warn_if_gradient_amax_lost(recipe: Recipe, x, w, state) -> None:
 # ----------------------------------------------------------------------------
 # The custom_vjp core on 2-D operands
 #
-# ``dtypes`` (static) is ``(x dtype, w dtype)``: the backward rule returns
-# the input gradients in them. Symbolic zeros: the forward rule sees which
-# inputs are differentiated, and the backward rule returns None (zero) for
-# every state leaf but the gradient role's running amax.
+# ``dtypes`` (static) is ``(x dtype, w dtype, vma)``: the backward rule
+# returns the input gradients in the primal dtypes. ``vma`` holds the manual mesh axes ``x`` and ``w`` vary over (inside
+# shard_map; empty elsewhere), which their cotangents are reduced to.
+# Symbolic zeros: the forward rule sees which inputs are differentiated,
+# and the backward rule returns None (zero) for every state leaf but the
+# gradient role's running amax.
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
@@ -273,7 +286,7 @@ def _qmm_fwd(recipe, backend, out_dtype, dtypes, x, w, state, key):
 
 def _qmm_bwd(recipe: Recipe, backend, out_dtype, dtypes, res, cts):
   del out_dtype
-  x_dtype, w_dtype = dtypes
+  x_dtype, w_dtype, (x_vma, w_vma) = dtypes
   x_saved, w_saved, ax, aw, g_state, key = res
   g, _ = cts
   if isinstance(g, SymbolicZero):  # the output is not used
@@ -315,6 +328,8 @@ def _qmm_bwd(recipe: Recipe, backend, out_dtype, dtypes, res, cts):
     qg_w = _operand(_transformed(g, rht, 0), dw_gemm.rhs, 0, ag, kwg, recipe,
                     backend)
   dw = _run(qx, qg_w, (0, 0), dw_gemm.out_dtype or jnp.float32, backend)
+  dx = sharding.sum_over_broadcast(dx, x_vma)
+  dw = sharding.sum_over_broadcast(dw, w_vma)
   return dx.astype(x_dtype), dw.astype(w_dtype), state_ct, None
 
 
@@ -388,13 +403,27 @@ def quantized_matmul(x: jax.Array, w: jax.Array, recipe: Recipe | str,
   else:
     state = None
   lead, n = x.shape[:-1], w.shape[1]
-  x2 = x.reshape(-1, x.shape[-1])
-  if x2.shape[0] == 0 or n == 0 or w.shape[0] == 0:
+  if math.prod(lead) == 0 or n == 0 or w.shape[0] == 0:
     # Nothing to multiply (an empty batch): no amax to take, state unchanged.
     return jnp.zeros((*lead, n), out_dtype), state
-  dtypes = (x.dtype, w.dtype)
-  y, new_state = _qmm(recipe, backend, out_dtype, dtypes, x2, w, state, key)
-  return y.reshape(*lead, n), new_state
+  dtypes = (x.dtype, w.dtype,
+            (sharding.varying_axes(x), sharding.varying_axes(w)))
+
+  def run(x, w, state, key):
+    x2 = x.reshape(-1, x.shape[-1])
+    y, new_state = _qmm(recipe, backend, out_dtype, dtypes, x2, w, state, key)
+    return y.reshape(*lead, n), new_state
+
+  if sharding.explicit_axes():
+    y_spec = sharding.dot_spec(sharding.spec_of(x)[:-1],
+                               sharding.spec_of(w)[1:])
+    run = sharding.auto_region(run, (y_spec, _replicated_specs(state)))
+  return run(x, w, state, key)
+
+
+def _replicated_specs(state):
+  """Explicit specs of new quantization state: replicated."""
+  return jax.tree.map(lambda v: P(*(None,) * v.ndim), state)
 
 
 def _check_state(state, recipe: Recipe):
@@ -436,6 +465,18 @@ def quantized_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
   if len(lc) != len(rc) or len(lb) != len(rb):
     raise ValueError(f"Malformed dimension_numbers {dimension_numbers}.")
   out_dtype = preferred_element_type or jnp.result_type(lhs, rhs)
+  if sharding.explicit_axes():
+    ls, rs = sharding.spec_of(lhs), sharding.spec_of(rhs)
+    lfree = [d for d in range(lhs.ndim) if d not in lc and d not in lb]
+    rfree = [d for d in range(rhs.ndim) if d not in rc and d not in rb]
+    y_spec = sharding.dot_spec(tuple(ls[d] for d in (*lb, *lfree)),
+                               tuple(rs[d] for d in rfree))
+    def run(lhs, rhs, state, key):
+      return quantized_dot_general(
+          lhs, rhs, dimension_numbers, recipe, state,
+          preferred_element_type=out_dtype, key=key, backend=backend)
+    run = sharding.auto_region(run, (y_spec, _replicated_specs(state)))
+    return run(lhs, rhs, state, key)
   if lb:
     if recipe.delayed:
       raise ValueError(
@@ -450,7 +491,8 @@ def quantized_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
       return quantized_dot_general(a, b, inner, recipe,
                                    preferred_element_type=out_dtype,
                                    key=key, backend=backend)[0]
-    return jax.vmap(one, in_axes=(lb[0], rb[0]))(lhs, rhs), state
+    with sharding.unpartitioned():
+      return jax.vmap(one, in_axes=(lb[0], rb[0]))(lhs, rhs), state
   lfree = [d for d in range(lhs.ndim) if d not in lc]
   rfree = [d for d in range(rhs.ndim) if d not in rc]
   k = math.prod(lhs.shape[d] for d in lc)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from types import MappingProxyType
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +58,12 @@ class QuantAttentionProj(nnx.Module):
     out_kernel_init: initializer of the output kernel (default
       ``kernel_init``).
     bias_init: initializer of the biases.
+    kernel_metadata: metadata of the Q/K/V kernels (e.g. ``{"out_sharding":
+      (None, "model", None)}``), as ``nnx.MultiHeadAttention`` takes it.
+    out_kernel_metadata: metadata of the output kernel ``(H, D, out)``
+      (default ``kernel_metadata``, as in ``nnx.MultiHeadAttention``).
+    bias_metadata: metadata of the Q/K/V biases.
+    out_bias_metadata: metadata of the output bias.
     rngs: the RNG streams (``params``).
     recipe: the quantization recipe (default ``"fp8_delayed"``).
     backend: force a GEMM backend (``"xla"`` or ``"ffi"``).
@@ -87,7 +95,12 @@ class QuantAttentionProj(nnx.Module):
                use_bias: bool = False, dtype=None, param_dtype=jnp.float32,
                precision=None, kernel_init=_default_kernel_init,
                out_kernel_init=None,
-               bias_init=nnx.initializers.zeros_init(), rngs: nnx.Rngs,
+               bias_init=nnx.initializers.zeros_init(),
+               kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+               out_kernel_metadata: Mapping[str, Any] | None = None,
+               bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+               out_bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+               rngs: nnx.Rngs,
                recipe: Recipe | str = "fp8_delayed",
                backend: str | None = None):
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -101,25 +114,30 @@ class QuantAttentionProj(nnx.Module):
     out_features = in_features if out_features is None else out_features
     recipe = load_recipe(recipe)
 
-    def proj(fin, fout, init):
+    def proj(fin, fout, init, kmeta, bmeta):
       n_in = len(fin) if isinstance(fin, tuple) else 1
       return QuantLinearGeneral(
           fin, fout, axis=tuple(range(-n_in, 0)), recipe=recipe,
           backend=backend, use_bias=use_bias,
           dtype=dtype, param_dtype=param_dtype, precision=precision,
-          kernel_init=init, bias_init=bias_init, rngs=rngs)
+          kernel_init=init, bias_init=bias_init, kernel_metadata=kmeta,
+          bias_metadata=bmeta, rngs=rngs)
 
+    qkv = (kernel_init, kernel_metadata, bias_metadata)
     if fused_qkv:
       self.query_key_value = proj(
-          in_features, (num_heads + 2 * num_kv_heads, head_dim), kernel_init)
+          in_features, (num_heads + 2 * num_kv_heads, head_dim), *qkv)
       self.query = self.key = self.value = nnx.data(None)
     else:
       self.query_key_value = nnx.data(None)
-      self.query = proj(in_features, (num_heads, head_dim), kernel_init)
-      self.key = proj(in_kv_features, (num_kv_heads, head_dim), kernel_init)
-      self.value = proj(in_kv_features, (num_kv_heads, head_dim), kernel_init)
+      self.query = proj(in_features, (num_heads, head_dim), *qkv)
+      self.key = proj(in_kv_features, (num_kv_heads, head_dim), *qkv)
+      self.value = proj(in_kv_features, (num_kv_heads, head_dim), *qkv)
+    if out_kernel_metadata is None:
+      out_kernel_metadata = kernel_metadata
     self.out = proj((num_heads, head_dim), out_features,
-                    out_kernel_init or kernel_init)
+                    out_kernel_init or kernel_init, out_kernel_metadata,
+                    out_bias_metadata)
 
     self.in_features = in_features
     self.in_kv_features = in_kv_features

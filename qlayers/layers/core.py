@@ -18,6 +18,10 @@ is quantized from that cast; the qlayers layers quantize the FP32 master).
 Train/eval follows NNX: ``model.eval()`` sets ``use_running_average=True``
 (as for ``nnx.BatchNorm``), and then the layer scales from its stored amax
 history and writes nothing; ``model.train()`` resumes updating it.
+
+Under a mesh the state is replicated (placed so when built under
+``jax.set_mesh``; `nnx.get_partition_spec` gives ``P()`` for it), and every
+amax it records is the whole tensor's (see `qlayers.sharding`).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from qlayers import ops
+from qlayers import sharding
 from qlayers.recipe import Recipe, recipe as load_recipe
 from qlayers.scaling import ScaleState
 from qlayers.state import QuantGradState, QuantState
@@ -76,6 +81,9 @@ class QuantGemm(nnx.Module):
     self.backend = backend
     self.use_running_average = use_running_average
     state = ops.init_state(self.recipe, tuple(batch_shape))
+    # Replicated over the mesh being built under (if any), whatever the
+    # layout of the Params.
+    state = jax.tree.map(sharding.replicated, state)
     for role, st in (state or {}).items():
       setattr(self, f"{role}_amax_history", QuantState(st.amax_history))
       kind = QuantGradState if role == "g" else QuantState

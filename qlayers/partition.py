@@ -1,0 +1,308 @@
+"""A partitioning rule for the quantized 2-D GEMM: each device runs its
+local GEMM on payload + scale shards.
+
+`gemm` wraps a backend's GEMM of two `QTensor` operands in
+``jax.experimental.custom_partitioning``. When XLA's SPMD partitioner
+reaches it, it sees the operands' shardings and `_partition` decides:
+
+* The lhs (always an activation or output gradient here: ``x``/``g`` of
+  Fprop, Dgrad, Wgrad) keeps its layout: its contraction dim's mesh axes are
+  the GEMM's, so activations are never gathered (the rhs is sliced to match
+  where it is not sharded the same way).
+* The rhs keeps the mesh axes of its free dim that the lhs does not use
+  (tensor parallelism); every other axis it is sharded over (FSDP) is
+  gathered, as the quantized payload and scales, before the local GEMM: one
+  byte per element for FP8 (payloads travel as ``uint8``, which XLA:CPU
+  gathers as is; it widens FP8 collectives to F16).
+* A sharded contraction dim is summed with ``psum`` after the local GEMM in
+  FP32, or with ``psum_scatter`` where the partitioner wants the result
+  sharded over those axes (the FSDP weight gradient: a reduce-scatter).
+
+A dim is kept sharded only if every shard holds whole scale blocks (MX 32,
+tiles/blocks 128) and the mesh axes divide it; otherwise it is gathered.
+With one device or all axes manual, XLA inlines the GEMM unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.experimental.custom_partitioning import ArrayMapping, SdyShardingRule
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from qlayers.scaling import QTensor
+
+__all__ = ["gemm"]
+
+
+class _Meta(NamedTuple):
+  """What a shard of a `QTensor` operand needs besides its arrays (static)."""
+
+  format: str
+  granularity: str
+  block: tuple[int, ...] | None
+  axis: int
+  elements: tuple[int, ...]   # padded element shape (the payload's, unpacked)
+  transposed: bool
+  payload_dtype: str
+  scale_shape: tuple[int, ...]
+
+  def qtensor(self, payload, scale, elements=None) -> QTensor:
+    """The operand (``elements``: a shard's element shape) as a `QTensor`."""
+    payload = _unwire(payload, self.payload_dtype)
+    elements = tuple(elements or self.elements)
+    block = self.block
+    if self.granularity == "row":  # a row's scale spans the shard's row
+      block = tuple(e if b == g else b
+                    for b, g, e in zip(block, self.elements, elements))
+    return QTensor(payload, scale, self.format, self.granularity, block,
+                   self.axis, elements, self.transposed)
+
+
+def _meta(q: QTensor) -> _Meta:
+  return _Meta(q.format, q.granularity, q.block, q.axis, tuple(q.padded_shape),
+               q.transposed, jnp.dtype(q.payload.dtype).name,
+               tuple(q.scale.shape))
+
+
+def _wire(payload):
+  """FP8 payloads travel as their bytes (uint8): XLA:CPU widens FP8
+  collectives to F16, and a gather of codes is exact on every platform."""
+  if jnp.dtype(payload.dtype).itemsize == 1 and payload.dtype != jnp.uint8:
+    return lax.bitcast_convert_type(payload, jnp.uint8)
+  return payload
+
+
+def _unwire(payload, dtype: str):
+  dtype = jnp.dtype(dtype)
+  if payload.dtype != dtype:
+    return lax.bitcast_convert_type(payload, dtype)
+  return payload
+
+
+# ----------------------------------------------------------------------------
+# Local GEMMs (looked up by name, so the static arguments stay hashable)
+
+_LOCAL: dict[str, Callable] = {}
+
+
+def register_local(name: str, fn: Callable) -> None:
+  """Registers ``fn(a, b, axes, out_dtype)`` as a local GEMM ``name``."""
+  _LOCAL[name] = fn
+
+
+# ----------------------------------------------------------------------------
+# The partitioning rule
+
+
+def _names(entry) -> tuple[str, ...]:
+  if entry is None:
+    return ()
+  return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def _spec(sharding, mesh, shape) -> list[tuple[str, ...]]:
+  """Mesh axes per dim of an array of ``shape`` laid out by ``sharding``.
+
+  The partitioner hands over its own shardings, which may split a mesh axis
+  into sub-axes (after a reshape, say) that no `PartitionSpec` names; such
+  an operand counts as unsharded (it is then resharded to what the plan
+  needs, which is always correct).
+  """
+  ndim = len(shape)
+  if isinstance(sharding, NamedSharding):
+    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+    return [_names(e) for e in spec]
+  if sharding is None:
+    return [()] * ndim
+  counts = [n // max(t, 1) for n, t in zip(shape, sharding.shard_shape(shape))]
+  for dims in _candidates(mesh, counts):
+    named = NamedSharding(mesh, P(*map(_entry, dims)))
+    if named.is_equivalent_to(sharding, ndim):
+      return [tuple(d) for d in dims]
+  return [()] * ndim
+
+
+def _candidates(mesh, counts):
+  """Assignments of mesh axes to dims splitting each dim ``counts[d]`` ways."""
+  axes = [a for a in mesh.axis_names if mesh.shape[a] > 1]
+  ndim = len(counts)
+  for where in itertools.product(range(ndim + 1), repeat=len(axes)):
+    groups = [[a for a, w in zip(axes, where) if w == d] for d in range(ndim)]
+    if any(_size(mesh, g) != c for g, c in zip(groups, counts)):
+      continue
+    yield from itertools.product(*(itertools.permutations(g) for g in groups))
+
+
+def _size(mesh, axes) -> int:
+  return math.prod(mesh.shape[a] for a in axes)
+
+
+def _fits(meta: _Meta, dim: int, axes, mesh) -> bool:
+  """Whether ``meta``'s operand can be split over ``axes`` along ``dim``."""
+  n = _size(mesh, axes)
+  size = meta.elements[dim]
+  if size % n:
+    return False
+  if meta.granularity in ("tensor", "row"):
+    return True  # one scale for the whole tensor, or for a whole row
+  return (size // n) % meta.block[dim] == 0
+
+
+def _prefix_fitting(meta, dim, axes, mesh, exclude=()) -> tuple[str, ...]:
+  """The longest prefix of ``axes`` (skipping none) ``meta`` can split over."""
+  out = []
+  for a in axes:
+    if a in exclude:
+      break
+    if not _fits(meta, dim, (*out, a), mesh):
+      break
+    out.append(a)
+  return tuple(out)
+
+
+def _entry(axes):
+  return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def _operand_specs(meta: _Meta, contraction, free):
+  """Payload and scale specs of an operand with these mesh axes."""
+  dims = [()] * 2
+  dims[meta.axis] = contraction
+  dims[1 - meta.axis] = free
+  payload = P(*map(_entry, dims))
+  if not meta.scale_shape:
+    return payload, P()
+  scale = P(*(_entry(d) if n > 1 else None
+              for d, n in zip(dims, meta.scale_shape)))
+  return payload, scale
+
+
+class _Plan(NamedTuple):
+  k: tuple[str, ...]        # contraction axes (summed after the local GEMM)
+  m: tuple[str, ...]        # lhs free dim axes
+  n: tuple[str, ...]        # rhs free dim axes
+  scatter: tuple[tuple[str, ...], tuple[str, ...]]  # psum_scatter per out dim
+
+
+def _plan(ma: _Meta, mb: _Meta, mesh, arg_shapes, result_shape) -> _Plan:
+  sa = _spec(arg_shapes[0].sharding, mesh, arg_shapes[0].shape)
+  sb = _spec(arg_shapes[2].sharding, mesh, arg_shapes[2].shape)
+  out_shape = tuple(result_shape.shape)
+  k = tuple(sa[ma.axis])
+  while k and not (_fits(ma, ma.axis, k, mesh) and _fits(mb, mb.axis, k, mesh)):
+    k = k[:-1]
+  m = _prefix_fitting(ma, 1 - ma.axis, sa[1 - ma.axis], mesh, exclude=k)
+  n = _prefix_fitting(mb, 1 - mb.axis, sb[1 - mb.axis], mesh,
+                      exclude=k + m)
+  # Axes of k the partitioner wants the result split over: reduce-scatter.
+  want = _spec(result_shape.sharding, mesh, out_shape)
+  scatter, left = [], set(k)
+  for dim, have in ((0, m), (1, n)):
+    extra = ()
+    if tuple(want[dim][:len(have)]) == have:
+      for a in want[dim][len(have):]:
+        if a not in left or out_shape[dim] % _size(mesh, (*have, *extra, a)):
+          break
+        extra += (a,)
+        left.discard(a)
+    scatter.append(extra)
+  return _Plan(k, m, n, tuple(scatter))
+
+
+def _partition(ma, mb, axes, out_dtype, local, mesh, arg_shapes,
+               result_shape):
+  plan = _plan(ma, mb, mesh, arg_shapes, result_shape)
+  pa, sa = _operand_specs(ma, plan.k, plan.m)
+  pb, sb = _operand_specs(mb, plan.k, plan.n)
+  arg_shardings = tuple(NamedSharding(mesh, s) for s in (pa, sa, pb, sb))
+  out_spec = P(_entry(plan.m + plan.scatter[0]),
+               _entry(plan.n + plan.scatter[1]))
+  summed = tuple(a for a in plan.k if a not in plan.scatter[0] + plan.scatter[1])
+  local_fn = _LOCAL[local]
+
+  def shard_elements(meta, contraction, free):
+    dims = [0, 0]
+    dims[meta.axis] = meta.elements[meta.axis] // _size(mesh, contraction)
+    dims[1 - meta.axis] = meta.elements[1 - meta.axis] // _size(mesh, free)
+    return tuple(dims)
+
+  ea = shard_elements(ma, plan.k, plan.m)
+  eb = shard_elements(mb, plan.k, plan.n)
+
+  def lower(a_payload, a_scale, b_payload, b_scale):
+    qa = ma.qtensor(a_payload, a_scale, ea)
+    qb = mb.qtensor(b_payload, b_scale, eb)
+    if not plan.k:
+      return local_fn(qa, qb, axes, jnp.dtype(out_dtype))
+    out = local_fn(qa, qb, axes, jnp.dtype(jnp.float32))
+    for dim, names in enumerate(plan.scatter):
+      if names:
+        out = lax.psum_scatter(out, names, scatter_dimension=dim, tiled=True)
+    if summed:
+      out = lax.psum(out, summed)
+    return out.astype(out_dtype)
+
+  return mesh, lower, NamedSharding(mesh, out_spec), arg_shardings
+
+
+def _sharding_rule(ma, mb, axes, out_dtype, local, mesh, value_types,
+                   result_types):
+  del axes, out_dtype, local, mesh, result_types
+  a_shape, _, b_shape, _ = (tuple(t.shape) for t in value_types)
+  kb = "k" if a_shape[ma.axis] == b_shape[mb.axis] else "kb"
+
+  def factors(meta, contraction, free):
+    dims = [None, None]
+    dims[meta.axis], dims[1 - meta.axis] = contraction, free
+    return dims
+
+  def scale(meta, shape, names, prefix):
+    # A scale dim as long as its payload dim (no blocks along it) shares
+    # the payload's factor; a dim of blocks has its own.
+    return ArrayMapping(*(
+        names[i] if n == shape[i] else f"{prefix}{i}"
+        for i, n in enumerate(meta.scale_shape)))
+
+  fa, fb = factors(ma, "k", "m"), factors(mb, kb, "n")
+  return SdyShardingRule(
+      operand_mappings=(ArrayMapping(*fa), scale(ma, a_shape, fa, "sa"),
+                        ArrayMapping(*fb), scale(mb, b_shape, fb, "sb")),
+      result_mappings=(ArrayMapping("m", "n"),),
+      reduction_factors=("k",) if kb == "k" else ("k", "kb"))
+
+
+@functools.partial(custom_partitioning, static_argnums=(0, 1, 2, 3, 4))
+def _gemm(ma, mb, axes, out_dtype, local, a_payload, a_scale, b_payload,
+          b_scale):
+  qa, qb = ma.qtensor(a_payload, a_scale), mb.qtensor(b_payload, b_scale)
+  return _LOCAL[local](qa, qb, axes, jnp.dtype(out_dtype))
+
+
+_gemm.def_partition(partition=_partition, sharding_rule=_sharding_rule,
+                    decode_shardings=False)
+
+
+def gemm(a: QTensor, b: QTensor, axes: tuple[int, int], out_dtype,
+         local: str) -> jax.Array:
+  """``local``'s GEMM of ``a`` and ``b`` (2-D, contracted over ``axes``)
+  under a partitioning rule (see the module docstring).
+
+  ``local`` names a GEMM registered with `register_local`; it is called on
+  each device's shards, as `QTensor` of their local shapes (padded shapes:
+  the result is cropped here).
+  """
+  ma, mb = _meta(a), _meta(b)
+  out = _gemm(ma, mb, tuple(axes), jnp.dtype(out_dtype).name, local,
+              _wire(a.payload), a.scale, _wire(b.payload), b.scale)
+  rows, cols = a.shape[1 - a.axis], b.shape[1 - b.axis]
+  if out.shape != (rows, cols):
+    out = out[:rows, :cols]
+  return out

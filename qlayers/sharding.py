@@ -1,0 +1,207 @@
+"""How the quantized GEMMs meet JAX's SPMD engine (jit + meshes, shard_map).
+
+qlayers adds no collectives where XLA's serve; this module only says, while
+a GEMM is traced, which kind of mesh it runs under and adapts to it:
+
+* no mesh, or one device: nothing changes (the single-device program).
+* auto axes (``jax.set_mesh(mesh)`` with ``AxisType.Auto``, arrays placed
+  with ``jax.device_put``): amaxes are reductions over the whole array, so
+  XLA makes them global; quantized GEMMs run through `qlayers.partition`,
+  whose partitioning rule gathers FP8 payloads, never wide weights.
+* explicit axes (``AxisType.Explicit``, the mode of the Flax NNX sharding
+  guide): the GEMM core runs in an auto-axes region (`auto_region`) whose
+  outputs get the shardings the explicit-mode rules of ``lax.dot_general``
+  give (inputs' free dims keep their specs), the new quantization state is
+  replicated, and gradients take their primals' shardings.
+* manual axes (inside ``jax.shard_map``): each device sees its shard, so a
+  per-tensor amax is reduced with ``lax.pmax`` over the axes its operand
+  varies over (`global_amax`), and a gradient of an operand that was
+  implicitly broadcast over manual axes is summed over them
+  (`sum_over_broadcast`).
+
+The FP8 gather can be switched off with ``QLAYERS_QUANTIZED_GATHER=0`` (read
+when a step is traced): XLA then places the gathers of the xla backend
+itself (on CPU, where payloads are upcast before the dot, that gathers wide
+data). The ffi backend always keeps its partitioning rule.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import threading
+
+import jax
+from jax import lax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+__all__ = ["context_mesh", "auto_mesh", "manual_axes", "explicit_axes",
+           "quantized_gather", "auto_region", "global_amax",
+           "sum_over_broadcast", "varying_axes", "replicated", "spec_of",
+           "dot_spec", "unpartitioned", "unpartitioned_now"]
+
+
+def context_mesh():
+  """The abstract mesh being traced under, or None (no mesh, one device)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or math.prod(mesh.axis_sizes) == 1:
+    return None
+  return mesh
+
+
+def _axes_of(mesh, kind) -> tuple[str, ...]:
+  if mesh is None:
+    return ()
+  return tuple(n for n, t in zip(mesh.axis_names, mesh.axis_types)
+               if t == kind and mesh.shape[n] > 1)
+
+
+def manual_axes(mesh=None) -> tuple[str, ...]:
+  """Manual (``shard_map``) axes of ``mesh`` (default: the context mesh)."""
+  return _axes_of(mesh or context_mesh(), AxisType.Manual)
+
+
+def explicit_axes(mesh=None) -> tuple[str, ...]:
+  """Explicit axes of ``mesh`` (default: the context mesh)."""
+  return _axes_of(mesh or context_mesh(), AxisType.Explicit)
+
+
+def auto_mesh():
+  """The context mesh if its GEMMs can use a partitioning rule: more than one
+  device and every axis of size > 1 auto (not manual, not explicit)."""
+  mesh = context_mesh()
+  if mesh is None or manual_axes(mesh) or explicit_axes(mesh):
+    return None
+  return mesh
+
+
+def quantized_gather() -> bool:
+  """Whether the xla backend's quantized GEMMs use the partitioning rule that
+  gathers quantized payloads (``QLAYERS_QUANTIZED_GATHER``, default on)."""
+  value = os.environ.get("QLAYERS_QUANTIZED_GATHER", "1").strip().lower()
+  if value not in ("0", "1", "false", "true", "off", "on"):
+    raise ValueError(f"QLAYERS_QUANTIZED_GATHER must be 0/1 (or off/on), got "
+                     f"{value!r}.")
+  return value in ("1", "true", "on")
+
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def unpartitioned():
+  """GEMMs traced in this block skip the partitioning rule (it has no
+  batching rule: `qlayers.ops` traces batched GEMMs under ``jax.vmap`` here)."""
+  depth = getattr(_local, "depth", 0)
+  _local.depth = depth + 1
+  try:
+    yield
+  finally:
+    _local.depth = depth
+
+
+def unpartitioned_now() -> bool:
+  return getattr(_local, "depth", 0) > 0
+
+
+# ----------------------------------------------------------------------------
+# Explicit axes
+
+
+def spec_of(x) -> tuple:
+  """The explicit-axes spec of ``x``, one entry per dim (None: unsharded)."""
+  sharding = jax.typeof(x).sharding
+  spec = tuple(sharding.spec) if sharding is not None else ()
+  spec = spec + (None,) * (jax.typeof(x).ndim - len(spec))
+  explicit = set(explicit_axes())
+  def keep(entry):
+    names = entry if isinstance(entry, tuple) else (entry,)
+    names = tuple(n for n in names if n in explicit)
+    if not names:
+      return None
+    return names[0] if len(names) == 1 else names
+  return tuple(keep(e) for e in spec)
+
+
+def _names(entry) -> tuple[str, ...]:
+  if entry is None:
+    return ()
+  return entry if isinstance(entry, tuple) else (entry,)
+
+
+def dot_spec(lhs_free: tuple, rhs_free: tuple) -> P:
+  """Output spec of a GEMM whose free dims have these specs: the lhs's kept,
+  the rhs's minus mesh axes the lhs already uses (as an explicit-axes
+  ``dot_general`` with its contracting dims gathered gives)."""
+  used = {n for e in lhs_free for n in _names(e)}
+  out = list(lhs_free)
+  for e in rhs_free:
+    names = tuple(n for n in _names(e) if n not in used)
+    used.update(names)
+    out.append(None if not names else names[0] if len(names) == 1 else names)
+  return P(*out)
+
+
+def auto_region(fn, out_specs):
+  """``fn`` run with the context mesh's explicit axes made auto.
+
+  ``out_specs`` (a pytree of `PartitionSpec` matching ``fn``'s outputs) are
+  the explicit shardings its outputs get. Without explicit axes, ``fn``
+  itself.
+  """
+  axes = explicit_axes()
+  if not axes:
+    return fn
+  return jax.sharding.auto_axes(fn, axes=axes, out_sharding=out_specs)
+
+
+# ----------------------------------------------------------------------------
+# Manual axes (shard_map)
+
+
+def varying_axes(x) -> tuple[str, ...]:
+  """Manual mesh axes over which ``x`` holds different values per device."""
+  mat = getattr(jax.typeof(x), "manual_axis_type", None)
+  return tuple(sorted(mat.varying)) if mat is not None else ()
+
+
+def global_amax(a, t):
+  """``a``, the amax of ``t``'s local values, made the amax of the whole
+  tensor: under ``shard_map``, the max over the axes ``t`` varies over (each
+  device holds one shard). Elsewhere (no manual axes) ``a`` unchanged."""
+  axes = varying_axes(t)
+  return lax.pmax(a, axes) if axes else a
+
+
+def sum_over_broadcast(ct, axes: tuple[str, ...]):
+  """Cotangent ``ct`` of a primal that varies over ``axes`` only: summed over
+  the other manual axes ``ct`` varies over (the transpose of the implicit
+  broadcast of that primal to them)."""
+  extra = tuple(a for a in varying_axes(ct) if a not in axes)
+  if not extra:
+    return ct
+  if ct.dtype.itemsize < 4:  # summed in FP32, as the GEMMs accumulate
+    return lax.psum(ct.astype(jax.numpy.float32), extra).astype(ct.dtype)
+  return lax.psum(ct, extra)
+
+
+# ----------------------------------------------------------------------------
+# State placement
+
+
+def replicated(x):
+  """``x`` replicated over the context mesh (as a value of its own: no spec
+  it could inherit from an operand). Unchanged without a mesh."""
+  mesh = context_mesh()
+  if mesh is None or manual_axes(mesh):
+    return x
+  spec = P(*(None,) * jax.typeof(x).ndim)
+  if isinstance(x, jax.core.Tracer):
+    if explicit_axes(mesh):
+      return jax.sharding.reshard(x, spec)
+    return lax.with_sharding_constraint(x, spec)
+  concrete = jax.sharding.get_mesh()
+  if concrete is None or concrete.empty:
+    return x
+  return jax.device_put(x, NamedSharding(concrete, spec))

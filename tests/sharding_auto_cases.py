@@ -1,0 +1,299 @@
+"""Cases of test_sharding_auto.py, run on 8 simulated devices (see
+multidevice.py): auto-axes meshes with arrays placed by ``jax.device_put``,
+``shard_map``, and the ffi backend."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import qlayers
+from qlayers import ops, scaling
+from qlayers.scaling import QuantSpec
+
+import multidevice
+import sharded_training as st
+
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+case = multidevice.Cases()
+
+
+def _run(recipe, layout, *, backend=None, steps=3):
+  """Losses, final quantization state and collectives of one layout (None:
+  one device)."""
+  x, y = st.data()
+  model = st.MLP(recipe, rngs=nnx.Rngs(0), backend=backend)
+  opt = st.optimizer(model)
+  if layout is None:
+    losses, _ = st.train(model, opt, jnp.asarray(x), jnp.asarray(y), steps)
+    return {"losses": losses, "state": st.quant_state(model)}
+  mesh = st.mesh_for(layout)
+  with jax.set_mesh(mesh):
+    nnx.update((model, opt), st.place(nnx.state((model, opt)), mesh, layout))
+    batch = NamedSharding(mesh, st.LAYOUTS[layout][2])
+    xs, ys = jax.device_put(x, batch), jax.device_put(y, batch)
+    losses, hlo = st.train(model, opt, xs, ys, steps)
+    return {"losses": losses, "state": st.quant_state(model),
+            "collectives": st.summary(hlo),
+            "specs": st.specs(nnx.state(model))}
+
+
+def _layouts(recipe, layouts, **kw):
+  out = {"single": _run(recipe, None, **kw)}
+  for layout in layouts:
+    out[layout] = _run(recipe, layout, **kw)
+  return out
+
+
+@case
+def train_fp8_delayed():
+  return _layouts("fp8_delayed", st.LAYOUTS)
+
+
+@case
+def train_mxfp8():
+  return _layouts("mxfp8", ("fsdp", "fsdp_tp"))
+
+
+@case
+def train_bf16():
+  return _layouts("bf16", ("fsdp",))
+
+
+@case
+def gather_switch_off():
+  with st.env_flag("QLAYERS_QUANTIZED_GATHER", "0"):
+    return {"fsdp": _run("fp8_delayed", "fsdp")}
+
+
+@case
+def ffi():
+  return {"fp8_delayed": _layouts("fp8_delayed", ("tp", "fsdp_tp"),
+                                  backend="ffi"),
+          "mxfp8": _layouts("mxfp8", ("dp",), backend="ffi"),
+          "mxfp8_xla_dp": _run("mxfp8", "dp")}
+
+
+# ----------------------------------------------------------------------------
+# Scales are global: a sharded operand quantizes to the single-device bits.
+
+SPECS = {
+    "tensor": QuantSpec(format="e4m3"),
+    "row": QuantSpec(format="e4m3", granularity="row"),
+    "tile": QuantSpec(format="e4m3", granularity="tile"),
+    "block": QuantSpec(format="e4m3", granularity="block"),
+    "mx": QuantSpec(format="e4m3", granularity="mx"),
+    "mxfp4": QuantSpec(format="e2m1", granularity="mx"),
+}
+
+
+def _bits(q):
+  return (np.asarray(lax.bitcast_convert_type(q.payload, jnp.uint8)
+                     if q.payload.dtype.itemsize == 1 else q.payload).tolist(),
+          np.asarray(q.scale).view(np.uint32 if q.scale.dtype == np.float32
+                                   else np.uint8).tolist())
+
+
+@case
+def scales_global():
+  rng = np.random.default_rng(1)
+  x = (rng.standard_normal((256, 256)) *
+       rng.uniform(0.01, 100, (256, 1))).astype(np.float32)
+  mesh = st.mesh_for("fsdp_tp")
+  out = {}
+  for name, spec in SPECS.items():
+    for axis in (0, 1):
+      if spec.fmt.packed and axis == 0:
+        continue
+      f = jax.jit(lambda t, spec=spec, axis=axis: scaling.quantize(t, spec,
+                                                                   axis))
+      ref = _bits(f(jnp.asarray(x)))
+      per_layout = {}
+      with jax.set_mesh(mesh):
+        for layout in ("fsdp", "model", "both"):
+          sp = {"fsdp": P("fsdp", None), "model": P(None, "model"),
+                "both": P("fsdp", "model")}[layout]
+          xs = jax.device_put(x, NamedSharding(mesh, sp))
+          per_layout[layout] = _bits(f(xs)) == ref
+      out[f"{name}/axis{axis}"] = per_layout
+  # Delayed scaling: the amax recorded from a sharded step is the global one.
+  r = qlayers.recipe("fp8_delayed", amax_history_len=4)
+  w = rng.standard_normal((256, 128)).astype(np.float32)
+
+  def fwd(x, w):
+    _, new = ops.quantized_matmul(x, w, r, ops.init_state(r))
+    return new["x"].amax, new["w"].amax
+
+  ref = [float(a) for a in jax.jit(fwd)(x, w)]
+  with jax.set_mesh(mesh):
+    got = jax.jit(fwd)(jax.device_put(x, NamedSharding(mesh, P("fsdp"))),
+                       jax.device_put(w, NamedSharding(mesh,
+                                                       P(None, "model"))))
+  out["delayed_amax"] = {"single": ref, "sharded": [float(a) for a in got],
+                         "true": [float(np.max(np.abs(x))),
+                                  float(np.max(np.abs(w)))]}
+  return out
+
+
+# ----------------------------------------------------------------------------
+# Inside shard_map: local shards, global amaxes (lax.pmax), summed gradients.
+
+
+@case
+def shard_map_ops():
+  rng = np.random.default_rng(2)
+  x = jnp.asarray(rng.normal(size=(64, 128)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(128, 256)), jnp.float32)
+  mesh = st.mesh_for("tp")
+  out = {}
+  for name in ("fp8_delayed", "fp8_current", "mxfp8", "bf16"):
+    r = qlayers.recipe(name)
+    state = ops.init_state(r)
+
+    def loss(x, w, s, r=r):
+      y, new = ops.quantized_matmul(x, w, r, s)
+      return jnp.sum(y.astype(jnp.float32) ** 2), new
+
+    grad = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
+    (l0, n0), g0 = jax.jit(grad)(x, w, state)
+
+    def body(x, w, s, grad=grad):
+      (l, n), g = grad(x, w, s)
+      return lax.psum(l, ("data", "model")), n, g
+
+    f = jax.jit(jax.shard_map(
+        body, mesh=mesh, in_specs=(P("data", None), P(None, "model"), P()),
+        out_specs=(P(), P(), (P("data", None), P(None, "model"), P()))))
+    l1, n1, g1 = f(x, w, state)
+    rel = lambda a, b: float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(a)))
+    item = {"loss": [float(l0), float(l1)], "dx": rel(g0[0], g1[0]),
+            "dw": rel(g0[1], g1[1])}
+    if n0 is not None:
+      item["amax"] = [[float(n0[k].amax), float(n1[k].amax)]
+                      for k in ("x", "w")]
+      item["g_amax"] = [float(g0[2]["g"].amax), float(g1[2]["g"].amax)]
+    out[name] = item
+  return out
+
+
+@case
+def shard_map_layer():
+  """A QuantDense trained inside shard_map (data parallel): replicated state
+  in, replicated state out, the same amaxes as on one device."""
+  x, y = (jnp.asarray(a) for a in st.data())
+  mesh = st.mesh_for("dp")
+
+  def grads(model, x, y):
+    return qlayers.value_and_grad(st.mse)(model, x, y)
+
+  def one_device():
+    model = qlayers.QuantDense(st.D, st.D, rngs=nnx.Rngs(0))
+    loss, g = nnx.jit(grads)(model, x, y)
+    return model, loss, g
+
+  ref_model, ref_loss, ref_g = one_device()
+  model = qlayers.QuantDense(st.D, st.D, rngs=nnx.Rngs(0))
+  graphdef, state = nnx.split(model)
+
+  def global_mse(m, x, y):  # each device holds 1/8 of the batch
+    return lax.pmean(st.mse(m, x, y), "data")
+
+  def body(state, x, y):
+    m = nnx.merge(graphdef, state)
+    loss, g = qlayers.value_and_grad(global_mse)(m, x, y)
+    return loss, g["kernel"][...], g["quant"]["g_amax"][...], nnx.state(m)
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh,
+                            in_specs=(P(), P("data"), P("data")),
+                            out_specs=(P(), P(), P(), P())))
+  loss, kernel, g_amax, new_state = f(state, x, y)
+  nnx.update(model, new_state)
+  rel = float(jnp.max(jnp.abs(kernel - ref_g["kernel"][...]))
+              / jnp.max(jnp.abs(ref_g["kernel"][...])))
+  return {"loss": [float(ref_loss), float(loss)], "dkernel": rel,
+          "g_amax": [float(ref_g["quant"]["g_amax"][...]), float(g_amax)],
+          "x_amax": [float(ref_model.quant.x_amax[...]),
+                     float(model.quant.x_amax[...])],
+          "w_amax": [float(ref_model.quant.w_amax[...]),
+                     float(model.quant.w_amax[...])]}
+
+
+# ----------------------------------------------------------------------------
+# Every layer kind, under tensor parallelism on an auto mesh.
+
+
+class Block(nnx.Module):
+  """Attention projections, an einsum MLP and a tied-free logits head."""
+
+  def __init__(self, recipe, rngs):
+    self.embed = nnx.Embed(128, 64, rngs=rngs)
+    self.attn = qlayers.QuantAttentionProj(64, 4, 16,
+                                           recipe=recipe, rngs=rngs)
+    self.mlp = qlayers.QuantEinsum("btd,dh->bth", (64, 256), (256,),
+                                   recipe=recipe, rngs=rngs)
+    self.proj = qlayers.QuantLinearGeneral(256, 64, recipe=recipe, rngs=rngs)
+    self.head = qlayers.QuantLogits(64, 128, recipe=recipe, rngs=rngs)
+
+  def __call__(self, tokens):
+    h = self.embed(tokens)
+    q, k, v = self.attn.qkv(h)
+    h = h + self.attn.out(self.attn.attend(q, k, v, is_causal=True))
+    h = h + self.proj(jax.nn.gelu(self.mlp(h)))
+    return h
+
+
+BLOCK_SPECS = {
+    "attn/query/kernel": P(None, "model", None),
+    "attn/key/kernel": P(None, "model", None),
+    "attn/value/kernel": P(None, "model", None),
+    "attn/out/kernel": P("model", None, None),
+    "mlp/kernel": P(None, "model"), "mlp/bias": P("model"),
+    "proj/kernel": P("model", None),
+    "head/kernel": P(None, "model"),
+}
+
+
+def block_loss(model, tokens):
+  return model.head.loss(model(tokens[:, :-1]), tokens[:, 1:], chunk_size=4)
+
+
+def place_block(tree, mesh):
+  def f(path, v):
+    name = st._path(path)  # pylint: disable=protected-access
+    for key, spec in BLOCK_SPECS.items():
+      if name.endswith(key) and v.ndim == len(spec):
+        return jax.device_put(v, NamedSharding(mesh, spec))
+    return jax.device_put(v, NamedSharding(mesh, P()))
+  return jax.tree_util.tree_map_with_path(f, tree)
+
+
+@case
+def layers_tp():
+  tokens = np.random.default_rng(3).integers(0, 128, (16, 9)).astype(np.int32)
+  out = {}
+  for recipe in ("fp8_delayed", "mxfp8"):
+    res = {}
+    for sharded in (False, True):
+      model = Block(recipe, nnx.Rngs(0))
+      opt = st.optimizer(model)
+      if not sharded:
+        res["single"], _ = st.train(model, opt, jnp.asarray(tokens), None, 2,
+                                    loss_fn=lambda m, t, _: block_loss(m, t))
+        continue
+      mesh = st.mesh_for("tp")
+      with jax.set_mesh(mesh):
+        nnx.update((model, opt), place_block(nnx.state((model, opt)), mesh))
+        t = jax.device_put(tokens, NamedSharding(mesh, P("data")))
+        res["tp"], hlo = st.train(model, opt, t, None, 2,
+                                  loss_fn=lambda m, t, _: block_loss(m, t))
+        res["collectives"] = st.summary(hlo)
+    out[recipe] = res
+  return out
+
+
+if __name__ == "__main__":
+  case.main()

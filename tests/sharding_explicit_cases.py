@@ -1,0 +1,222 @@
+"""Cases of test_sharding_explicit.py, run on 8 simulated devices (see
+multidevice.py): explicit-axes meshes (``jax.set_mesh``), Params made with
+sharding metadata as in the Flax NNX sharding guide."""
+
+import contextlib
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import qlayers
+
+import multidevice
+import sharded_training as st
+
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+case = multidevice.Cases()
+
+
+def _run(recipe, layout, steps=3):
+  x, y = st.data()
+  if layout is None:
+    model = st.MLP(recipe, rngs=nnx.Rngs(0))
+    opt = st.optimizer(model)
+    losses, _ = st.train(model, opt, jnp.asarray(x), jnp.asarray(y), steps)
+    return {"losses": losses, "state": st.quant_state(model)}
+  with jax.set_mesh(st.mesh_for(layout, explicit=True)):
+    model = st.MLP(recipe, rngs=nnx.Rngs(0), layout=layout)
+    opt = st.optimizer(model)
+    batch = st.LAYOUTS[layout][2]
+    xs, ys = jax.device_put(x, batch), jax.device_put(y, batch)
+    losses, hlo = st.train(model, opt, xs, ys, steps)
+    return {"losses": losses, "state": st.quant_state(model),
+            "collectives": st.summary(hlo), "optimizer": type(opt).__name__,
+            "specs": st.specs(nnx.state(model))}
+
+
+@case
+def train_fp8_delayed():
+  out = {"single": _run("fp8_delayed", None)}
+  for layout in st.LAYOUTS:
+    out[layout] = _run("fp8_delayed", layout)
+  return out
+
+
+@case
+def train_mxfp8():
+  return {"single": _run("mxfp8", None), "tp": _run("mxfp8", "tp"),
+          "fsdp": _run("mxfp8", "fsdp")}
+
+
+@case
+def train_bf16():
+  return {"single": _run("bf16", None), "fsdp": _run("bf16", "fsdp")}
+
+
+# ----------------------------------------------------------------------------
+# qlayers.Optimizer under a mesh, with narrow Params (real FP32 masters).
+
+
+@case
+def optimizer_shardings():
+  with jax.set_mesh(st.mesh_for("fsdp_tp", explicit=True)):
+    model = st.MLP("fp8_delayed", rngs=nnx.Rngs(0), layout="fsdp_tp",
+                   param_dtype=jnp.bfloat16)
+    opt = qlayers.Optimizer(model, optax.adam(st.LR))
+    params = st.specs(nnx.state(model, nnx.Param))
+    opt_specs = st.specs(opt.opt_state)
+    x, y = st.data()
+    x = jnp.asarray(x, jnp.bfloat16)
+    losses, _ = st.train(model, opt, jax.device_put(x, P("fsdp")),
+                         jax.device_put(y, P("fsdp")), 2)
+  return {"params": params, "opt_state": opt_specs, "losses": losses}
+
+
+# ----------------------------------------------------------------------------
+# Every layer kind, and a converted stock model, under explicit axes.
+
+
+class StockBlock(nnx.Module):
+  """A stock NNX block whose Params carry sharding metadata (converted by
+  qlayers.quantize)."""
+
+  def __init__(self, rngs, sharded=True):
+    init = nnx.initializers.lecun_normal()
+    wp = nnx.with_partitioning if sharded else (lambda f, spec: f)
+    self.attn = nnx.MultiHeadAttention(
+        4, 64, qkv_features=64, decode=False, rngs=rngs,
+        kernel_init=wp(init, (None, "model", None)),
+        out_kernel_init=wp(init, ("model", None, None)))
+    self.up = nnx.Linear(64, 256, rngs=rngs,
+                         kernel_init=wp(init, (None, "model")),
+                         bias_init=wp(nnx.initializers.zeros_init(),
+                                      ("model",)))
+    self.down = nnx.Einsum("bth,hd->btd", (256, 64), rngs=rngs,
+                           kernel_init=wp(init, ("model", None)))
+
+  def __call__(self, x):
+    x = x + self.attn(x)
+    return x + self.down(jax.nn.gelu(self.up(x)))
+
+
+def _stock_loss(model, x, y):
+  return jnp.mean((model(x).astype(jnp.float32) - y) ** 2)
+
+
+@case
+def quantize_stock_model():
+  rng = np.random.default_rng(4)
+  x = rng.normal(size=(16, 8, 64)).astype(np.float32)
+  y = rng.normal(size=(16, 8, 64)).astype(np.float32)
+  out = {}
+  for sharded in (False, True):
+    mesh = st.mesh_for("tp", explicit=True)
+    with jax.set_mesh(mesh) if sharded else contextlib.nullcontext():
+      model = StockBlock(nnx.Rngs(0), sharded)
+      report = qlayers.quantize(model, "fp8_delayed")
+      opt = st.optimizer(model)
+      xs = jax.device_put(x, P("data")) if sharded else jnp.asarray(x)
+      ys = jax.device_put(y, P("data")) if sharded else jnp.asarray(y)
+      losses, hlo = st.train(model, opt, xs, ys, 2, loss_fn=_stock_loss)
+      key = "tp" if sharded else "single"
+      out[key] = {"losses": losses, "converted": len(report.converted)}
+      if sharded:
+        out[key]["specs"] = st.specs(nnx.state(model, nnx.Param))
+        out[key]["metadata"] = {
+            p: str(v.get_metadata().get("out_sharding"))
+            for p, v in (("up/kernel", model.up.kernel),
+                         ("attn/query/kernel", model.attn.query.kernel),
+                         ("down/kernel", model.down.kernel))}
+        out[key]["collectives"] = st.summary(hlo)
+  return out
+
+
+@case
+def layers_explicit():
+  tokens = np.random.default_rng(3).integers(0, 128, (16, 9)).astype(np.int32)
+  out = {}
+  for sharded in (False, True):
+    ctx = jax.set_mesh(st.mesh_for("tp", explicit=True)) if sharded else (
+        contextlib.nullcontext())
+    with ctx:
+      model = _block(sharded)
+      opt = st.optimizer(model)
+      t = jax.device_put(tokens, P("data")) if sharded else jnp.asarray(
+          tokens)
+      losses, _ = st.train(model, opt, t, None, 2,
+                           loss_fn=lambda m, t, _: _block_loss(m, t))
+      out["tp" if sharded else "single"] = {"losses": losses}
+  return out
+
+
+class _Block(nnx.Module):
+
+  def __init__(self, rngs, sharded):
+    m = (lambda spec: {"out_sharding": spec}) if sharded else (
+        lambda spec: {})
+    self.embed = nnx.Embed(128, 64, rngs=rngs)
+    self.attn = qlayers.QuantAttentionProj(
+        64, 4, 16, rngs=rngs,
+        kernel_metadata=m((None, "model", None)),
+        out_kernel_metadata=m(("model", None, None)))
+    self.mlp = qlayers.QuantEinsum("btd,dh->bth", (64, 256), (256,),
+                                   rngs=rngs, kernel_metadata=m((None, "model")),
+                                   bias_metadata=m(("model",)))
+    self.proj = qlayers.QuantLinearGeneral(256, 64, rngs=rngs,
+                                           kernel_metadata=m(("model", None)))
+    self.head = qlayers.QuantLogits(64, 128, rngs=rngs, recipe="fp8_delayed",
+                                    kernel_metadata=m((None, "model")))
+    self.sharded = sharded
+
+  def __call__(self, tokens):
+    # An explicit-axes gather needs its output sharding spelled out.
+    h = self.embed(tokens, out_sharding=P("data") if self.sharded else None)
+    q, k, v = self.attn.qkv(h)
+    h = h + self.attn.out(self.attn.attend(q, k, v, is_causal=True))
+    return h + self.proj(jax.nn.gelu(self.mlp(h)))
+
+
+def _block(sharded):
+  return _Block(nnx.Rngs(0), sharded)
+
+
+def _block_loss(model, tokens):
+  return model.head.loss(model(tokens[:, :-1]), tokens[:, 1:], chunk_size=4)
+
+
+# ----------------------------------------------------------------------------
+# Checkpoints of a sharded model and optimizer (qlayers.checkpoint as is).
+
+
+@case
+def checkpoint_roundtrip():
+  x, y = st.data()
+  with jax.set_mesh(st.mesh_for("fsdp_tp", explicit=True)):
+    model = st.MLP("fp8_delayed", rngs=nnx.Rngs(0), layout="fsdp_tp")
+    opt = st.optimizer(model)
+    xs, ys = jax.device_put(x, P("fsdp")), jax.device_put(y, P("fsdp"))
+    st.train(model, opt, xs, ys, 2)
+    path = tempfile.mkdtemp() + "/ckpt"
+    qlayers.checkpoint.save(path, model, optimizer=opt)
+    fresh = st.MLP("fp8_delayed", rngs=nnx.Rngs(1), layout="fsdp_tp")
+    fresh_opt = st.optimizer(fresh)
+    qlayers.checkpoint.restore(path, fresh, optimizer=fresh_opt)
+    same = all(
+        bool(np.array_equal(np.asarray(a), np.asarray(b)))
+        for a, b in zip(jax.tree.leaves(nnx.state((model, opt))),
+                        jax.tree.leaves(nnx.state((fresh, fresh_opt)))))
+    a, _ = st.train(model, opt, xs, ys, 1)
+    b, _ = st.train(fresh, fresh_opt, xs, ys, 1)
+    return {"same_state": same, "next_loss": [a[0], b[0]],
+            "specs": st.specs(nnx.state(fresh, nnx.Param))}
+
+
+if __name__ == "__main__":
+  case.main()

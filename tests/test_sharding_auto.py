@@ -1,0 +1,148 @@
+"""Sharded training on auto-axes meshes, inside shard_map, and with the ffi
+backend, on 8 simulated CPU devices (one subprocess runs every case of
+sharding_auto_cases.py; the assertions are here).
+
+Tolerances: a sharded step sums the same products in a different order
+(all-reduces of partial sums, blocked dots of other sizes), so losses agree
+to FP32 rounding (rtol 1e-5 over three steps), while amaxes (a max is exact)
+and quantized bits agree exactly.
+"""
+
+import numpy as np
+import pytest
+
+import multidevice
+
+LOSS_RTOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+  return multidevice.run_once("sharding_auto_cases.py",
+                              tmp_path_factory)
+
+
+def _gathers(run) -> dict:
+  return run["collectives"].get("all-gather", {})
+
+
+def _close(a, b, rtol=LOSS_RTOL):
+  np.testing.assert_allclose(a, b, rtol=rtol)
+
+
+@pytest.mark.parametrize("layout", ["dp", "fsdp", "tp", "fsdp_tp"])
+def test_fp8_delayed_trains_like_one_device(results, layout):
+  r = multidevice.result(results, "train_fp8_delayed")
+  single, got = r["single"], r[layout]
+  _close(got["losses"], single["losses"])
+  assert got["losses"][0] == pytest.approx(single["losses"][0], rel=1e-6)
+  # The state records global amaxes: the first step's entries are the amaxes
+  # of the same tensors, exactly; later ones follow weights that moved by
+  # differently rounded updates.
+  for path, hist in single["state"].items():
+    if path.endswith("_history"):
+      first = max(i for i, a in enumerate(hist) if a)  # the first step's
+      assert got["state"][path][first] == hist[first], path
+      np.testing.assert_allclose(got["state"][path], hist, rtol=1e-5,
+                                 err_msg=path)
+
+
+def test_state_is_replicated(results):
+  r = multidevice.result(results, "train_fp8_delayed")
+  specs = r["fsdp_tp"]["specs"]
+  assert specs["up/kernel"] == "P('fsdp', 'model')"
+  state = {k: v for k, v in specs.items() if "/quant/" in k}
+  assert state and set(state.values()) <= {"P()",
+                                           "P(None,)"}, state
+
+
+@pytest.mark.parametrize("layout", ["dp", "tp"])
+def test_no_gathers_without_fsdp(results, layout):
+  r = multidevice.result(results, "train_fp8_delayed")
+  assert not _gathers(r[layout]), r[layout]["collectives"]
+
+
+@pytest.mark.parametrize("recipe", ["fp8_delayed", "mxfp8"])
+@pytest.mark.parametrize("layout", ["fsdp", "fsdp_tp"])
+def test_fsdp_gathers_one_byte_payloads(results, recipe, layout):
+  got = multidevice.result(results, f"train_{recipe}")[layout]
+  _close(got["losses"],
+         multidevice.result(results, f"train_{recipe}")["single"]["losses"])
+  gathers = _gathers(got)
+  assert set(gathers) == {"u8"}, got["collectives"]
+
+
+@pytest.mark.parametrize("recipe", ["fp8_delayed", "mxfp8"])
+def test_fsdp_gathers_at_most_0_6_of_bf16(results, recipe):
+  bf16 = multidevice.result(results, "train_bf16")
+  _close(bf16["fsdp"]["losses"], bf16["single"]["losses"])
+  wide = sum(_gathers(bf16["fsdp"]).values())
+  fp8 = sum(_gathers(multidevice.result(results, f"train_{recipe}")["fsdp"])
+            .values())
+  assert wide > 0 and fp8 <= 0.6 * wide, (fp8, wide)
+
+
+def test_gather_switch_restores_wide_gathers(results):
+  off = multidevice.result(results, "gather_switch_off")["fsdp"]
+  on = multidevice.result(results, "train_fp8_delayed")
+  _close(off["losses"], on["single"]["losses"])
+  assert set(_gathers(off)) - {"u8"}, off["collectives"]
+
+
+def test_ffi_has_the_xla_collectives(results):
+  r = multidevice.result(results, "ffi")
+  xla = multidevice.result(results, "train_fp8_delayed")
+  for layout in ("tp", "fsdp_tp"):
+    got = r["fp8_delayed"][layout]
+    _close(got["losses"], r["fp8_delayed"]["single"]["losses"])
+    assert _gathers(got) == _gathers(xla[layout]), layout
+    a = sum(got["collectives"].get("all-reduce", {}).values())
+    b = sum(xla[layout]["collectives"].get("all-reduce", {}).values())
+    assert a == pytest.approx(b, rel=0.01), layout
+  # Data parallel: each device multiplies its own rows; nothing is gathered
+  # (an unpartitioned native GEMM would gather the activations).
+  dp = r["mxfp8"]["dp"]
+  _close(dp["losses"], r["mxfp8"]["single"]["losses"])
+  assert not _gathers(dp), dp["collectives"]
+  assert dp["collectives"] == r["mxfp8_xla_dp"]["collectives"]
+
+
+@pytest.mark.parametrize("key", [
+    f"{g}/axis{a}" for g in ("tensor", "row", "tile", "block", "mx")
+    for a in (0, 1)] + ["mxfp4/axis1"])
+def test_scales_are_global_bit_for_bit(results, key):
+  r = multidevice.result(results, "scales_global")
+  assert r[key] == {"fsdp": True, "model": True, "both": True}
+
+
+def test_delayed_amax_is_global(results):
+  r = multidevice.result(results, "scales_global")["delayed_amax"]
+  assert r["sharded"] == r["single"] == r["true"]
+
+
+@pytest.mark.parametrize("recipe", ["fp8_delayed", "fp8_current", "mxfp8",
+                                    "bf16"])
+def test_shard_map(results, recipe):
+  r = multidevice.result(results, "shard_map_ops")[recipe]
+  assert r["loss"][1] == pytest.approx(r["loss"][0], rel=1e-6)
+  assert r["dx"] < 1e-5 and r["dw"] < 1e-5
+  if "amax" in r:
+    for single, sharded in r["amax"]:
+      assert sharded == single
+    assert r["g_amax"][1] == pytest.approx(r["g_amax"][0], rel=1e-6)
+
+
+def test_layer_inside_shard_map(results):
+  r = multidevice.result(results, "shard_map_layer")
+  assert r["loss"][1] == pytest.approx(r["loss"][0], rel=1e-6)
+  assert r["dkernel"] < 1e-5
+  # Each device saw 1/8 of the batch; the amaxes are the whole batch's.
+  assert r["x_amax"][1] == r["x_amax"][0]
+  assert r["w_amax"][1] == r["w_amax"][0]
+  assert r["g_amax"][1] == pytest.approx(r["g_amax"][0], rel=1e-6)
+
+
+@pytest.mark.parametrize("recipe", ["fp8_delayed", "mxfp8"])
+def test_every_layer_under_tensor_parallelism(results, recipe):
+  r = multidevice.result(results, "layers_tp")[recipe]
+  _close(r["tp"], r["single"], rtol=1e-4)
