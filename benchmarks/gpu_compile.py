@@ -31,11 +31,14 @@ autotuner weighs against Triton on a real GPU). Each target and flag runs in
 its own worker process; a recipe that fails to compile, or crashes the
 compiler, is reported with its error line.
 
-``--assume-gpu-dispatch`` makes ``jax.default_backend()`` answer ``"gpu"``
-while the programs are traced. qlayers chooses its GEMM code paths from
-``jax.default_backend()``, which is the host (``cpu``) here, so without it a
-GPU target gets the CPU code; the flag is a stopgap until dispatch follows
-the platform being lowered for.
+qlayers chooses each GEMM's code for the platform being lowered for
+(``lax.platform_dependent``); the GPU generation comes from
+``qlayers.dispatch.target_arch``, which each worker sets to its target's
+architecture (``--host-arch`` leaves it unset: the choice a process makes
+when it cannot tell which GPU it compiles for). The native cuBLASLt library
+(``ffi/build_cuda.sh``) is registered without a device when it is found
+(``--ffi-dir``, default ``build/cuda/ffi``), so GEMMs the dispatch table
+sends to ``ffi`` show up as their FFI custom calls.
 
 The roofline numbers are a model prediction, not a measurement: each kernel
 takes ``max(flops / peak, bytes / bandwidth)`` at the target's published
@@ -121,7 +124,14 @@ GEMM_CALLS = {
     "__cublas$lt$matmul": "cuBLASLt",
     "__cublas$gemm": "cuBLAS",
     "__cudnn$blockScaledDot": "cuDNN block-scaled",
+    # qlayers' own FFI kernels (ffi/gpu/blaslt_gemm.cu): a, a scales, b,
+    # b scales; both operands (rows, K).
+    "qlayers_gemm_fp8_tensor": "qlayers FFI FP8",
+    "qlayers_gemm_fp8_rowwise": "qlayers FFI FP8 row-wise",
+    "qlayers_gemm_blockwise": "qlayers FFI FP8 blockwise",
+    "qlayers_gemm_mx": "qlayers FFI MX",
 }
+FFI_GEMMS = {k for k in GEMM_CALLS if k.startswith("qlayers_")}
 # Top-level instructions that move no data (views, plumbing).
 FREE_OPS = {"parameter", "constant", "bitcast", "get-tuple-element", "tuple",
             "opt-barrier", "after-all", "partition-id", "replica-id",
@@ -567,6 +577,16 @@ def classify_custom_call(top: Computation, inst: Inst) -> Gemm | None:
   rc = _json_dims(inst, "rhs_contracting_dimensions")
   lb = _json_dims(inst, "lhs_batch_dimensions")
   rb = _json_dims(inst, "rhs_batch_dimensions")
+  if target in FFI_GEMMS:
+    # OUT (M, N) = A (M, K) @ B (N, K)^T; packed MX payloads are narrower
+    # than K, so K comes from the output and A's size only for fp8.
+    dims = {"batch": 1, "m": out.dims[0], "n": out.dims[1],
+            "k": arrs[0].dims[-1] if arrs[0].dims else 0}
+    return Gemm(inst.name, GEMM_CALLS[target], target, arrs[0].dtype,
+                arrs[2].dtype if len(arrs) > 2 else "?", out.dtype, dims,
+                "scale operands of the kernel", True, (),
+                (inst.operands[0], inst.operands[2]) if len(inst.operands) > 2
+                else tuple(inst.operands), "", inst.op_name)
   if target == "__cudnn$blockScaledDot" or not lc:
     # (batch,) m, k x (batch,) n, k: contraction last on both.
     dims = {"batch": math.prod(out.dims[:-2]), "m": out.dims[-2],
@@ -1048,18 +1068,23 @@ def _jax():
 
 
 @contextlib.contextmanager
-def assumed_backend(name: str | None):
-  """``jax.default_backend()`` answers ``name`` inside (None: unchanged)."""
-  jax = _jax()
-  if name is None:
+def target_dispatch(arch: str | None):
+  """qlayers chooses GEMMs for GPU ``arch`` inside (None: unchanged)."""
+  if arch is None:
     yield
     return
-  saved = jax.default_backend
-  jax.default_backend = lambda: name
-  try:
+  from qlayers import dispatch  # pylint: disable=g-import-not-at-top
+  with dispatch.target_arch(arch):
     yield
-  finally:
-    jax.default_backend = saved
+
+
+def ffi_targets() -> dict:
+  """FFI targets qlayers registered per platform in this process."""
+  try:
+    from qlayers import _native  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return {}
+  return {p: list(_native.loaded(p)) for p in ("cpu", "cuda")}
 
 
 def gpu_device(target: Target, targets_dir: pathlib.Path):
@@ -1232,7 +1257,7 @@ def compile_one(item: dict, device, targets_dir) -> dict:
   t0 = time.perf_counter()
   rec = dict(item)
   try:
-    with assumed_backend("gpu" if item["assume_gpu_dispatch"] else None):
+    with target_dispatch(None if item.get("host_arch") else target.arch):
       if item["program"] == "layer":
         step, args, layers, cts = layer_program(item["recipe"],
                                                 **item["layer"])
@@ -1259,7 +1284,8 @@ def compile_one(item: dict, device, targets_dir) -> dict:
   rec.update(status="ok", trace_s=t1 - t0, compile_s=t2 - t1,
              gemms=gemms, kernels=summarize_kernels(
                  [g for g in gemms if g["role"] not in ("other", "attention")]),
-             roofline=roofline(comps, target), xla_cost=xla_cost(compiled))
+             roofline=roofline(comps, target), xla_cost=xla_cost(compiled),
+             ffi_targets=ffi_targets())
   return rec
 
 
@@ -1291,6 +1317,18 @@ def gemm_rows(rec: dict) -> list[tuple]:
   return [(*k, n) for k, n in sorted(rows.items())]
 
 
+def dispatch_label(rec: dict) -> str:
+  """How a record's GEMMs were chosen (older records: the stopgap flag)."""
+  if "assume_gpu_dispatch" in rec:
+    return ("assumed GPU dispatch" if rec["assume_gpu_dispatch"]
+            else "dispatch as traced on the host")
+  if rec.get("host_arch"):
+    return "dispatch for the lowering platform, GPU generation unknown"
+  ffi = rec.get("ffi_targets", {}).get("cuda")
+  return (f"dispatch for {TARGETS[rec['target']].arch}"
+          + (f", FFI: {', '.join(ffi)}" if ffi else ", no FFI library"))
+
+
 def markdown(records: list[dict]) -> str:
   """One GEMM table and one cost table per (target, Triton flag, program)."""
   out = []
@@ -1300,8 +1338,7 @@ def markdown(records: list[dict]) -> str:
   for (tname, triton, program), recs in groups.items():
     target = TARGETS[tname]
     flag = "Triton GEMMs on" if triton else "Triton GEMMs off"
-    dispatch = ("assumed GPU dispatch" if recs[0]["assume_gpu_dispatch"]
-                else "dispatch as traced on the host")
+    dispatch = dispatch_label(recs[0])
     out += [f"### {tname} ({target.arch}), {flag}, {program}, {dispatch}",
             ""]
     out += mdtable.head(["recipe", "GEMM", "b x m x n x k", "kernel",
@@ -1366,7 +1403,7 @@ def worker(items_path: str) -> None:
 
 
 def run_items(items: list[dict], python: str, timeout: float,
-              log=print) -> list[dict]:
+              log=print, ffi_dir: str = "") -> list[dict]:
   """Runs items in worker processes; a crash fails only the item it hit."""
   done: list[dict] = []
   todo = list(items)
@@ -1375,6 +1412,9 @@ def run_items(items: list[dict], python: str, timeout: float,
     path = tmp / f"qlayers_gpu_compile_{os.getpid()}.json"
     path.write_text(json.dumps(todo))
     env = dict(os.environ, JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1")
+    if ffi_dir:
+      # Register the cuBLASLt kernels although no GPU is attached.
+      env.update(QLAYERS_NATIVE_DIR=ffi_dir, QLAYERS_NATIVE_LOAD_GPU="1")
     proc = subprocess.Popen([python, __file__, "--worker", str(path)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env, cwd=_ROOT)
@@ -1424,7 +1464,7 @@ def _csv(text: str, allowed: Iterable[str], what: str) -> list[str]:
 def _targets_dir() -> str:
   if os.environ.get("QLAYERS_GPU_TARGETS"):
     return os.environ["QLAYERS_GPU_TARGETS"]
-  for base in (_ROOT, _ROOT.parent):
+  for base in (_ROOT, *list(_ROOT.parents)[:2]):
     if (base / "shared" / "gpu-targets").is_dir():
       return str(base / "shared" / "gpu-targets")
   return str(_ROOT / "shared" / "gpu-targets")
@@ -1446,13 +1486,17 @@ def main(argv=None) -> int:
   p.add_argument("--block-d", type=int, default=2048)
   p.add_argument("--block-heads", type=int, default=16)
   p.add_argument("--block-ff", type=int, default=5632)
-  p.add_argument("--assume-gpu-dispatch", action="store_true",
-                 help="jax.default_backend() answers 'gpu' while tracing "
-                 "(stopgap: qlayers dispatches on the host backend)")
+  p.add_argument("--host-arch", action="store_true",
+                 help="do not tell qlayers which GPU it compiles for (the "
+                 "choice when the generation is unknown)")
+  p.add_argument("--ffi-dir", default=str(_ROOT / "build" / "cuda" / "ffi"),
+                 help="folder with libqlayers_cuda.so (and libqlayers_cpu.so)"
+                 ", registered without a device; '' for none (default: "
+                 "build/cuda/ffi from ffi/build_cuda.sh)")
   p.add_argument("--targets-dir", default=_targets_dir(),
                  help="folder with h200.txtpb, b200_approx.txtpb "
-                 "($QLAYERS_GPU_TARGETS; default: shared/gpu-targets in or "
-                 "next to the checkout)")
+                 "($QLAYERS_GPU_TARGETS; default: shared/gpu-targets in the "
+                 "checkout or up to two folders above it)")
   p.add_argument("--json", help="write every record to this file")
   p.add_argument("--markdown", help="write the tables to this file")
   p.add_argument("--hlo-dir", help="keep each optimized HLO here")
@@ -1480,17 +1524,23 @@ def main(argv=None) -> int:
            "n": args.out_features}
   block = {"batch": args.block_batch, "seq": args.block_seq,
            "d": args.block_d, "heads": args.block_heads, "ff": args.block_ff}
+  ffi_dir = args.ffi_dir
+  if ffi_dir and not (pathlib.Path(ffi_dir) / "libqlayers_cuda.so").is_file():
+    print(f"no libqlayers_cuda.so in {ffi_dir}: FFI GEMMs are not available "
+          "(build them with `bash ffi/build_cuda.sh`)", flush=True)
+    ffi_dir = ""
   records = []
   t0 = time.perf_counter()
   for t in targets:
     for tr in tritons:
       items = [{"target": t, "triton": tr == "on", "program": prog,
                 "recipe": r, "layer": layer, "block": block,
-                "assume_gpu_dispatch": args.assume_gpu_dispatch,
+                "host_arch": args.host_arch,
                 "targets_dir": str(targets_dir), "hlo_dir": args.hlo_dir}
                for prog in programs for r in recipes]
       print(f"{t} Triton {tr}: {len(items)} compiles", flush=True)
-      records += run_items(items, sys.executable, args.timeout)
+      records += run_items(items, sys.executable, args.timeout,
+                           ffi_dir=ffi_dir)
   text = markdown(records)
   print()
   print(text)
@@ -1500,7 +1550,7 @@ def main(argv=None) -> int:
   if args.json:
     pathlib.Path(args.json).write_text(json.dumps(
         {"settings": {"layer": layer, "block": block,
-                      "assume_gpu_dispatch": args.assume_gpu_dispatch,
+                      "host_arch": args.host_arch, "ffi_dir": ffi_dir,
                       "targets": {t: dataclasses.asdict(TARGETS[t])
                                   for t in targets}},
          "records": records}, indent=1))
