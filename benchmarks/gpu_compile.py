@@ -1383,6 +1383,61 @@ def markdown(records: list[dict]) -> str:
   return "\n".join(out)
 
 
+def _issue_summary(rec: dict) -> str:
+  """Distinct issues of a record's layer GEMMs with counts ("-": none)."""
+  c = Counter()
+  for g in rec.get("gemms") or []:
+    for issue in g.get("issues", []):
+      c[issue] += 1
+  return "; ".join(f"{i}" + (f" x{n}" if n > 1 else "")
+                   for i, n in sorted(c.items())) or "-"
+
+
+def compare_markdown(runs: list[tuple[str, list[dict]]]) -> str:
+  """Condensed side-by-side tables of several runs (e.g. before/after):
+  per (target, Triton flag, program) and recipe, each run's GEMM kernels,
+  their issues and the model step time against that run's BF16."""
+  keys: dict[tuple, None] = {}
+  index: dict[tuple, dict] = {}
+  for label, recs in runs:
+    for r in recs:
+      key = (r["target"], r["triton"], r["program"])
+      keys.setdefault(key, None)
+      index[(label, *key, r["recipe"])] = r
+  out = []
+  labels = [label for label, _ in runs]
+  for key in keys:
+    tname, triton, program = key
+    out += [f"#### {tname} ({TARGETS[tname].arch}), Triton GEMMs "
+            f"{'on' if triton else 'off'}, {program}", ""]
+    cols = ["recipe"]
+    for label in labels:
+      cols += [f"{label}: GEMM kernels", f"{label}: issues",
+               f"{label}: vs bf16"]
+    out += mdtable.head(cols, "l" + "llr" * len(labels))
+    recipes = dict.fromkeys(rec for (lab, *k, rec) in index
+                            if tuple(k) == key)
+    for recipe in recipes:
+      cells = [recipe]
+      for label in labels:
+        r = index.get((label, *key, recipe))
+        base = index.get((label, *key, "bf16"))
+        if r is None:
+          cells += [None, None, None]
+        elif r["status"] != "ok":
+          cells += ["failed", r.get("error", "").replace("|", "/")[:120],
+                    None]
+        else:
+          ratio = ""
+          if base and base["status"] == "ok":
+            speedup = base["roofline"]["time_us"] / r["roofline"]["time_us"]
+            ratio = f"{speedup:.2f}x"
+          cells += [r["kernels"] or "-", _issue_summary(r), ratio]
+      out.append(mdtable.row(*cells))
+    out.append("")
+  return "\n".join(out)
+
+
 # ==========================================================================
 # Driver: one worker process per (target, Triton flag)
 
@@ -1502,10 +1557,26 @@ def main(argv=None) -> int:
   p.add_argument("--hlo-dir", help="keep each optimized HLO here")
   p.add_argument("--timeout", type=float, default=3600,
                  help="seconds per worker process")
+  p.add_argument("--compare", nargs="+", metavar="LABEL=JSON",
+                 help="print condensed side-by-side tables of earlier runs' "
+                 "--json files (nothing is compiled)")
   p.add_argument("--worker", help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   if args.worker:
     worker(args.worker)
+    return 0
+  if args.compare:
+    runs = []
+    for item in args.compare:
+      label, sep, path = item.partition("=")
+      if not sep:
+        raise SystemExit(f"--compare takes LABEL=JSON, got {item!r}")
+      runs.append((label, json.loads(pathlib.Path(path).read_text())
+                   ["records"]))
+    text = compare_markdown(runs)
+    print(text)
+    if args.markdown:
+      pathlib.Path(args.markdown).write_text(text)
     return 0
   targets = _csv(args.targets, TARGETS, "target")
   tritons = _csv(args.triton, ("on", "off"), "--triton value")

@@ -471,3 +471,22 @@ def test_gpu_check_counts_fp8_by_what_the_mma_reads():
   assert gpu.classify(converted)["fp8_gemms"] == 0
   assert gpu.classify(FFI_BLOCKWISE)["fp8_gemms"] == 1
   assert gpu.classify(CUDNN_MX)["fp8_gemms"] == 1
+
+
+def test_compare_puts_runs_side_by_side():
+  gemm = {"role": "dense Fprop", "issues": ["emulated", "writes f32"]}
+  def rec(recipe, time_us, kernels, gemms=(), status="ok"):
+    return {"target": "h200", "triton": True, "program": "layer",
+            "recipe": recipe, "status": status, "kernels": kernels,
+            "gemms": list(gemms), "error": "INTERNAL: boom",
+            "roofline": {"time_us": time_us}}
+  before = [rec("bf16", 10.0, "3 Triton"),
+            rec("mxfp8", 20.0, "3 Triton (emulated: wide operands)",
+                [gemm, gemm])]
+  after = [rec("bf16", 10.0, "3 Triton"),
+           rec("mxfp8", 5.0, "3 cuDNN block-scaled", status="failed")]
+  text = gc.compare_markdown([("before", before), ("after", after)])
+  assert "#### h200 (sm_90), Triton GEMMs on, layer" in text
+  assert ("| mxfp8 | 3 Triton (emulated: wide operands) | emulated x2; "
+          "writes f32 x2 | 0.50x | failed | INTERNAL: boom | |") in text
+  assert "| bf16 | 3 Triton | - | 1.00x | 3 Triton | - | 1.00x |" in text
