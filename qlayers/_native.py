@@ -362,7 +362,9 @@ _GPU_K_MULTIPLE = {("cuda", "tensor"): 16, ("cuda", "row"): 16,
                    ("cuda", "mx"): 32, ("cuda", "blockwise"): 128,
                    ("rocm", "tensor"): 16, ("rocm", "mx"): 128}
 # cuBLASLt's sm_90 block-scaling pairs (Fprop/Dgrad: tiles x blocks; Wgrad:
-# tiles x tiles; also blocks x tiles). Not blocks x blocks.
+# tiles x tiles; also blocks x tiles), not blocks x blocks: the pairs PyTorch's
+# _scaled_mm sends to cuBLASLt (aten/src/ATen/native/cuda/ScaledBlas.cpp),
+# which also restricts them to sm_90 and cuBLAS >= 12.9.
 _GPU_BLOCK_PAIRS = {((1, 128), (128, 128)), ((128, 128), (1, 128)),
                     ((1, 128), (1, 128))}
 

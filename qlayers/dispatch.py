@@ -442,12 +442,26 @@ def _fp8_folded(a, b, out_dtype, axes):
   """
   s = a.scale * b.scale
   dims = _dims(*axes)
+  pa, pb = _unmerged(a, b)
   if jnp.dtype(out_dtype) == jnp.float32:
-    return lax.dot_general(a.payload, b.payload, dims,
+    return lax.dot_general(pa, pb, dims,
                            preferred_element_type=jnp.float32) * s
-  out = lax.dot_general(a.payload, b.payload, dims,
-                        preferred_element_type=out_dtype)
+  out = lax.dot_general(pa, pb, dims, preferred_element_type=out_dtype)
   return out * s.astype(out_dtype)
+
+
+def _unmerged(a: QTensor, b: QTensor):
+  """The two payloads through one optimization barrier per GEMM.
+
+  XLA:GPU merges dots that share an operand (its DotMerger: the q/k/v
+  projections of one input, gate/up) into one GEMM. Each of ours has its own
+  output scales, so a merged GEMM writes FP32 or unscaled BF16 and the
+  scales take extra passes over its output (benchmarks/RESULTS.md,
+  "Deviceless GPU compilation", block program). Behind the barrier the
+  operands are distinct values and every GEMM keeps its scales; it moves no
+  data.
+  """
+  return lax.optimization_barrier((a.payload, b.payload))
 
 
 def _fp8_rowwise(a, b, out_dtype, axes):
@@ -458,12 +472,11 @@ def _fp8_rowwise(a, b, out_dtype, axes):
   rounded to ``out_dtype`` before the scales (one extra rounding)."""
   sa, sb = _outer_scales(a, b)
   dims = _dims(*axes)
+  pa, pb = _unmerged(a, b)
   if jnp.dtype(out_dtype) == jnp.float32:
-    out = lax.dot_general(a.payload, b.payload, dims,
-                          preferred_element_type=jnp.float32)
+    out = lax.dot_general(pa, pb, dims, preferred_element_type=jnp.float32)
     return out * sa * sb
-  out = lax.dot_general(a.payload, b.payload, dims,
-                        preferred_element_type=out_dtype)
+  out = lax.dot_general(pa, pb, dims, preferred_element_type=out_dtype)
   return out * (sa * sb).astype(out_dtype)
 
 

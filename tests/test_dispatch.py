@@ -235,8 +235,12 @@ def test_lowering_for_cuda_takes_the_gpu_forms(fake_cuda_library,
   f, args, _ = _fprop("fp8_current")
   # Per-tensor FP8: the dot reads the FP8 payloads and writes BF16 itself
   # (the form XLA folds into cuBLASLt); on CPU it reads BF16 copies.
-  assert _fp8_dots(_lowered(f, args, "cuda", "sm_90")) == ["bf16"]
-  assert _fp8_dots(_lowered(f, args, "cpu")) == []
+  cuda = _lowered(f, args, "cuda", "sm_90")
+  assert _fp8_dots(cuda) == ["bf16"]
+  # Behind a barrier, so XLA cannot merge it with a GEMM sharing an operand.
+  assert "stablehlo.optimization_barrier" in cuda
+  cpu = _lowered(f, args, "cpu")
+  assert _fp8_dots(cpu) == [] and "optimization_barrier" not in cpu
   f, args, _ = _fprop("mxfp8")
   assert "__op$block_scaled_dot" in _lowered(f, args, "cuda", "sm_100")
   sm90 = _lowered(f, args, "cuda", "sm_90")

@@ -13,11 +13,12 @@
 //                            BLK128x128_32F (128x128 blocks) f32 scales
 //                            (CUDA: sm_90, cuBLAS >= 12.9)
 //
-// The last two use the Hopper scale modes that cuBLAS 12.9 added (cuBLAS
-// documentation, cublasLtMatmulMatrixScale_t; NVIDIA technical blog
+// The last two use the Hopper scale modes that cuBLAS 12.9 added
+// (cublasLtMatmulMatrixScale_t in cublasLt.h; NVIDIA technical blog
 // "Boosting Matrix Multiplication Speed and Flexibility with NVIDIA cuBLAS
-// 12.9"). They are compiled only against such a cuBLASLt and registered only
-// when the library has them (qlayers/_native.py).
+// 12.9": channel- and block-scaled FP8 on Hopper). They are compiled only
+// against such a cuBLASLt and registered only when the library has them
+// (qlayers/_native.py). None of these handlers has run on a GPU yet.
 //
 // The BLAS libraries are column-major. Our row-major OUT (M, N) is the
 // column-major matrix OUT^T (N x M) = B (N x K) . A^T, so the library's "A"
@@ -437,8 +438,12 @@ ffi::Error GemmFp8RowwiseGpuImpl(Stream stream, ffi::ScratchAllocator scratch,
 
 constexpr int64_t kBlock = 128;
 
-// Our row-major block scales (ceil(rows / rows_per_scale), kb) -> cuBLASLt's
-// layouts (cuBLAS documentation on the 1D/2D block scaling factor layouts):
+// Our row-major block scales (ceil(rows / rows_per_scale), kb) -> the
+// layouts cuBLASLt reads. cublasLt.h (13.10) only says "one FP32 factor per
+// 128-element block" / "per 128x128 block"; the strides below are the ones
+// PyTorch's _scaled_mm demands for these two modes before it calls cuBLASLt
+// (aten/src/ATen/native/cuda/ScaledBlas.cpp, checks of scale strides), and
+// they have not been run here:
 //   VEC128_32F (rows_per_scale 1): outer dimension fastest, entry (r, c) at
 //     c * rows + r;
 //   BLK128x128_32F (rows_per_scale 128): K blocks fastest, rows of
