@@ -1011,8 +1011,12 @@ def describe(comps, layers: list[LayerDims], quantized: bool,
       kernel += " (emulated: wide operands)"
     pre, post = pre_passes(comp, g), post_passes(comp, g)
     folded = g.folded
-    if quantized and role not in ("other", "attention"):
-      # Folded: no kernel after the GEMM applies a scale to its output.
+    if quantized and role not in ("other", "attention") and folded is not True:
+      # Folded: no kernel after the GEMM applies a scale to its output. A
+      # kernel that applies its scales itself (a Triton epilogue, scale
+      # operands of cuDNN or of our FFI kernels) is taken at its word: a
+      # later multiply by a broadcast there is the consumer's (the
+      # attention's 1/sqrt(d), the optimizer's moments).
       folded = not scaled_outside(comps, comp, g)
     out.append({
         "gemm": g.name, "role": role, "kernel": kernel, "op": g.op,
@@ -1274,19 +1278,44 @@ def compile_one(item: dict, device, targets_dir) -> dict:
     return rec
   text = compiled.as_text()
   if item.get("hlo_dir"):
-    path = pathlib.Path(item["hlo_dir"]) / (
-        f"{item['target']}_{'triton' if item['triton'] else 'notriton'}_"
-        f"{item['program']}_{item['recipe']}.hlo")
-    path.write_text(text)
+    hlo_path(item).write_text(text)
+  rec.update(status="ok", trace_s=t1 - t0, compile_s=t2 - t1,
+             xla_cost=xla_cost(compiled), ffi_targets=ffi_targets())
+  rec.update(analyse(text, item, layers, cts))
+  return rec
+
+
+def hlo_path(item: dict) -> pathlib.Path:
+  return pathlib.Path(item["hlo_dir"]) / (
+      f"{item['target']}_{'triton' if item['triton'] else 'notriton'}_"
+      f"{item['program']}_{item['recipe']}.hlo")
+
+
+def analyse(text: str, item: dict, layers, cts) -> dict:
+  """GEMM records, kernel summary and roofline of one optimized module."""
   comps = parse_module(text)
   quantized = item["recipe"] not in ("bf16", "fp16")
   gemms = describe(comps, layers, quantized, cts)
-  rec.update(status="ok", trace_s=t1 - t0, compile_s=t2 - t1,
-             gemms=gemms, kernels=summarize_kernels(
-                 [g for g in gemms if g["role"] not in ("other", "attention")]),
-             roofline=roofline(comps, target), xla_cost=xla_cost(compiled),
-             ffi_targets=ffi_targets())
-  return rec
+  return {"gemms": gemms, "kernels": summarize_kernels(
+              [g for g in gemms if g["role"] not in ("other", "attention")]),
+          "roofline": roofline(comps, TARGETS[item["target"]])}
+
+
+def reparse(records: list[dict], hlo_dir: str) -> list[dict]:
+  """Re-analyses the kept HLO of earlier records with this parser (nothing
+  is compiled; the programs are only rebuilt for their layer shapes)."""
+  out = []
+  for rec in records:
+    rec = dict(rec)
+    if rec.get("status") == "ok":
+      item = dict(rec, hlo_dir=hlo_dir)
+      path = hlo_path(item)
+      if path.is_file():
+        build = layer_program if rec["program"] == "layer" else block_program
+        _, _, layers, cts = build(rec["recipe"], **rec[rec["program"]])
+        rec.update(analyse(path.read_text(), item, layers, cts))
+    out.append(rec)
+  return out
 
 
 # ==========================================================================
@@ -1557,6 +1586,10 @@ def main(argv=None) -> int:
   p.add_argument("--hlo-dir", help="keep each optimized HLO here")
   p.add_argument("--timeout", type=float, default=3600,
                  help="seconds per worker process")
+  p.add_argument("--reparse", nargs=2, metavar=("JSON", "HLO_DIR"),
+                 help="re-analyse an earlier run's kept HLO with this parser "
+                 "and rewrite its tables (--json/--markdown; nothing is "
+                 "compiled)")
   p.add_argument("--compare", nargs="+", metavar="LABEL=JSON",
                  help="print condensed side-by-side tables of earlier runs' "
                  "--json files (nothing is compiled)")
@@ -1564,6 +1597,16 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
   if args.worker:
     worker(args.worker)
+    return 0
+  if args.reparse:
+    data = json.loads(pathlib.Path(args.reparse[0]).read_text())
+    data["records"] = reparse(data["records"], args.reparse[1])
+    text = markdown(data["records"])
+    print(text)
+    if args.json:
+      pathlib.Path(args.json).write_text(json.dumps(data, indent=1))
+    if args.markdown:
+      pathlib.Path(args.markdown).write_text(text)
     return 0
   if args.compare:
     runs = []

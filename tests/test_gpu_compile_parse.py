@@ -490,3 +490,17 @@ def test_compare_puts_runs_side_by_side():
   assert ("| mxfp8 | 3 Triton (emulated: wide operands) | emulated x2; "
           "writes f32 x2 | 0.50x | failed | INTERNAL: boom | |") in text
   assert "| bf16 | 3 Triton | - | 1.00x | 3 Triton | - | 1.00x |" in text
+
+
+def test_reparse_reads_kept_hlo_with_the_current_parser(tmp_path):
+  rec = {"target": "h200", "triton": True, "program": "layer",
+         "recipe": "deepseek_v3", "status": "ok",
+         "layer": {"tokens": 256, "k": 512, "n": 128},
+         "gemms": [], "kernels": "stale"}
+  (tmp_path / "h200_triton_layer_deepseek_v3.hlo").write_text(FFI_BLOCKWISE)
+  missing = dict(rec, recipe="mxfp8")  # no HLO kept: left as it was
+  out = gc.reparse([rec, missing], str(tmp_path))
+  assert out[0]["kernels"] == "1 qlayers FFI FP8 blockwise"
+  assert out[0]["gemms"][0]["role"] == "dense Fprop"
+  assert out[0]["roofline"]["gemm_flops"] == 2.0 * 256 * 128 * 512
+  assert out[1] == missing
