@@ -1,37 +1,46 @@
-"""One prepared GPU check (written for an H200): FP8 GEMMs, MX, layer, step.
+"""The prepared GPU check: quantized GEMMs, the layer and a train step, timed.
 
-Usage (from the repository root; ``benchmarks/gpu.sh`` wraps it)::
+Usage (from the repository root; ``benchmarks/gpu.sh`` sets up jax with its
+CUDA plugin, checks ``jax.devices()`` and builds the native kernels first)::
 
   bash benchmarks/gpu.sh                    # on the GPU machine, ~8 min
   bash benchmarks/gpu.sh --cpu-smoke        # tiny sizes on CPU: every path
-  bash benchmarks/gpu.sh --parts gemm,hlo   # a subset
+  bash benchmarks/gpu.sh --parts gemm       # a subset
   bash benchmarks/gpu.sh --out /tmp/gpu     # where the per-part JSON goes
 
-Parts, each run in its own process under its own timeout (a hung or
-crashing part is reported and the next one runs), inside ``--budget``:
+Parts, each in its own process under its own time limit; the limits add up
+to less than ``--budget`` (480 s), and every finished row is saved at once,
+so a part that runs out of time still reports what it measured:
 
-``env``    nvidia-smi, JAX version and devices, ``qlayers.backends()``.
-``gemm``   TFLOP/s of BF16 vs FP8 at 4096^3 and 8192^3: the XLA per-tensor
-           pattern ``dot_general(fp8, fp8, preferred_element_type=f32)``
-           times scalar scales (both operands contraction-last, and with
-           ``b`` as (K, N) the way a layer's Fprop sees its kernel), the
-           dequantize pattern ``dot(convert(fp8) * s, convert(fp8) * s)``,
-           and quantize-from-BF16 + GEMM. Each compiled HLO
-           (``jit(f).lower(...).compile().as_text()``) is searched for the
-           cuBLASLt FP8 custom call ``__cublas$lt$matmul$f8``. Target: FP8
-           >= 1.85x BF16 at 8192^3.
-``mx``     MXFP8 through ``lax.scaled_dot`` (``qlayers.dispatch``), same
-           sizes, with its custom calls.
+``env``    nvidia-smi, jax and its devices, ``qlayers.backends()`` (what
+           the dispatch table picks here and why, and which native GPU
+           kernels are loaded).
+``gemm``   TFLOP/s of one GEMM on pre-quantized operands, as a layer's
+           Fprop calls it (``qlayers.dispatch.gemm``, ``x (M, K) @ w (K,
+           N)``), at 8192^3 and Llama-3-8B shapes (8192 tokens; q/o, gate/up,
+           down): BF16, per-tensor FP8, row-wise FP8, blockwise FP8 (1x128 x
+           128x128) and MXFP8, each compiled twice: XLA's default (the
+           autotuner picks Triton or cuBLAS) and with Triton GEMMs off
+           (cuBLAS/cuDNN only). Target: per-tensor FP8 >= 1.85x BF16 at
+           8192^3.
 ``layer``  ``qlayers.ops.quantized_matmul`` forward + backward (3 GEMMs) per
-           recipe against BF16, and how many FP8 GEMM custom calls it
-           compiles to.
-``step``   ``benchmarks/step.py`` (transformer, sized to fill the chip):
-           BF16 vs qlayers fp8_delayed / fp8_current / mxfp8. Target >= 1.4x.
+           recipe at 8192x4096x4096, against BF16.
+``step``   train step of a small transformer (``benchmarks/models.py``) per
+           recipe against the BF16 step (``qlayers.quantize`` +
+           ``qlayers.Optimizer``), with the loss after the warm-up steps as a
+           sanity check. Target: >= 1.4x.
+
+Every compiled GEMM is classified from the optimized HLO by what it runs
+and on which operand types (``benchmarks/gpu_compile.py``: a Triton fusion
+that reads FP8 payloads counts as FP8, one that converts them to BF16 first
+as emulation), and each time is printed beside the roofline model of the
+same HLO that the deviceless check uses (``gpu_compile.roofline``, at the
+datasheet peaks of the attached GPU's class): "model" is that prediction,
+"meas/model" how far the GPU is from it.
 
 Timing: wall clock (``block_until_ready``) of the compiled executable,
 median over repeats; each sample runs back-to-back calls for at least
 ``--min-time`` seconds. "speedup vs bf16" is BF16 time / variant time.
-At the end one Markdown table is printed (and ``--out``/summary.json).
 """
 
 from __future__ import annotations
@@ -41,13 +50,11 @@ import json
 import math
 import os
 import pathlib
-import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections import Counter
 from typing import Any
 
 _HERE = pathlib.Path(__file__).resolve().parent
@@ -57,41 +64,99 @@ if str(_HERE) not in sys.path:
 
 import mdtable  # noqa: E402
 
-FP8_CALL = "__cublas$lt$matmul$f8"
-PARTS = ("env", "gemm", "mx", "layer", "step")
-# Seconds per part; the whole run also stops at --budget.
-TIMEOUTS = {"env": 45, "gemm": 90, "mx": 60, "layer": 90, "step": 270}
-SMOKE_TIMEOUTS = {"env": 60, "gemm": 240, "mx": 180, "layer": 300,
-                  "step": 400}
+PARTS = ("env", "gemm", "layer", "step")
+BUDGET_S = 480.0
+# Seconds per part; they add up to less than BUDGET_S (checked below).
+TIMEOUTS = {"env": 30, "gemm": 170, "layer": 90, "step": 180}
+SMOKE_BUDGET_S = 1200.0
+SMOKE_TIMEOUTS = {"env": 90, "gemm": 420, "layer": 300, "step": 380}
+assert sum(TIMEOUTS.values()) < BUDGET_S
+assert sum(SMOKE_TIMEOUTS.values()) < SMOKE_BUDGET_S
 TARGETS = {"gemm_fp8_8192": 1.85, "step": 1.4}
-STEP_RECIPES = ("fp8_delayed", "fp8_current", "mxfp8")
-# A transformer that keeps an H200 busy (about 0.7B parameters, 16k tokens
-# per step, ~60 GB with the materialized attention of models.py).
-STEP_ARGS = ["--model", "transformer", "--d-model", "4096", "--heads", "32",
-             "--layers", "2", "--d-hidden", "16384", "--seq", "1024",
-             "--batch", "16", "--vocab", "32768", "--steps", "5",
-             "--rounds", "3", "--check-steps", "3"]
-SMOKE_STEP_ARGS = ["--model", "transformer", "--d-model", "64", "--heads",
-                   "2", "--layers", "1", "--d-hidden", "128", "--seq", "32",
-                   "--batch", "2", "--vocab", "64", "--steps", "1",
-                   "--rounds", "1", "--check-steps", "2"]
+
+# (label, M, K, N): 8192^3 and Llama-3-8B projections at 8192 tokens.
+GEMM_SHAPES = (("8192^3", 8192, 8192, 8192),
+               ("llama3-8b q/o", 8192, 4096, 4096),
+               ("llama3-8b gate/up", 8192, 4096, 14336),
+               ("llama3-8b down", 8192, 14336, 4096))
+SMOKE_GEMM_SHAPES = (("256^3", 256, 256, 256), ("llama-like", 256, 128, 384))
+# GEMM kind -> (x spec, w spec) as qlayers.scaling.QuantSpec keyword dicts.
+GEMM_KINDS = {
+    "bf16": None,
+    "fp8 tensor": ({"format": "e4m3"}, {"format": "e4m3"}),
+    "fp8 row-wise": ({"format": "e4m3", "granularity": "row", "pow2": True},
+                     {"format": "e4m3", "granularity": "row", "pow2": True}),
+    "fp8 blockwise": ({"format": "e4m3", "granularity": "tile"},
+                      {"format": "e4m3", "granularity": "block"}),
+    "mxfp8": ({"format": "e4m3", "granularity": "mx"},
+              {"format": "e4m3", "granularity": "mx"}),
+}
+LAYER_RECIPES = ("bf16", "fp8_current", "fp8_delayed", "fp8_rowwise",
+                 "deepseek_v3", "mxfp8", "mxfp4")
+STEP_RECIPES = ("fp8_current", "fp8_delayed", "fp8_rowwise", "deepseek_v3",
+                "mxfp8")
+# A small transformer that still gives the GEMMs real work (about 0.25B
+# parameters, 8k tokens per step).
+STEP_CONFIG = dict(d_model=2048, n_heads=16, n_layers=2, d_ff=8192,
+                   seq_len=1024, batch=8, vocab=32768)
+# 128 wide: the smallest that 128x128 weight blocks convert.
+SMOKE_STEP_CONFIG = dict(d_model=128, n_heads=2, n_layers=1, d_ff=256,
+                         seq_len=32, batch=2, vocab=128)
 
 
 # ==========================================================================
 # Helpers shared by the parts (run inside the part's own process)
 
 
-def custom_calls(hlo_text: str) -> Counter:
-  """custom_call targets in an optimized HLO module, with their counts."""
-  return Counter(re.findall(r'custom_call_target="([^"]+)"', hlo_text))
+def _gc():
+  import gpu_compile  # pylint: disable=g-import-not-at-top
+  return gpu_compile
+
+
+def _model_target():
+  """The deviceless tool's target closest to the attached GPU."""
+  from qlayers import dispatch  # pylint: disable=g-import-not-at-top
+  arch = dispatch.gpu_arch("cuda")
+  gc = _gc()
+  return gc.TARGETS["b200" if arch and int(arch[3:]) >= 100 else "h200"]
+
+
+def classify(hlo_text: str, layers=None, cotangents=(),
+             quantized: bool = True) -> dict[str, Any]:
+  """GEMM kernels of an optimized module by kernel and operand types, and
+  the roofline model time of the whole module."""
+  gc = _gc()
+  comps = gc.parse_module(hlo_text)
+  if layers:
+    recs = [g for g in gc.describe(comps, layers, quantized, cotangents)
+            if g["role"] not in ("other", "attention")]
+  else:
+    recs = [{"kernel": g.kernel, "a": g.a, "b": g.b, "out": g.out}
+            for _, g in gc.find_gemms(comps)]
+  kinds: dict[str, int] = {}
+  for r in recs:
+    key = f"{r['kernel']} [{r['a']} x {r['b']} -> {r['out']}]"
+    kinds[key] = kinds.get(key, 0) + 1
+  model = gc.roofline(comps, _model_target())
+  return {"gemms": kinds, "model_us": model["time_us"],
+          "fp8_gemms": sum(n for k, n in kinds.items() if _is_fp8(k))}
+
+
+def _is_fp8(kind: str) -> bool:
+  """A GEMM whose MMA reads 8-bit (or narrower) operands."""
+  # "kernel [a x b -> out]"; an operand converted in the kernel reads
+  # "f8e4m3fn->bf16" (no spaces), its MMA type last.
+  operands = kind.rsplit("[", 1)[-1].rsplit(" -> ", 1)[0]
+  if "emulated" in kind:
+    return False
+  views = [v.strip().split("->")[-1] for v in operands.split(" x ")]
+  return all(v.startswith(("f8", "f6", "f4", "u8")) for v in views)
 
 
 def _timeit(fn, args, *, repeats: int, min_time: float) -> dict[str, Any]:
-  """Compiles, warms up and times ``fn(*args)``; seconds per call."""
+  """Warms up and times ``fn(*args)``; seconds per call."""
   import jax
-  t0 = time.perf_counter()
   jax.block_until_ready(fn(*args))
-  first_s = time.perf_counter() - t0
   t0 = time.perf_counter()
   jax.block_until_ready(fn(*args))
   one = max(time.perf_counter() - t0, 1e-6)
@@ -106,46 +171,56 @@ def _timeit(fn, args, *, repeats: int, min_time: float) -> dict[str, Any]:
     samples.append((time.perf_counter() - t0) / n)
   samples.sort()
   return {"median_s": samples[len(samples) // 2], "min_s": samples[0],
-          "n": n, "repeats": repeats, "first_call_s": first_s}
+          "n": n, "repeats": repeats}
 
 
-def _compiled(fn, args):
-  """``(executable, custom-call counts)`` of the jitted ``fn`` on ``args``."""
-  exe = fn.lower(*args).compile()
-  return exe, custom_calls(exe.as_text())
+class Rows:
+  """A part's rows, written to its JSON after every row."""
+
+  def __init__(self, cfg, part: str):
+    self.path = pathlib.Path(cfg.out) / f"{part}.json"
+    self.rows: list[dict[str, Any]] = []
+    self.info: dict[str, Any] = {}
+
+  def add(self, row: dict[str, Any]) -> None:
+    self.rows.append(row)
+    print(json.dumps(row, default=str), flush=True)
+    self.save(partial=True)
+
+  def save(self, partial: bool = False, error: str | None = None) -> None:
+    res = {"rows": self.rows, "info": self.info, "partial": partial}
+    if error:
+      res["error"] = error
+    self.path.write_text(json.dumps(res, indent=1, default=str) + "\n")
 
 
-def _row(item: str, **kw) -> dict[str, Any]:
-  return {"item": item, **kw}
+def _err(e: BaseException) -> str:
+  return f"{type(e).__name__}: {e}".splitlines()[0][:300]
 
 
-def _calls(item: str, calls: Counter) -> dict[str, Any]:
-  return {"calls": dict(calls)}
+def _measure(fn, args, cfg, *, flops: float, options=None, layers=None,
+             cotangents=(), quantized: bool = True) -> dict[str, Any]:
+  """Compiles ``fn`` (jitted) with XLA ``options``, classifies its GEMMs and
+  times it."""
+  t0 = time.perf_counter()
+  exe = fn.lower(*args).compile(compiler_options=options or {})
+  compile_s = time.perf_counter() - t0
+  cls = classify(exe.as_text(), layers, cotangents, quantized)
+  t = _timeit(exe, args, repeats=cfg.repeats, min_time=cfg.min_time)
+  ms = t["median_s"] * 1e3
+  return {"ms": ms, "tflops": flops / t["median_s"] / 1e12,
+          "model_us": cls["model_us"], "meas_over_model":
+          ms * 1e3 / cls["model_us"] if cls["model_us"] else math.nan,
+          "gemms": cls["gemms"], "fp8_gemms": cls["fp8_gemms"],
+          "compile_s": compile_s}
 
 
-def _time_rows(cfg, variants, flops: float,
-               fields=_calls) -> list[dict[str, Any]]:
-  """Compiles and times ``(item, fn, args)`` variants, one row each.
-
-  The first variant is the baseline of ``ratio``; ``fields(item, calls)``
-  gives a row's entries after ``ms``. Every row is also printed as JSON.
-  """
-  rows, base = [], None
-  for i, (item, fn, args) in enumerate(variants):
-    try:
-      exe, calls = _compiled(fn, args)
-      t = _timeit(exe, args, repeats=cfg.repeats, min_time=cfg.min_time)
-    except Exception as e:  # noqa: BLE001 - reported
-      rows.append(_row(item, error=_err(e)))
-      continue
-    if i == 0:
-      base = t["median_s"]
-    row = _row(item, tflops=flops / t["median_s"] / 1e12,
-               ratio=base / t["median_s"] if base else math.nan,
-               ms=t["median_s"] * 1e3, **fields(item, calls))
-    rows.append(row)
-    print(json.dumps(row), flush=True)
-  return rows
+def _modes(cfg):
+  """XLA GEMM settings to compile each variant with."""
+  if cfg.cpu_smoke:
+    return [("default", {})]
+  return [("autotuned", {}),
+          ("cuBLAS only", {"xla_gpu_enable_triton_gemm": False})]
 
 
 # ==========================================================================
@@ -156,191 +231,174 @@ def part_env(cfg) -> dict[str, Any]:
   info: dict[str, Any] = {}
   smi = shutil.which("nvidia-smi")
   if smi:
-    r = subprocess.run([smi], capture_output=True, text=True, timeout=20)
-    print(r.stdout or r.stderr, flush=True)
     q = subprocess.run(
         [smi, "--query-gpu=name,memory.total,driver_version,clocks.max.sm",
-         "--format=csv,noheader"], capture_output=True, text=True,
-        timeout=20)
-    info["gpu"] = q.stdout.strip()
+         "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+    info["gpu"] = q.stdout.strip() or q.stderr.strip()
   else:
     info["gpu"] = "nvidia-smi not found"
-    print("nvidia-smi not found", flush=True)
   import jax
   import jaxlib
-  info["jax"] = jax.__version__
-  info["jaxlib"] = jaxlib.__version__
-  info["backend"] = jax.default_backend()
-  info["devices"] = [str(d) for d in jax.devices()]
-  try:
-    import qlayers
-    info["qlayers"] = qlayers.backends()
-    info["qlayers_api"] = {n: hasattr(qlayers, n) for n in (
-        "quantize", "value_and_grad", "Optimizer")}
-  except Exception as e:  # noqa: BLE001 - reported
-    info["qlayers"] = f"import failed: {type(e).__name__}: {e}"
+  info["jax"] = f"{jax.__version__} (jaxlib {jaxlib.__version__})"
+  info["devices"] = [f"{d} {getattr(d, 'compute_capability', '')}"
+                     for d in jax.devices()]
+  import qlayers
+  from qlayers import dispatch
+  rep = qlayers.backends()
+  info["arch"] = dispatch.gpu_arch("cuda")
+  info["ffi_build"] = rep["ffi_build"]
+  info["chosen"] = {n: f"{c['backend']}: {c['why']}"
+                    for n, c in rep["chosen"].items()}
   print(json.dumps(info, indent=1, default=str), flush=True)
-  rows = [_row("gpu", value=info["gpu"]),
-          _row("jax", value=f"{info['jax']} ({info['backend']}: "
-               f"{', '.join(info['devices'])})")]
-  return {"rows": rows, "info": info}
+  rows = Rows(cfg, "env")
+  rows.info = info
+  rows.add({"item": "gpu", "value": info["gpu"]})
+  rows.add({"item": "jax", "value": f"{info['jax']}: "
+            f"{', '.join(info['devices'])}"})
+  gpu_lib = rep["ffi_build"].get("details", {}).get("cuda", {}) \
+      if isinstance(rep["ffi_build"], dict) else {}
+  rows.add({"item": "native GPU kernels", "value": gpu_lib.get("info") or
+            gpu_lib.get("reason") or "unknown"})
+  return {"rows": rows.rows, "info": info}
 
 
-def _fp8_operands(m, n, k, key=0):
+def _quantized_operands(kind: str, m: int, k: int, n: int):
+  """(x, w) for ``kind``: BF16 arrays, or QTensors quantized like a layer's
+  Fprop operands (x along K, w along K)."""
   import jax
   import jax.numpy as jnp
-  ka, kb = jax.random.split(jax.random.key(key))
-  a = jax.random.normal(ka, (m, k), jnp.float32).astype(jnp.bfloat16)
-  b = jax.random.normal(kb, (n, k), jnp.float32).astype(jnp.bfloat16)
-  return a, b
+  from qlayers import scaling
+  kx, kw = jax.random.split(jax.random.key(0))
+  x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
+  w = (0.02 * jax.random.normal(kw, (k, n), jnp.float32)).astype(jnp.bfloat16)
+  specs = GEMM_KINDS[kind]
+  if specs is None:
+    return x, w
+  sx, sw = (scaling.QuantSpec(**s) for s in specs)
+  return jax.jit(lambda x, w: (scaling.quantize(x, sx, 1),
+                               scaling.quantize(w, sw, 0)))(x, w)
 
 
 def part_gemm(cfg) -> dict[str, Any]:
   import jax
   import jax.numpy as jnp
-  from jax import lax
-  e4m3 = jnp.float8_e4m3fn
-  tn = (((1,), (1,)), ((), ()))
-  nn = (((1,), (0,)), ((), ()))
-
-  def scale_of(x):
-    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
-    return jnp.where(amax > 0, amax / 448.0, 1.0)
-
-  def cast(x, s):
-    return jnp.clip(x.astype(jnp.float32) / s, -448.0, 448.0).astype(e4m3)
-
-  def bf16_dot(a, b):
-    return lax.dot_general(a, b, tn, preferred_element_type=jnp.float32
-                           ).astype(jnp.bfloat16)
-
-  def fp8_direct(a8, b8, sa, sb, dims=tn):
-    out = lax.dot_general(a8, b8, dims, preferred_element_type=jnp.float32)
-    return (out * (sa * sb)).astype(jnp.bfloat16)
-
-  def fp8_dequant(a8, b8, sa, sb):
-    ad = a8.astype(jnp.bfloat16) * sa.astype(jnp.bfloat16)
-    bd = b8.astype(jnp.bfloat16) * sb.astype(jnp.bfloat16)
-    return lax.dot_general(ad, bd, tn, preferred_element_type=jnp.float32
-                           ).astype(jnp.bfloat16)
-
-  def fp8_q_gemm(a, b):
-    sa, sb = scale_of(a), scale_of(b)
-    return fp8_direct(cast(a, sa), cast(b, sb), sa, sb)
-
-  def fields(item, calls):
-    f = {"fp8_call": FP8_CALL in calls, "calls": dict(calls)}
-    if item == "8192^3 fp8 direct TN":
-      f["target"] = TARGETS["gemm_fp8_8192"]
-    return f
-
-  rows = []
-  for size in cfg.sizes:
-    m = n = k = size
-    a, b = _fp8_operands(m, n, k)
-    sa, sb = jax.jit(scale_of)(a), jax.jit(scale_of)(b)
-    a8, b8 = jax.jit(cast)(a, sa), jax.jit(cast)(b, sb)
-    b8_kn = jnp.asarray(b8.T)
-    variants = [
-        ("bf16", jax.jit(bf16_dot), (a, b)),
-        ("fp8 direct TN", jax.jit(fp8_direct), (a8, b8, sa, sb)),
-        ("fp8 direct NN (b as KxN)",
-         jax.jit(lambda a8, b8, sa, sb: fp8_direct(a8, b8, sa, sb, nn)),
-         (a8, b8_kn, sa, sb)),
-        ("fp8 dequant pattern", jax.jit(fp8_dequant), (a8, b8, sa, sb)),
-        ("fp8 quantize+GEMM from bf16", jax.jit(fp8_q_gemm), (a, b)),
-    ]
-    rows += _time_rows(
-        cfg, [(f"{size}^3 {name}", fn, args) for name, fn, args in variants],
-        2.0 * m * n * k, fields)
-  return {"rows": rows}
-
-
-def part_mx(cfg) -> dict[str, Any]:
-  import jax
-  import jax.numpy as jnp
-  from jax import lax
-  from qlayers import dispatch, scaling
-  from qlayers.scaling import QuantSpec
-  spec = QuantSpec(format="e4m3", granularity="mx")
-  tn = (((1,), (1,)), ((), ()))
-  rows = []
-  for size in cfg.sizes:
-    a, b = _fp8_operands(size, size, size)
-    qa, qb = scaling.quantize(a, spec, 1), scaling.quantize(b, spec, 1)
-    variants = [
-        ("bf16", jax.jit(lambda a, b: lax.dot_general(
-            a, b, tn, preferred_element_type=jnp.float32).astype(
-                jnp.bfloat16)), (a, b)),
-        ("mxfp8 lax.scaled_dot", jax.jit(
-            lambda qa, qb: dispatch.scaled_dot_mx(qa, qb, jnp.bfloat16)),
-         (qa, qb)),
-        ("mxfp8 quantize+scaled_dot from bf16", jax.jit(
-            lambda a, b: dispatch.scaled_dot_mx(
-                scaling.quantize(a, spec, 1), scaling.quantize(b, spec, 1),
-                jnp.bfloat16)), (a, b)),
-    ]
-    rows += _time_rows(
-        cfg, [(f"{size}^3 {name}", fn, args) for name, fn, args in variants],
-        2.0 * size**3)
-  return {"rows": rows}
+  from qlayers import dispatch
+  rows = Rows(cfg, "gemm")
+  shapes = SMOKE_GEMM_SHAPES if cfg.cpu_smoke else GEMM_SHAPES
+  gemm = jax.jit(lambda a, b: dispatch.gemm(a, b, axes=(1, 0),
+                                            out_dtype=jnp.bfloat16))
+  for label, m, k, n in shapes:
+    base: dict[str, float] = {}
+    for kind in GEMM_KINDS:
+      try:
+        a, b = _quantized_operands(kind, m, k, n)
+      except Exception as e:  # noqa: BLE001 - reported
+        rows.add({"item": f"{label} {kind}", "error": _err(e)})
+        continue
+      choice = dispatch.choose(a, b, "cuda" if not cfg.cpu_smoke else "cpu",
+                               dispatch.gpu_arch("cuda"))
+      for mode, options in _modes(cfg):
+        item = f"{label} {kind} ({mode})"
+        try:
+          r = _measure(gemm, (a, b), cfg, flops=2.0 * m * n * k,
+                       options=options)
+        except Exception as e:  # noqa: BLE001 - reported
+          rows.add({"item": item, "error": _err(e),
+                    "form": f"{choice.backend}/{choice.form}"})
+          continue
+        if kind == "bf16":
+          base[mode] = r["ms"]
+        row = {"item": item, **r, "form": f"{choice.backend}/{choice.form}",
+               "ratio": base[mode] / r["ms"] if mode in base else math.nan}
+        if kind == "fp8 tensor" and label == "8192^3" and mode != "cuBLAS only":
+          row["target"] = TARGETS["gemm_fp8_8192"]
+        rows.add(row)
+  return {"rows": rows.rows}
 
 
 def part_layer(cfg) -> dict[str, Any]:
   import jax
   import jax.numpy as jnp
   import qlayers
-  m = k = n = cfg.layer_size
+  gc = _gc()
+  rows = Rows(cfg, "layer")
+  m, k, n = (256, 256, 128) if cfg.cpu_smoke else (8192, 4096, 4096)
   kx, kw, kc = jax.random.split(jax.random.key(0), 3)
   x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
   w = 0.02 * jax.random.normal(kw, (k, n), jnp.float32)
   ct = jax.random.normal(kc, (m, n), jnp.float32).astype(jnp.bfloat16)
-  variants = []
-  for name in ("bf16", "fp8_current", "fp8_delayed", "mxfp8"):
+  layers = [gc.LayerDims("dense", m, k, n)]
+  base = None
+  for name in LAYER_RECIPES:
     state = qlayers.ops.init_state(name)
 
     def loss(x, w, state, ct, name=name):
       y, _ = qlayers.ops.quantized_matmul(x, w, name, state)
       return jnp.vdot(y.astype(jnp.float32), ct.astype(jnp.float32))
 
-    variants.append((f"{m}x{k}x{n} fwd+bwd {name}",
-                     jax.jit(jax.value_and_grad(loss, argnums=(0, 1))),
-                     (x, w, state, ct)))
-  rows = _time_rows(cfg, variants, 3 * 2.0 * m * n * k, lambda item, calls: {
-      "fp8_calls": calls.get(FP8_CALL, 0), "calls": dict(calls)})
-  return {"rows": rows}
+    fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    item = f"{m}x{k}x{n} fwd+bwd {name}"
+    try:
+      r = _measure(fn, (x, w, state, ct), cfg, flops=3 * 2.0 * m * n * k,
+                   layers=layers, cotangents=("ct",),
+                   quantized=qlayers.recipe(name).quantized)
+    except Exception as e:  # noqa: BLE001 - reported
+      rows.add({"item": item, "error": _err(e)})
+      continue
+    if name == "bf16":
+      base = r["ms"]
+    rows.add({"item": item, **r,
+              "ratio": base / r["ms"] if base else math.nan})
+  return {"rows": rows.rows}
 
 
 def part_step(cfg) -> dict[str, Any]:
-  out = pathlib.Path(cfg.out) / "step.json"
-  cmd = [sys.executable, str(_HERE / "step.py"), "--no-peers", "--no-f32acc",
-         "--qlayers-recipes", ",".join(STEP_RECIPES), "--json", str(out)]
-  cmd += SMOKE_STEP_ARGS if cfg.cpu_smoke else STEP_ARGS
-  print(" ".join(cmd), flush=True)
-  # step.py exits 1 when a sanity check fails; its report is still written.
-  rc = _run_group(cmd, cfg.part_timeout - 10, _child_env(cfg))
-  if not out.exists():
-    raise RuntimeError(f"step.py ended ({rc}) without a report")
-  rep = json.loads(out.read_text())
-  rows = []
-  for res in rep["results"]:
-    if res.get("error"):
-      rows.append(_row(f"step {res['name']}", error=res["error"][:200]))
+  import jax
+  import models
+  import step as step_bench
+  import qlayers
+  rows = Rows(cfg, "step")
+  tcfg = models.TransformerConfig(**(SMOKE_STEP_CONFIG if cfg.cpu_smoke
+                                     else STEP_CONFIG))
+  rows.info = {"config": {k: str(v) for k, v in vars(tcfg).items()}}
+  batch = models.make_batch(tcfg, seed=0)
+  check_steps, steps = (2, 2) if cfg.cpu_smoke else (3, 10)
+  base = base_loss = None
+  variants = [("bf16", models.baseline_step)]
+  variants += [(r, step_bench._qlayers_variant(qlayers, r).make)  # pylint: disable=protected-access
+               for r in STEP_RECIPES]
+  for name, make in variants:
+    item = f"step {name}"
+    try:
+      t0 = time.perf_counter()
+      fn, state = make(tcfg, seed=0)
+      state, loss = fn(state, batch)
+      jax.block_until_ready(loss)
+      compile_s = time.perf_counter() - t0
+      for _ in range(check_steps - 1):
+        state, loss = fn(state, batch)
+      loss = float(jax.block_until_ready(loss))
+      times = []
+      for _ in range(steps):
+        t0 = time.perf_counter()
+        state, out = fn(state, batch)
+        jax.block_until_ready(out)
+        times.append(time.perf_counter() - t0)
+    except Exception as e:  # noqa: BLE001 - reported
+      rows.add({"item": item, "error": _err(e)})
       continue
-    speedup = 1.0 / res["ratio"] if res.get("ratio") else math.nan
-    row = _row(f"step {res['name']}", ms=res["median_s"] * 1e3,
-               ratio=speedup, loss_ok=res["loss_ok"])
-    if res["name"] != "bf16":
+    ms = sorted(times)[len(times) // 2] * 1e3
+    if name == "bf16":
+      base, base_loss = ms, loss
+    row = {"item": item, "ms": ms, "compile_s": compile_s, "loss": loss,
+           "ratio": base / ms if base else math.nan,
+           "loss_ok": bool(base_loss is not None and math.isfinite(loss) and
+                           abs(loss - base_loss) <= 0.1 * abs(base_loss))}
+    if name != "bf16":
       row["target"] = TARGETS["step"]
-    rows.append(row)
-  for name, why in rep.get("skipped", {}).items():
-    rows.append(_row(f"step {name}", error=f"skipped: {why}"))
-  return {"rows": rows, "info": {"config": rep.get("config"),
-                                 "returncode": rc}}
-
-
-def _err(e: BaseException) -> str:
-  return f"{type(e).__name__}: {e}".splitlines()[0][:300]
+    rows.add(row)
+    del fn, state
+  return {"rows": rows.rows, "info": rows.info}
 
 
 # ==========================================================================
@@ -357,26 +415,23 @@ def _child_env(cfg) -> dict[str, str]:
 
 
 def run_part(name: str, args) -> dict[str, Any]:
-  """Runs one part in a child process under its timeout."""
+  """Runs one part in a child process under its time limit."""
   out = pathlib.Path(args.out) / f"{name}.json"
   out.unlink(missing_ok=True)
   cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--part",
-         name, "--out", args.out, "--part-timeout", str(args.part_timeout),
-         "--repeats", str(args.repeats), "--min-time", str(args.min_time)]
-  if args.sizes:
-    cmd += ["--sizes", args.sizes]
-  if args.layer_size:
-    cmd += ["--layer-size", str(args.layer_size)]
+         name, "--out", args.out, "--repeats", str(args.repeats),
+         "--min-time", str(args.min_time)]
   if args.cpu_smoke:
     cmd.append("--cpu-smoke")
   t0 = time.perf_counter()
   rc = _run_group(cmd, args.part_timeout, _child_env(args))
   wall = time.perf_counter() - t0
-  if out.exists():
-    res = json.loads(out.read_text())
-  else:
-    res = {"rows": [], "error": f"exit {rc} after {wall:.0f} s (limit "
-                                f"{args.part_timeout} s), no result"}
+  res = json.loads(out.read_text()) if out.exists() else {"rows": []}
+  if rc == "timeout":
+    res["error"] = (f"stopped at its {args.part_timeout:.0f} s limit after "
+                    f"{len(res['rows'])} rows")
+  elif rc != 0 and not res.get("error"):
+    res["error"] = f"exit {rc} after {wall:.0f} s"
   res["wall_s"] = wall
   res["returncode"] = rc
   return res
@@ -398,69 +453,66 @@ def _run_group(cmd, timeout, env) -> int | str:
 
 
 def _child(args) -> int:
-  """Inside a part's process: run it and write its JSON."""
-  cfg = args
-  sizes, layer = ([256, 512], 256) if cfg.cpu_smoke else ([4096, 8192], 8192)
-  cfg.sizes = [int(v) for v in cfg.sizes.split(",")] if cfg.sizes else sizes
-  cfg.layer_size = cfg.layer_size or layer
+  """Inside a part's process: run it; its rows are saved as they come."""
   fn = globals()[f"part_{args.part}"]
+  path = pathlib.Path(args.out) / f"{args.part}.json"
   try:
-    res = fn(cfg)
+    res = fn(args)
+    res["partial"] = False
   except Exception as e:  # noqa: BLE001 - reported by the driver
     import traceback
     traceback.print_exc()
-    res = {"rows": [], "error": _err(e)}
+    res = json.loads(path.read_text()) if path.exists() else {"rows": []}
+    res["error"] = _err(e)
   res["part"] = args.part
-  path = pathlib.Path(args.out) / f"{args.part}.json"
   path.write_text(json.dumps(res, indent=1, default=str) + "\n")
   return 0
 
 
 def _fmt(x, spec=".1f") -> str:
-  if isinstance(x, float) and not math.isfinite(x):
+  if x is None or (isinstance(x, float) and not math.isfinite(x)):
     return "—"
   return format(x, spec) if isinstance(x, (int, float)) else str(x)
 
 
 def render(results: dict[str, dict], smoke: bool = False) -> str:
-  lines = mdtable.head(["part", "item", "TFLOP/s", "ms", "speedup vs bf16",
-                        "FP8 cuBLASLt call", "target", "status", "notes"],
-                       "llrrrllll")
-  blank = [None] * 5
+  lines = mdtable.head(["part", "item", "TFLOP/s", "ms", "model ms",
+                        "meas/model", "speedup vs bf16", "target", "status",
+                        "GEMMs (kernel [a x b -> out])", "notes"],
+                       "llrrrrrllll")
+  blank = [None] * 7
   for part, res in results.items():
     if res.get("error"):
-      lines.append(mdtable.row(part, "—", *blank, "ERROR",
+      lines.append(mdtable.row(part, "—", *blank, "ERROR", None,
                                res["error"].replace("|", "/")))
     for r in res.get("rows", []):
       if "error" in r:
-        lines.append(mdtable.row(part, r["item"], *blank, "ERROR",
+        lines.append(mdtable.row(part, r["item"], *blank, "ERROR", None,
                                  r["error"].replace("|", "/")[:200]))
         continue
       if "value" in r:
-        lines.append(mdtable.row(part, r["item"], *blank, None,
+        lines.append(mdtable.row(part, r["item"], *blank, None, None,
                                  str(r["value"]).replace("|", "/")[:200]))
         continue
-      fp8 = ""
-      if "fp8_call" in r:
-        fp8 = "found" if r["fp8_call"] else "not found"
-      elif "fp8_calls" in r:
-        fp8 = f"{r['fp8_calls']} call(s)"
       target = status = ""
       if "target" in r:
         target = f">= {r['target']}x"
         status = ("n/a (smoke)" if smoke else
                   "met" if r.get("ratio", 0) >= r["target"] else "MISSED")
       notes = []
+      if r.get("form"):
+        notes.append(r["form"])
       if r.get("loss_ok") is False:
         notes.append("loss sanity CHECK")
-      if "calls" in r and part in ("mx", "layer"):
-        notes.append(", ".join(f"{k} x{v}" for k, v in r["calls"].items())
-                     or "no custom calls")
+      if "compile_s" in r:
+        notes.append(f"compile {r['compile_s']:.1f} s")
+      gemms = "; ".join(f"{n}x {k}" for k, n in r.get("gemms", {}).items())
+      model_ms = r["model_us"] / 1e3 if r.get("model_us") else None
       lines.append(mdtable.row(
-          part, r["item"], _fmt(r.get("tflops", math.nan)),
-          _fmt(r.get("ms", math.nan), ".3f"),
-          f"{_fmt(r.get('ratio', math.nan), '.2f')}x", fp8, target, status,
-          "; ".join(notes).replace("|", "/")))
+          part, r["item"], _fmt(r.get("tflops")), _fmt(r.get("ms"), ".3f"),
+          _fmt(model_ms, ".3f"), _fmt(r.get("meas_over_model"), ".2f"),
+          f"{_fmt(r.get('ratio'), '.2f')}x", target, status,
+          gemms.replace("|", "/") or "—", "; ".join(notes)))
   return "\n".join(lines) + "\n"
 
 
@@ -472,25 +524,20 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--out", default=None,
                  help="directory for per-part JSON (default: a temp dir)")
   p.add_argument("--budget", type=float, default=None,
-                 help="seconds for all parts (default 480; smoke 1200)")
+                 help=f"seconds for all parts (default {BUDGET_S:.0f}; smoke "
+                 f"{SMOKE_BUDGET_S:.0f}); part limits shrink to fit")
   p.add_argument("--repeats", type=int, default=None)
   p.add_argument("--min-time", type=float, default=None)
-  p.add_argument("--sizes", default=None,
-                 help="M=N=K of the gemm/mx parts (default 4096,8192)")
-  p.add_argument("--layer-size", type=int, default=None,
-                 help="M=K=N of the layer part (default 8192)")
   p.add_argument("--part", default=None, help=argparse.SUPPRESS)
-  p.add_argument("--part-timeout", type=float, default=0,
-                 help=argparse.SUPPRESS)
   return p
 
 
 def main(argv: list[str] | None = None) -> int:
   args = _parser().parse_args(argv)
   if args.repeats is None:
-    args.repeats = 3 if args.cpu_smoke else 7
+    args.repeats = 3 if args.cpu_smoke else 5
   if args.min_time is None:
-    args.min_time = 0.01 if args.cpu_smoke else 0.05
+    args.min_time = 0.01 if args.cpu_smoke else 0.03
   if args.out is None:
     import tempfile
     args.out = tempfile.mkdtemp(prefix="qlayers-gpu-")
@@ -498,13 +545,15 @@ def main(argv: list[str] | None = None) -> int:
   if args.part:
     return _child(args)
 
-  budget = args.budget or (1200.0 if args.cpu_smoke else 480.0)
+  budget = args.budget or (SMOKE_BUDGET_S if args.cpu_smoke else BUDGET_S)
   limits = SMOKE_TIMEOUTS if args.cpu_smoke else TIMEOUTS
   parts = [p for p in args.parts.split(",") if p]
   unknown = [p for p in parts if p not in PARTS]
   if unknown:
     print(f"unknown parts {unknown}; known: {PARTS}", file=sys.stderr)
     return 2
+  # Scale the part limits down to the budget, never up.
+  scale = min(1.0, (budget - 5) / sum(limits[p] for p in parts))
   t_start = time.perf_counter()
   results: dict[str, dict] = {}
   for name in parts:
@@ -512,8 +561,8 @@ def main(argv: list[str] | None = None) -> int:
     if left < 15:
       results[name] = {"rows": [], "error": "skipped: budget spent"}
       continue
-    args.part_timeout = int(min(limits[name], left))
-    print(f"=== {name} (limit {args.part_timeout} s)", flush=True)
+    args.part_timeout = max(10.0, min(limits[name] * scale, left - 2))
+    print(f"=== {name} (limit {args.part_timeout:.0f} s)", flush=True)
     results[name] = run_part(name, args)
     print(f"=== {name} done in {results[name]['wall_s']:.0f} s", flush=True)
   wall = time.perf_counter() - t_start
@@ -526,6 +575,7 @@ def main(argv: list[str] | None = None) -> int:
   (pathlib.Path(args.out) / "summary.json").write_text(json.dumps(
       {"wall_s": wall, "cpu_smoke": args.cpu_smoke, "parts": results},
       indent=1, default=str) + "\n")
+  (pathlib.Path(args.out) / "summary.md").write_text(table)
   errors = [n for n, r in results.items() if r.get("error")]
   return 1 if errors else 0
 

@@ -31,11 +31,14 @@ autotuner weighs against Triton on a real GPU). Each target and flag runs in
 its own worker process; a recipe that fails to compile, or crashes the
 compiler, is reported with its error line.
 
-``--assume-gpu-dispatch`` makes ``jax.default_backend()`` answer ``"gpu"``
-while the programs are traced. qlayers chooses its GEMM code paths from
-``jax.default_backend()``, which is the host (``cpu``) here, so without it a
-GPU target gets the CPU code; the flag is a stopgap until dispatch follows
-the platform being lowered for.
+qlayers chooses each GEMM's code for the platform being lowered for
+(``lax.platform_dependent``); the GPU generation comes from
+``qlayers.dispatch.target_arch``, which each worker sets to its target's
+architecture (``--host-arch`` leaves it unset: the choice a process makes
+when it cannot tell which GPU it compiles for). The native cuBLASLt library
+(``ffi/build_cuda.sh``) is registered without a device when it is found
+(``--ffi-dir``, default ``build/cuda/ffi``), so GEMMs the dispatch table
+sends to ``ffi`` show up as their FFI custom calls.
 
 The roofline numbers are a model prediction, not a measurement: each kernel
 takes ``max(flops / peak, bytes / bandwidth)`` at the target's published
@@ -121,7 +124,14 @@ GEMM_CALLS = {
     "__cublas$lt$matmul": "cuBLASLt",
     "__cublas$gemm": "cuBLAS",
     "__cudnn$blockScaledDot": "cuDNN block-scaled",
+    # qlayers' own FFI kernels (ffi/gpu/blaslt_gemm.cu): a, a scales, b,
+    # b scales; both operands (rows, K).
+    "qlayers_gemm_fp8_tensor": "qlayers FFI FP8",
+    "qlayers_gemm_fp8_rowwise": "qlayers FFI FP8 row-wise",
+    "qlayers_gemm_blockwise": "qlayers FFI FP8 blockwise",
+    "qlayers_gemm_mx": "qlayers FFI MX",
 }
+FFI_GEMMS = {k for k in GEMM_CALLS if k.startswith("qlayers_")}
 # Top-level instructions that move no data (views, plumbing).
 FREE_OPS = {"parameter", "constant", "bitcast", "get-tuple-element", "tuple",
             "opt-barrier", "after-all", "partition-id", "replica-id",
@@ -567,6 +577,16 @@ def classify_custom_call(top: Computation, inst: Inst) -> Gemm | None:
   rc = _json_dims(inst, "rhs_contracting_dimensions")
   lb = _json_dims(inst, "lhs_batch_dimensions")
   rb = _json_dims(inst, "rhs_batch_dimensions")
+  if target in FFI_GEMMS:
+    # OUT (M, N) = A (M, K) @ B (N, K)^T; packed MX payloads are narrower
+    # than K, so K comes from the output and A's size only for fp8.
+    dims = {"batch": 1, "m": out.dims[0], "n": out.dims[1],
+            "k": arrs[0].dims[-1] if arrs[0].dims else 0}
+    return Gemm(inst.name, GEMM_CALLS[target], target, arrs[0].dtype,
+                arrs[2].dtype if len(arrs) > 2 else "?", out.dtype, dims,
+                "scale operands of the kernel", True, (),
+                (inst.operands[0], inst.operands[2]) if len(inst.operands) > 2
+                else tuple(inst.operands), "", inst.op_name)
   if target == "__cudnn$blockScaledDot" or not lc:
     # (batch,) m, k x (batch,) n, k: contraction last on both.
     dims = {"batch": math.prod(out.dims[:-2]), "m": out.dims[-2],
@@ -991,8 +1011,12 @@ def describe(comps, layers: list[LayerDims], quantized: bool,
       kernel += " (emulated: wide operands)"
     pre, post = pre_passes(comp, g), post_passes(comp, g)
     folded = g.folded
-    if quantized and role not in ("other", "attention"):
-      # Folded: no kernel after the GEMM applies a scale to its output.
+    if quantized and role not in ("other", "attention") and folded is not True:
+      # Folded: no kernel after the GEMM applies a scale to its output. A
+      # kernel that applies its scales itself (a Triton epilogue, scale
+      # operands of cuDNN or of our FFI kernels) is taken at its word: a
+      # later multiply by a broadcast there is the consumer's (the
+      # attention's 1/sqrt(d), the optimizer's moments).
       folded = not scaled_outside(comps, comp, g)
     out.append({
         "gemm": g.name, "role": role, "kernel": kernel, "op": g.op,
@@ -1048,18 +1072,23 @@ def _jax():
 
 
 @contextlib.contextmanager
-def assumed_backend(name: str | None):
-  """``jax.default_backend()`` answers ``name`` inside (None: unchanged)."""
-  jax = _jax()
-  if name is None:
+def target_dispatch(arch: str | None):
+  """qlayers chooses GEMMs for GPU ``arch`` inside (None: unchanged)."""
+  if arch is None:
     yield
     return
-  saved = jax.default_backend
-  jax.default_backend = lambda: name
-  try:
+  from qlayers import dispatch  # pylint: disable=g-import-not-at-top
+  with dispatch.target_arch(arch):
     yield
-  finally:
-    jax.default_backend = saved
+
+
+def ffi_targets() -> dict:
+  """FFI targets qlayers registered per platform in this process."""
+  try:
+    from qlayers import _native  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return {}
+  return {p: list(_native.loaded(p)) for p in ("cpu", "cuda")}
 
 
 def gpu_device(target: Target, targets_dir: pathlib.Path):
@@ -1232,7 +1261,7 @@ def compile_one(item: dict, device, targets_dir) -> dict:
   t0 = time.perf_counter()
   rec = dict(item)
   try:
-    with assumed_backend("gpu" if item["assume_gpu_dispatch"] else None):
+    with target_dispatch(None if item.get("host_arch") else target.arch):
       if item["program"] == "layer":
         step, args, layers, cts = layer_program(item["recipe"],
                                                 **item["layer"])
@@ -1249,18 +1278,44 @@ def compile_one(item: dict, device, targets_dir) -> dict:
     return rec
   text = compiled.as_text()
   if item.get("hlo_dir"):
-    path = pathlib.Path(item["hlo_dir"]) / (
-        f"{item['target']}_{'triton' if item['triton'] else 'notriton'}_"
-        f"{item['program']}_{item['recipe']}.hlo")
-    path.write_text(text)
+    hlo_path(item).write_text(text)
+  rec.update(status="ok", trace_s=t1 - t0, compile_s=t2 - t1,
+             xla_cost=xla_cost(compiled), ffi_targets=ffi_targets())
+  rec.update(analyse(text, item, layers, cts))
+  return rec
+
+
+def hlo_path(item: dict) -> pathlib.Path:
+  return pathlib.Path(item["hlo_dir"]) / (
+      f"{item['target']}_{'triton' if item['triton'] else 'notriton'}_"
+      f"{item['program']}_{item['recipe']}.hlo")
+
+
+def analyse(text: str, item: dict, layers, cts) -> dict:
+  """GEMM records, kernel summary and roofline of one optimized module."""
   comps = parse_module(text)
   quantized = item["recipe"] not in ("bf16", "fp16")
   gemms = describe(comps, layers, quantized, cts)
-  rec.update(status="ok", trace_s=t1 - t0, compile_s=t2 - t1,
-             gemms=gemms, kernels=summarize_kernels(
-                 [g for g in gemms if g["role"] not in ("other", "attention")]),
-             roofline=roofline(comps, target), xla_cost=xla_cost(compiled))
-  return rec
+  return {"gemms": gemms, "kernels": summarize_kernels(
+              [g for g in gemms if g["role"] not in ("other", "attention")]),
+          "roofline": roofline(comps, TARGETS[item["target"]])}
+
+
+def reparse(records: list[dict], hlo_dir: str) -> list[dict]:
+  """Re-analyses the kept HLO of earlier records with this parser (nothing
+  is compiled; the programs are only rebuilt for their layer shapes)."""
+  out = []
+  for rec in records:
+    rec = dict(rec)
+    if rec.get("status") == "ok":
+      item = dict(rec, hlo_dir=hlo_dir)
+      path = hlo_path(item)
+      if path.is_file():
+        build = layer_program if rec["program"] == "layer" else block_program
+        _, _, layers, cts = build(rec["recipe"], **rec[rec["program"]])
+        rec.update(analyse(path.read_text(), item, layers, cts))
+    out.append(rec)
+  return out
 
 
 # ==========================================================================
@@ -1291,6 +1346,18 @@ def gemm_rows(rec: dict) -> list[tuple]:
   return [(*k, n) for k, n in sorted(rows.items())]
 
 
+def dispatch_label(rec: dict) -> str:
+  """How a record's GEMMs were chosen (older records: the stopgap flag)."""
+  if "assume_gpu_dispatch" in rec:
+    return ("assumed GPU dispatch" if rec["assume_gpu_dispatch"]
+            else "dispatch as traced on the host")
+  if rec.get("host_arch"):
+    return "dispatch for the lowering platform, GPU generation unknown"
+  ffi = rec.get("ffi_targets", {}).get("cuda")
+  return (f"dispatch for {TARGETS[rec['target']].arch}"
+          + (f", FFI: {', '.join(ffi)}" if ffi else ", no FFI library"))
+
+
 def markdown(records: list[dict]) -> str:
   """One GEMM table and one cost table per (target, Triton flag, program)."""
   out = []
@@ -1300,8 +1367,7 @@ def markdown(records: list[dict]) -> str:
   for (tname, triton, program), recs in groups.items():
     target = TARGETS[tname]
     flag = "Triton GEMMs on" if triton else "Triton GEMMs off"
-    dispatch = ("assumed GPU dispatch" if recs[0]["assume_gpu_dispatch"]
-                else "dispatch as traced on the host")
+    dispatch = dispatch_label(recs[0])
     out += [f"### {tname} ({target.arch}), {flag}, {program}, {dispatch}",
             ""]
     out += mdtable.head(["recipe", "GEMM", "b x m x n x k", "kernel",
@@ -1346,6 +1412,61 @@ def markdown(records: list[dict]) -> str:
   return "\n".join(out)
 
 
+def _issue_summary(rec: dict) -> str:
+  """Distinct issues of a record's layer GEMMs with counts ("-": none)."""
+  c = Counter()
+  for g in rec.get("gemms") or []:
+    for issue in g.get("issues", []):
+      c[issue] += 1
+  return "; ".join(f"{i}" + (f" x{n}" if n > 1 else "")
+                   for i, n in sorted(c.items())) or "-"
+
+
+def compare_markdown(runs: list[tuple[str, list[dict]]]) -> str:
+  """Condensed side-by-side tables of several runs (e.g. before/after):
+  per (target, Triton flag, program) and recipe, each run's GEMM kernels,
+  their issues and the model step time against that run's BF16."""
+  keys: dict[tuple, None] = {}
+  index: dict[tuple, dict] = {}
+  for label, recs in runs:
+    for r in recs:
+      key = (r["target"], r["triton"], r["program"])
+      keys.setdefault(key, None)
+      index[(label, *key, r["recipe"])] = r
+  out = []
+  labels = [label for label, _ in runs]
+  for key in keys:
+    tname, triton, program = key
+    out += [f"#### {tname} ({TARGETS[tname].arch}), Triton GEMMs "
+            f"{'on' if triton else 'off'}, {program}", ""]
+    cols = ["recipe"]
+    for label in labels:
+      cols += [f"{label}: GEMM kernels", f"{label}: issues",
+               f"{label}: vs bf16"]
+    out += mdtable.head(cols, "l" + "llr" * len(labels))
+    recipes = dict.fromkeys(rec for (lab, *k, rec) in index
+                            if tuple(k) == key)
+    for recipe in recipes:
+      cells = [recipe]
+      for label in labels:
+        r = index.get((label, *key, recipe))
+        base = index.get((label, *key, "bf16"))
+        if r is None:
+          cells += [None, None, None]
+        elif r["status"] != "ok":
+          cells += ["failed", r.get("error", "").replace("|", "/")[:120],
+                    None]
+        else:
+          ratio = ""
+          if base and base["status"] == "ok":
+            speedup = base["roofline"]["time_us"] / r["roofline"]["time_us"]
+            ratio = f"{speedup:.2f}x"
+          cells += [r["kernels"] or "-", _issue_summary(r), ratio]
+      out.append(mdtable.row(*cells))
+    out.append("")
+  return "\n".join(out)
+
+
 # ==========================================================================
 # Driver: one worker process per (target, Triton flag)
 
@@ -1366,7 +1487,7 @@ def worker(items_path: str) -> None:
 
 
 def run_items(items: list[dict], python: str, timeout: float,
-              log=print) -> list[dict]:
+              log=print, ffi_dir: str = "") -> list[dict]:
   """Runs items in worker processes; a crash fails only the item it hit."""
   done: list[dict] = []
   todo = list(items)
@@ -1375,6 +1496,9 @@ def run_items(items: list[dict], python: str, timeout: float,
     path = tmp / f"qlayers_gpu_compile_{os.getpid()}.json"
     path.write_text(json.dumps(todo))
     env = dict(os.environ, JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1")
+    if ffi_dir:
+      # Register the cuBLASLt kernels although no GPU is attached.
+      env.update(QLAYERS_NATIVE_DIR=ffi_dir, QLAYERS_NATIVE_LOAD_GPU="1")
     proc = subprocess.Popen([python, __file__, "--worker", str(path)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env, cwd=_ROOT)
@@ -1424,7 +1548,7 @@ def _csv(text: str, allowed: Iterable[str], what: str) -> list[str]:
 def _targets_dir() -> str:
   if os.environ.get("QLAYERS_GPU_TARGETS"):
     return os.environ["QLAYERS_GPU_TARGETS"]
-  for base in (_ROOT, _ROOT.parent):
+  for base in (_ROOT, *list(_ROOT.parents)[:2]):
     if (base / "shared" / "gpu-targets").is_dir():
       return str(base / "shared" / "gpu-targets")
   return str(_ROOT / "shared" / "gpu-targets")
@@ -1446,22 +1570,56 @@ def main(argv=None) -> int:
   p.add_argument("--block-d", type=int, default=2048)
   p.add_argument("--block-heads", type=int, default=16)
   p.add_argument("--block-ff", type=int, default=5632)
-  p.add_argument("--assume-gpu-dispatch", action="store_true",
-                 help="jax.default_backend() answers 'gpu' while tracing "
-                 "(stopgap: qlayers dispatches on the host backend)")
+  p.add_argument("--host-arch", action="store_true",
+                 help="do not tell qlayers which GPU it compiles for (the "
+                 "choice when the generation is unknown)")
+  p.add_argument("--ffi-dir", default=str(_ROOT / "build" / "cuda" / "ffi"),
+                 help="folder with libqlayers_cuda.so (and libqlayers_cpu.so)"
+                 ", registered without a device; '' for none (default: "
+                 "build/cuda/ffi from ffi/build_cuda.sh)")
   p.add_argument("--targets-dir", default=_targets_dir(),
                  help="folder with h200.txtpb, b200_approx.txtpb "
-                 "($QLAYERS_GPU_TARGETS; default: shared/gpu-targets in or "
-                 "next to the checkout)")
+                 "($QLAYERS_GPU_TARGETS; default: shared/gpu-targets in the "
+                 "checkout or up to two folders above it)")
   p.add_argument("--json", help="write every record to this file")
   p.add_argument("--markdown", help="write the tables to this file")
   p.add_argument("--hlo-dir", help="keep each optimized HLO here")
   p.add_argument("--timeout", type=float, default=3600,
                  help="seconds per worker process")
+  p.add_argument("--reparse", nargs=2, metavar=("JSON", "HLO_DIR"),
+                 help="re-analyse an earlier run's kept HLO with this parser "
+                 "and rewrite its tables (--json/--markdown; nothing is "
+                 "compiled)")
+  p.add_argument("--compare", nargs="+", metavar="LABEL=JSON",
+                 help="print condensed side-by-side tables of earlier runs' "
+                 "--json files (nothing is compiled)")
   p.add_argument("--worker", help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   if args.worker:
     worker(args.worker)
+    return 0
+  if args.reparse:
+    data = json.loads(pathlib.Path(args.reparse[0]).read_text())
+    data["records"] = reparse(data["records"], args.reparse[1])
+    text = markdown(data["records"])
+    print(text)
+    if args.json:
+      pathlib.Path(args.json).write_text(json.dumps(data, indent=1))
+    if args.markdown:
+      pathlib.Path(args.markdown).write_text(text)
+    return 0
+  if args.compare:
+    runs = []
+    for item in args.compare:
+      label, sep, path = item.partition("=")
+      if not sep:
+        raise SystemExit(f"--compare takes LABEL=JSON, got {item!r}")
+      runs.append((label, json.loads(pathlib.Path(path).read_text())
+                   ["records"]))
+    text = compare_markdown(runs)
+    print(text)
+    if args.markdown:
+      pathlib.Path(args.markdown).write_text(text)
     return 0
   targets = _csv(args.targets, TARGETS, "target")
   tritons = _csv(args.triton, ("on", "off"), "--triton value")
@@ -1480,17 +1638,23 @@ def main(argv=None) -> int:
            "n": args.out_features}
   block = {"batch": args.block_batch, "seq": args.block_seq,
            "d": args.block_d, "heads": args.block_heads, "ff": args.block_ff}
+  ffi_dir = args.ffi_dir
+  if ffi_dir and not (pathlib.Path(ffi_dir) / "libqlayers_cuda.so").is_file():
+    print(f"no libqlayers_cuda.so in {ffi_dir}: FFI GEMMs are not available "
+          "(build them with `bash ffi/build_cuda.sh`)", flush=True)
+    ffi_dir = ""
   records = []
   t0 = time.perf_counter()
   for t in targets:
     for tr in tritons:
       items = [{"target": t, "triton": tr == "on", "program": prog,
                 "recipe": r, "layer": layer, "block": block,
-                "assume_gpu_dispatch": args.assume_gpu_dispatch,
+                "host_arch": args.host_arch,
                 "targets_dir": str(targets_dir), "hlo_dir": args.hlo_dir}
                for prog in programs for r in recipes]
       print(f"{t} Triton {tr}: {len(items)} compiles", flush=True)
-      records += run_items(items, sys.executable, args.timeout)
+      records += run_items(items, sys.executable, args.timeout,
+                           ffi_dir=ffi_dir)
   text = markdown(records)
   print()
   print(text)
@@ -1500,7 +1664,7 @@ def main(argv=None) -> int:
   if args.json:
     pathlib.Path(args.json).write_text(json.dumps(
         {"settings": {"layer": layer, "block": block,
-                      "assume_gpu_dispatch": args.assume_gpu_dispatch,
+                      "host_arch": args.host_arch, "ffi_dir": ffi_dir,
                       "targets": {t: dataclasses.asdict(TARGETS[t])
                                   for t in targets}},
          "records": records}, indent=1))

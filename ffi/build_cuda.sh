@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Build the cuBLASLt target (libqlayers_cuda.so) next to the CPU library.
-# Not part of the default CI; needs nvcc (CUDA >= 12.8 for MX types) and the
+# Not part of the default CI; needs nvcc (CUDA >= 12.8 for MX types; cuBLAS
+# >= 12.9 for the sm_90 row-wise and blockwise kernels) and the
 # cuBLASLt headers + library, found in this order:
 #   1. $QLAYERS_CUBLASLT_ROOT (a dir with include/cublasLt.h and lib/libcublasLt.so*)
+#      (only its cublas*.h headers are used: a wheel's CUDA runtime headers
+#      would shadow those of nvcc, see ffi/CMakeLists.txt)
 #   2. the nvidia-cublas wheel in the Python env (site-packages/nvidia/cu13 or
 #      nvidia/cublas), e.g. from `pip install nvidia-cublas` or jax[cuda13]
 #   3. /usr/local/cuda
@@ -15,8 +18,14 @@ set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 python="${PYTHON:-}"
 if [[ -z "$python" ]]; then
-  if [[ -x "$repo/.venv/bin/python" ]]; then python="$repo/.venv/bin/python"; else python=python3; fi
+  # .venv-gpu (scripts/setup-gpu-compile) has the nvidia-cublas wheel.
+  for cand in "$repo/.venv-gpu/bin/python" "$repo/.venv/bin/python"; do
+    if [[ -x "$cand" ]]; then python="$cand"; break; fi
+  done
+  python="${python:-python3}"
 fi
+# CMake runs from the build folder: give it an absolute interpreter path.
+python="$("$python" -c 'import sys; print(sys.executable)')"
 build="${QLAYERS_BUILD_DIR:-$repo/build/cuda}"
 
 root="${QLAYERS_CUBLASLT_ROOT:-}"
@@ -48,7 +57,7 @@ generator=()
 if command -v ninja >/dev/null 2>&1; then generator=(-G Ninja); fi
 cmake -S "$repo" -B "$build" "${generator[@]}" \
   -DCMAKE_BUILD_TYPE=Release \
-  -DPython_EXECUTABLE="$(command -v "$python")" \
+  -DPython_EXECUTABLE="$python" \
   -DQLAYERS_ENABLE_CUDA=ON \
   -DQLAYERS_CUBLASLT_ROOT="$root" \
   -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHS:-89;90;100}"
@@ -59,7 +68,8 @@ if [[ ! -f "$lib" ]]; then
   exit 1
 fi
 nm -D --defined-only "$lib" | grep -q QlayersGemmMxGpu
-echo "build_cuda.sh: built $lib"
+handlers="$(nm -D --defined-only "$lib" | awk '/ Qlayers/ {print $3}' | tr '\n' ' ')"
+echo "build_cuda.sh: built $lib ($handlers)"
 if [[ "${INSTALL:-0}" == 1 ]]; then
   cmake --install "$build" --prefix "$repo/qlayers" --component qlayers_native
 fi

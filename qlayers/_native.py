@@ -6,6 +6,9 @@ The kernels live in plain shared libraries in the package's folders, or in
 were found at build time. They are loaded with
 ``ctypes`` on first use and each handler symbol is registered with
 ``jax.ffi.register_ffi_target``; no Python extension module is involved.
+A GPU library is loaded only when jax sees devices of its kind, or when
+``$QLAYERS_NATIVE_LOAD_GPU=1`` (compiling for a GPU that is not attached:
+loading needs the BLAS library, not a device).
 
 Every GEMM computes ``OUT = A @ B^T`` with ``A`` of shape ``(M, K)`` and ``B``
 of shape ``(N, K)`` (both contraction-last, the "TN" layout), FP32
@@ -57,7 +60,10 @@ __all__ = [
   "gemm_fp8_tensor",
   "gemm_mx",
   "gemm_blockwise",
+  "gemm_fp8_rowwise",
   "MX_FORMATS",
+  "NATIVE_GRANULARITIES",
+  "loaded",
   "supports",
   "gemm",
 ]
@@ -71,6 +77,12 @@ _CPU_HANDLERS = {
 _GPU_HANDLERS = {
   "qlayers_gemm_fp8_tensor": "QlayersGemmFp8TensorGpu",
   "qlayers_gemm_mx": "QlayersGemmMxGpu",
+}
+# Registered when the library has them: the cuBLASLt >= 12.9 (sm_90) scale
+# modes OUTER_VEC_32F (row-wise) and VEC128_32F / BLK128x128_32F (blockwise).
+_OPTIONAL_GPU_HANDLERS = {
+  "qlayers_gemm_fp8_rowwise": "QlayersGemmFp8RowwiseGpu",
+  "qlayers_gemm_blockwise": "QlayersGemmBlockwiseGpu",
 }
 # backend -> (library file, XLA platform name, handlers, info symbol)
 _LIBRARIES = {
@@ -125,21 +137,28 @@ def _load_one(backend: str) -> dict[str, Any]:
   path = _find(filename)
   if path is None:
     return {"loaded": False, "path": None, "reason": f"{filename} not found"}
-  if backend != "cpu" and not _has_devices(backend):
+  if (backend != "cpu" and not _has_devices(backend)
+      and os.environ.get("QLAYERS_NATIVE_LOAD_GPU") != "1"):
     # Do not pull cuBLASLt/hipBLASLt into a process that cannot use them.
     return {"loaded": False, "path": str(path),
             "reason": f"jax sees no {backend} devices"}
+  targets = []
   try:
     lib = ctypes.CDLL(str(path))
-    for target, symbol in handlers.items():
+    optional = _OPTIONAL_GPU_HANDLERS if backend != "cpu" else {}
+    for target, symbol in {**handlers, **optional}.items():
+      if target in optional and not hasattr(lib, symbol):
+        continue
       capsule = jax.ffi.pycapsule(getattr(lib, symbol))
       jax.ffi.register_ffi_target(target, capsule, platform=platform)
+      targets.append(target)
     info_fn = getattr(lib, info_symbol)
     info_fn.restype = ctypes.c_char_p
     info_fn()
   except (OSError, AttributeError, RuntimeError, ValueError) as e:
     return {"loaded": False, "path": str(path), "reason": f"{type(e).__name__}: {e}"}
-  return {"loaded": True, "path": str(path), "reason": "", "info_fn": info_fn, "lib": lib}
+  return {"loaded": True, "path": str(path), "reason": "", "info_fn": info_fn, "lib": lib,
+          "targets": tuple(targets)}
 
 
 def _load() -> dict[str, Any]:
@@ -153,6 +172,13 @@ def _load() -> dict[str, Any]:
 def available() -> bool:
   """Whether the native CPU kernels are built and registered with XLA."""
   return _load()["cpu"]["loaded"]
+
+
+def loaded(platform: str) -> tuple[str, ...]:
+  """FFI targets registered for ``platform`` (``cpu``, ``cuda``, ``rocm``);
+  empty when its library is not loaded."""
+  entry = _load().get(platform)
+  return entry.get("targets", ()) if entry and entry["loaded"] else ()
 
 
 def unavailable_reason() -> str:
@@ -271,6 +297,25 @@ def gemm_mx(
   )
 
 
+def gemm_fp8_rowwise(a, a_scales, b, b_scales, *, out_dtype=jnp.float32) -> jax.Array:
+  """Row-wise scaled fp8 GEMM (GPU only: cuBLASLt ``OUTER_VEC_32F``, sm_90):
+  ``(decode(a) @ decode(b).T) * a_scales[:, None] * b_scales[None, :]``.
+
+  Args:
+    a: ``(M, K)`` fp8 (e4m3/e5m2; not both e5m2).
+    a_scales: f32 ``(M,)``, one dequantization factor per row of ``a``.
+    b: ``(N, K)`` fp8.
+    b_scales: f32 ``(N,)``.
+    out_dtype: ``float32`` or ``bfloat16``.
+
+  Returns:
+    ``(M, N)`` array of ``out_dtype``.
+  """
+  out = jax.ShapeDtypeStruct((_rows(a, "a"), _rows(b, "b")), _out_dtype(out_dtype))
+  return _call("qlayers_gemm_fp8_rowwise", out, a, jnp.reshape(_scale(a_scales), (-1,)),
+               b, jnp.reshape(_scale(b_scales), (-1,)))
+
+
 def gemm_blockwise(
   a, a_scales, b, b_scales, *, a_rows_per_scale: int = 1,
   b_rows_per_scale: int = 128, out_dtype=jnp.float32,
@@ -307,16 +352,38 @@ def gemm_blockwise(
 
 _BLOCKWISE = {(1, 128): 1, (128, 128): 128}
 _FP8_FORMATS = ("e4m3", "e5m2", "e4m3fnuz", "e5m2fnuz")
+# Granularities some native kernel takes (on some platform).
+NATIVE_GRANULARITIES = ("tensor", "row", "tile", "block", "mx")
+# What each GPU library's handlers accept beyond the CPU's contract, and the
+# shapes they need (ffi/gpu/blaslt_gemm.cu): M and N multiples of 16, K a
+# multiple of 16 (fp8), 32 (MX on CUDA) or 128 (MX on ROCm, blockwise).
+_GPU_MX_FORMATS = ("e4m3", "e5m2")
+_GPU_K_MULTIPLE = {("cuda", "tensor"): 16, ("cuda", "row"): 16,
+                   ("cuda", "mx"): 32, ("cuda", "blockwise"): 128,
+                   ("rocm", "tensor"): 16, ("rocm", "mx"): 128}
+# cuBLASLt's sm_90 block-scaling pairs (Fprop/Dgrad: tiles x blocks; Wgrad:
+# tiles x tiles; also blocks x tiles), not blocks x blocks: the pairs PyTorch's
+# _scaled_mm sends to cuBLASLt (aten/src/ATen/native/cuda/ScaledBlas.cpp),
+# which also restricts them to sm_90 and cuBLAS >= 12.9.
+_GPU_BLOCK_PAIRS = {((1, 128), (128, 128)), ((128, 128), (1, 128)),
+                    ((1, 128), (1, 128))}
 
 
-def supports(a, b) -> tuple[bool, str]:
-  """Whether :func:`gemm` can multiply these two quantized operands.
+def _sm(arch) -> int:
+  return int(arch[3:]) if arch and str(arch).startswith("sm_") else 0
+
+
+def supports(a, b, platform: str | None = "cpu", arch: str | None = None) -> tuple[bool, str]:
+  """Whether :func:`gemm` can multiply these two quantized operands there.
 
   Returns ``(ok, reason)``. The kernels take 2-D operands quantized along
   their last axis (``A (M, K)``, ``B (N, K)``) with matching granularities:
-  tensor x tensor (fp8), mx x mx, or tile/block x tile/block (128-wide).
+  tensor x tensor (fp8), mx x mx, or tile/block x tile/block (128-wide) on
+  CPU; on ``cuda``/``rocm`` (``arch``: ``sm_90``, ``gfx950``, ... or None
+  when unknown) what that GPU library registered and its kernels run there.
+  ``platform=None`` checks only the operands (any platform).
   """
-  if not available():
+  if platform == "cpu" and not available():
     return False, unavailable_reason()
   for name, q in (("a", a), ("b", b)):
     if len(q.shape) != 2:
@@ -326,35 +393,94 @@ def supports(a, b) -> tuple[bool, str]:
                      "kernels need contraction-last (TN) operands")
   ga, gb = a.granularity, b.granularity
   if ga == gb == "tensor":
-    if a.format in _FP8_FORMATS and b.format in _FP8_FORMATS:
-      return True, "per-tensor fp8 kernel"
-    return False, f"per-tensor {a.format} x {b.format} is not an fp8 pair"
-  if ga == gb == "mx":
+    kind, target = "tensor", "qlayers_gemm_fp8_tensor"
+    if a.format not in _FP8_FORMATS or b.format not in _FP8_FORMATS:
+      return False, f"per-tensor {a.format} x {b.format} is not an fp8 pair"
+    what = "per-tensor fp8 kernel"
+  elif ga == gb == "row":
+    kind, target = "row", "qlayers_gemm_fp8_rowwise"
+    if a.format not in _FP8_FORMATS or b.format not in _FP8_FORMATS:
+      return False, f"row-wise {a.format} x {b.format} is not an fp8 pair"
+    what = "row-wise fp8 kernel"
+  elif ga == gb == "mx":
+    kind, target = "mx", "qlayers_gemm_mx"
     if a.block != (1, 32) or b.block != (1, 32):
       return False, f"MX blocks {a.block} x {b.block}; the kernels use (1, 32)"
-    return True, "MX kernel"
-  if ga in ("tile", "block") and gb in ("tile", "block"):
+    what = "MX kernel"
+  elif ga in ("tile", "block") and gb in ("tile", "block"):
+    kind, target = "blockwise", "qlayers_gemm_blockwise"
     if a.format not in _FP8_FORMATS or b.format not in _FP8_FORMATS:
       return False, f"blockwise {a.format} x {b.format} is not an fp8 pair"
     if a.block not in _BLOCKWISE or b.block not in _BLOCKWISE:
       return False, f"blocks {a.block} x {b.block}; the kernels use 1x128 / 128x128"
-    return True, "blockwise fp8 kernel"
-  return False, f"no native kernel for {ga} x {gb} operands"
+    what = "blockwise fp8 kernel"
+  else:
+    return False, f"no native kernel for {ga} x {gb} operands"
+  if platform is None:
+    return True, what
+  if platform not in _LIBRARIES:
+    return False, f"no native library for platform {platform!r}"
+  if target not in loaded(platform):
+    entry = _load()[platform]
+    why = entry["reason"] or f"it has no {target} handler"
+    return False, f"{_LIBRARIES[platform][0]} not loaded for {platform} ({why})"
+  if platform == "cpu":
+    return True, what
+  return _gpu_supports(a, b, platform, arch, kind, what)
 
 
-def gemm(a, b, *, out_dtype) -> jax.Array:
+def _gpu_supports(a, b, platform, arch, kind, what) -> tuple[bool, str]:
+  """The GPU kernels' own limits (architecture, formats, shapes)."""
+  where = f"{platform} {arch or '(unknown architecture)'}"
+  if platform == "cuda" and any(f.endswith("fnuz") for f in (a.format, b.format)):
+    return False, "CUDA has no FNUZ fp8 types"
+  if {a.format, b.format} <= {"e5m2", "e5m2fnuz"}:
+    return False, "e5m2 x e5m2 has no fp8 BLAS kernel"
+  if kind == "mx":
+    if a.format not in _GPU_MX_FORMATS or b.format not in _GPU_MX_FORMATS:
+      return False, (f"the {platform} MX kernel takes e4m3/e5m2 payloads, "
+                     f"got {a.format} x {b.format}")
+    need = "sm_100+" if platform == "cuda" else "gfx950"
+    if not (_sm(arch) >= 100 if platform == "cuda" else arch == "gfx950"):
+      return False, f"MX needs {need}, not {where}"
+  if kind in ("row", "blockwise"):
+    if platform != "cuda" or not 90 <= _sm(arch) < 100:
+      return False, f"the {kind} scale modes of cuBLASLt are sm_90 only, not {where}"
+    if kind == "blockwise":
+      if (a.block, b.block) not in _GPU_BLOCK_PAIRS:
+        return False, f"cuBLASLt has no {a.block} x {b.block} block-scaled pair"
+      if a.format != "e4m3" or b.format != "e4m3":
+        return False, f"cuBLASLt block scaling takes e4m3 x e4m3, got {a.format} x {b.format}"
+  k_multiple = _GPU_K_MULTIPLE.get((platform, kind))
+  if k_multiple is None:
+    return False, f"no {kind} kernel on {platform}"
+  m, k = a.payload.shape[0], a.payload.shape[-1]
+  n = b.payload.shape[0]
+  if kind == "mx" or a.fmt.packed:
+    k = a.scale.shape[-1] * 32
+  if m % 16 or n % 16 or k % k_multiple:
+    return False, (f"the {platform} kernels need M and N multiples of 16 and K a "
+                   f"multiple of {k_multiple}; got M={m}, N={n}, K={k}")
+  return True, what
+
+
+def gemm(a, b, *, out_dtype, platform: str | None = None, arch: str | None = None) -> jax.Array:
   """``dequantize(a) @ dequantize(b).T`` for two supported QTensors.
 
   ``a`` is ``(M, K)`` and ``b`` is ``(N, K)``, both quantized along K; the
-  result is ``(M, N)`` in ``out_dtype`` (padding rows are cropped).
+  result is ``(M, N)`` in ``out_dtype`` (padding rows are cropped). The
+  operands are checked for ``platform`` (see :func:`supports`; None: the
+  contract only, for a call whose platform is decided at lowering).
   """
-  ok, why = supports(a, b)
+  ok, why = supports(a, b, platform=platform, arch=arch)
   if not ok:
     raise ValueError(f"native gemm cannot run these operands: {why}")
   dt = jnp.dtype(out_dtype)
   wide = dt if dt in _WIDE_OUTPUTS else jnp.dtype(jnp.float32)
   if a.granularity == "tensor":
     out = gemm_fp8_tensor(a.payload, a.scale, b.payload, b.scale, out_dtype=wide)
+  elif a.granularity == "row":
+    out = gemm_fp8_rowwise(a.payload, a.scale, b.payload, b.scale, out_dtype=wide)
   elif a.granularity == "mx":
     out = gemm_mx(a.payload, a.scale, b.payload, b.scale, a_format=a.format,
                   b_format=b.format, out_dtype=wide)

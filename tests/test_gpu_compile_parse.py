@@ -149,6 +149,21 @@ ENTRY %main.5 (x.1: f8e4m3fn[512,256], g.1: f8e5m2[512,128], s.1: f32[]) -> f32[
 """
 
 
+# qlayers' blockwise FFI GEMM on the cuBLASLt path: TN payloads, FP32 scale
+# grids as operands, BF16 written by the kernel itself.
+FFI_BLOCKWISE = """
+HloModule jit_step, is_scheduled=true
+
+ENTRY %main.6 (a.1: f8e4m3fn[256,512], sa.1: f32[256,4], b.1: f8e4m3fn[128,512], sb.1: f32[1,4]) -> bf16[256,128] {
+  %a.1 = f8e4m3fn[256,512]{1,0} parameter(0)
+  %sa.1 = f32[256,4]{1,0} parameter(1)
+  %b.1 = f8e4m3fn[128,512]{1,0} parameter(2)
+  %sb.1 = f32[1,4]{1,0} parameter(3)
+  ROOT %custom-call.1 = bf16[256,128]{1,0} custom-call(%a.1, %sa.1, %b.1, %sb.1), custom_call_target="qlayers_gemm_blockwise", api_version=API_VERSION_TYPED_FFI, metadata={op_name="jit(step)/ffi_call"}, backend_config={a_rows_per_scale = 1 : i64, b_rows_per_scale = 128 : i64}
+}
+"""
+
+
 def only_gemm(text):
   gemms = gc.find_gemms(gc.parse_module(text))
   assert len(gemms) == 1
@@ -229,6 +244,19 @@ def test_scaled_dot_and_cudnn_block_scaled():
   assert (c.a, c.b, c.out) == ("f8e4m3fn", "f8e4m3fn", "bf16")
   assert c.dims == {"batch": 1, "m": 256, "n": 128, "k": 512}
   assert c.folded is True
+
+
+def test_qlayers_ffi_gemm_is_a_native_fp8_kernel_with_its_scales():
+  comp, g = only_gemm(FFI_BLOCKWISE)
+  assert g.kernel == "qlayers FFI FP8 blockwise"
+  assert (g.a, g.b, g.out) == ("f8e4m3fn", "f8e4m3fn", "bf16")
+  assert g.dims == {"batch": 1, "m": 256, "n": 128, "k": 512}
+  assert g.folded is True and g.operands == ("a.1", "b.1")
+  assert gc.gemm_peak(g, gc.TARGETS["h200"]) == (1979.0, "fp8")
+  assert gc.pre_passes(comp, g) == [] and gc.post_passes(comp, g) == []
+  rec = gc.describe(gc.parse_module(FFI_BLOCKWISE),
+                    [gc.LayerDims("dense", 256, 512, 128)], True)[0]
+  assert rec["role"] == "dense Fprop" and gc.issues(rec) == []
 
 
 def test_split_k_wgrad_attribution_and_reduce_pass():
@@ -329,7 +357,7 @@ def test_first_line_picks_the_compiler_error():
 
 def test_markdown_reports_failures_and_ratios():
   ok = {"target": "h200", "triton": False, "program": "layer",
-        "recipe": "bf16", "assume_gpu_dispatch": False, "status": "ok",
+        "recipe": "bf16", "host_arch": False, "status": "ok",
         "compile_s": 1.0, "kernels": "3 cuBLASLt",
         "gemms": [], "roofline": {"kernels": 3, "gemm_flops": 1e9,
                                   "bytes": 2**20, "time_us": 10.0,
@@ -343,6 +371,19 @@ def test_markdown_reports_failures_and_ratios():
   assert "| mxfp8 | failed |" in text
   assert "Unsupported instruction opcode: scaled-dot" in text
   assert "| 2.00x |" in text
+
+
+def test_dispatch_label_names_the_target_and_the_ffi_library():
+  rec = {"target": "h200", "host_arch": False,
+         "ffi_targets": {"cuda": ["qlayers_gemm_blockwise"]}}
+  assert gc.dispatch_label(rec) == ("dispatch for sm_90, FFI: "
+                                    "qlayers_gemm_blockwise")
+  assert gc.dispatch_label(dict(rec, ffi_targets={})) == (
+      "dispatch for sm_90, no FFI library")
+  assert "unknown" in gc.dispatch_label(dict(rec, host_arch=True))
+  # Records of the earlier stopgap flag keep their label.
+  assert gc.dispatch_label({"assume_gpu_dispatch": True}) == \
+      "assumed GPU dispatch"
 
 
 def test_scaled_outside_sees_a_scale_multiply_after_the_gemm():
@@ -413,3 +454,53 @@ def test_entry_param_cone_follows_one_output_of_a_multi_output_fusion():
   assert gc.entry_param_cone(comps, top, "gte.0") == {"kernel.1"}
   assert gc.entry_param_cone(comps, top, "fusion.1") == {"ct.1", "kernel.1"}
   assert gc.param_by_op_name(top, "kernel") == "kernel.1"
+
+
+def test_gpu_check_counts_fp8_by_what_the_mma_reads():
+  """benchmarks/gpu.py classifies measured GEMMs with this parser: a Triton
+  fusion on FP8 payloads is FP8, one converting them to BF16 is not."""
+  import gpu  # pylint: disable=g-import-not-at-top
+  cls = gpu.classify(TRITON_F8)
+  assert cls["gemms"] == {"Triton [f8e4m3fn x f8e5m2 -> bf16]": 1}
+  assert cls["fp8_gemms"] == 1 and cls["model_us"] > 0
+  converted = TRITON_F8.replace(
+      "%dot.0 = f32[256,128]{1,0} dot(%parameter_0, %parameter_1)",
+      "%cv.a = bf16[256,512]{1,0} convert(%parameter_0)\n"
+      "  %cv.b = bf16[512,128]{1,0} convert(%parameter_1)\n"
+      "  %dot.0 = f32[256,128]{1,0} dot(%cv.a, %cv.b)")
+  assert gpu.classify(converted)["fp8_gemms"] == 0
+  assert gpu.classify(FFI_BLOCKWISE)["fp8_gemms"] == 1
+  assert gpu.classify(CUDNN_MX)["fp8_gemms"] == 1
+
+
+def test_compare_puts_runs_side_by_side():
+  gemm = {"role": "dense Fprop", "issues": ["emulated", "writes f32"]}
+  def rec(recipe, time_us, kernels, gemms=(), status="ok"):
+    return {"target": "h200", "triton": True, "program": "layer",
+            "recipe": recipe, "status": status, "kernels": kernels,
+            "gemms": list(gemms), "error": "INTERNAL: boom",
+            "roofline": {"time_us": time_us}}
+  before = [rec("bf16", 10.0, "3 Triton"),
+            rec("mxfp8", 20.0, "3 Triton (emulated: wide operands)",
+                [gemm, gemm])]
+  after = [rec("bf16", 10.0, "3 Triton"),
+           rec("mxfp8", 5.0, "3 cuDNN block-scaled", status="failed")]
+  text = gc.compare_markdown([("before", before), ("after", after)])
+  assert "#### h200 (sm_90), Triton GEMMs on, layer" in text
+  assert ("| mxfp8 | 3 Triton (emulated: wide operands) | emulated x2; "
+          "writes f32 x2 | 0.50x | failed | INTERNAL: boom | |") in text
+  assert "| bf16 | 3 Triton | - | 1.00x | 3 Triton | - | 1.00x |" in text
+
+
+def test_reparse_reads_kept_hlo_with_the_current_parser(tmp_path):
+  rec = {"target": "h200", "triton": True, "program": "layer",
+         "recipe": "deepseek_v3", "status": "ok",
+         "layer": {"tokens": 256, "k": 512, "n": 128},
+         "gemms": [], "kernels": "stale"}
+  (tmp_path / "h200_triton_layer_deepseek_v3.hlo").write_text(FFI_BLOCKWISE)
+  missing = dict(rec, recipe="mxfp8")  # no HLO kept: left as it was
+  out = gc.reparse([rec, missing], str(tmp_path))
+  assert out[0]["kernels"] == "1 qlayers FFI FP8 blockwise"
+  assert out[0]["gemms"][0]["role"] == "dense Fprop"
+  assert out[0]["roofline"]["gemm_flops"] == 2.0 * 256 * 128 * 512
+  assert out[1] == missing

@@ -46,6 +46,9 @@ inline constexpr bool kSwizzleMxScales = false;
 inline constexpr int64_t kMxKMultiple = 128;
 }  // namespace qlayers::gpu
 
+// hipBLASLt has no counterpart of cuBLASLt's sm_90 row/block scale modes here.
+#define QLAYERS_HAVE_LT_BLOCK_SCALING 0
+
 #else  // CUDA
 
 #include <cublasLt.h>
@@ -76,6 +79,14 @@ inline std::optional<DataType> Fp8Type(Elem e) {
 inline constexpr bool kSwizzleMxScales = true;
 inline constexpr int64_t kMxKMultiple = 32;
 }  // namespace qlayers::gpu
+
+// OUTER_VEC_32F, VEC128_32F and BLK128x128_32F (Hopper row-wise and
+// DeepSeek-style block scaling) arrived in cuBLAS 12.9.
+#if defined(CUBLAS_VERSION) && CUBLAS_VERSION >= 120900
+#define QLAYERS_HAVE_LT_BLOCK_SCALING 1
+#else
+#define QLAYERS_HAVE_LT_BLOCK_SCALING 0
+#endif
 
 #endif
 
