@@ -80,8 +80,13 @@ class Monitor:
     ``args``); returns its scalars, or None when not due."""
     if not self.due(step):
       return None
-    self.last = collect(model, self.loss_fn, *args, **kwargs)
-    scalars = self.last.scalars(self.layers)
+    return self.add(step, collect(model, self.loss_fn, *args, **kwargs))
+
+  def add(self, step: int, report: Report) -> dict[str, float]:
+    """Records ``report`` (from `collect`) as step ``step``, due or not;
+    returns its scalars."""
+    self.last = report
+    scalars = report.scalars(self.layers)
     self.records.append({"step": step, **scalars})
     if self.callback is not None:
       self.callback(step, scalars)

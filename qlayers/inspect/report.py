@@ -225,8 +225,8 @@ class Report:
       raise ValueError("Nothing to plot: the report has no rows"
                        + (f" matching {layers!r}." if layers else "."))
     pos = {p: i for i, p in enumerate(paths)}
-    fig, axes = plt.subplots(4, 1, figsize=(max(6.0, 0.45 * len(paths) + 2),
-                                            11), sharex=True)
+    width = min(40.0, max(6.0, 0.3 * len(paths) + 2))
+    fig, axes = plt.subplots(4, 1, figsize=(width, 11), sharex=True)
     markers = {"x": "o", "w": "s", "g": "^", "fprop": "o", "dgrad": "v",
                "wgrad": "D"}
     panels = (("operand SQNR (dB)", "sqnr_db"), (None, None),
@@ -253,8 +253,9 @@ class Report:
       ax.grid(alpha=0.3)
       if ax.has_data():
         ax.legend(fontsize=8, loc="best")
-    axes[-1].set_xticks(range(len(paths)))
-    axes[-1].set_xticklabels(paths, rotation=90, fontsize=7)
+    every = -(-len(paths) // 120)  # at most 120 labels
+    axes[-1].set_xticks(range(0, len(paths), every))
+    axes[-1].set_xticklabels(paths[::every], rotation=90, fontsize=7)
     fig.suptitle(title or f"qlayers.inspect (loss {self.loss:.4g})")
     fig.tight_layout()
     path = pathlib.Path(path)
