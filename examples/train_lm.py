@@ -65,6 +65,7 @@ from _common import cli, gpt, lm, shakespeare, sharding, training
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 BASELINE_NAMES = {"bfloat16": "bf16", "float32": "fp32"}
+WIDE = "+wide"  # suffix of a run that keeps the --keep-wide layers wide
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +98,10 @@ class Config:
     mesh: shard over a device mesh, ``AXIS=SIZE,...`` with axes ``data``,
       ``fsdp``, ``model`` (sizes multiplying to the device count); empty:
       one device.
+    keep_wide: a regex of module paths (``re.search``) that every recipe run
+      keeps unquantized besides the embedding and the head (e.g. a
+      ``qlayers.inspect.sensitivity`` proposal); those runs are named
+      ``RECIPE+wide`` and held to ``RECIPE``'s tolerance.
   """
 
   recipes: tuple[str, ...] = ("fp8_delayed",)
@@ -127,6 +132,7 @@ class Config:
   progress: bool = True
   merge: tuple[str, ...] = ()
   mesh: str = ""
+  keep_wide: str | None = None
 
   @property
   def baseline(self) -> str:
@@ -135,13 +141,18 @@ class Config:
   def tolerance_for(self, recipe: str) -> float:
     """The parity tolerance (%) of ``recipe``: `tolerances`, else
     `tolerance`."""
-    return parse_tolerances(self.tolerances).get(recipe, self.tolerance)
+    own = parse_tolerances(self.tolerances)
+    return own.get(recipe, own.get(recipe.removesuffix(WIDE),
+                                   self.tolerance))
 
   @property
   def runs(self) -> tuple[str, ...]:
-    """The baseline first, then the recipes (the baseline only once)."""
-    return (self.baseline,) + tuple(r for r in self.recipes
-                                    if r != self.baseline)
+    """The baseline first, then the recipes (the baseline only once),
+    named ``RECIPE+wide`` under ``keep_wide``."""
+    wide = WIDE if self.keep_wide else ""
+    return (self.baseline,) + tuple(
+        r if r.endswith(WIDE) else r + wide for r in self.recipes
+        if r != self.baseline)
 
 
 def parse_tolerances(items) -> dict[str, float]:
@@ -216,7 +227,15 @@ def build_model(cfg: Config, run: str, seed: int):
   model = gpt.GPT(gpt_config(cfg), rngs=nnx.Rngs(seed))
   if run == cfg.baseline:
     return model, None
-  return model, qlayers.quantize(model, run)
+  if not run.endswith(WIDE):
+    return model, qlayers.quantize(model, run)
+  if not cfg.keep_wide:
+    raise ValueError(f"run {run!r} needs --keep-wide (the layers it keeps "
+                     "wide)")
+  rules = (qlayers.Rule(pattern=cfg.keep_wide, recipe=None),
+           *qlayers.convert.DEFAULT_RULES)
+  return model, qlayers.quantize(model, run.removesuffix(WIDE), rules,
+                                 strict=True)
 
 
 def make_tx(cfg: Config) -> optax.GradientTransformation:
@@ -519,9 +538,10 @@ def environment() -> dict[str, str]:
 
 # Config fields that do not change what a run computes; every other field
 # must agree between the files that `merge_runs` combines.
+# (``keep_wide`` only changes runs whose names say so: ``RECIPE+wide``.)
 _NOT_TRAINING = ("recipes", "seeds", "prompt", "sample_tokens", "temperature",
                  "tolerance", "tolerances", "out", "json", "progress",
-                 "merge", "mesh")
+                 "merge", "mesh", "keep_wide")
 
 
 def merge_runs(cfg: Config) -> tuple[Config, dict[str, Any],
@@ -580,6 +600,7 @@ def merge_runs(cfg: Config) -> tuple[Config, dict[str, Any],
               f"(val {run.final_val:.6f})")
     sources.append({"path": str(path), "environment": data.get("environment"),
                     "total_s": data.get("total_s"),
+                    "keep_wide": file_cfg.get("keep_wide"),
                     "runs": [[r.recipe, r.seed] for r in file_runs],
                     "reproduced": reproduced, "differing": differing})
 

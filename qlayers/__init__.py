@@ -9,7 +9,8 @@ moments, norms, softmax and the loss stay wide.
 The numerics are reachable as `qlayers.formats` (element formats),
 `qlayers.scaling` (scale rules, `QTensor`) and `qlayers.ops` (the quantized
 GEMM and its ``dot_general`` form); the optimizer pieces as `qlayers.optim`;
-checkpoints as `qlayers.checkpoint`.
+checkpoints as `qlayers.checkpoint`; numerics diagnostics per layer (which
+layers suffer under a recipe, and why) as `qlayers.inspect`.
 """
 
 from qlayers import checkpoint
@@ -37,6 +38,8 @@ from qlayers.recipe import recipe
 from qlayers.remat import remat_policy
 from qlayers.state import QuantGradState
 from qlayers.state import QuantVariable
+# Last: it builds on the layers, conversion and ops above.
+from qlayers import inspect  # pylint: disable=g-bad-import-order
 
 __version__ = "0.2.0"
 
@@ -56,5 +59,5 @@ __all__ = [
     # Where the GEMMs run.
     "backends",
     # Submodules.
-    "checkpoint", "formats", "scaling", "ops",
+    "checkpoint", "formats", "scaling", "ops", "inspect",
 ]

@@ -446,7 +446,7 @@ def quantized_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
                           state: dict[str, ScaleState] | None = None, *,
                           preferred_element_type=None,
                           key: jax.Array | None = None,
-                          backend: str | None = None):
+                          backend: str | None = None, matmul=None):
   """`lax.dot_general` of ``lhs`` and ``rhs``, quantized by ``recipe``.
 
   Any dimension numbers lower to the 2-D op: ``lhs``'s free dims then its
@@ -456,10 +456,13 @@ def quantized_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
   each batch entry (each entry its own GEMM with its own scales), which a
   delayed recipe's single state cannot do, so it refuses them.
 
+  ``matmul`` replaces `quantized_matmul` as the 2-D op (same signature).
+
   Returns:
     ``(out, new_state)`` as `quantized_matmul`.
   """
   recipe = load_recipe(recipe)
+  matmul = matmul or quantized_matmul
   (lc, rc), (lb, rb) = dimension_numbers
   lc, rc, lb, rb = map(tuple, (lc, rc, lb, rb))
   if len(lc) != len(rc) or len(lb) != len(rb):
@@ -490,7 +493,8 @@ def quantized_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
     def one(a, b):
       return quantized_dot_general(a, b, inner, recipe,
                                    preferred_element_type=out_dtype,
-                                   key=key, backend=backend)[0]
+                                   key=key, backend=backend,
+                                   matmul=matmul)[0]
     with sharding.unpartitioned():
       return jax.vmap(one, in_axes=(lb[0], rb[0]))(lhs, rhs), state
   lfree = [d for d in range(lhs.ndim) if d not in lc]
@@ -502,8 +506,8 @@ def quantized_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
   a = _permute(lhs, lfree + list(lc))
   a = a.reshape(*(lhs.shape[d] for d in lfree), k)
   b = _permute(rhs, list(rc) + rfree).reshape(k, -1)
-  y, new_state = quantized_matmul(a, b, recipe, state, key=key,
-                                  out_dtype=out_dtype, backend=backend)
+  y, new_state = matmul(a, b, recipe, state, key=key, out_dtype=out_dtype,
+                        backend=backend)
   return y.reshape(*y.shape[:-1], *(rhs.shape[d] for d in rfree)), new_state
 
 

@@ -26,6 +26,7 @@ amax it records is the whole tensor's (see `qlayers.sharding`).
 
 from __future__ import annotations
 
+import functools
 from typing import Iterator
 
 import jax
@@ -39,6 +40,19 @@ from qlayers.scaling import ScaleState
 from qlayers.state import QuantGradState, QuantState
 
 __all__ = ["QuantGemm", "QuantLayer", "gemms", "update_scales"]
+
+# While `qlayers.inspect` traces a model it records, it sets this to a
+# function that runs (and measures) each GEMM in place of
+# `ops.quantized_matmul`; otherwise it is None, and a model traces exactly as
+# if it did not exist.
+_tap = None
+
+
+def _matmul(gemm, x, w, recipe, state, **kwargs):
+  """`ops.quantized_matmul` for ``gemm``, or the inspection tap if one is set."""
+  if _tap is None:
+    return ops.quantized_matmul(x, w, recipe, state, **kwargs)
+  return _tap(gemm, x, w, recipe, state, **kwargs)
 
 
 class QuantGemm(nnx.Module):
@@ -141,9 +155,8 @@ class QuantGemm(nnx.Module):
     output has ``out_dtype`` (see `ops.quantized_matmul` for the default)
     and, when given, the sharding ``out_sharding``.
     """
-    y, new_state = ops.quantized_matmul(x, w, self.recipe, self.read(),
-                                        out_dtype=out_dtype,
-                                        backend=self.backend)
+    y, new_state = _matmul(self, x, w, self.recipe, self.read(),
+                           out_dtype=out_dtype, backend=self.backend)
     self.write(new_state)
     return _finish(y, bias, out_sharding)
 
@@ -157,7 +170,8 @@ class QuantGemm(nnx.Module):
     del precision
     y, new_state = ops.quantized_dot_general(
         lhs, rhs, dimension_numbers, self.recipe, self.read(),
-        preferred_element_type=preferred_element_type, backend=self.backend)
+        preferred_element_type=preferred_element_type, backend=self.backend,
+        matmul=functools.partial(_matmul, self))
     self.write(new_state)
     return _finish(y, None, out_sharding)
 

@@ -1,0 +1,63 @@
+"""Routing a model's GEMMs through an inspection function while it traces.
+
+`QuantGemm` runs its GEMM through ``qlayers.layers.core._matmul``, which
+calls ``core._tap`` instead of `ops.quantized_matmul` when one is set.
+`tapping` sets it for the duration of a trace only, so nothing changes for
+a model that is not being inspected. `label` names every `QuantGemm` of a
+model (built inside that trace) by its layer's path, as a static attribute:
+NNX carries it through its own transforms (``nnx.remat``, ``nnx.scan``), so
+the tap knows which layer it runs for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from flax import nnx
+
+from qlayers.layers import core
+
+_ATTR = "_inspect_path"
+
+
+def layer_path(path: tuple) -> str:
+  """The module path of the layer owning a `QuantGemm` at ``path`` (its
+  attribute, ``quant`` or ``dot_general``, dropped), joined by ``/``."""
+  parts = [str(p) for p in path[:-1]] if path else []
+  return "/".join(parts) or "(model)"
+
+
+def gemm_paths(model: nnx.Module) -> dict[str, core.QuantGemm]:
+  """``{layer path: QuantGemm}`` of ``model`` (each shared one once)."""
+  return {layer_path(p): g for p, g in core.gemms(model)}
+
+
+def label(model: nnx.Module) -> list[str]:
+  """Names each `QuantGemm` of ``model`` by its layer path; returns them.
+
+  Only for a model merged inside the trace being inspected: the label is a
+  static attribute, so on the caller's model it would change its graph.
+  """
+  paths = gemm_paths(model)
+  for path, gemm in paths.items():
+    setattr(gemm, _ATTR, path)
+  return list(paths)
+
+
+def path_of(gemm) -> str | None:
+  """The label `label` gave ``gemm`` (None: not labelled)."""
+  return getattr(gemm, _ATTR, None)
+
+
+@contextlib.contextmanager
+def tapping(fn):
+  """Runs every `QuantGemm` GEMM through ``fn`` (signature of
+  `ops.quantized_matmul`, plus the `QuantGemm` first) inside the block."""
+  if core._tap is not None:
+    raise RuntimeError("qlayers.inspect is already tracing a model; its "
+                       "functions do not nest.")
+  core._tap = fn
+  try:
+    yield
+  finally:
+    core._tap = None

@@ -1,0 +1,257 @@
+"""`collect`: one forward and backward pass that measures every quantized GEMM.
+
+The pass runs under ``jax.jit`` on a copy of the model made inside the trace
+(``nnx.split`` outside, ``nnx.merge`` inside, nothing written back), so the
+model's state does not change. While it traces, each `QuantGemm` runs its
+GEMM through a tap (`qlayers.inspect._tap`) that
+
+* runs the real op (`ops.quantized_matmul`), so the loss and every gradient
+  are what a training step computes;
+* rebuilds the quantized copies of ``x`` and ``w`` each GEMM consumes
+  (`numerics.forward_stats`: the same specs, axes, delayed scales from the
+  stored history, Hadamard transforms) and measures them;
+* passes the output through an identity whose backward rule sees the output
+  gradient ``g`` and measures its copies and the Dgrad/Wgrad outputs
+  (`numerics.backward_stats`).
+
+The statistics leave the computation through ``jax.debug.callback`` (a few
+scalars per layer). The tap exists only during that trace: a model that is
+not being inspected traces exactly as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from qlayers import ops
+from qlayers.inspect import _tap
+from qlayers.inspect import numerics
+from qlayers.inspect.report import Output, Report, Row
+from qlayers.layers.core import QuantGemm
+from qlayers.recipe import Recipe
+from qlayers.state import QuantGradState
+
+__all__ = ["collect"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Site:
+  """Static description of one call of one GEMM (sent with its records)."""
+
+  path: str
+  use: int
+  order: int  # position of this call in the trace (execution order)
+  recipe: Recipe
+  backend: str | None
+
+
+# Records of the pass that is running: (site, "fwd" | "bwd", stats).
+_records: list[tuple[_Site, str, Any]] = []
+
+
+def _put(site: _Site, kind: str, stats) -> None:
+  _records.append((site, kind, jax.tree.map(np.asarray, stats)))
+
+
+# ----------------------------------------------------------------------------
+# The tap and the identity that sees the output gradient
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _probe(site: _Site, y, x, w, state):
+  del x, w, state
+  return y
+
+
+def _probe_fwd(site, y, x, w, state):
+  del site
+  return y, (x, w, state)
+
+
+def _probe_bwd(site, res, g):
+  x, w, state = res
+  stats = numerics.backward_stats(g.reshape(-1, g.shape[-1]), x, w,
+                                  site.recipe, state, site.backend)
+  jax.debug.callback(functools.partial(_put, site, "bwd"), stats)
+  zeros = jax.tree.map(jnp.zeros_like, (x, w, state))
+  return (g, *zeros)
+
+
+_probe.defvjp(_probe_fwd, _probe_bwd)
+
+
+class _Collector:
+  """The tap of one trace: counts the calls of each layer."""
+
+  def __init__(self):
+    self.calls: dict[str, int] = {}
+
+  def __call__(self, gemm: QuantGemm, x, w, recipe: Recipe, state, *,
+               key=None, out_dtype=None, backend=None):
+    y, new_state = ops.quantized_matmul(x, w, recipe, state, key=key,
+                                        out_dtype=out_dtype, backend=backend)
+    path = _tap.path_of(gemm)
+    if path is None or not recipe.quantized or x.size == 0 or y.size == 0:
+      return y, new_state
+    use = self.calls.get(path, 0)
+    self.calls[path] = use + 1
+    site = _Site(path, use, sum(self.calls.values()) - 1, recipe, backend)
+    x2 = x.reshape(-1, x.shape[-1])
+    jax.debug.callback(functools.partial(_put, site, "fwd"),
+                       numerics.forward_stats(x2, w, recipe, state, backend))
+    sg = jax.lax.stop_gradient
+    y = _probe(site, y, sg(x2), sg(w), None if state is None else sg(state))
+    return y, new_state
+
+
+def _pass(graphdef, loss_fn, state, args, kwargs):
+  model = nnx.merge(graphdef, state)
+  _tap.label(model)
+
+  def loss(m):
+    out = loss_fn(m, *args, **kwargs)
+    if not (isinstance(out, jax.Array) and out.shape == ()):
+      raise TypeError("loss_fn must return a scalar array (the loss), got "
+                      f"{type(out).__name__} {getattr(out, 'shape', '')}.")
+    return out.astype(jnp.float32)
+
+  wrt = nnx.DiffState(0, (nnx.Param, QuantGradState))
+  with _tap.tapping(_Collector()):
+    value, _ = nnx.value_and_grad(loss, argnums=wrt)(model)
+  return value
+
+
+_run = jax.jit(_pass, static_argnums=(0, 1))
+
+
+def _check(model, loss_fn):
+  if not isinstance(model, nnx.Module):
+    raise TypeError(f"model must be an nnx.Module, got "
+                    f"{type(model).__name__}.")
+  if not callable(loss_fn):
+    raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
+  leaves = jax.tree.leaves(nnx.as_pure(nnx.state(model)))
+  if any(isinstance(v, jax.core.Tracer) for v in leaves):
+    raise RuntimeError("qlayers.inspect runs the model itself (under its own "
+                       "jit): call it outside jit/grad, on a concrete model.")
+
+
+def collect(model: nnx.Module, loss_fn: Callable[..., jax.Array], *args,
+            **kwargs) -> Report:
+  """One forward and backward pass of ``loss_fn(model, *args, **kwargs)``
+  that measures every quantized GEMM; the model's state does not change.
+
+  Per quantized layer and operand role (``x``, ``w``, ``g``) and for each
+  GEMM that consumes it: amax, the scale used (for delayed scaling the one
+  derived from the stored history, as a training step would use it), the
+  fractions saturated and flushed to zero, the SQNR of the quantized operand
+  and of each GEMM's output against the unquantized computation, and the
+  amax-history statistics of delayed scaling. See `Report`.
+
+  ``loss_fn`` returns a scalar. ``args`` and ``kwargs`` are traced (close
+  over Python settings); the pass is compiled once per model structure and
+  ``loss_fn`` (pass the same function object to reuse it). Layers that
+  run their GEMM outside `QuantGemm.matmul` / ``__call__`` (`QuantLogits`)
+  or quantize nothing are listed in `Report.skipped`. A layer run inside a
+  loop transform (``nnx.scan``, ``lax.map``) reports one iteration.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import qlayers
+    >>> layer = qlayers.QuantDense(64, 32, recipe="mxfp8", rngs=nnx.Rngs(0))
+    >>> loss_fn = lambda m, x: jnp.mean(m(x) ** 2)
+    >>> report = qlayers.inspect.collect(layer, loss_fn, jnp.ones((8, 64)))
+    >>> [(r.role, r.format, sorted(r.gemms)) for r in report.rows]
+    [('x', 'e4m3', ['fprop', 'wgrad']), ('w', 'e4m3', ['dgrad', 'fprop']), ('g', 'e4m3', ['dgrad', 'wgrad'])]
+    >>> report.row("(model)", "x").sqnr_db  # ones are exact in E4M3
+    inf
+  """
+  _check(model, loss_fn)
+  graphdef, state = nnx.split(model)
+  _records.clear()
+  try:
+    loss = float(_run(graphdef, loss_fn, state, args, kwargs))
+    jax.effects_barrier()
+    records = list(_records)
+  finally:
+    _records.clear()
+  return _report(model, records, loss)
+
+
+# ----------------------------------------------------------------------------
+# Records -> Report
+
+
+def _f(v) -> float:
+  return float(np.asarray(v))
+
+
+def _row(site: _Site, role: str, per_gemm: dict, history) -> Row:
+  specs = {u.gemm: u.spec for u in numerics.uses(site.recipe, role)}
+  gemms = {}
+  for gemm, st in per_gemm.items():
+    gemms[gemm] = {k: _f(v) for k, v in st.items()}
+    gemms[gemm].update(format=specs[gemm].format,
+                       granularity=specs[gemm].granularity)
+  # Lowest SQNR; a tie within float summation noise goes to the first GEMM.
+  worst = min(gemms, key=lambda k: (round(_nan_last(gemms[k]["sqnr_db"]), 3),
+                                    list(gemms).index(k)))
+  w = gemms[worst]
+  return Row(path=site.path, role=role, amax=w["amax"], scale=w["scale"],
+             saturated=w["saturated"], underflow=w["underflow"],
+             sqnr_db=w["sqnr_db"], gemm=worst, format=w["format"],
+             granularity=w["granularity"], recipe=site.recipe.name,
+             use=site.use, scale_min=w["scale_min"], zeros=w["zeros"],
+             gemms=gemms,
+             history=None if history is None
+             else {k: _f(v) for k, v in history.items()})
+
+
+def _nan_last(v: float) -> float:
+  return math.inf if math.isnan(v) else v
+
+
+def _report(model, records, loss: float) -> Report:
+  by_site: dict[tuple[str, int], dict[str, Any]] = {}
+  sites: dict[tuple[str, int], _Site] = {}
+  for site, kind, stats in records:  # later records of a site replace
+    key = (site.path, site.use)     # earlier ones (remat recomputes)
+    sites[key] = site
+    by_site.setdefault(key, {})[kind] = stats
+  rows, outputs = [], []
+  for key in sorted(by_site, key=lambda k: sites[k].order):
+    site, got = sites[key], by_site[key]
+    for kind, roles in (("fwd", ("x", "w")), ("bwd", ("g",))):
+      if kind not in got:
+        continue
+      stats = got[kind]
+      for role in roles:
+        if stats[role]:
+          rows.append(_row(site, role, stats[role],
+                           stats["history"].get(role)))
+      for gemm, v in stats["out"].items():
+        outputs.append(Output(site.path, gemm, _f(v), site.use))
+  rank = {key: sites[key].order for key in sites}
+  rows.sort(key=lambda r: (rank[r.path, r.use], "xwg".index(r.role)))
+  outputs.sort(key=lambda o: (rank[o.path, o.use],
+                              ("fprop", "dgrad", "wgrad").index(o.gemm)))
+  seen = {p for p, _ in by_site}
+  skipped = [(p, _why(g)) for p, g in _tap.gemm_paths(model).items()
+             if p not in seen]
+  return Report(rows, outputs, loss, skipped)
+
+
+def _why(gemm: QuantGemm) -> str:
+  if not gemm.recipe.quantized:
+    return f"recipe {gemm.recipe.name!r} quantizes nothing"
+  return ("its GEMM did not run through QuantGemm in loss_fn (not called, "
+          "or a layer such as QuantLogits that runs the op itself)")

@@ -1,0 +1,436 @@
+"""`sensitivity`: which layers (and roles) a recipe hurts most; rules that
+keep them wide.
+
+A copy of the model is converted to the recipe (`qlayers.quantize`), and
+every GEMM runs through `masked.masked_matmul` with a traced mask that
+quantizes any chosen set of (layer, role) and leaves the rest in the
+recipe's compute dtype (BF16 for every shipped recipe) with FP32
+accumulation, as the unquantized recipe runs them. One compilation
+then measures, on the same batches:
+
+* the unquantized model (nothing quantized) and the fully quantized one;
+* each layer quantized alone (all its roles), and each role of each layer
+  alone: the change of the loss (forward effect; the output gradient ``g``
+  does not enter the loss, so its change is zero by construction) and the
+  SQNR of the whole parameter gradient against the unquantized one (which
+  every role affects);
+* the model quantized except the ``k`` layers whose loss rose most, for
+  ``k = 1 .. max_wide``: the proposed rules, with their loss against the
+  unquantized model and against quantizing everything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+import re
+from typing import Any, Callable, Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from qlayers import convert
+from qlayers import ops
+from qlayers.inspect import _tap
+from qlayers.inspect import masked
+from qlayers.inspect import numerics
+from qlayers.inspect.report import _grid, jsonable
+from qlayers.layers.core import QuantGemm
+from qlayers.recipe import Recipe, recipe as load_recipe
+
+__all__ = ["sensitivity", "Sensitivity", "Candidate", "Proposal"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+  """One layer (``role="all"``) or one role of it quantized alone.
+
+  Attributes:
+    path: the layer's module path.
+    role: ``all``, ``x``, ``w`` or ``g``.
+    loss: mean loss over the batches.
+    loss_delta_pct: its change against the unquantized model, in percent
+      (zero for ``g``: the output gradient does not enter the loss).
+    grad_sqnr_db: SQNR (dB) of the parameter gradient against the
+      unquantized model's, over all parameters and batches (None if not
+      measured).
+  """
+
+  path: str
+  role: str
+  loss: float
+  loss_delta_pct: float
+  grad_sqnr_db: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Proposal:
+  """The recipe everywhere except the layers ``wide``.
+
+  Attributes:
+    wide: module paths kept unquantized.
+    loss: mean loss over the batches.
+    vs_wide_pct: loss change against the unquantized model (%).
+    vs_all_pct: loss change against quantizing every layer (%).
+    gap_closed: fraction of the loss gap between quantizing everything and
+      nothing that keeping ``wide`` unquantized removes.
+    grad_sqnr_db: as for `Candidate`.
+    rules: `qlayers.Rule` objects for `qlayers.quantize` (the keep-wide rule
+      first, then the rules the model was converted with).
+  """
+
+  wide: tuple[str, ...]
+  loss: float
+  vs_wide_pct: float
+  vs_all_pct: float
+  gap_closed: float
+  grad_sqnr_db: float | None
+  rules: tuple[convert.Rule, ...]
+
+  @property
+  def pattern(self) -> str:
+    """One regex matching exactly the paths in ``wide``."""
+    return keep_wide_pattern(self.wide)
+
+
+def keep_wide_pattern(paths: Iterable[str]) -> str:
+  """``^(a|b)$`` for the module paths ``paths``."""
+  return "^(" + "|".join(re.escape(p) for p in paths) + ")$"
+
+
+@dataclasses.dataclass
+class Sensitivity:
+  """What `sensitivity` measured. ``layers`` is ranked (largest loss
+  increase first); ``proposed`` is one of ``proposals`` (see `sensitivity`).
+  """
+
+  recipe: str
+  compute_dtype: str
+  batches: int
+  wide_loss: float
+  all_loss: float
+  all_grad_sqnr_db: float | None
+  layers: list[Candidate]
+  roles: list[Candidate]
+  proposals: list[Proposal]
+  proposed: Proposal | None
+
+  @property
+  def all_vs_wide_pct(self) -> float:
+    return _pct(self.all_loss, self.wide_loss)
+
+  def rules(self, k: int | None = None) -> tuple[convert.Rule, ...]:
+    """Rules of the proposal keeping ``k`` layers wide (None: `proposed`)."""
+    return self._proposal(k).rules
+
+  def _proposal(self, k):
+    if k is None:
+      if self.proposed is None:
+        raise ValueError("No proposal: the model has a single layer.")
+      return self.proposed
+    for p in self.proposals:
+      if len(p.wide) == k:
+        return p
+    raise ValueError(f"No proposal keeps {k} layers wide; measured: "
+                     f"{[len(p.wide) for p in self.proposals]}.")
+
+  def table(self) -> str:
+    base = self.compute_dtype
+    lines = [f"qlayers.inspect.sensitivity: recipe {self.recipe}, "
+             f"{self.batches} batches; loss unquantized ({base}) "
+             f"{self.wide_loss:.6g}, all quantized {self.all_loss:.6g} "
+             f"({self.all_vs_wide_pct:+.3f}%, gradient SQNR "
+             f"{_db(self.all_grad_sqnr_db)} dB)"]
+    roles = {(c.path, c.role): c for c in self.roles}
+    head = ["rank", "layer", f"Δ loss vs {base} (%)", "grad SQNR dB"]
+    if roles:
+      head += ["x: Δ loss %", "x: grad dB", "w: Δ loss %", "w: grad dB",
+               "g: grad dB"]
+    rows = []
+    for i, c in enumerate(self.layers):
+      row = [str(i + 1), c.path, f"{c.loss_delta_pct:+.3f}",
+             _db(c.grad_sqnr_db)]
+      if roles:
+        x, w, g = (roles.get((c.path, r)) for r in "xwg")
+        row += [f"{x.loss_delta_pct:+.3f}" if x else "-",
+                _db(x.grad_sqnr_db) if x else "-",
+                f"{w.loss_delta_pct:+.3f}" if w else "-",
+                _db(w.grad_sqnr_db) if w else "-",
+                _db(g.grad_sqnr_db) if g else "-"]
+      rows.append(row)
+    lines += _grid(head, rows)
+    lines.append(f"Keeping the top k layers wide ({self.recipe} elsewhere):")
+    lines += _grid(
+        ["k", f"loss", f"vs {base} (%)", "vs all quantized (%)",
+         "gap closed", "grad SQNR dB", "wide"],
+        [[str(len(p.wide)), f"{p.loss:.6g}", f"{p.vs_wide_pct:+.3f}",
+          f"{p.vs_all_pct:+.3f}", f"{100 * p.gap_closed:.0f}%",
+          _db(p.grad_sqnr_db), ", ".join(p.wide)] for p in self.proposals])
+    if self.proposed is not None:
+      lines.append(f"proposed: keep {len(self.proposed.wide)} wide: "
+                   f"qlayers.Rule(pattern={self.proposed.pattern!r}, "
+                   "recipe=None)")
+    return "\n".join(lines)
+
+  def __str__(self) -> str:
+    return self.table()
+
+  def to_dict(self) -> dict[str, Any]:
+    def prop(p):
+      d = dataclasses.asdict(p)
+      d["rules"] = [{"pattern": r.pattern, "head": r.head,
+                     "recipe": _recipe_name(r.recipe)} for r in p.rules]
+      d["pattern"] = p.pattern
+      return d
+    return jsonable({
+        "recipe": self.recipe, "compute_dtype": self.compute_dtype,
+        "batches": self.batches, "wide_loss": self.wide_loss,
+        "all_loss": self.all_loss, "all_vs_wide_pct": self.all_vs_wide_pct,
+        "all_grad_sqnr_db": self.all_grad_sqnr_db,
+        "layers": [dataclasses.asdict(c) for c in self.layers],
+        "roles": [dataclasses.asdict(c) for c in self.roles],
+        "proposals": [prop(p) for p in self.proposals],
+        "proposed": None if self.proposed is None else prop(self.proposed)})
+
+  def to_json(self, path: str | pathlib.Path | None = None) -> str:
+    text = json.dumps(self.to_dict(), indent=1, allow_nan=False)
+    if path is not None:
+      path = pathlib.Path(path)
+      path.parent.mkdir(parents=True, exist_ok=True)
+      path.write_text(text + "\n")
+    return text
+
+
+def _recipe_name(r) -> str | None:
+  if r is None:
+    return None
+  return r.name if isinstance(r, Recipe) else str(r)
+
+
+def _pct(a: float, b: float) -> float:
+  return 100.0 * (a - b) / abs(b) if b else math.nan
+
+
+def _db(v) -> str:
+  if v is None:
+    return "-"
+  return "inf" if math.isinf(v) and v > 0 else f"{v:.1f}"
+
+
+# ----------------------------------------------------------------------------
+# The masked pass
+
+
+class _Masked:
+  """The tap: the GEMM of candidate ``i`` quantizes the roles ``mask[i]``
+  selects; every other GEMM runs the real op."""
+
+  def __init__(self, index: dict[str, int], mask):
+    self.index, self.mask = index, mask
+
+  def __call__(self, gemm: QuantGemm, x, w, recipe, state, *, key=None,
+               out_dtype=None, backend=None):
+    i = self.index.get(_tap.path_of(gemm))
+    if i is None:
+      return ops.quantized_matmul(x, w, recipe, state, key=key,
+                                  out_dtype=out_dtype, backend=backend)
+    return masked.masked_matmul(x, w, recipe, state, self.mask[i],
+                                out_dtype=out_dtype, backend=backend)
+
+
+def _pass(graphdef, loss_fn, paths, state, mask, batch):
+  model = nnx.merge(graphdef, state)
+  _tap.label(model)
+
+  def loss(m):
+    out = loss_fn(m, *batch)
+    if not (isinstance(out, jax.Array) and out.shape == ()):
+      raise TypeError("loss_fn must return a scalar array (the loss), got "
+                      f"{type(out).__name__} {getattr(out, 'shape', '')}.")
+    return out.astype(jnp.float32)
+
+  with _tap.tapping(_Masked({p: i for i, p in enumerate(paths)}, mask)):
+    value, grads = nnx.value_and_grad(loss)(model)
+  return value, nnx.as_pure(grads)
+
+
+_run = jax.jit(_pass, static_argnums=(0, 1, 2))
+
+
+@jax.jit
+def _grad_sqnr(ref, grads) -> jax.Array:
+  """SQNR (dB) of ``grads`` against ``ref`` over every leaf of both."""
+  ref = jnp.concatenate([jnp.ravel(v).astype(jnp.float32)
+                         for v in jax.tree.leaves(ref)])
+  got = jnp.concatenate([jnp.ravel(v).astype(jnp.float32)
+                         for v in jax.tree.leaves(grads)])
+  return numerics.sqnr_db(ref, got)
+
+
+class _Evaluator:
+  """Runs the masked pass on every batch, against the unquantized pass."""
+
+  def __init__(self, graphdef, state, loss_fn, paths, batches, grads):
+    self.graphdef, self.state, self.loss_fn = graphdef, state, loss_fn
+    self.paths, self.batches, self.grads = tuple(paths), batches, grads
+    self.ref = None
+
+  def _pass(self, mask, batch):
+    return _run(self.graphdef, self.loss_fn, self.paths, self.state,
+                jnp.asarray(mask, jnp.float32), batch)
+
+  def reference(self) -> float:
+    """Mean loss with nothing quantized; keeps its gradients (if measured)."""
+    n = len(self.paths)
+    out = [self._pass(np.zeros((n, 3)), b) for b in self.batches]
+    if self.grads:
+      self.ref = [g for _, g in out]
+    return float(np.mean([float(loss) for loss, _ in out]))
+
+  def __call__(self, mask: np.ndarray) -> tuple[float, float | None]:
+    """(mean loss, gradient SQNR or None) with ``mask`` (n_layers, 3).
+
+    The SQNR of several batches is that of their mean noise-to-signal
+    ratio (each batch's gradient weighted alike).
+    """
+    if self.grads and self.ref is None:
+      raise RuntimeError("reference() must run first.")
+    losses, ratios = [], []
+    for i, batch in enumerate(self.batches):
+      loss, g = self._pass(mask, batch)
+      losses.append(float(loss))
+      if self.grads:
+        ratios.append(10.0 ** (-float(_grad_sqnr(self.ref[i], g)) / 10.0))
+    sqnr = None
+    if self.grads:
+      mean = float(np.mean(ratios))
+      sqnr = math.inf if mean == 0 else -10.0 * math.log10(mean)
+    return float(np.mean(losses)), sqnr
+
+
+def _as_batches(batches) -> list[tuple]:
+  out = [b if isinstance(b, tuple) else (b,) for b in batches]
+  if not out:
+    raise ValueError("sensitivity needs at least one batch.")
+  return out
+
+
+def _working_copy(model, recipe, rules):
+  """A converted copy of ``model``, and the rules it was converted with."""
+  work = nnx.clone(model)
+  if any(True for _ in _tap.gemm_paths(work)):
+    convert.dequantize_model(work)
+  rules = convert.DEFAULT_RULES if rules is None else tuple(
+      [rules] if isinstance(rules, convert.Rule) else rules)
+  convert.quantize(work, recipe, rules)
+  return work, rules
+
+
+def sensitivity(model: nnx.Module, loss_fn: Callable[..., jax.Array],
+                batches: Sequence, recipe: Recipe | str, *,
+                rules: convert.Rule | Iterable[convert.Rule] | None = None,
+                roles: bool = True, grads: bool = True,
+                max_wide: int | None = None,
+                close: float = 0.5) -> Sensitivity:
+  """Quantizes one layer (and one role) at a time, ranks the layers by how
+  much the loss rises, and proposes rules that keep the worst ones wide.
+
+  Works on a converted copy of ``model`` (``model`` itself does not
+  change): a model with stock layers is converted with
+  ``qlayers.quantize(copy, recipe, rules)``; a quantized one is first
+  converted back. Delayed-scaling recipes start from an empty history
+  (current amaxes). See the module docstring for what is measured.
+
+  Args:
+    model: the model, ideally trained (an untrained model's loss says little).
+    loss_fn: ``loss_fn(model, *batch) -> scalar``.
+    batches: a few batches: tuples of ``loss_fn``'s arguments after the
+      model (a non-tuple is one argument).
+    recipe: the recipe to measure.
+    rules: conversion rules (default `qlayers.convert.DEFAULT_RULES`: the
+      embeddings and the output head stay wide).
+    roles: also measure each role of each layer alone (3 more passes per
+      layer).
+    grads: measure gradient SQNR (keeps the unquantized gradients of every
+      batch in memory).
+    max_wide: propose keeping up to this many layers wide (default: a
+      quarter of the layers, at least 1).
+    close: `Sensitivity.proposed` is the smallest proposal that closes this
+      fraction of the gap between quantizing everything and nothing (else
+      the one that closes most).
+
+  Returns:
+    A `Sensitivity`; ``print`` it for the tables.
+  """
+  if not isinstance(model, nnx.Module):
+    raise TypeError(f"model must be an nnx.Module, got "
+                    f"{type(model).__name__}.")
+  recipe = load_recipe(recipe)
+  if not recipe.quantized:
+    raise ValueError(f"Recipe {recipe.name!r} quantizes nothing; there is "
+                     "nothing to measure.")
+  batches = _as_batches(batches)
+  work, used_rules = _working_copy(model, recipe, rules)
+  paths = [p for p, g in _tap.gemm_paths(work).items() if g.recipe.quantized]
+  if not paths:
+    raise ValueError("No layer of the model was quantized by "
+                     f"qlayers.quantize(model, {recipe.name!r}, rules); "
+                     "nothing to measure.")
+  n = len(paths)
+  max_wide = max(1, n // 4) if max_wide is None else max_wide
+  if not 1 <= max_wide <= n:
+    raise ValueError(f"max_wide must be in [1, {n}], got {max_wide}.")
+  graphdef, state = nnx.split(work)
+  run = _Evaluator(graphdef, state, loss_fn, paths, batches, grads)
+
+  wide_loss = run.reference()
+  all_loss, all_sqnr = run(np.ones((n, 3)))
+
+  def candidate(path, role, mask):
+    loss, sq = run(mask)
+    return Candidate(path, role, loss, _pct(loss, wide_loss), sq)
+
+  layers, role_rows = [], []
+  for i, path in enumerate(paths):
+    mask = np.zeros((n, 3))
+    mask[i] = 1
+    layers.append(candidate(path, "all", mask))
+    if roles:
+      for r, role in enumerate(masked.ROLES):
+        mask = np.zeros((n, 3))
+        mask[i, r] = 1
+        role_rows.append(candidate(path, role, mask))
+  order = sorted(range(n), key=lambda i: (-layers[i].loss_delta_pct, i))
+  layers = [layers[i] for i in order]
+
+  proposals = []
+  gap = all_loss - wide_loss
+  for k in range(1, max_wide + 1):
+    keep = [paths[i] for i in order[:k]]
+    mask = np.ones((n, 3))
+    mask[order[:k]] = 0
+    loss, sq = run(mask)
+    keep_rule = convert.Rule(pattern=keep_wide_pattern(keep), recipe=None)
+    proposals.append(Proposal(
+        wide=tuple(keep), loss=loss, vs_wide_pct=_pct(loss, wide_loss),
+        vs_all_pct=_pct(loss, all_loss),
+        gap_closed=(all_loss - loss) / gap if gap else math.nan,
+        grad_sqnr_db=sq, rules=(keep_rule, *used_rules)))
+  proposed = None
+  if proposals and n > 1:
+    enough = [p for p in proposals if p.gap_closed >= close]
+    proposed = enough[0] if enough else max(
+        proposals, key=lambda p: (_finite(p.gap_closed), -len(p.wide)))
+  return Sensitivity(
+      recipe=recipe.name, compute_dtype=recipe.compute_dtype,
+      batches=len(batches), wide_loss=wide_loss, all_loss=all_loss,
+      all_grad_sqnr_db=all_sqnr, layers=layers, roles=role_rows,
+      proposals=proposals, proposed=proposed)
+
+
+def _finite(v: float) -> float:
+  return v if math.isfinite(v) else -math.inf

