@@ -119,8 +119,10 @@ def _logits(graphdef, state, tokens):
 
 
 def logits(model, tokens) -> np.ndarray:
-  """Forward pass without touching the model's state."""
-  return np.asarray(_logits(*nnx.split(model), jnp.asarray(tokens)))
+  """Forward pass in eval mode (the model's state is left as it was)."""
+  with lm.eval_mode(model):
+    graphdef, state = nnx.split(model)
+  return np.asarray(_logits(graphdef, state, jnp.asarray(tokens)))
 
 
 def chat(model, tokenizer, question: str, max_new_tokens: int = 40) -> str:

@@ -248,14 +248,13 @@ def make_tx(cfg: Config) -> optax.GradientTransformation:
 
 @functools.partial(jax.jit, static_argnames="graphdef")
 def _eval_loss(graphdef, state, inputs, targets):
-  # Merged inside the trace: forward quantization state written here (the
-  # running amax of delayed scaling) stays local and never reaches training.
   return lm.next_token_loss(nnx.merge(graphdef, state)(inputs), targets)
 
 
 def evaluate(model, batches) -> float:
-  """Mean loss over fixed ``(inputs, targets)`` batches."""
-  graphdef, state = nnx.split(model)
+  """Mean loss over fixed ``(inputs, targets)`` batches, in eval mode."""
+  with lm.eval_mode(model):
+    graphdef, state = nnx.split(model)
   return float(np.mean([float(_eval_loss(graphdef, state, x, y))
                         for x, y in batches]))
 

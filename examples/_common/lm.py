@@ -2,13 +2,13 @@
 ``model(tokens) -> logits``.
 
 The model is an NNX module taking int32 ``[B, T]`` tokens and returning
-float32 ``[B, T, V]`` logits, with ``model.config.max_len``. Both functions
-split the model once and merge it inside a jitted pure function, so state a
-quantized layer writes during the forward pass (amax histories) stays local
-to each call and never leaks out of the trace (`train_step` is the
-exception: it is the step that is meant to update the model).
+float32 ``[B, T, V]`` logits, with ``model.config.max_len``. Sampling and
+evaluation run the model in NNX's eval mode (`eval_mode`): quantized layers
+scale from their stored amax history and record nothing, as dropout layers
+turn off; `train_step` is the step that updates the model.
 """
 
+import contextlib
 import functools
 import math
 
@@ -25,6 +25,26 @@ def next_token_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
   logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
   picked = jnp.take_along_axis(logp, targets[..., None], axis=-1)
   return -jnp.mean(picked)
+
+
+@contextlib.contextmanager
+def eval_mode(model: nnx.Module):
+  """``model.eval()`` inside the block; each module's mode as it was after.
+
+  In eval mode a delayed-scaling layer scales from its stored history and
+  writes nothing, so evaluation and generation leave the next training step
+  exactly as they found it.
+  """
+  flags = ("deterministic", "use_running_average")
+  saved = [(m, {f: getattr(m, f) for f in flags if hasattr(m, f)})
+           for _, m in nnx.iter_modules(model)]
+  model.eval()
+  try:
+    yield model
+  finally:
+    for m, attrs in saved:
+      for f, v in attrs.items():
+        setattr(m, f, v)
 
 
 @nnx.jit
@@ -139,7 +159,8 @@ def generate(
       raise ValueError("pass key= to sample with temperature > 0")
     key = jax.random.key(0)
   total = prompt.shape[1] + max_new_tokens
-  graphdef, state = nnx.split(model)
+  with eval_mode(model):
+    graphdef, state = nnx.split(model)
   out = _generate(
       graphdef, state, prompt, key,
       max_new_tokens=max_new_tokens, temperature=float(temperature),
@@ -171,7 +192,8 @@ def perplexity(
   if n < 1:
     raise ValueError(f"need more than seq_len={seq_len} tokens, got {len(tokens)}")
   windows = np.stack([tokens[i * seq_len:(i + 1) * seq_len + 1] for i in range(n)])
-  graphdef, state = nnx.split(model)
+  with eval_mode(model):
+    graphdef, state = nnx.split(model)
   total = 0.0
   for i in range(0, n, batch_size):
     chunk = jnp.asarray(windows[i:i + batch_size])

@@ -193,3 +193,28 @@ def test_replace_dense():
   assert out["converted"] == 6  # q, k, v, attn out, ffn in, ffn out
   assert out["embeddings_close"]
   assert 0.0 <= out["accuracy_after"] <= 1.0
+
+
+def test_eval_and_generation_leave_training_state_alone():
+  """lm.eval_mode: evaluation and sampling change no Variable, and the mode
+  each module had comes back."""
+  import jax
+  from flax import nnx
+  import qlayers
+  from _common import gpt, lm
+
+  model = gpt.GPT(gpt.GPTConfig(vocab_size=64, max_len=16, d_model=32,
+                                n_heads=2, n_layers=1, d_ff=64),
+                  rngs=nnx.Rngs(0))
+  qlayers.quantize(model, "fp8_delayed")
+  before = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model)))
+  lm.generate(model, np.arange(4), max_new_tokens=3, temperature=0)
+  lm.perplexity(model, np.arange(40) % 64, seq_len=8, batch_size=2)
+  after = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model)))
+  assert jax.tree.all(jax.tree.map(np.array_equal, before, after))
+  gemms = [m for _, m in nnx.iter_modules(model)
+           if isinstance(m, qlayers.QuantGemm)]
+  assert gemms and not any(g.use_running_average for g in gemms)
+  with lm.eval_mode(model):
+    assert all(g.use_running_average for g in gemms)
+  assert not any(g.use_running_average for g in gemms)
