@@ -247,21 +247,31 @@ def encode(values: jax.Array, fmt: Format | str) -> jax.Array:
   return code.astype(jnp.uint8)
 
 
-@functools.lru_cache(maxsize=None)
-def _decode_table(name: str) -> np.ndarray:
-  fmt = get_format(name)
-  codes = np.arange(1 << fmt.bits, dtype=np.uint8)
-  return codes.view(fmt.np_dtype).astype(np.float32)
-
-
 def decode(codes: jax.Array, fmt: Format | str,
            dtype=jnp.float32) -> jax.Array:
-  """Values of uint8 ``codes`` of ``fmt`` (one code per element, unpacked)."""
+  """Values of uint8 ``codes`` of ``fmt`` (one code per element, unpacked).
+
+  Computed from the bit fields, without a lookup table: no array constant
+  enters the traced program (a partitioned GEMM's local computation may
+  hold none, see `qlayers.partition`).
+  """
   fmt = get_format(fmt)
   if codes.dtype != jnp.uint8:
     raise TypeError(f"decode expects uint8 codes, got {codes.dtype}.")
-  table = jnp.asarray(_decode_table(fmt.name))
-  return table[codes.astype(jnp.int32)].astype(dtype)
+  if fmt.dtype is not None:  # an FP8 type: the codes are its bits
+    return jax.lax.bitcast_convert_type(codes, fmt.dtype).astype(dtype)
+  # FP6/FP4 have no Inf/NaN codes (OCP MX v1.0 section 5.3): a normal code's
+  # fields move into an FP32's, a subnormal is mantissa * smallest subnormal.
+  c = codes.astype(jnp.uint32)
+  negative = ((c >> (fmt.bits - 1)) & 1) == 1
+  exp_field = (c >> fmt.mbits) & ((1 << fmt.ebits) - 1)
+  mant = c & ((1 << fmt.mbits) - 1)
+  normal = jax.lax.bitcast_convert_type(
+      ((exp_field + (127 - fmt.bias)) << 23) | (mant << (23 - fmt.mbits)),
+      jnp.float32)
+  mag = jnp.where(exp_field == 0, mant.astype(jnp.float32) * fmt.min_subnormal,
+                  normal)
+  return jnp.where(negative, -mag, mag).astype(dtype)
 
 
 def _group(fmt: Format) -> tuple[int, int]:

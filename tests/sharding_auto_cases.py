@@ -60,6 +60,11 @@ def train_mxfp8():
 
 
 @case
+def train_mxfp4():  # packed payloads, decoded inside each device's GEMM
+  return _layouts("mxfp4", ("fsdp",))
+
+
+@case
 def train_bf16():
   return _layouts("bf16", ("fsdp",))
 
