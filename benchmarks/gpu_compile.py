@@ -815,8 +815,7 @@ def _multiplied(body: Computation, start: str) -> bool:
       inst = body.insts[u]
       if inst.opcode in ("multiply", "divide"):
         others = [body.insts[o] for o in inst.operands if o != cur]
-        if any(o.opcode == "broadcast" and not _constant(body, o)
-               for o in others):
+        if any(_expanded_scale(body, o) for o in others):
           return True
       elif inst.opcode in ("bitcast", "reshape", "transpose", "copy",
                            "convert", "reduce", "slice"):
@@ -828,6 +827,22 @@ def _constant(body: Computation, inst: Inst) -> bool:
   """Whether a broadcast's operand is a constant."""
   src = body.insts.get(inst.operands[0]) if inst.operands else None
   return src is not None and src.opcode == "constant"
+
+
+def _expanded_scale(body: Computation, inst: Inst, depth: int = 0) -> bool:
+  """Whether ``inst`` is a run-time value broadcast over the GEMM's output:
+  a broadcast of a non-constant, or a convert / product of broadcasts with
+  at least one such (row-wise scales: ``bf16(sa[:, None] * sb[None, :])``)."""
+  if depth > 4:
+    return False
+  if inst.opcode == "broadcast":
+    return not _constant(body, inst)
+  if inst.opcode in ("convert", "bitcast", "reshape", "multiply"):
+    ops = [body.insts[o] for o in inst.operands if o in body.insts]
+    scales = [_expanded_scale(body, o, depth + 1) for o in ops]
+    return bool(ops) and any(scales) and all(
+        s or o.opcode == "broadcast" for s, o in zip(scales, ops))
+  return False
 
 
 def gemm_peak(g: Gemm, target: Target) -> tuple[float, str]:

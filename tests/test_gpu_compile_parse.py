@@ -433,6 +433,15 @@ def test_scaled_outside_sees_a_scale_multiply_after_the_gemm():
   comps = gc.parse_module(text)
   comp, g = gc.find_gemms(comps)[0]
   assert not gc.scaled_outside(comps, comp, g)
+  # Row-wise scales reach the output as a product of two broadcasts.
+  text = CUBLAS_F8.replace(
+      "%b.2 = f32[256,128]{1,0} broadcast(%p1.2), dimensions={}",
+      "%r.3 = f32[256,128]{1,0} broadcast(%p1.2), dimensions={}\n"
+      "  %c.3 = f32[256,128]{1,0} broadcast(%p1.2), dimensions={}\n"
+      "  %b.2 = f32[256,128]{1,0} multiply(%r.3, %c.3)")
+  comps = gc.parse_module(text)
+  comp, g = gc.find_gemms(comps)[0]
+  assert gc.scaled_outside(comps, comp, g)
   # A multiply by a broadcast constant is the consumer's (an optimizer's
   # moment decay, the attention's 1/sqrt(d)), not a scale.
   text = CUBLAS_F8.replace(
