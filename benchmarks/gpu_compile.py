@@ -801,7 +801,9 @@ def scaled_outside(comps, comp: Computation, gemm: Gemm) -> bool:
 
 def _multiplied(body: Computation, start: str) -> bool:
   """Whether ``start`` reaches a multiply/divide by a broadcast value
-  through layout and type changes only."""
+  through layout and type changes only. A broadcast constant is not a scale
+  (scales come from amaxes at run time): it is the consumer's, such as the
+  attention's 1/sqrt(d) or an optimizer's moment decay."""
   users = body.users()
   todo, seen = [start], set()
   while todo:
@@ -813,11 +815,33 @@ def _multiplied(body: Computation, start: str) -> bool:
       inst = body.insts[u]
       if inst.opcode in ("multiply", "divide"):
         others = [body.insts[o] for o in inst.operands if o != cur]
-        if any(o.opcode == "broadcast" for o in others):
+        if any(_expanded_scale(body, o) for o in others):
           return True
       elif inst.opcode in ("bitcast", "reshape", "transpose", "copy",
                            "convert", "reduce", "slice"):
         todo.append(u)
+  return False
+
+
+def _constant(body: Computation, inst: Inst) -> bool:
+  """Whether a broadcast's operand is a constant."""
+  src = body.insts.get(inst.operands[0]) if inst.operands else None
+  return src is not None and src.opcode == "constant"
+
+
+def _expanded_scale(body: Computation, inst: Inst, depth: int = 0) -> bool:
+  """Whether ``inst`` is a run-time value broadcast over the GEMM's output:
+  a broadcast of a non-constant, or a convert / product of broadcasts with
+  at least one such (row-wise scales: ``bf16(sa[:, None] * sb[None, :])``)."""
+  if depth > 4:
+    return False
+  if inst.opcode == "broadcast":
+    return not _constant(body, inst)
+  if inst.opcode in ("convert", "bitcast", "reshape", "multiply"):
+    ops = [body.insts[o] for o in inst.operands if o in body.insts]
+    scales = [_expanded_scale(body, o, depth + 1) for o in ops]
+    return bool(ops) and any(scales) and all(
+        s or o.opcode == "broadcast" for s, o in zip(scales, ops))
   return False
 
 
@@ -981,6 +1005,23 @@ def entry_param_cone(comps, comp: Computation, name: str) -> set[str]:
   return out
 
 
+def _entry_cone(comps, top: Computation, comp: Computation,
+                operands) -> set[str] | None:
+  """Entry parameters in the cone of ``operands`` of an instruction in
+  ``comp``: the entry itself, or a computation the entry calls (``call``:
+  jax keeps ``jax.nn.scaled_matmul`` as one); None when neither."""
+  if comp is top:
+    return set().union(*(entry_param_cone(comps, top, op) for op in operands))
+  site = next((i for i in top.insts.values()
+               if i.opcode == "call" and called(i) == [comp.name]), None)
+  if site is None:
+    return None
+  inner = set().union(*(entry_param_cone(comps, comp, op) for op in operands))
+  outer = [site.operands[i] for i, name in enumerate(comp.params)
+           if name in inner and i < len(site.operands)]
+  return set().union(*(entry_param_cone(comps, top, op) for op in outer))
+
+
 def param_by_op_name(comp: Computation, needle: str) -> str:
   """The entry parameter whose op_name (pytree path) contains ``needle``."""
   for inst in comp.insts.values():
@@ -997,13 +1038,11 @@ def describe(comps, layers: list[LayerDims], quantized: bool,
   ct = [c for c in ct if c]
   out = []
   for comp, g in find_gemms(comps):
-    cone: set[str] = set()
-    for op in comp.insts[g.name].operands:
-      cone |= entry_param_cone(comps, comp, op) if comp is top \
-          else set()
-    backward = bool(cone & set(ct)) if ct and comp is top else None
+    cone = _entry_cone(comps, top, comp, comp.insts[g.name].operands)
+    known = cone is not None
+    backward = bool(cone & set(ct)) if ct and known else None
     role = attribute(g, layers, backward=backward,
-                     uses_weight={p for p in cone} if comp is top else None)
+                     uses_weight=cone if known else None)
     wide_mma = not ({g.a.split("->")[-1], g.b.split("->")[-1]} -
                     set(WIDE_FLOAT))
     kernel = g.kernel
@@ -1467,6 +1506,79 @@ def compare_markdown(runs: list[tuple[str, list[dict]]]) -> str:
   return "\n".join(out)
 
 
+_ROLE_ORDER = {"Fprop": 0, "Dgrad": 1, "Wgrad": 2}
+
+
+def _role_key(role: str) -> tuple:
+  return (_ROLE_ORDER.get(role.rsplit(" ", 1)[-1], 3), role)
+
+
+def _gemm_cells(gemms: list[dict]) -> list[str]:
+  """Kernel, dtypes, folded and passes of the GEMMs that share one role
+  (usually one; several are joined with " / ")."""
+  def passes(g):
+    parts = [f"{where} {_passes(g[key])}" for key, where in
+             (("pre", "in:"), ("post", "out:")) if g[key]]
+    return "; ".join(parts) or "-"
+  folded = {True: "yes", False: "no", None: "-"}
+  cols = (lambda g: g["kernel"], lambda g: f"{g['a']} x {g['b']} -> {g['out']}",
+          lambda g: f"{folded[g['folded']]} ({g['scales']})", passes)
+  return [" / ".join(dict.fromkeys(col(g) for g in gemms)) for col in cols]
+
+
+def compare_gemms_markdown(runs: list[tuple[str, list[dict]]],
+                           program: str = "layer") -> str:
+  """Per GEMM (Fprop/Dgrad/Wgrad) side by side for one program: each run's
+  kernel, operand and output dtypes, whether the scales are folded, and the
+  extra passes with their bytes."""
+  keys: dict[tuple, None] = {}
+  index: dict[tuple, dict] = {}
+  for label, recs in runs:
+    for r in recs:
+      if r["program"] != program:
+        continue
+      keys.setdefault((r["target"], r["triton"]), None)
+      index[(label, r["target"], r["triton"], r["recipe"])] = r
+  labels = [label for label, _ in runs]
+  out = []
+  for tname, triton in keys:
+    out += [f"#### {tname} ({TARGETS[tname].arch}), Triton GEMMs "
+            f"{'on' if triton else 'off'}, {program}: per GEMM", ""]
+    cols = ["recipe", "GEMM"]
+    for label in labels:
+      cols += [f"{label}: kernel", f"{label}: a x b -> out",
+               f"{label}: scales folded", f"{label}: extra passes"]
+    out += mdtable.head(cols, "ll" + "llll" * len(labels))
+    recipes = dict.fromkeys(rec for (lab, t, tr, rec) in index
+                            if (t, tr) == (tname, triton))
+    for recipe in recipes:
+      per_run = {}
+      roles: dict[str, None] = {}
+      for label in labels:
+        r = index.get((label, tname, triton, recipe))
+        by_role: dict[str, list[dict]] = {}
+        for g in (r or {}).get("gemms") or []:
+          by_role.setdefault(g["role"], []).append(g)
+          roles.setdefault(g["role"], None)
+        per_run[label] = (r, by_role)
+      for role in sorted(roles, key=_role_key) or ["-"]:
+        cells = [recipe, role]
+        for label in labels:
+          r, by_role = per_run[label]
+          if r is None:
+            cells += [None] * 4
+          elif r["status"] != "ok":
+            cells += ["failed", r.get("error", "").replace("|", "/")[:120],
+                      None, None]
+          elif role not in by_role:
+            cells += ["-"] * 4
+          else:
+            cells += _gemm_cells(by_role[role])
+        out.append(mdtable.row(*cells))
+    out.append("")
+  return "\n".join(out)
+
+
 # ==========================================================================
 # Driver: one worker process per (target, Triton flag)
 
@@ -1591,8 +1703,9 @@ def main(argv=None) -> int:
                  "and rewrite its tables (--json/--markdown; nothing is "
                  "compiled)")
   p.add_argument("--compare", nargs="+", metavar="LABEL=JSON",
-                 help="print condensed side-by-side tables of earlier runs' "
-                 "--json files (nothing is compiled)")
+                 help="print side-by-side tables of earlier runs' --json "
+                 "files: per recipe, then per layer GEMM (nothing is "
+                 "compiled)")
   p.add_argument("--worker", help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   if args.worker:
@@ -1617,6 +1730,8 @@ def main(argv=None) -> int:
       runs.append((label, json.loads(pathlib.Path(path).read_text())
                    ["records"]))
     text = compare_markdown(runs)
+    if any(r["program"] == "layer" for _, recs in runs for r in recs):
+      text += "\n" + compare_gemms_markdown(runs, "layer")
     print(text)
     if args.markdown:
       pathlib.Path(args.markdown).write_text(text)

@@ -254,6 +254,27 @@ def test_lowering_for_cuda_takes_the_gpu_forms(fake_cuda_library,
                                                              "sm_90")
 
 
+
+@pytest.mark.parametrize("name", ["fp8_current", "fp8_rowwise"])
+def test_one_device_lowering_is_the_same_under_a_mesh(
+    name, fake_cuda_library, monkeypatch):
+  """A mesh of one device leaves the GPU lowering exactly as without a mesh:
+  `qlayers.partition` (which a GEMM goes through under a mesh of several
+  devices, always where the table picks the native kernel, as for row-wise
+  FP8 on sm_90) is not in the program."""
+  monkeypatch.delenv("QLAYERS_BACKEND", raising=False)
+  f, args, _ = _fprop(name)
+  plain = _lowered(f, args, "cuda", "sm_90")
+  mesh = jax.make_mesh((1,), ("data",),
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  with jax.set_mesh(mesh):
+    meshed = _lowered(f, args, "cuda", "sm_90")
+  assert meshed == plain
+  if name == "fp8_rowwise":
+    assert "custom_call @qlayers_gemm_fp8_rowwise" in plain
+  else:
+    assert _fp8_dots(plain) == ["bf16"]
+
 def test_export_for_cpu_and_cuda_keeps_both_and_runs_the_cpu_one(monkeypatch):
   monkeypatch.delenv("QLAYERS_BACKEND", raising=False)
   f, args, _ = _fprop("mxfp4")

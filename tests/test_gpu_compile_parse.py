@@ -304,6 +304,38 @@ def test_attribute_merged_and_attention():
   assert gc.attribute(_gemm(7, 9, 11), layers, backward=None) == "other"
 
 
+# jax keeps `jax.nn.scaled_matmul` as a called computation: the cuDNN GEMM
+# of a square layer's Dgrad (cotangent x weight) sits behind a `call`.
+CALLED_CUDNN = """
+HloModule jit_step, is_scheduled=true
+
+%scaled_matmul.1 (lhs.0: f8e5m2[1,256,256], rhs.0: f8e4m3fn[1,256,256], ls.0: f8e8m0fnu[1,256,8], rs.0: f8e8m0fnu[1,256,8]) -> bf16[1,256,256] {
+  %lhs.0 = f8e5m2[1,256,256]{2,1,0} parameter(0)
+  %rhs.0 = f8e4m3fn[1,256,256]{2,1,0} parameter(1)
+  %ls.0 = f8e8m0fnu[1,256,8]{2,1,0} parameter(2)
+  %rs.0 = f8e8m0fnu[1,256,8]{2,1,0} parameter(3)
+  %cc.0 = (bf16[1,256,256]{2,1,0}, u8[0]{0}) custom-call(%lhs.0, %rhs.0, %ls.0, %rs.0), custom_call_target="__cudnn$blockScaledDot"
+  ROOT %r.0 = bf16[1,256,256]{2,1,0} get-tuple-element(%cc.0), index=0
+}
+
+ENTRY %main.5 (ct.1: f8e5m2[1,256,256], kernel.1: f8e4m3fn[1,256,256], s1.1: f8e8m0fnu[1,256,8], s2.1: f8e8m0fnu[1,256,8]) -> bf16[1,256,256] {
+  %ct.1 = f8e5m2[1,256,256]{2,1,0} parameter(0), metadata={op_name="ct"}
+  %kernel.1 = f8e4m3fn[1,256,256]{2,1,0} parameter(1), metadata={op_name="st['kernel'].value"}
+  %s1.1 = f8e8m0fnu[1,256,8]{2,1,0} parameter(2)
+  %s2.1 = f8e8m0fnu[1,256,8]{2,1,0} parameter(3)
+  ROOT %call.1 = bf16[1,256,256]{2,1,0} call(%ct.1, %kernel.1, %s1.1, %s2.1), to_apply=%scaled_matmul.1
+}
+"""
+
+
+def test_attribute_looks_through_a_called_computation():
+  comps = gc.parse_module(CALLED_CUDNN)
+  rec, = gc.describe(comps, [gc.LayerDims("dense", 256, 256, 256,
+                                          weight_param="kernel")],
+                     quantized=True, cotangent_params=("ct",))
+  assert rec["kernel"] == "cuDNN block-scaled"
+  assert rec["role"] == "dense Dgrad"
+
 def test_gemm_peak_by_operand_type_and_arch():
   h200, b200 = gc.TARGETS["h200"], gc.TARGETS["b200"]
   fp8 = _gemm(8, 8, 8)
@@ -401,6 +433,24 @@ def test_scaled_outside_sees_a_scale_multiply_after_the_gemm():
   comps = gc.parse_module(text)
   comp, g = gc.find_gemms(comps)[0]
   assert not gc.scaled_outside(comps, comp, g)
+  # Row-wise scales reach the output as a product of two broadcasts.
+  text = CUBLAS_F8.replace(
+      "%b.2 = f32[256,128]{1,0} broadcast(%p1.2), dimensions={}",
+      "%r.3 = f32[256,128]{1,0} broadcast(%p1.2), dimensions={}\n"
+      "  %c.3 = f32[256,128]{1,0} broadcast(%p1.2), dimensions={}\n"
+      "  %b.2 = f32[256,128]{1,0} multiply(%r.3, %c.3)")
+  comps = gc.parse_module(text)
+  comp, g = gc.find_gemms(comps)[0]
+  assert gc.scaled_outside(comps, comp, g)
+  # A multiply by a broadcast constant is the consumer's (an optimizer's
+  # moment decay, the attention's 1/sqrt(d)), not a scale.
+  text = CUBLAS_F8.replace(
+      "%b.2 = f32[256,128]{1,0} broadcast(%p1.2), dimensions={}",
+      "%k.2 = f32[] constant(0.1)\n"
+      "  %b.2 = f32[256,128]{1,0} broadcast(%k.2), dimensions={}")
+  comps = gc.parse_module(text)
+  comp, g = gc.find_gemms(comps)[0]
+  assert not gc.scaled_outside(comps, comp, g)
   comps = gc.parse_module(SPLIT_K)
   comp, g = gc.find_gemms(comps)[0]
   assert gc.scaled_outside(comps, comp, g)  # through the split-K reduce
@@ -491,6 +541,39 @@ def test_compare_puts_runs_side_by_side():
           "writes f32 x2 | 0.50x | failed | INTERNAL: boom | |") in text
   assert "| bf16 | 3 Triton | - | 1.00x | 3 Triton | - | 1.00x |" in text
 
+
+
+def test_compare_gemms_puts_each_layer_gemm_side_by_side():
+  def g(role, kernel, out, folded, post=()):
+    return {"role": role, "kernel": kernel, "a": "f8e4m3fn",
+            "b": "f8e4m3fn", "out": out, "folded": folded,
+            "scales": "a:f32[] b:const 1" if folded else "a:const 1 b:const 1",
+            "pre": [], "post": list(post), "issues": []}
+  def rec(gemms, program="layer", status="ok"):
+    return {"target": "h200", "triton": False, "program": program,
+            "recipe": "fp8_current", "status": status, "gemms": gemms,
+            "error": "INTERNAL: boom"}
+  pass_out = {"what": "convert fusion", "nbytes": 96 * 2**20}
+  before = [rec([g("dense Wgrad", "cuBLASLt FP8", "f32", False),
+                 g("dense Fprop", "cuBLASLt FP8", "f32", False, [pass_out])]),
+            rec([g("q+k+v Fprop", "Triton", "bf16", True)], program="block")]
+  after = [rec([g("dense Fprop", "cuBLASLt FP8", "bf16", True),
+                g("dense Wgrad", "cuBLASLt FP8", "f32", True)])]
+  text = gc.compare_gemms_markdown([("before", before), ("after", after)])
+  assert "#### h200 (sm_90), Triton GEMMs off, layer: per GEMM" in text
+  lines = [l for l in text.splitlines() if l.startswith("| fp8_current")]
+  # Fprop before Wgrad whatever order the records list them in; the block
+  # program's GEMMs are not in the layer table.
+  assert lines == [
+      "| fp8_current | dense Fprop | cuBLASLt FP8 | f8e4m3fn x f8e4m3fn -> "
+      "f32 | no (a:const 1 b:const 1) | out: convert fusion 96.0 MiB | "
+      "cuBLASLt FP8 | f8e4m3fn x f8e4m3fn -> bf16 | yes (a:f32[] b:const 1)"
+      " | - |",
+      "| fp8_current | dense Wgrad | cuBLASLt FP8 | f8e4m3fn x f8e4m3fn -> "
+      "f32 | no (a:const 1 b:const 1) | - | cuBLASLt FP8 | f8e4m3fn x "
+      "f8e4m3fn -> f32 | yes (a:f32[] b:const 1) | - |"]
+  failed = gc.compare_gemms_markdown([("after", [rec([], status="failed")])])
+  assert "| fp8_current | - | failed | INTERNAL: boom | | |" in failed
 
 def test_reparse_reads_kept_hlo_with_the_current_parser(tmp_path):
   rec = {"target": "h200", "triton": True, "program": "layer",
