@@ -503,9 +503,15 @@ def rdivide_rn(numerator: float, b: jax.Array) -> jax.Array:
   """
   _check_numerator(numerator)
   b = jnp.asarray(b, jnp.float32)
+
+  def cpu(b):
+    q = numerator / b
+    # |q| < 2**-126 needs b > numerator * 2**126, and b < 2**128: only a
+    # numerator below 4 can give a subnormal quotient.
+    return _flush_subnormal(q) if numerator < 4 else q
+
   return jax.lax.platform_dependent(
-      b, cpu=lambda b: _flush_subnormal(numerator / b),
-      default=functools.partial(rdivide_rn_integer, numerator))
+      b, cpu=cpu, default=functools.partial(rdivide_rn_integer, numerator))
 
 
 def _flush_subnormal(v: jax.Array) -> jax.Array:
