@@ -59,13 +59,13 @@ def value_and_grad(f: Callable[..., Any], argnums: int = 0, *,
       returned value is not scaled, the gradients are). ``None``: 1.
 
   Example:
-    >>> import jax.numpy as jnp, optax
+    >>> import jax.numpy as jnp
     >>> from flax import nnx
     >>> import qlayers
-    >>> model = qlayers.QuantDense(8, 4, recipe="fp8_delayed",
+    >>> layer = qlayers.QuantDense(8, 4, recipe="fp8_delayed",
     ...                            rngs=nnx.Rngs(0))
-    >>> loss_fn = lambda m, x: jnp.mean(m(x) ** 2)
-    >>> loss, grads = qlayers.value_and_grad(loss_fn)(model, jnp.ones((2, 8)))
+    >>> vg = qlayers.value_and_grad(lambda m, x: jnp.sum(m(x)))
+    >>> loss, grads = vg(layer, jnp.ones((2, 8)))
     >>> sorted(grads.keys())
     ['bias', 'kernel', 'quant']
   """

@@ -417,10 +417,10 @@ def mixed_precision(
 
   Example:
     >>> import jax.numpy as jnp, optax
-    >>> tx = mixed_precision(optax.sgd(0.5))
+    >>> tx = mixed_precision(optax.sgd(0.5), dynamic_loss_scale=True)
     >>> s = tx.init({"w": jnp.ones(2, jnp.bfloat16)})
-    >>> find_state(s, MasterWeightsState).master["w"].dtype
-    dtype('float32')
+    >>> float(find_state(s, LossScaleState).loss_scale)
+    32768.0
   """
   if dynamic_loss_scale and not skip_nonfinite:
     raise ValueError("dynamic_loss_scale needs skip_nonfinite=True: the "

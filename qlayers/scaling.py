@@ -71,6 +71,7 @@ __all__ = [
     "te_multiplier",
     "divide_rn",
     "rdivide_rn",
+    "rdivide_rn_integer",
     "check_fields",
     "e8m0_decode",
     "ScaleState",
@@ -413,6 +414,7 @@ def _f32_fields(value: float) -> tuple[int, int]:
 
 
 _F32_MAX = float(np.finfo(np.float32).max)
+_F32_TINY = float(np.finfo(np.float32).tiny)  # smallest normal, 2**-126
 
 
 def _pow2_ceil(v: jax.Array) -> jax.Array:
@@ -486,24 +488,61 @@ def divide_rn(a: jax.Array, divisor: float) -> jax.Array:
 def rdivide_rn(numerator: float, b: jax.Array) -> jax.Array:
   """``numerator / b`` correctly rounded (RNE) in FP32, for a constant numerator.
 
-  XLA:GPU lowers an FP32 division to PTX ``div.full.f32`` (an approximation
-  within 2 ulp), not the IEEE ``div.rn.f32`` that Transformer Engine's
-  ``__fdiv_rn`` is. This long-divides ``n * 2**48`` (``numerator = n *
-  2**k``, ``n`` odd) by the 24-bit significand of ``b`` in base-256 integer
-  steps, so every platform gets the IEEE quotient. Positive normal ``b`` with
-  a normal quotient take this path; anything else (zero, subnormal,
-  non-finite, an overflowing or subnormal quotient) falls back to the plain
-  division.
+  XLA:CPU divides with the IEEE instruction, so the CPU lowering is the plain
+  division. XLA:GPU lowers an FP32 division to PTX ``div.full.f32`` (an
+  approximation within 2 ulp), not the IEEE ``div.rn.f32`` that Transformer
+  Engine's ``__fdiv_rn`` is, so every other platform long-divides in integer
+  steps (`rdivide_rn_integer`). The branches are chosen by
+  ``lax.platform_dependent``: a program lowered for one platform holds only
+  its own.
 
   Args:
     numerator: positive finite Python number with an odd part below 128
       (448, 57344, 240, 1.0, ...).
     b: FP32 array.
   """
+  _check_numerator(numerator)
+  b = jnp.asarray(b, jnp.float32)
+
+  def cpu(b):
+    q = numerator / b
+    # |q| < 2**-126 needs b > numerator * 2**126, and b < 2**128: only a
+    # numerator below 4 can give a subnormal quotient.
+    return _flush_subnormal(q) if numerator < 4 else q
+
+  return jax.lax.platform_dependent(
+      b, cpu=cpu, default=functools.partial(rdivide_rn_integer, numerator))
+
+
+def _flush_subnormal(v: jax.Array) -> jax.Array:
+  """``v`` with subnormals replaced by signed zeros.
+
+  XLA:CPU computes with subnormals flushed, but a quotient that LLVM folds
+  at compile time (``1 / select(c, FLT_MAX, x)`` becomes a select of
+  ``1 / FLT_MAX``) keeps its subnormal; this makes both read as zero.
+  """
+  return jnp.where(jnp.abs(v) < _F32_TINY, v * 0.0, v)
+
+
+def _check_numerator(numerator: float) -> tuple[int, int]:
   n, k = _odd_part(numerator)
   if n >= 128:
     raise ValueError(f"rdivide_rn supports odd parts below 128; {numerator} "
                      f"has {n}.")
+  return n, k
+
+
+def rdivide_rn_integer(numerator: float, b: jax.Array) -> jax.Array:
+  """`rdivide_rn` on any platform, from integer operations only.
+
+  Long-divides ``n * 2**48`` (``numerator = n * 2**k``, ``n`` odd) by the
+  24-bit significand of ``b`` in base-256 integer steps and rounds to nearest
+  even from the remainder: the IEEE quotient wherever the platform's own
+  division is not. Positive normal ``b`` with a normal quotient take this
+  path; anything else (negative, zero, subnormal, non-finite, an overflowing
+  or subnormal quotient) falls back to the plain division.
+  """
+  n, k = _check_numerator(numerator)
   b = jnp.asarray(b, jnp.float32)
   bits = _bits(b)
   eb = ((bits >> 23) & 0xFF).astype(jnp.int32)
@@ -529,7 +568,8 @@ def rdivide_rn(numerator: float, b: jax.Array) -> jax.Array:
   # numerator / b = q * 2**(k - eb + 102), q ~ keep * 2**(t + carry).
   e = t.astype(jnp.int32) + carry.astype(jnp.int32) + k - eb + 252
   exact = _from_bits((e.astype(jnp.uint32) << 23) | (keep & 0x7FFFFF))
-  fast = (eb >= 1) & (eb <= 254) & (e >= 1) & (e <= 254)
+  positive = (bits >> 31) == 0
+  fast = positive & (eb >= 1) & (eb <= 254) & (e >= 1) & (e <= 254)
   return jnp.where(fast, exact, numerator / b)
 
 

@@ -390,17 +390,38 @@ def test_divisions_are_correctly_rounded_on_a_whole_binade(const):
   """divide_rn(a, c) and rdivide_rn(c, a) equal NumPy's IEEE FP32 division
   for all 2**23 significands (the quotient's significand depends on the
   significand only), where XLA's a / c (a * fl(1/c)) is 1 ulp off for about
-  half of them and XLA:GPU's c / a is div.full.f32 (2 ulp)."""
+  half of them and XLA:GPU's c / a is div.full.f32 (2 ulp). The integer
+  long division (the non-CPU branch of rdivide_rn) is checked here too."""
   a = _binade(120)
   got = np.asarray(jax.jit(lambda v: S.divide_rn(v, const))(a))
   np.testing.assert_array_equal(got.view(np.uint32),
                                 (a / np.float32(const)).view(np.uint32))
-  got = np.asarray(jax.jit(lambda v: S.rdivide_rn(const, v))(a))
-  np.testing.assert_array_equal(got.view(np.uint32),
-                                (np.float32(const) / a).view(np.uint32))
-  recip = np.asarray(jax.jit(lambda v: S.rdivide_rn(1.0, v))(a))
-  np.testing.assert_array_equal(recip.view(np.uint32),
-                                (np.float32(1) / a).view(np.uint32))
+  for rdivide in (S.rdivide_rn, S.rdivide_rn_integer):
+    got = np.asarray(jax.jit(lambda v, f=rdivide: f(const, v))(a))
+    np.testing.assert_array_equal(got.view(np.uint32),
+                                  (np.float32(const) / a).view(np.uint32))
+    recip = np.asarray(jax.jit(lambda v, f=rdivide: f(1.0, v))(a))
+    np.testing.assert_array_equal(recip.view(np.uint32),
+                                  (np.float32(1) / a).view(np.uint32))
+
+
+def test_rdivide_rn_lowers_only_its_platform_branch():
+  """On CPU the lowered program is one division, not the integer steps."""
+  text = jax.jit(lambda v: S.rdivide_rn(448.0, v)).lower(
+      jnp.ones((8,), jnp.float32)).as_text()
+  assert "divide" in text
+  assert "shift_left" not in text and "count_leading_zeros" not in text
+
+
+@pytest.mark.parametrize("const", [448.0, 1.0])
+def test_rdivide_rn_integer_edge_cases_fall_back_to_division(const):
+  """Zero, subnormal, huge and non-finite divisors (and quotients out of the
+  normal range) give the plain division's result."""
+  b = np.array([0.0, -0.0, 1e-40, 1e-38, 3e38, np.inf, -np.inf, np.nan,
+                -2.5, 1.0, 7.0], np.float32)
+  want = np.asarray(jax.jit(lambda v: const / v)(b))
+  got = np.asarray(jax.jit(lambda v: S.rdivide_rn_integer(const, v))(b))
+  np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
 def test_deepseek_tile_scales_are_exact_quotients():

@@ -24,7 +24,7 @@ from flax import nnx
 
 from qlayers.inspect import _tap
 from qlayers.inspect.collect import collect
-from qlayers.inspect.report import Report, matplotlib_pyplot
+from qlayers.inspect.report import Report, matplotlib_pyplot, save_figure
 
 __all__ = ["Monitor", "plot_amax_history"]
 
@@ -133,23 +133,19 @@ class Monitor:
         used = f"{layer}/{role}/history_used"
         if stat == "amax" and any(used in rec for rec in self.records):
           ax.plot(*self.series(used), "--", color=line.get_color())
-      ax.set_title(f"{role}: {stat}")
-      ax.set_xlabel("step")
-      if stat in ("amax", "scale"):
-        ax.set_yscale("log")
-      ax.grid(alpha=0.3)
-      if ax.has_data():
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    return _save(fig, plt, path)
+      _label(ax, f"{role}: {stat}", "step", log=stat in ("amax", "scale"))
+    return save_figure(fig, plt, path)
 
 
-def _save(fig, plt, path) -> pathlib.Path:
-  path = pathlib.Path(path)
-  path.parent.mkdir(parents=True, exist_ok=True)
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return path
+def _label(ax, title: str, xlabel: str, *, log: bool) -> None:
+  """Title, x label, log y axis if ``log``, grid, legend if anything drawn."""
+  ax.set_title(title)
+  ax.set_xlabel(xlabel)
+  if log:
+    ax.set_yscale("log")
+  ax.grid(alpha=0.3)
+  if ax.has_data():
+    ax.legend(fontsize=7)
 
 
 def plot_amax_history(model: nnx.Module, path: str | pathlib.Path, *,
@@ -176,11 +172,6 @@ def plot_amax_history(model: nnx.Module, path: str | pathlib.Path, *,
       n = int(seen[-1]) + 1  # entries past the oldest recorded step are empty
       ys = hist[:n][::-1]  # index 0 is the most recent step
       ax.plot(np.arange(-n + 1, 1), np.where(ys > 0, ys, math.nan), label=p)
-    ax.set_title(f"{role}: amax history")
-    ax.set_xlabel("step (0: the last completed)")
-    ax.set_yscale("log")
-    ax.grid(alpha=0.3)
-    if ax.has_data():
-      ax.legend(fontsize=7)
-  fig.tight_layout()
-  return _save(fig, plt, path)
+    _label(ax, f"{role}: amax history", "step (0: the last completed)",
+           log=True)
+  return save_figure(fig, plt, path)

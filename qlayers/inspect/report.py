@@ -203,12 +203,7 @@ class Report:
 
   def to_json(self, path: str | pathlib.Path | None = None) -> str:
     """`to_dict` as JSON text; also written to ``path`` if given."""
-    text = json.dumps(self.to_dict(), indent=1, allow_nan=False)
-    if path is not None:
-      path = pathlib.Path(path)
-      path.parent.mkdir(parents=True, exist_ok=True)
-      path.write_text(text + "\n")
-    return text
+    return dump_json(self.to_dict(), path)
 
   def plot(self, path: str | pathlib.Path, *, layers: str | None = None,
            title: str | None = None) -> pathlib.Path:
@@ -257,12 +252,7 @@ class Report:
     axes[-1].set_xticks(range(0, len(paths), every))
     axes[-1].set_xticklabels(paths[::every], rotation=90, fontsize=7)
     fig.suptitle(title or f"qlayers.inspect (loss {self.loss:.4g})")
-    fig.tight_layout()
-    path = pathlib.Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, plt, path)
 
 
 def _scatter(ax, xs, ys, marker, label):
@@ -289,6 +279,26 @@ def matplotlib_pyplot():
     raise ImportError("qlayers.inspect plots need matplotlib: pip install "
                       "matplotlib") from e
   return plt
+
+
+def save_figure(fig, plt, path: str | pathlib.Path) -> pathlib.Path:
+  """Lays out ``fig``, writes it to ``path`` (folders made) and closes it."""
+  fig.tight_layout()
+  path = pathlib.Path(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
+
+
+def dump_json(data, path: str | pathlib.Path | None = None) -> str:
+  """``data`` (from `jsonable`) as JSON text; also written to ``path``."""
+  text = json.dumps(data, indent=1, allow_nan=False)
+  if path is not None:
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text + "\n")
+  return text
 
 
 def jsonable(obj):

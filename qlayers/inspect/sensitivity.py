@@ -22,7 +22,6 @@ then measures, on the same batches:
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import pathlib
 import re
@@ -38,7 +37,7 @@ from qlayers import ops
 from qlayers.inspect import _tap
 from qlayers.inspect import masked
 from qlayers.inspect import numerics
-from qlayers.inspect.report import _grid, jsonable
+from qlayers.inspect.report import _grid, dump_json, jsonable
 from qlayers.layers.core import QuantGemm
 from qlayers.recipe import Recipe, recipe as load_recipe
 
@@ -197,12 +196,7 @@ class Sensitivity:
         "proposed": None if self.proposed is None else prop(self.proposed)})
 
   def to_json(self, path: str | pathlib.Path | None = None) -> str:
-    text = json.dumps(self.to_dict(), indent=1, allow_nan=False)
-    if path is not None:
-      path = pathlib.Path(path)
-      path.parent.mkdir(parents=True, exist_ok=True)
-      path.write_text(text + "\n")
-    return text
+    return dump_json(self.to_dict(), path)
 
 
 def _recipe_name(r) -> str | None:

@@ -178,20 +178,13 @@ class QuantEinsum(QuantLayer, nnx.Einsum):
       ``rngs``, ...).
 
   Example:
-    >>> import jax, jax.numpy as jnp
+    >>> import jax.numpy as jnp
     >>> from flax import nnx
     >>> import qlayers
     >>> layer = qlayers.QuantEinsum("btd,dnh->btnh", (64, 4, 16), (4, 16),
     ...                             recipe="mxfp8", rngs=nnx.Rngs(0))
-    >>> jax.tree.map(jnp.shape, nnx.state(layer, nnx.Param))
-    State({
-      'bias': Param(
-        value=(4, 16)
-      ),
-      'kernel': Param(
-        value=(64, 4, 16)
-      )
-    })
+    >>> layer.kernel.shape, layer.bias.shape, layer.recipe.name
+    ((64, 4, 16), (4, 16), 'mxfp8')
     >>> layer(jnp.ones((2, 3, 64))).shape
     (2, 3, 4, 16)
   """
