@@ -101,7 +101,9 @@ class Config:
     keep_wide: a regex of module paths (``re.search``) that every recipe run
       keeps unquantized besides the embedding and the head (e.g. a
       ``qlayers.inspect.sensitivity`` proposal); those runs are named
-      ``RECIPE+wide`` and held to ``RECIPE``'s tolerance.
+      ``RECIPE+wide`` and held to ``RECIPE``'s tolerance. Every recipe
+      runs wide unless ``recipes`` names a ``+wide`` run itself: then only
+      those do (``--recipes mxfp4,mxfp4+wide`` trains both).
   """
 
   recipes: tuple[str, ...] = ("fp8_delayed",)
@@ -148,8 +150,10 @@ class Config:
   @property
   def runs(self) -> tuple[str, ...]:
     """The baseline first, then the recipes (the baseline only once),
-    named ``RECIPE+wide`` under ``keep_wide``."""
-    wide = WIDE if self.keep_wide else ""
+    named ``RECIPE+wide`` under ``keep_wide`` unless some recipe already
+    is (then the names are taken as they are)."""
+    explicit = any(r.endswith(WIDE) for r in self.recipes)
+    wide = WIDE if self.keep_wide and not explicit else ""
     return (self.baseline,) + tuple(
         r if r.endswith(WIDE) else r + wide for r in self.recipes
         if r != self.baseline)
@@ -190,7 +194,11 @@ def parse_args(argv=None) -> Config:
   recipe = args.pop("recipe")
   if recipe is not None:
     args["recipes"] = (recipe,)
-  cli.check(p, args, at_least={
+  if any(r.endswith(WIDE) for r in args["recipes"]) and not args["keep_wide"]:
+    p.error(f"--recipes: a {WIDE} run needs --keep-wide (the layers it keeps "
+            "wide)")
+  named = tuple(r.removesuffix(WIDE) for r in args["recipes"])
+  cli.check(p, {**args, "recipes": named}, at_least={
       "steps": 1, "batch_size": 1, "seq_len": 1, "d_model": 2, "layers": 1,
       "heads": 1, "d_ff": 0, "warmup": -1, "eval_every": 1,
       "eval_batches": 1, "sample_tokens": 0})

@@ -52,5 +52,12 @@ def test_sensitivity_mode_and_keep_wide(tmp_path):
   assert set(out["summary"]) == {"bf16", "mxfp4+wide"}
   assert train_lm.parse_args(["--keep-wide", "x"]).tolerance_for(
       "mxfp4+wide") == 3.0
+  both = ["--recipes", "mxfp4,mxfp4+wide", "--keep-wide", "x"]
+  assert train_lm.parse_args(both).runs == ("bf16", "mxfp4", "mxfp4+wide")
+  assert train_lm.parse_args(both[:1] + ["mxfp4,fp8_delayed"] + both[2:]
+                             ).runs == ("bf16", "mxfp4+wide",
+                                        "fp8_delayed+wide")
+  with pytest.raises(SystemExit):  # a +wide run without the layers to keep
+    train_lm.parse_args(["--recipes", "mxfp4,mxfp4+wide"])
   with pytest.raises(ValueError, match="decide no layer"):
     train_lm.main([*common, "--keep-wide", "^nothing$"])
