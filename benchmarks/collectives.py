@@ -23,7 +23,8 @@ _DTYPE_BYTES = {
     "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
 }
 _INSTR = re.compile(
-    r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<type>\([^=]*?\)|[\w]+\[[^\]]*\]"
+    # A tuple type of 6+ arrays carries "/*index=5*/" comments (with "=").
+    r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<type>\(.*?\)|[\w]+\[[^\]]*\]"
     r"(?:\{[^}]*\})?)\s+(?P<op>" + "|".join(OPS) + r")(?P<start>-start)?\(")
 _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
 
