@@ -33,8 +33,9 @@ Scale rules (``amax`` = max |x| over the unit):
   Both MX rules read exponents off the bits, give code 0 (2**-127) to an
   all-zero block and the NaN code 0xFF to a block holding Inf or NaN.
 
-Non-finite values: every amax maps NaN to +Inf before its max reduction (XLA
-on CPU can drop a NaN there), and a unit (tensor, row, tile, block) whose
+Non-finite values: every amax is an integer max of the magnitude bits, in
+which a NaN ranks above +Inf and is read back as +Inf (a float max on XLA:CPU
+can drop a NaN; see `_max_magnitude`), and a unit (tensor, row, tile, block) whose
 amax is not finite gets a NaN scale, so the GEMMs that read it give
 non-finite outputs, which a training step detects and skips. Divisions are
 computed so that they are the IEEE FP32 quotient on every platform (XLA
@@ -360,7 +361,7 @@ def _apply_blocks(values, scale, block, op):
 
 def _block_amax(x: jax.Array, block: tuple[int, ...]) -> jax.Array:
   """max |x| per block; +Inf for a block holding Inf or NaN (see `amax`)."""
-  return jnp.max(_split_blocks(_abs_for_max(x), block), axis=_block_axes(block))
+  return _max_magnitude(_split_blocks(x, block), _block_axes(block))
 
 
 def _pad(x: jax.Array, padded: tuple[int, ...]) -> jax.Array:
@@ -373,25 +374,72 @@ def _pad(x: jax.Array, padded: tuple[int, ...]) -> jax.Array:
 # Scale rules
 
 
-def _abs_for_max(x: jax.Array) -> jax.Array:
-  """|x| with NaN mapped to +Inf, ready for a max reduction.
+def _magnitude_bits(x: jax.Array) -> jax.Array:
+  """The bits of ``|x|`` as unsigned integers (same width as ``x``).
 
-  XLA:CPU's vectorized max reduction drops a NaN of an FP32 array of 4096 or
-  more elements unless it is the last of its block, so NaN is never left to
-  the reduction: +Inf survives any max, and every scale rule treats an
-  infinite amax as "this unit holds Inf or NaN". On GPU the select fuses
-  into the reduction; XLA:CPU's YNNPACK reduction fusion takes abs but not
-  a select, so there it is one more elementwise pass. Formats without Inf
-  (FP8 inputs) are widened first.
+  For non-negative IEEE floats the order of the bit patterns as unsigned
+  integers is the order of the values, and every NaN (exponent all ones,
+  mantissa non-zero) lies above +Inf: an integer max of these is the bits
+  of max |x|, or a NaN pattern, which `_amax_from_bits` maps to +Inf.
+  """
+  utype = np.dtype(f"uint{np.dtype(x.dtype).itemsize * 8}")
+  sign = 1 << (utype.itemsize * 8 - 1)
+  return jax.lax.bitcast_convert_type(x, utype) & utype.type(sign - 1)
+
+
+def _amax_from_bits(top: jax.Array, dtype) -> jax.Array:
+  """Reduced `_magnitude_bits` as ``dtype`` values, NaN patterns as +Inf."""
+  inf = np.array(np.inf, dtype).view(top.dtype)
+  return jax.lax.bitcast_convert_type(jnp.minimum(top, inf), dtype)
+
+
+def _chunk(n: int) -> int:
+  """The largest divisor of ``n`` that is at most 32."""
+  return next(k for k in range(min(n, 32), 0, -1) if n % k == 0)
+
+
+def _max_magnitude(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
+  """max |x| over ``axes``, in ``x``'s dtype (FP32 for formats under 16
+  bits, which have no Inf); +Inf where the reduced values hold Inf or NaN.
+
+  No float comparison reads ``x``: XLA:CPU's vectorized float max reduction
+  drops a NaN of an FP32 array of 4096 or more elements unless it is the
+  last of its block, and its YNNPACK reduction takes no NaN-to-Inf select
+  (one more elementwise pass). The magnitude bits are max-reduced as
+  unsigned integers instead, exact on every platform. XLA:CPU fuses an
+  integer reduction into its producer only over at most 32 elements (longer
+  ones become unfused reduce-window trees), so there the last reduced axis
+  is split into chunks of at most 32: an integer max over each chunk, fused
+  with the bit operations in one pass over ``x``, then a float max (of
+  NaN-free values, 1/32 as many) over the rest. Elsewhere (XLA:GPU fuses
+  any reduction with its producers) it is one integer reduction.
   """
   if jnp.finfo(x.dtype).bits < 16:
     x = x.astype(jnp.float32)
-  return jnp.where(jnp.isnan(x), jnp.inf, jnp.abs(x))
+  dtype = x.dtype
+  axes = tuple(sorted(a % x.ndim for a in axes))
+  mags = _magnitude_bits(x)
+
+  def default(mags):
+    return _amax_from_bits(jnp.max(mags, axis=axes), dtype)
+
+  def cpu(mags):
+    if not axes:
+      return _amax_from_bits(mags, dtype)
+    last = axes[-1]
+    n = mags.shape[last]
+    k = _chunk(n)
+    split = mags.reshape(*mags.shape[:last], n // k, k, *mags.shape[last + 1:])
+    part = _amax_from_bits(jnp.max(split, axis=last + 1), dtype)
+    return jnp.max(part, axis=axes)
+
+  return jax.lax.platform_dependent(mags, cpu=cpu, default=default)
 
 
 def amax(x: jax.Array) -> jax.Array:
-  """max |x| as FP32; +Inf if ``x`` holds any Inf or NaN."""
-  return jnp.max(_abs_for_max(x)).astype(jnp.float32)
+  """max |x| as FP32; +Inf if ``x`` holds any Inf or NaN (see
+  `_max_magnitude`)."""
+  return _max_magnitude(x, tuple(range(x.ndim))).astype(jnp.float32)
 
 
 def _bits(v: jax.Array) -> jax.Array:

@@ -347,10 +347,11 @@ def test_fp32_subnormal_inputs_follow_the_platform():
   sub = np.float32(3 * 2.0**-130)
   x = jnp.zeros((1, 32)).at[0, 0].set(sub)
   q = jquantize(x, mx("e4m3", "mx_rceil"))
+  # amax is an integer max of the bits: exact on every platform.
+  assert np.float32(S.amax(x)) == sub
   if FTZ:
     assert int(q.scale[0, 0]) == 0
     assert np.all(np.asarray(q.elements()) == 0)
-    assert float(S.amax(x)) == 0.0
   else:
     assert int(q.scale[0, 0]) == 0  # 2**-127: payload 3 * 2**-3
     assert float(q.elements()[0, 0]) == 0.375
