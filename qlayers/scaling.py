@@ -213,8 +213,9 @@ class QuantSpec:
                        f"{self.block_size}.")
     if gran in _DEFAULT_BLOCK and self.block_size <= 0:
       raise ValueError(f"block_size must be positive, got {self.block_size}.")
-    if self.margin < 0:
-      raise ValueError(f"margin must be >= 0, got {self.margin}.")
+    if not 0 <= self.margin <= _MAX_MARGIN:
+      raise ValueError(f"margin must be in [0, {_MAX_MARGIN}], got "
+                       f"{self.margin}.")
     if self.margin and rule != "te":
       raise ValueError("margin applies to the 'te' scale rule only.")
     if self.pow2 and rule.startswith("mx_"):
@@ -463,6 +464,9 @@ def _f32_fields(value: float) -> tuple[int, int]:
 
 _F32_MAX = float(np.finfo(np.float32).max)
 _F32_TINY = float(np.finfo(np.float32).tiny)  # smallest normal, 2**-126
+# Largest TE margin for which max * 2**-margin and 2**margin are normal FP32
+# for every element format (max >= 6), so a zero amax gives s = 1 exactly.
+_MAX_MARGIN = 126
 
 
 def _pow2_ceil(v: jax.Array) -> jax.Array:
@@ -553,10 +557,20 @@ def rdivide_rn(numerator: float, b: jax.Array) -> jax.Array:
   b = jnp.asarray(b, jnp.float32)
 
   def cpu(b):
-    q = numerator / b
     # |q| < 2**-126 needs b > numerator * 2**126, and b < 2**128: only a
     # numerator below 4 can give a subnormal quotient.
-    return _flush_subnormal(q) if numerator < 4 else q
+    if numerator >= 4:
+      return numerator / b
+    n, k = _odd_part(numerator)
+    if n == 1:
+      # numerator = 2**k: |fl(2**k / b)| < 2**-126 exactly when |b| >
+      # 2**(k + 126) (just above, the quotient is within 2**-172 of the
+      # largest subnormal), so such b become +-Inf and the division gives
+      # the signed zero itself; the flush then fuses into the division
+      # instead of into each consumer of the quotient.
+      b = jnp.where(jnp.abs(b) > 2.0**(k + 126), b * jnp.inf, b)
+      return numerator / b
+    return _flush_subnormal(numerator / b)
 
   return jax.lax.platform_dependent(
       b, cpu=cpu, default=functools.partial(rdivide_rn_integer, numerator))
@@ -634,13 +648,23 @@ def te_multiplier(amax_value: jax.Array, fmt: Format, *, margin: int = 0,
   max (TE's ``value_for_inf``); a non-finite amax (the unit holds Inf or
   NaN) gives NaN, which makes the payload, and any GEMM of it, non-finite.
   """
+  if not 0 <= margin <= _MAX_MARGIN:
+    raise ValueError(f"margin must be in [0, {_MAX_MARGIN}], got {margin}.")
   a = jnp.asarray(amax_value, jnp.float32)
-  s = rdivide_rn(fmt.max, a) * (2.0**-margin)  # / 2**margin, exactly
-  s = jnp.where(jnp.isinf(s), _F32_MAX, s)
+  # Special amaxes are replaced before the division, so the quotient needs
+  # one clamp: zero by max * 2**-margin (then s = 2**margin * 2**-margin = 1
+  # exactly), Inf/NaN by NaN (XLA's min propagates NaN). An amax is never
+  # negative; for one the clamp leaves -Inf (max / -tiny) as it is.
+  a0 = jnp.where(a == 0, fmt.max * 2.0**-margin, a)
+  if not pow2:
+    a0 = jnp.where(jnp.isfinite(a), a0, jnp.nan)
+  s = rdivide_rn(fmt.max, a0)
+  s = jnp.minimum(s * (2.0**-margin), _F32_MAX)  # / 2**margin, exactly
   if pow2:
+    # Clearing the mantissa would turn a NaN into Inf: NaN comes after.
     s = _from_bits(_bits(s) & jnp.uint32(0xFF800000))
-  s = jnp.where(a == 0, 1.0, s)
-  return jnp.where(jnp.isfinite(a), s, jnp.nan)
+    s = jnp.where(jnp.isfinite(a), s, jnp.nan)
+  return s
 
 
 def te_scale(amax_value: jax.Array, fmt: Format, *, margin: int = 0,
