@@ -703,19 +703,22 @@ def mx_scale_codes(amax_value: jax.Array, fmt: Format,
   ``amax > max * 2**k``. Exponents clamp to [-127, 127]; zero blocks get
   code 0 (2**-127); Inf/NaN blocks get 0xFF.
   """
-  a = amax_value.astype(jnp.float32)
-  e = _biased_exponent(a) - 127  # floor(log2 a); -127 for zero/subnormal
+  bits = _bits(amax_value)
+  eb = (bits >> 23) & 0xFF  # biased: floor(log2 a) + 127; 0 for zero
+  # code = max(e + 127, 0) with e the unbiased scale exponent, in unsigned
+  # arithmetic: max(eb + d, k) - k for e + 127 = eb + d - k. A finite amax
+  # never reaches the upper clamp (eb <= 254, k >= 2: every element format's
+  # max is at least 4), and zero or subnormal amaxes (eb = 0) give code 0.
   if rule == "mx_floor":
-    e = e - fmt.emax
+    k = fmt.emax
+    code = jnp.maximum(eb, k) - k
   elif rule == "mx_rceil":
-    e_max, m_max = _f32_fields(fmt.max)
-    above = (_bits(a) & 0x7FFFFF) > m_max
-    e = e - e_max + above.astype(jnp.int32)
+    k, m_max = _f32_fields(fmt.max)
+    above = ((bits & 0x7FFFFF) > m_max).astype(jnp.uint32)
+    code = jnp.maximum(eb + above, k) - k
   else:
     raise ValueError(f"{rule!r} is not an MX scale rule.")
-  code = jnp.clip(e, -127, 127) + 127
-  code = jnp.where(a == 0, 0, code)
-  code = jnp.where(jnp.isfinite(a), code, 255)
+  code = jnp.where(eb == 255, 255, code)  # Inf or NaN
   return code.astype(jnp.uint8)
 
 
@@ -727,8 +730,14 @@ def e8m0_decode(codes: jax.Array) -> jax.Array:
   on CPU a block scaled by it (amax below ~2**-118) dequantizes to zeros.
   """
   c = codes.astype(jnp.uint32)
-  v = _from_bits(jnp.where(c == 0, jnp.uint32(0x400000), c << 23))
-  return jnp.where(c == 255, jnp.nan, v)
+  return jnp.where(c == 255, jnp.nan, _from_bits(_e8m0_bits(c)))
+
+
+def _e8m0_bits(c: jax.Array) -> jax.Array:
+  """FP32 bits of ``2**(c - 127)`` for uint32 ``c`` in [0, 254]: the exponent
+  field ``c``, or for code 0 the subnormal 2**-127 (0x400000, the only
+  pattern below 0x800000 that it can be)."""
+  return jnp.maximum(c << 23, jnp.uint32(0x400000))
 
 
 # ----------------------------------------------------------------------------
@@ -906,7 +915,9 @@ def _unit_scales(a: jax.Array, spec: QuantSpec) -> tuple[jax.Array, jax.Array]:
     scale = _deepseek_scale(a, fmt, spec.pow2)
     return rdivide_rn(1.0, scale), scale
   codes = mx_scale_codes(a, fmt, spec.scale_rule)
-  mult = e8m0_decode(254 - codes.astype(jnp.int32))  # 2**-e, exact
+  # 2**-e = 2**(127 - code), the E8M0 value of code 254 - code, exact; code
+  # 255 wraps around (uint32) and is replaced.
+  mult = _from_bits(_e8m0_bits(254 - codes.astype(jnp.uint32)))
   return jnp.where(codes == 255, 0.0, mult), codes
 
 
