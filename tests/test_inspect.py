@@ -2,6 +2,7 @@
 no state change, no trace change when off, sensitivity, the training hook."""
 
 import csv
+import importlib
 import json
 import math
 
@@ -291,6 +292,36 @@ def test_dot_general_callers_and_repeated_layers():
       ("gen", 0, "x"), ("gen", 0, "w"), ("gen", 0, "g")]
   assert rep.row("gen", "x").format == "e4m3"
   assert "lin#1/x/sqnr_db" in rep.scalars()
+
+
+def test_identical_layers_share_one_statistics_program():
+  """The statistics are measured outside the pass, one program per distinct
+  (shapes, recipe): a deep stack of equal layers compiles them once, and
+  each layer still gets its own numbers."""
+  collect_module = importlib.import_module("qlayers.inspect.collect")
+
+  class Stack(nnx.Module):
+    def __init__(self, rngs):
+      self.layers = nnx.List([
+          qlayers.QuantDense(96, 96, recipe="fp8_delayed", rngs=rngs)
+          for _ in range(4)])
+
+    def __call__(self, x):
+      for layer in self.layers:
+        x = jnp.tanh(layer(x))
+      return x
+
+  model = Stack(nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (16, 96), jnp.float32)
+  programs = (collect_module._forward_stats._cache_size(),
+              collect_module._backward_stats._cache_size())
+  rep = qlayers.inspect.collect(model, mse, x)
+  assert (collect_module._forward_stats._cache_size() - programs[0],
+          collect_module._backward_stats._cache_size() - programs[1]) == (1, 1)
+  w = [rep.row(f"layers/{i}", "w").amax for i in range(4)]
+  np.testing.assert_allclose(
+      w, [float(jnp.max(jnp.abs(l.kernel[...]))) for l in model.layers])
+  assert len(set(w)) == 4
 
 
 def test_layers_outside_quantgemm_are_listed():

@@ -7,16 +7,18 @@ GEMM through a tap (`qlayers.inspect._tap`) that
 
 * runs the real op (`ops.quantized_matmul`), so the loss and every gradient
   are what a training step computes;
-* rebuilds the quantized copies of ``x`` and ``w`` each GEMM consumes
-  (`numerics.forward_stats`: the same specs, axes, delayed scales from the
-  stored history, Hadamard transforms) and measures them;
-* passes the output through an identity whose backward rule sees the output
-  gradient ``g`` and measures its copies and the Dgrad/Wgrad outputs
-  (`numerics.backward_stats`).
+* sends the operands ``x`` and ``w`` (and the delayed-scaling state the GEMM
+  scaled them by) out of the computation through ``jax.debug.callback``;
+* passes the output through an identity whose backward rule sends the
+  output gradient ``g`` out the same way.
 
-The statistics leave the computation through ``jax.debug.callback`` (a few
-scalars per layer). The tap exists only during that trace: a model that is
-not being inspected traces exactly as before.
+The statistics are measured afterwards, one small jitted program per
+distinct (operand shapes, recipe, backend) (`numerics.forward_stats`:
+the same specs, axes, delayed scales from the stored history, Hadamard
+transforms; `numerics.backward_stats`). A model of 30 identical blocks
+compiles them once, not 30 times inside the pass: the pass itself compiles
+like a training step's forward and backward. The tap exists only during
+that trace: a model that is not being inspected traces exactly as before.
 """
 
 from __future__ import annotations
@@ -53,12 +55,13 @@ class _Site:
   backend: str | None
 
 
-# Records of the pass that is running: (site, "fwd" | "bwd", stats).
+# Records of the pass that is running: (site, "fwd" | "bwd", host arrays):
+# "fwd" holds (x, w, state) as the GEMM consumed them, "bwd" the gradient g.
 _records: list[tuple[_Site, str, Any]] = []
 
 
-def _put(site: _Site, kind: str, stats) -> None:
-  _records.append((site, kind, jax.tree.map(np.asarray, stats)))
+def _put(site: _Site, kind: str, arrays) -> None:
+  _records.append((site, kind, jax.tree.map(np.asarray, arrays)))
 
 
 # ----------------------------------------------------------------------------
@@ -66,23 +69,20 @@ def _put(site: _Site, kind: str, stats) -> None:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _probe(site: _Site, y, x, w, state):
-  del x, w, state
+def _probe(site: _Site, y):
   return y
 
 
-def _probe_fwd(site, y, x, w, state):
+def _probe_fwd(site, y):
   del site
-  return y, (x, w, state)
+  return y, None
 
 
 def _probe_bwd(site, res, g):
-  x, w, state = res
-  stats = numerics.backward_stats(g.reshape(-1, g.shape[-1]), x, w,
-                                  site.recipe, state, site.backend)
-  jax.debug.callback(functools.partial(_put, site, "bwd"), stats)
-  zeros = jax.tree.map(jnp.zeros_like, (x, w, state))
-  return (g, *zeros)
+  del res
+  jax.debug.callback(functools.partial(_put, site, "bwd"),
+                     g.reshape(-1, g.shape[-1]))
+  return (g,)
 
 
 _probe.defvjp(_probe_fwd, _probe_bwd)
@@ -104,12 +104,11 @@ class _Collector:
     use = self.calls.get(path, 0)
     self.calls[path] = use + 1
     site = _Site(path, use, sum(self.calls.values()) - 1, recipe, backend)
-    x2 = x.reshape(-1, x.shape[-1])
-    jax.debug.callback(functools.partial(_put, site, "fwd"),
-                       numerics.forward_stats(x2, w, recipe, state, backend))
     sg = jax.lax.stop_gradient
-    y = _probe(site, y, sg(x2), sg(w), None if state is None else sg(state))
-    return y, new_state
+    operands = (sg(x.reshape(-1, x.shape[-1])), sg(w),
+                numerics.plain_state(state))
+    jax.debug.callback(functools.partial(_put, site, "fwd"), operands)
+    return _probe(site, y), new_state
 
 
 def _pass(graphdef, loss_fn, state, args, kwargs):
@@ -184,11 +183,49 @@ def collect(model: nnx.Module, loss_fn: Callable[..., jax.Array], *args,
     records = list(_records)
   finally:
     _records.clear()
-  return _report(model, records, loss)
+  return _report(model, _measure(records), loss)
 
 
 # ----------------------------------------------------------------------------
-# Records -> Report
+# Records -> statistics -> Report
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _forward_stats(recipe: Recipe, backend, x, w, state):
+  return numerics.forward_stats(x, w, recipe, state, backend)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _backward_stats(recipe: Recipe, backend, g, x, w, state):
+  return numerics.backward_stats(g, x, w, recipe, state, backend)
+
+
+def _measure(records) -> list[tuple[_Site, str, Any]]:
+  """The operands each site recorded -> its statistics records.
+
+  Later records of a site replace earlier ones (a remat recomputes the
+  forward; a loop transform runs a layer once per iteration: the last one
+  is measured).
+  """
+  sites: dict[tuple[str, int], _Site] = {}
+  raw: dict[tuple[str, int], dict[str, Any]] = {}
+  for site, kind, arrays in records:
+    key = (site.path, site.use)
+    sites[key] = site
+    raw.setdefault(key, {})[kind] = arrays
+  out = []
+  for key, got in raw.items():
+    site = sites[key]
+    if "fwd" not in got:
+      continue
+    x, w, state = got["fwd"]
+    stats = _forward_stats(site.recipe, site.backend, x, w, state)
+    out.append((site, "fwd", jax.tree.map(np.asarray, stats)))
+    if "bwd" in got:
+      stats = _backward_stats(site.recipe, site.backend, got["bwd"], x, w,
+                              state)
+      out.append((site, "bwd", jax.tree.map(np.asarray, stats)))
+  return out
 
 
 def _f(v) -> float:

@@ -60,7 +60,7 @@ def _amax(t, state, role, recipe):
   """The amax a delayed scale comes from (None for current scaling)."""
   if not recipe.delayed:
     return None
-  return numerics._amaxes(t, numerics._plain(state), role, recipe)[0]
+  return numerics._amaxes(t, numerics.plain_state(state), role, recipe)[0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))

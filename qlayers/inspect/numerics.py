@@ -188,7 +188,7 @@ def history_stats(st: ScaleState, current, algo: str) -> dict[str, jax.Array]:
 # Every operand of a matmul
 
 
-def _plain(state):
+def plain_state(state):
   """Delayed state as plain FP32 constants (or None)."""
   if state is None:
     return None
@@ -226,7 +226,7 @@ def forward_stats(x: jax.Array, w: jax.Array, recipe: Recipe, state=None,
   SQNR}, "history": {role: history_stats} or {}}``.
   """
   x, w = lax.stop_gradient(x), lax.stop_gradient(w)
-  state = _plain(state)
+  state = plain_state(state)
   ax, hx = _amaxes(x, state, "x", recipe)
   aw, hw = _amaxes(w, state, "w", recipe)
   sx, cx = _role_stats(x, "x", ax, recipe, backend)
@@ -245,7 +245,7 @@ def backward_stats(g: jax.Array, x: jax.Array, w: jax.Array, recipe: Recipe,
   operands). Returns ``{"g": {gemm: stats}, "out": {gemm: SQNR},
   "history": {"g": history_stats} or {}}``."""
   g, x, w = (lax.stop_gradient(t) for t in (g, x, w))
-  state = _plain(state)
+  state = plain_state(state)
   ag, hg = _amaxes(g, state, "g", recipe)
   ax, _ = _amaxes(x, state, "x", recipe)
   aw, _ = _amaxes(w, state, "w", recipe)
