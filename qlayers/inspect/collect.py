@@ -160,7 +160,10 @@ def collect(model: nnx.Module, loss_fn: Callable[..., jax.Array], *args,
   ``loss_fn`` (pass the same function object to reuse it). Layers that
   run their GEMM outside `QuantGemm.matmul` / ``__call__`` (`QuantLogits`)
   or quantize nothing are listed in `Report.skipped`. A layer run inside a
-  loop transform (``nnx.scan``, ``lax.map``) reports one iteration.
+  loop transform (``nnx.scan``, ``lax.map``) reports one iteration. The
+  operands of every quantized GEMM (x, w, g) are copied to host memory
+  until they are measured: about the model's weights plus two activations
+  per layer.
 
   Example:
     >>> import jax.numpy as jnp
