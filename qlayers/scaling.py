@@ -451,11 +451,6 @@ def _from_bits(b: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(b.astype(jnp.uint32), jnp.float32)
 
 
-def _biased_exponent(v: jax.Array) -> jax.Array:
-  """The 8-bit exponent field of FP32 ``v`` as int32 (0: zero/subnormal)."""
-  return ((_bits(v) >> 23) & 0xFF).astype(jnp.int32)
-
-
 def _f32_fields(value: float) -> tuple[int, int]:
   """(unbiased exponent, 23-bit mantissa field) of a normal FP32 constant."""
   b = int(np.float32(value).view(np.uint32))

@@ -186,7 +186,7 @@ def collect(model: nnx.Module, loss_fn: Callable[..., jax.Array], *args,
     records = list(_records)
   finally:
     _records.clear()
-  return _report(model, _measure(records), loss)
+  return _report(model, *_measure(records), loss)
 
 
 # ----------------------------------------------------------------------------
@@ -203,8 +203,10 @@ def _backward_stats(recipe: Recipe, backend, g, x, w, state):
   return numerics.backward_stats(g, x, w, recipe, state, backend)
 
 
-def _measure(records) -> list[tuple[_Site, str, Any]]:
-  """The operands each site recorded -> its statistics records.
+def _measure(records) -> tuple[dict, dict]:
+  """The operands each site recorded -> ``(sites, stats)``, both keyed by
+  ``(path, use)``; ``stats[key]`` holds ``"fwd"`` (and ``"bwd"`` when the
+  gradient reached the layer) statistics.
 
   Later records of a site replace earlier ones (a remat recomputes the
   forward; a loop transform runs a layer once per iteration: the last one
@@ -216,19 +218,19 @@ def _measure(records) -> list[tuple[_Site, str, Any]]:
     key = (site.path, site.use)
     sites[key] = site
     raw.setdefault(key, {})[kind] = arrays
-  out = []
+  stats = {}
   for key, got in raw.items():
     site = sites[key]
     if "fwd" not in got:
       continue
     x, w, state = got["fwd"]
-    stats = _forward_stats(site.recipe, site.backend, x, w, state)
-    out.append((site, "fwd", jax.tree.map(np.asarray, stats)))
+    stats[key] = {"fwd": _forward_stats(site.recipe, site.backend, x, w,
+                                        state)}
     if "bwd" in got:
-      stats = _backward_stats(site.recipe, site.backend, got["bwd"], x, w,
-                              state)
-      out.append((site, "bwd", jax.tree.map(np.asarray, stats)))
-  return out
+      stats[key]["bwd"] = _backward_stats(site.recipe, site.backend,
+                                          got["bwd"], x, w, state)
+  stats = jax.tree.map(np.asarray, stats)
+  return {key: sites[key] for key in stats}, stats
 
 
 def _f(v) -> float:
@@ -260,13 +262,7 @@ def _nan_last(v: float) -> float:
   return math.inf if math.isnan(v) else v
 
 
-def _report(model, records, loss: float) -> Report:
-  by_site: dict[tuple[str, int], dict[str, Any]] = {}
-  sites: dict[tuple[str, int], _Site] = {}
-  for site, kind, stats in records:  # later records of a site replace
-    key = (site.path, site.use)     # earlier ones (remat recomputes)
-    sites[key] = site
-    by_site.setdefault(key, {})[kind] = stats
+def _report(model, sites: dict, by_site: dict, loss: float) -> Report:
   rows, outputs = [], []
   for key in sorted(by_site, key=lambda k: sites[k].order):
     site, got = sites[key], by_site[key]
