@@ -186,6 +186,32 @@ def _operand(t, spec, axis, amax, key, recipe: Recipe, backend=None):
                    key=key if spec.stochastic else None, backend=backend)
 
 
+def _rows(t):
+  """``t (..., K)`` as ``(M, K)``."""
+  return t if t.ndim == 2 else t.reshape(-1, t.shape[-1])
+
+
+def _operand_rows(t, spec, axis, amax, key, recipe: Recipe, backend=None):
+  """`_operand` of ``_rows(t)`` for ``t (..., C)``.
+
+  An elementwise quantization (per tensor, in the layout given: no
+  transpose) is made of ``t`` itself and only its payload is flattened, so
+  the GEMM's reshape does not sit between the caller's ops and the
+  quantize chain (XLA's simplifier then moves it through that chain one op
+  per round). Other granularities and layouts quantize ``_rows(t)``.
+  """
+  if t.ndim == 2 or spec is None or spec.granularity != "tensor" or (
+      _transposes(spec, axis, backend) or spec.stochastic):
+    if spec is None:
+      return _rows(t.astype(recipe.dtype))
+    return _operand(_rows(t), spec, axis, amax, key, recipe, backend)
+  if amax is None and sharding.varying_axes(t):
+    amax = sharding.global_amax(scaling.amax(t), t)  # see `_operand`
+  q = scaling.quantize(t, spec, -1, tensor_amax=amax)
+  rows = _rows(q.payload)
+  return dataclasses.replace(q, payload=rows, axis=axis, shape=rows.shape)
+
+
 def _transformed(t, size: int, axis: int):
   """A gradient-GEMM operand, Hadamard-transformed along its contraction
   ``axis`` when ``size`` is set (see `qlayers.hadamard`)."""
@@ -222,7 +248,7 @@ def _warn_if_gradient_amax_lost(recipe: Recipe, x, w, state) -> None:
 # ----------------------------------------------------------------------------
 # The custom_vjp core on 2-D operands
 #
-# ``dtypes`` (static) is ``(x dtype, w dtype, vma)``: the backward rule
+# ``dtypes`` (static) is ``(x dtype, w dtype, vma, x shape)``: the backward rule
 # returns the input gradients in the primal dtypes. ``vma`` holds the manual mesh axes ``x`` and ``w`` vary over (inside
 # shard_map; empty elsewhere), which their cotangents are reduced to.
 # Symbolic zeros: the forward rule sees which inputs are differentiated,
@@ -249,9 +275,10 @@ def _qmm_forward(recipe: Recipe, backend, out_dtype, x, w, state, key):
         "x": state["x"]._replace(amax=_like(run_x, state["x"].amax.dtype)),
         "w": state["w"]._replace(amax=_like(run_w, state["w"].amax.dtype)),
         "g": state["g"]}
-  qx = _operand(x, fx, 1, ax, kx, recipe, backend)
+  qx = _operand_rows(x, fx, 1, ax, kx, recipe, backend)
   qw = _operand(w, fw, 0, aw, kw, recipe, backend)
   y = _run(qx, qw, (1, 0), out_dtype, backend)
+  y = y.reshape(*x.shape[:-1], y.shape[-1])
 
   # What Wgrad needs of x: the Fprop copy when it is axis-free, a copy
   # quantized along M now (from the wide x, Hadamard-transformed if the
@@ -260,9 +287,11 @@ def _qmm_forward(recipe: Recipe, backend, out_dtype, x, w, state, key):
   if recipe.save_quantized_wgrad_input and wx is not None:
     if _shares(fx, wx, backend) and not rht:
       x_saved = qx
+    elif rht:
+      x_saved = _operand(_transformed(_rows(x), rht, 0), wx, 0, ax, kwx,
+                         recipe, backend)
     else:
-      x_saved = _operand(_transformed(x, rht, 0), wx, 0, ax, kwx, recipe,
-                         backend)
+      x_saved = _operand_rows(x, wx, 0, ax, kwx, recipe, backend)
   else:
     x_saved = x
   w_saved = (qw if _shares(fw, recipe.dgrad.rhs, backend)
@@ -286,7 +315,7 @@ def _qmm_fwd(recipe, backend, out_dtype, dtypes, x, w, state, key):
 
 def _qmm_bwd(recipe: Recipe, backend, out_dtype, dtypes, res, cts):
   del out_dtype
-  x_dtype, w_dtype, (x_vma, w_vma) = dtypes
+  x_dtype, w_dtype, (x_vma, w_vma), x_shape = dtypes
   x_saved, w_saved, ax, aw, g_state, key = res
   g, _ = cts
   if isinstance(g, SymbolicZero):  # the output is not used
@@ -306,27 +335,36 @@ def _qmm_bwd(recipe: Recipe, backend, out_dtype, dtypes, res, cts):
   # Dgrad: dx = g @ w.T, contracted over N (both Hadamard-transformed along
   # N first if the recipe says so: (g Q.T) @ (w Q.T).T = g @ w.T).
   rht_n = dg.hadamard
-  qg = _operand(_transformed(g, rht_n, 1), dg.lhs, 1, ag, kd, recipe, backend)
+  if rht_n:
+    qg = _operand(_transformed(_rows(g), rht_n, 1), dg.lhs, 1, ag, kd,
+                  recipe, backend)
+  else:
+    qg = _operand_rows(g, dg.lhs, 1, ag, kd, recipe, backend)
   if isinstance(w_saved, QTensor):
     qw = w_saved
   else:
     qw = _operand(_transformed(w_saved, rht_n, 1), dg.rhs, 1, aw, None,
                   recipe, backend)
   dx = _run(qg, qw, (1, 1), dg.out_dtype or x_dtype, backend)
+  dx = dx.reshape(x_shape)
 
   # Wgrad: dw = x.T @ g, contracted over M (both Hadamard-transformed along
   # M first if the recipe says so: (Qx).T @ (Qg) = x.T @ g).
   rht = dw_gemm.hadamard
   if isinstance(x_saved, QTensor):
     qx = x_saved
+  elif rht:
+    qx = _operand(_transformed(_rows(x_saved), rht, 0), dw_gemm.lhs, 0, ax,
+                  None, recipe, backend)
   else:
-    qx = _operand(_transformed(x_saved, rht, 0), dw_gemm.lhs, 0, ax, None,
-                  recipe, backend)
+    qx = _operand_rows(x_saved, dw_gemm.lhs, 0, ax, None, recipe, backend)
   if _shares(dg.lhs, dw_gemm.rhs, backend) and not (rht or rht_n):
     qg_w = qg
+  elif rht:
+    qg_w = _operand(_transformed(_rows(g), rht, 0), dw_gemm.rhs, 0, ag, kwg,
+                    recipe, backend)
   else:
-    qg_w = _operand(_transformed(g, rht, 0), dw_gemm.rhs, 0, ag, kwg, recipe,
-                    backend)
+    qg_w = _operand_rows(g, dw_gemm.rhs, 0, ag, kwg, recipe, backend)
   dw = _run(qx, qg_w, (0, 0), dw_gemm.out_dtype or jnp.float32, backend)
   dx = sharding.sum_over_broadcast(dx, x_vma)
   dw = sharding.sum_over_broadcast(dw, w_vma)
@@ -407,12 +445,10 @@ def quantized_matmul(x: jax.Array, w: jax.Array, recipe: Recipe | str,
     # Nothing to multiply (an empty batch): no amax to take, state unchanged.
     return jnp.zeros((*lead, n), out_dtype), state
   dtypes = (x.dtype, w.dtype,
-            (sharding.varying_axes(x), sharding.varying_axes(w)))
+            (sharding.varying_axes(x), sharding.varying_axes(w)), x.shape)
 
   def run(x, w, state, key):
-    x2 = x.reshape(-1, x.shape[-1])
-    y, new_state = _qmm(recipe, backend, out_dtype, dtypes, x2, w, state, key)
-    return y.reshape(*lead, n), new_state
+    return _qmm(recipe, backend, out_dtype, dtypes, x, w, state, key)
 
   if sharding.explicit_axes():
     y_spec = sharding.dot_spec(sharding.spec_of(x)[:-1],

@@ -28,6 +28,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
+
+from qlayers import scaling
+from qlayers import sharding
 
 __all__ = ["MasterWeightsState", "master_weights", "CastMomentsState",
            "cast_moments", "SkipState", "skip_if_nonfinite",
@@ -74,10 +78,20 @@ def needs_master(x, dtype) -> bool:
 
 
 def all_finite(tree) -> jax.Array:
-  """True iff no floating leaf of ``tree`` holds a NaN or an Inf."""
-  checks = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
-            if _floating(x)]
-  return functools.reduce(jnp.logical_and, checks, jnp.array(True))
+  """True iff no floating leaf of ``tree`` holds a NaN or an Inf.
+
+  The max of the leaves' `qlayers.scaling.amax` (+Inf for any Inf or NaN):
+  two kernels per leaf on XLA:CPU, where ``all(isfinite(x))`` takes three
+  and a chain of ``and``s.
+  """
+  leaves = [x for x in jax.tree.leaves(tree) if _floating(x) and x.size]
+  if not leaves:
+    return jnp.array(True)
+
+  def check(leaves):
+    return functools.reduce(jnp.maximum, map(scaling.amax, leaves)) < jnp.inf
+
+  return sharding.auto_region(check, P())(leaves)
 
 
 def find_state(state, cls):

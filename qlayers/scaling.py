@@ -812,7 +812,10 @@ def update_scales(state: ScaleState) -> ScaleState:
   """
   a = jnp.asarray(state.amax, jnp.float32)
   a = jnp.where(jnp.isfinite(a), a, 0.0)
-  history = jnp.roll(state.amax_history, 1, axis=-1).at[..., 0].set(a)
+  # One concatenate, not a roll and an indexed set (a scatter, which XLA
+  # expands and simplifies again: once per role of every layer).
+  history = jnp.concatenate([a[..., None], state.amax_history[..., :-1]],
+                            axis=-1)
   return ScaleState(history, jnp.zeros_like(state.amax))
 
 

@@ -260,6 +260,24 @@ def test_quant_gemm_as_stock_dot_general_keeps_delayed_state():
                              jnp.max(jnp.abs(x)), rtol=1e-6)
 
 
+@pytest.mark.parametrize("name", ["fp8_current", "fp8_delayed",
+                                  "fp8_rowwise", "mxfp8", "mxfp4_rht",
+                                  "bf16"])
+def test_leading_dims_equal_the_flattened_rows(name, data):
+  """``x (B, S, K)`` gives, bit for bit, what ``x (B * S, K)`` gives: output,
+  both gradients and the state (a per-tensor operand is quantized in the
+  caller's shape, every other one from its rows)."""
+  x, w, g = data
+  state = ops.init_state(name)
+  flat = jax.jit(lambda x, g: run(name, x, w, g, state))(x, g)
+  lead = jax.jit(lambda x, g: run(name, x, w, g, state))(
+      x.reshape(4, M // 4, K), g.reshape(4, M // 4, N))
+  y, dx = lead[0], lead[1]
+  assert y.shape == (4, M // 4, N) and dx.shape == (4, M // 4, K)
+  lead = (y.reshape(M, N), dx.reshape(M, K)) + tuple(lead[2:])
+  chex.assert_trees_all_equal(lead, flat)
+
+
 def test_zero_size_batch_returns_empty_and_keeps_state():
   for name in ("fp8_delayed", "fp8_rowwise", "mxfp8", "deepseek_v3", "bf16"):
     st = ops.init_state(name)

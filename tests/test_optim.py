@@ -130,6 +130,26 @@ def test_nonfinite_step_changes_only_skipped():
   assert np.array_equal(pure(nnx.state(m))["w"], before_p["w"])
 
 
+@pytest.mark.parametrize("jit", [False, True])
+def test_all_finite_finds_any_nonfinite_element(jit):
+  check = jax.jit(optim.all_finite) if jit else optim.all_finite
+  big = jnp.ones((3, 4097), jnp.float32)  # past the vectorized float max
+  tiny = float(np.finfo(np.float32).smallest_subnormal)
+  clean = {"a": big.at[0, 0].set(np.finfo(np.float32).max),
+           "b": jnp.full((5,), tiny, jnp.bfloat16),
+           "c": jnp.array([-65504.0], jnp.float16),
+           "d": jnp.array([448.0, -0.0], jnp.float8_e4m3fn),
+           "e": jnp.zeros((0, 3)), "i": jnp.arange(4)}
+  assert bool(check(clean))
+  assert bool(check({})) and bool(check({"i": jnp.arange(3)}))
+  bad = [("a", (2, 4096), jnp.nan), ("a", (1, 17), -jnp.inf),
+         ("b", (4,), jnp.inf), ("c", (0,), jnp.nan), ("d", (1,), jnp.nan)]
+  for leaf, index, value in bad:
+    tree = dict(clean)
+    tree[leaf] = tree[leaf].at[index].set(value)
+    assert not bool(check(tree)), (leaf, index, value)
+
+
 @pytest.mark.usefixtures("optax_promotion")
 def test_new_optimizer_on_same_tx_reuses_compiled_step():
   tx = optax.adam(0.1)
