@@ -191,8 +191,10 @@ def _rows(t):
   return t if t.ndim == 2 else t.reshape(-1, t.shape[-1])
 
 
-def _operand_rows(t, spec, axis, amax, key, recipe: Recipe, backend=None):
-  """`_operand` of ``_rows(t)`` for ``t (..., C)``.
+def _operand_rows(t, spec, axis, amax, key, recipe: Recipe, backend=None,
+                  hadamard: int = 0):
+  """`_operand` of ``_rows(t)`` for ``t (..., C)``, Hadamard-transformed
+  along ``axis`` of the rows first when ``hadamard`` is set.
 
   An elementwise quantization (per tensor, in the layout given: no
   transpose) is made of ``t`` itself and only its payload is flattened, so
@@ -201,10 +203,11 @@ def _operand_rows(t, spec, axis, amax, key, recipe: Recipe, backend=None):
   per round). Other granularities and layouts quantize ``_rows(t)``.
   """
   if t.ndim == 2 or spec is None or spec.granularity != "tensor" or (
-      _transposes(spec, axis, backend) or spec.stochastic):
+      _transposes(spec, axis, backend) or spec.stochastic or hadamard):
     if spec is None:
       return _rows(t.astype(recipe.dtype))
-    return _operand(_rows(t), spec, axis, amax, key, recipe, backend)
+    return _operand(_transformed(_rows(t), hadamard, axis), spec, axis, amax,
+                    key, recipe, backend)
   if amax is None and sharding.varying_axes(t):
     amax = sharding.global_amax(scaling.amax(t), t)  # see `_operand`
   q = scaling.quantize(t, spec, -1, tensor_amax=amax)
@@ -246,11 +249,12 @@ def _warn_if_gradient_amax_lost(recipe: Recipe, x, w, state) -> None:
 
 
 # ----------------------------------------------------------------------------
-# The custom_vjp core on 2-D operands
+# The custom_vjp core on x (..., K) and w (K, N)
 #
-# ``dtypes`` (static) is ``(x dtype, w dtype, vma, x shape)``: the backward rule
-# returns the input gradients in the primal dtypes. ``vma`` holds the manual mesh axes ``x`` and ``w`` vary over (inside
-# shard_map; empty elsewhere), which their cotangents are reduced to.
+# ``dtypes`` (static) is ``(x dtype, w dtype, vma, x shape)``: the backward
+# rule returns the input gradients in the primal shapes and dtypes. ``vma``
+# holds the manual mesh axes ``x`` and ``w`` vary over (inside shard_map;
+# empty elsewhere), which their cotangents are reduced to.
 # Symbolic zeros: the forward rule sees which inputs are differentiated,
 # and the backward rule returns None (zero) for every state leaf but the
 # gradient role's running amax.
@@ -287,11 +291,8 @@ def _qmm_forward(recipe: Recipe, backend, out_dtype, x, w, state, key):
   if recipe.save_quantized_wgrad_input and wx is not None:
     if _shares(fx, wx, backend) and not rht:
       x_saved = qx
-    elif rht:
-      x_saved = _operand(_transformed(_rows(x), rht, 0), wx, 0, ax, kwx,
-                         recipe, backend)
     else:
-      x_saved = _operand_rows(x, wx, 0, ax, kwx, recipe, backend)
+      x_saved = _operand_rows(x, wx, 0, ax, kwx, recipe, backend, rht)
   else:
     x_saved = x
   w_saved = (qw if _shares(fw, recipe.dgrad.rhs, backend)
@@ -335,11 +336,7 @@ def _qmm_bwd(recipe: Recipe, backend, out_dtype, dtypes, res, cts):
   # Dgrad: dx = g @ w.T, contracted over N (both Hadamard-transformed along
   # N first if the recipe says so: (g Q.T) @ (w Q.T).T = g @ w.T).
   rht_n = dg.hadamard
-  if rht_n:
-    qg = _operand(_transformed(_rows(g), rht_n, 1), dg.lhs, 1, ag, kd,
-                  recipe, backend)
-  else:
-    qg = _operand_rows(g, dg.lhs, 1, ag, kd, recipe, backend)
+  qg = _operand_rows(g, dg.lhs, 1, ag, kd, recipe, backend, rht_n)
   if isinstance(w_saved, QTensor):
     qw = w_saved
   else:
@@ -353,18 +350,13 @@ def _qmm_bwd(recipe: Recipe, backend, out_dtype, dtypes, res, cts):
   rht = dw_gemm.hadamard
   if isinstance(x_saved, QTensor):
     qx = x_saved
-  elif rht:
-    qx = _operand(_transformed(_rows(x_saved), rht, 0), dw_gemm.lhs, 0, ax,
-                  None, recipe, backend)
   else:
-    qx = _operand_rows(x_saved, dw_gemm.lhs, 0, ax, None, recipe, backend)
+    qx = _operand_rows(x_saved, dw_gemm.lhs, 0, ax, None, recipe, backend,
+                       rht)
   if _shares(dg.lhs, dw_gemm.rhs, backend) and not (rht or rht_n):
     qg_w = qg
-  elif rht:
-    qg_w = _operand(_transformed(_rows(g), rht, 0), dw_gemm.rhs, 0, ag, kwg,
-                    recipe, backend)
   else:
-    qg_w = _operand_rows(g, dw_gemm.rhs, 0, ag, kwg, recipe, backend)
+    qg_w = _operand_rows(g, dw_gemm.rhs, 0, ag, kwg, recipe, backend, rht)
   dw = _run(qx, qg_w, (0, 0), dw_gemm.out_dtype or jnp.float32, backend)
   dx = sharding.sum_over_broadcast(dx, x_vma)
   dw = sharding.sum_over_broadcast(dw, w_vma)
