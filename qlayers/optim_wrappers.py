@@ -81,8 +81,9 @@ def all_finite(tree) -> jax.Array:
   """True iff no floating leaf of ``tree`` holds a NaN or an Inf.
 
   The max of the leaves' `qlayers.scaling.amax` (+Inf for any Inf or NaN):
-  two kernels per leaf on XLA:CPU, where ``all(isfinite(x))`` takes three
-  and a chain of ``and``s.
+  at most two kernels per leaf on XLA:CPU, where ``all(isfinite(x))`` takes
+  three and a chain of ``and``s (d512's 38 leaves: 55 kernels against 115;
+  benchmarks/RESULTS.md, "Third cut").
   """
   leaves = [x for x in jax.tree.leaves(tree) if _floating(x) and x.size]
   if not leaves:
