@@ -61,6 +61,8 @@ __all__ = [
   "gemm_mx",
   "gemm_blockwise",
   "gemm_fp8_rowwise",
+  "amax",
+  "quantize_fp8_tensor",
   "MX_FORMATS",
   "NATIVE_GRANULARITIES",
   "loaded",
@@ -73,6 +75,8 @@ _CPU_HANDLERS = {
   "qlayers_gemm_fp8_tensor": "QlayersGemmFp8Tensor",
   "qlayers_gemm_mx": "QlayersGemmMx",
   "qlayers_gemm_blockwise": "QlayersGemmBlockwise",
+  "qlayers_amax": "QlayersAmax",
+  "qlayers_quantize_fp8_tensor": "QlayersQuantizeFp8Tensor",
 }
 _GPU_HANDLERS = {
   "qlayers_gemm_fp8_tensor": "QlayersGemmFp8TensorGpu",
@@ -344,6 +348,63 @@ def gemm_blockwise(
     a_rows_per_scale=np.int64(a_rows_per_scale),
     b_rows_per_scale=np.int64(b_rows_per_scale),
   )
+
+
+_WIDE_INPUTS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
+                jnp.dtype(jnp.float16))
+_FP8_DTYPES = tuple(jnp.dtype(d) for d in (
+  jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float8_e4m3fnuz, jnp.float8_e5m2fnuz))
+
+
+def _wide_input(x) -> None:
+  if jnp.dtype(x.dtype) not in _WIDE_INPUTS:
+    raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
+
+
+def amax(x) -> jax.Array:
+  """CPU only: ``max |x|`` as an f32 scalar, exactly as `qlayers.scaling.amax`
+  (+Inf when ``x`` holds Inf or NaN, 0 when it is empty), in one pass.
+
+  Args:
+    x: float32, bfloat16 or float16 array of any shape.
+  """
+  _require()
+  _wide_input(x)
+  return _call("qlayers_amax", jax.ShapeDtypeStruct((), jnp.float32), x)
+
+
+def quantize_fp8_tensor(x, amax_value, dtype, *, margin: int = 0,
+                        pow2: bool = False) -> tuple[jax.Array, jax.Array]:
+  """CPU only: per-tensor fp8 quantization with Transformer Engine's scale
+  rule, bit for bit `qlayers.scaling.quantize` (granularity ``tensor``,
+  ``scale_rule="te"``, round to nearest even) on XLA:CPU.
+
+  Args:
+    x: float32, bfloat16 or float16 array of any shape.
+    amax_value: f32 scalar the scale is computed from.
+    dtype: the payload's fp8 dtype (``float8_e4m3fn``, ``float8_e5m2`` or a
+      ``*_fnuz`` variant).
+    margin: TE's margin (the scale is divided by ``2**margin``), 0 to 126.
+    pow2: round the multiplier down to a power of two.
+
+  Returns:
+    ``(payload, scale)``: ``payload`` has ``x``'s shape and ``dtype``;
+    ``scale`` is the f32 dequantization factor ``1 / s`` of the multiplier
+    ``s = te_multiplier(amax_value)`` (NaN for a non-finite amax, which makes
+    every payload element NaN).
+  """
+  _require()
+  _wide_input(x)
+  dtype = jnp.dtype(dtype)
+  if dtype not in _FP8_DTYPES:
+    raise TypeError(f"dtype must be an fp8 dtype, got {dtype}")
+  if not 0 <= int(margin) <= 126:
+    raise ValueError(f"margin must be in [0, 126], got {margin}")
+  outs = (jax.ShapeDtypeStruct(jnp.shape(x), dtype),
+          jax.ShapeDtypeStruct((), jnp.float32))
+  return _call("qlayers_quantize_fp8_tensor", outs, x,
+               jnp.asarray(amax_value, jnp.float32), margin=np.int64(margin),
+               pow2=bool(pow2))
 
 
 # ----------------------------------------------------------------------------

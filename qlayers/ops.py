@@ -49,6 +49,7 @@ from jax.sharding import PartitionSpec as P
 
 from qlayers import dispatch
 from qlayers import hadamard
+from qlayers import native_quantize
 from qlayers import scaling
 from qlayers import sharding
 from qlayers.recipe import Recipe, recipe as load_recipe
@@ -111,10 +112,10 @@ def _like(v, dtype):
   return lax.convert_element_type(v, dtype)
 
 
-def _delayed(t, st: ScaleState, recipe: Recipe):
+def _delayed(t, st: ScaleState, recipe: Recipe, backend=None):
   """(amax to scale ``t`` by now, updated running amax) for one role."""
   st = ScaleState(*map(_to_f32, st))
-  current = sharding.global_amax(scaling.amax(t), t)
+  current = sharding.global_amax(native_quantize.amax(t, backend=backend), t)
   return scaling.delayed_amax(st, current, recipe.amax_compute_algo)
 
 
@@ -128,8 +129,15 @@ def _quantize(t, spec: QuantSpec, axis: int, amax=None, key=None,
               backend=None) -> QTensor:
   """Quantizes a 2-D operand along ``axis`` (transposed first if needed)."""
   if _transposes(spec, axis, backend):
-    q = scaling.quantize(t.T, spec, 1, tensor_amax=amax, key=key)
+    q = _quantize_2d(t.T, spec, 1, amax, key, backend)
     return dataclasses.replace(q, transposed=True)
+  return _quantize_2d(t, spec, axis, amax, key, backend)
+
+
+def _quantize_2d(t, spec: QuantSpec, axis: int, amax, key, backend):
+  if key is None:  # the native kernel where it applies (CPU, per tensor)
+    return native_quantize.quantize(t, spec, axis, tensor_amax=amax,
+                                    backend=backend)
   return scaling.quantize(t, spec, axis, tensor_amax=amax, key=key)
 
 
@@ -181,7 +189,7 @@ def _operand(t, spec, axis, amax, key, recipe: Recipe, backend=None):
     key = _data_key(t)
   if amax is None and spec.granularity == "tensor" and sharding.varying_axes(t):
     # A shard_map shard: scale by the whole tensor's amax.
-    amax = sharding.global_amax(scaling.amax(t), t)
+    amax = sharding.global_amax(native_quantize.amax(t, backend=backend), t)
   return _quantize(t, spec, axis, amax=amax,
                    key=key if spec.stochastic else None, backend=backend)
 
@@ -209,8 +217,9 @@ def _operand_rows(t, spec, axis, amax, key, recipe: Recipe, backend=None,
     return _operand(_transformed(_rows(t), hadamard, axis), spec, axis, amax,
                     key, recipe, backend)
   if amax is None and sharding.varying_axes(t):
-    amax = sharding.global_amax(scaling.amax(t), t)  # see `_operand`
-  q = scaling.quantize(t, spec, -1, tensor_amax=amax)
+    amax = sharding.global_amax(native_quantize.amax(t, backend=backend),
+                                t)  # see `_operand`
+  q = native_quantize.quantize(t, spec, -1, tensor_amax=amax, backend=backend)
   rows = _rows(q.payload)
   return dataclasses.replace(q, payload=rows, axis=axis, shape=rows.shape)
 
@@ -273,8 +282,8 @@ def _qmm_forward(recipe: Recipe, backend, out_dtype, x, w, state, key):
   ax = aw = None
   new_state = state
   if recipe.delayed:
-    ax, run_x = _delayed(x, state["x"], recipe)
-    aw, run_w = _delayed(w, state["w"], recipe)
+    ax, run_x = _delayed(x, state["x"], recipe, backend)
+    aw, run_w = _delayed(w, state["w"], recipe, backend)
     new_state = {
         "x": state["x"]._replace(amax=_like(run_x, state["x"].amax.dtype)),
         "w": state["w"]._replace(amax=_like(run_w, state["w"].amax.dtype)),
@@ -327,7 +336,7 @@ def _qmm_bwd(recipe: Recipe, backend, out_dtype, dtypes, res, cts):
   ag = None
   state_ct = None
   if recipe.delayed:
-    ag, run_g = _delayed(g, g_state, recipe)
+    ag, run_g = _delayed(g, g_state, recipe, backend)
     # Only the gradient role's running amax leaves the backward pass; the
     # forward roles left through the output.
     state_ct = {"x": None, "w": None,

@@ -1,0 +1,298 @@
+// XLA FFI handlers for per-tensor FP8 quantization on CPU: the two passes of
+// `qlayers.scaling.quantize` for granularity "tensor" with Transformer
+// Engine's scale rule, one custom call each instead of a chain of XLA
+// fusions, with the same bits as that chain's CPU lowering.
+//
+// QlayersAmax (x f32 / bf16 / f16 of any shape -> f32 scalar):
+//   max |x| as `scaling.amax` takes it: an integer max over the magnitude
+//   bits (exact, subnormals included), +Inf when x holds Inf or NaN, 0 for
+//   an empty x.
+//
+// QlayersQuantizeFp8Tensor (x, amax f32 scalar -> payload fp8 of x's shape,
+//   scale f32 scalar; attributes margin (int), pow2 (bool)):
+//   s       = `scaling.te_multiplier(amax, fmt, margin, pow2)`
+//   scale   = 1 / s, as `scaling.rdivide_rn(1.0, s)` computes it on CPU
+//   payload = RNE(clip(x * s, -max, max)) in the format of the payload's
+//             dtype (float8_e4m3fn, float8_e5m2 or their fnuz variants);
+//             x * s is rounded to f32 first, NaN stays NaN, and a NaN s
+//             (a non-finite amax) makes every element the positive NaN.
+//
+// XLA:CPU runs its executables with flush-to-zero and denormals-are-zero
+// (a subnormal amax reads as zero there), so both handlers compute under
+// the same mode.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string_view>
+#include <vector>
+
+#include "../common/elem_format.h"
+#include "../common/ffi_util.h"
+#include "numerics.h"
+#include "parallel.h"
+
+namespace qlayers::cpu {
+namespace {
+
+constexpr std::string_view kOpAmax = "qlayers_amax";
+constexpr std::string_view kOpQuantize = "qlayers_quantize_fp8_tensor";
+// Elements per thread below which a pass stays on the calling thread.
+constexpr double kPerThread = 1 << 16;
+
+// The encode loop vectorizes with AVX2/AVX-512 integer ops but not with
+// baseline SSE2: build it per ISA and let the loader pick (GCC/Clang
+// function multi-versioning). QLAYERS_TARGET_CLONES is set by CMake after a
+// test compile.
+#if defined(QLAYERS_TARGET_CLONES) && !defined(__SANITIZE_ADDRESS__)
+#define QL_ISA_CLONES \
+  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define QL_ISA_CLONES
+#endif
+
+// Flush-to-zero and denormals-are-zero for the life of the object, on the
+// calling thread (XLA:CPU's own floating-point mode).
+class ScopedFlushSubnormals {
+ public:
+  ScopedFlushSubnormals() {
+#if defined(__x86_64__) || defined(_M_X64)
+    saved_ = _mm_getcsr();
+    _mm_setcsr(saved_ | 0x8000u | 0x0040u);  // FTZ (bit 15), DAZ (bit 6)
+#elif defined(__aarch64__)
+    uint64_t fpcr;
+    __asm__ __volatile__("mrs %0, fpcr" : "=r"(fpcr));
+    saved_ = fpcr;
+    __asm__ __volatile__("msr fpcr, %0" : : "r"(fpcr | (1ull << 24)));  // FZ
+#endif
+  }
+  ~ScopedFlushSubnormals() {
+#if defined(__x86_64__) || defined(_M_X64)
+    _mm_setcsr(static_cast<unsigned>(saved_));
+#elif defined(__aarch64__)
+    __asm__ __volatile__("msr fpcr, %0" : : "r"(saved_));
+#endif
+  }
+  ScopedFlushSubnormals(const ScopedFlushSubnormals&) = delete;
+  ScopedFlushSubnormals& operator=(const ScopedFlushSubnormals&) = delete;
+
+ private:
+  uint64_t saved_ = 0;
+};
+
+// IEEE binary16 -> f32, exact (f16 subnormals are f32 normals).
+inline float HalfToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t e = (h >> 10) & 0x1Fu;
+  const uint32_t m = h & 0x3FFu;
+  if (e == 0x1F) return BitsFloat(sign | 0x7F800000u | (m << 13));
+  if (e != 0) return BitsFloat(sign | ((e + 112u) << 23) | (m << 13));
+  // Subnormal: m * 2^-24, exact in f32.
+  const float v = static_cast<float>(m) * 5.9604644775390625e-8f;
+  return sign ? -v : v;
+}
+
+enum class Wide { kF32, kBF16, kF16 };
+
+ffi::Error WideInput(std::string_view op, const ffi::AnyBuffer& x, Wide* w) {
+  switch (x.element_type()) {
+    case ffi::DataType::F32: *w = Wide::kF32; break;
+    case ffi::DataType::BF16: *w = Wide::kBF16; break;
+    case ffi::DataType::F16: *w = Wide::kF16; break;
+    default:
+      return InvalidArg(op, "x must be float32, bfloat16 or float16, got ",
+                        DtypeName(x.element_type()));
+  }
+  return ffi::Error::Success();
+}
+
+// Splits [0, n) into one range per thread and runs fn(begin, end, thread).
+template <typename Fn>
+void ForRanges(int64_t n, int threads, Fn fn) {
+  if (threads <= 1) {
+    fn(int64_t{0}, n, 0);
+    return;
+  }
+  const int64_t step = CeilDiv(n, threads);
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(threads) schedule(static)
+#endif
+  for (int t = 0; t < threads; ++t) {
+    const int64_t begin = std::min(n, t * step);
+    fn(begin, std::min(n, begin + step), t);
+  }
+}
+
+template <typename U>
+U MaxBits(const U* x, int64_t n, U magnitude_mask) {
+  U m = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const U v = x[i] & magnitude_mask;
+    m = v > m ? v : m;
+  }
+  return m;
+}
+
+// max |x| from the magnitude bits, in x's own type, then as f32 (exact).
+template <typename U>
+float AmaxOf(const void* data, int64_t n, U magnitude_mask, U inf_bits,
+             float (*to_float)(U)) {
+  const U* x = static_cast<const U*>(data);
+  const int threads = ThreadsFor(static_cast<double>(n), kPerThread);
+  std::vector<U> part(threads, 0);
+  ForRanges(n, threads, [&](int64_t b, int64_t e, int t) {
+    part[t] = MaxBits(x + b, e - b, magnitude_mask);
+  });
+  U m = *std::max_element(part.begin(), part.end());
+  return to_float(m > inf_bits ? inf_bits : m);  // NaN patterns -> +Inf
+}
+
+float F32FromBits(uint32_t u) { return BitsFloat(u); }
+float F32FromBf16(uint16_t u) { return Bf16ToFloat(u); }
+float F32FromF16(uint16_t u) { return HalfToFloat(u); }
+
+float Amax(const ffi::AnyBuffer& x, Wide w) {
+  const int64_t n = static_cast<int64_t>(x.element_count());
+  const void* d = x.untyped_data();
+  switch (w) {
+    case Wide::kF32:
+      return AmaxOf<uint32_t>(d, n, 0x7FFFFFFFu, 0x7F800000u, F32FromBits);
+    case Wide::kBF16:
+      return AmaxOf<uint16_t>(d, n, 0x7FFF, 0x7F80, F32FromBf16);
+    case Wide::kF16:
+      return AmaxOf<uint16_t>(d, n, 0x7FFF, 0x7C00, F32FromF16);
+  }
+  return 0.0f;
+}
+
+// `scaling.te_multiplier`: s = min((max / a0) * 2^-margin, FLT_MAX) with a0
+// the amax (max * 2^-margin for a zero one, NaN for a non-finite one unless
+// pow2), pow2 clearing the mantissa. Runs under ScopedFlushSubnormals.
+float TeMultiplier(float amax, float fmax, int margin, bool pow2) {
+  const float down = std::ldexp(1.0f, -margin);  // exact: margin <= 126
+  const bool finite = std::isfinite(amax);
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  float a0 = amax == 0.0f ? fmax * down : amax;
+  if (!pow2 && !finite) a0 = nan;
+  float s = fmax / a0;
+  s = s * down;
+  const float big = std::numeric_limits<float>::max();
+  s = std::isnan(s) ? s : (s < big ? s : big);  // XLA's min keeps NaN
+  if (pow2) {
+    s = BitsFloat(FloatBits(s) & 0xFF800000u);
+    if (!finite) s = nan;
+  }
+  return s;
+}
+
+// `scaling.rdivide_rn(1.0, s)` on CPU: |s| > 2^126 gives a zero quotient.
+float Reciprocal(float s) {
+  const float b = std::fabs(s) > 0x1p126f
+                      ? s * std::numeric_limits<float>::infinity()
+                      : s;
+  return 1.0f / b;
+}
+
+QL_ISA_CLONES void EncodeF32(const Fp8Encoder enc, const float* __restrict x,
+                             float s, int64_t n, uint8_t* __restrict q) {
+  for (int64_t i = 0; i < n; ++i) q[i] = enc(x[i] * s);
+}
+
+QL_ISA_CLONES void EncodeBf16(const Fp8Encoder enc,
+                              const uint16_t* __restrict x, float s, int64_t n,
+                              uint8_t* __restrict q) {
+  for (int64_t i = 0; i < n; ++i) q[i] = enc(Bf16ToFloat(x[i]) * s);
+}
+
+void EncodeF16(const Fp8Encoder enc, const uint16_t* __restrict x, float s,
+               int64_t n, uint8_t* __restrict q) {
+  for (int64_t i = 0; i < n; ++i) q[i] = enc(HalfToFloat(x[i]) * s);
+}
+
+ffi::Error AmaxImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out) {
+  Wide w = Wide::kF32;
+  QLAYERS_RETURN_IF_ERROR(WideInput(kOpAmax, x, &w));
+  QLAYERS_RETURN_IF_ERROR(ExpectScalarF32(kOpAmax, "output", *out));
+  *static_cast<float*>(out->untyped_data()) = Amax(x, w);
+  return ffi::Error::Success();
+}
+
+ffi::Error QuantizeImpl(ffi::AnyBuffer x, ffi::AnyBuffer amax,
+                        ffi::Result<ffi::AnyBuffer> payload,
+                        ffi::Result<ffi::AnyBuffer> scale, int64_t margin,
+                        bool pow2) {
+  const std::string_view op = kOpQuantize;
+  Wide w = Wide::kF32;
+  QLAYERS_RETURN_IF_ERROR(WideInput(op, x, &w));
+  QLAYERS_RETURN_IF_ERROR(ExpectScalarF32(op, "amax", amax));
+  QLAYERS_RETURN_IF_ERROR(ExpectScalarF32(op, "scale output", *scale));
+  auto elem = ElemOfFp8Dtype(payload->element_type());
+  if (!elem) {
+    return InvalidArg(op, "the payload must be an fp8 dtype, got ",
+                      DtypeName(payload->element_type()));
+  }
+  auto xd = x.dimensions();
+  auto pd = payload->dimensions();
+  if (!std::equal(xd.begin(), xd.end(), pd.begin(), pd.end())) {
+    return InvalidArg(op, "the payload has shape ", ShapeStr(pd),
+                      " but x has shape ", ShapeStr(xd));
+  }
+  if (margin < 0 || margin > 126) {
+    return InvalidArg(op, "margin must be in [0, 126], got ", margin);
+  }
+  const Fp8Encoder enc(*elem);
+  const float fmax = Info(*elem).max_finite;
+  const int64_t n = static_cast<int64_t>(x.element_count());
+  uint8_t* q = static_cast<uint8_t*>(payload->untyped_data());
+
+  float s = 0.0f;
+  {
+    ScopedFlushSubnormals mode;
+    s = TeMultiplier(*static_cast<const float*>(amax.untyped_data()), fmax,
+                     static_cast<int>(margin), pow2);
+    *static_cast<float*>(scale->untyped_data()) = Reciprocal(s);
+  }
+  if (std::isnan(s)) {
+    // XLA's x * NaN is the NaN operand, positive (and the clip keeps it).
+    std::memset(q, static_cast<int>(enc.nan_code), static_cast<size_t>(n));
+    return ffi::Error::Success();
+  }
+  const int threads = ThreadsFor(static_cast<double>(n), kPerThread);
+  const void* d = x.untyped_data();
+  ForRanges(n, threads, [&](int64_t b, int64_t e, int) {
+    ScopedFlushSubnormals mode;
+    switch (w) {
+      case Wide::kF32:
+        EncodeF32(enc, static_cast<const float*>(d) + b, s, e - b, q + b);
+        break;
+      case Wide::kBF16:
+        EncodeBf16(enc, static_cast<const uint16_t*>(d) + b, s, e - b, q + b);
+        break;
+      case Wide::kF16:
+        EncodeF16(enc, static_cast<const uint16_t*>(d) + b, s, e - b, q + b);
+        break;
+    }
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace qlayers::cpu
+
+namespace ffi = ::xla::ffi;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QlayersAmax, qlayers::cpu::AmaxImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QlayersQuantizeFp8Tensor,
+                              qlayers::cpu::QuantizeImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::AnyBuffer>()  // amax
+                                  .Ret<ffi::AnyBuffer>()  // payload
+                                  .Ret<ffi::AnyBuffer>()  // scale
+                                  .Attr<int64_t>("margin")
+                                  .Attr<bool>("pow2"));

@@ -1,0 +1,145 @@
+"""Per-tensor FP8 quantization through the native CPU kernels, where they apply.
+
+`amax` and `quantize` are drop-ins for `qlayers.scaling.amax` and
+`qlayers.scaling.quantize` with the same results, bit for bit. In a program
+lowered for CPU they are one custom call per pass over the tensor (the
+``qlayers_amax`` and ``qlayers_quantize_fp8_tensor`` kernels of
+``ffi/cpu/quantize_handlers.cc``) instead of XLA's chain of an integer
+reduction, a float reduction, the scalar scale rule and the cast: a smaller
+program, so a quantized train step compiles in about the time of the stock
+one. Every other platform lowers the XLA form, which XLA:GPU fuses into the
+GEMM (``lax.platform_dependent`` keeps only the branch of the lowering
+platform).
+
+The CPU branch takes the kernel only when all of these hold, else XLA's form:
+
+* the native CPU library is loaded with these targets (`qlayers._native`);
+* the process sees one device (a custom call has no partitioning rule: on a
+  mesh its operand would be gathered to every device);
+* per-tensor granularity, Transformer Engine's scale rule, round to nearest
+  even, an fp8 payload (E4M3/E5M2, or their FNUZ variants);
+* a non-empty float32/bfloat16/float16 input;
+* ``QLAYERS_NATIVE_QUANTIZE`` is not ``0`` and the ``xla`` backend is not
+  forced (``QLAYERS_BACKEND=xla`` or ``backend="xla"``).
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> from qlayers import native_quantize, scaling
+  >>> spec = scaling.QuantSpec(format="e4m3", granularity="tensor")
+  >>> x = jnp.linspace(-3.0, 5.0, 64).reshape(8, 8)
+  >>> q = jax.jit(lambda x: native_quantize.quantize(x, spec))(x)
+  >>> r = scaling.quantize(x, spec)
+  >>> bool((q.payload == r.payload).all()), bool(q.scale == r.scale)
+  (True, True)
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from qlayers import scaling
+from qlayers.scaling import QTensor, QuantSpec
+
+__all__ = ["amax", "quantize", "applies"]
+
+_TARGETS = ("qlayers_amax", "qlayers_quantize_fp8_tensor")
+_INPUTS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
+           jnp.dtype(jnp.float16))
+_FP8 = tuple(jnp.dtype(d) for d in (jnp.float8_e4m3fn, jnp.float8_e5m2,
+                                    jnp.float8_e4m3fnuz, jnp.float8_e5m2fnuz))
+
+
+def _native():
+  try:
+    from qlayers import _native  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return None
+  return _native
+
+
+def _enabled(backend: str | None) -> tuple[bool, str]:
+  value = os.environ.get("QLAYERS_NATIVE_QUANTIZE", "1").strip().lower()
+  if value not in ("0", "1", "false", "true", "off", "on"):
+    raise ValueError(f"QLAYERS_NATIVE_QUANTIZE must be 0/1 (or off/on), got "
+                     f"{value!r}.")
+  if value in ("0", "false", "off"):
+    return False, "QLAYERS_NATIVE_QUANTIZE=0"
+  if (backend or os.environ.get("QLAYERS_BACKEND")) == "xla":
+    return False, "the xla backend is forced"
+  native = _native()
+  if native is None or not all(t in native.loaded("cpu") for t in _TARGETS):
+    return False, "the native CPU library is not loaded"
+  if jax.device_count() != 1:
+    return False, "more than one device (the kernels have no partitioning rule)"
+  return True, ""
+
+
+def _input_ok(x) -> bool:
+  return jnp.dtype(x.dtype) in _INPUTS and x.size > 0
+
+
+def applies(x, spec: QuantSpec | None = None, backend: str | None = None
+            ) -> tuple[bool, str]:
+  """Whether the CPU branch of `quantize` (``spec`` given) or `amax` runs the
+  native kernel for ``x``, and if not, why."""
+  ok, why = _enabled(backend)
+  if not ok:
+    return ok, why
+  if not _input_ok(x):
+    return False, f"input {x.dtype}{tuple(x.shape)} (needs a non-empty float)"
+  if spec is None:
+    return True, "native amax"
+  if spec.granularity != "tensor" or spec.scale_rule != "te":
+    return False, f"{spec.granularity} granularity, {spec.scale_rule} rule"
+  if spec.stochastic:
+    return False, "stochastic rounding"
+  if spec.fmt.dtype is None or jnp.dtype(spec.fmt.dtype) not in _FP8:
+    return False, f"format {spec.fmt.name} (not fp8)"
+  return True, "native per-tensor fp8 quantize"
+
+
+def amax(x: jax.Array, *, backend: str | None = None) -> jax.Array:
+  """`qlayers.scaling.amax` (max |x| as FP32, +Inf for any Inf or NaN)."""
+  if not applies(x, None, backend)[0]:
+    return scaling.amax(x)
+  # Zero derivative, as XLA's form (integer bit operations) has.
+  return lax.platform_dependent(lax.stop_gradient(x), cpu=_native().amax,
+                                default=scaling.amax)
+
+
+def quantize(x: jax.Array, spec: QuantSpec, axis: int = -1, *,
+             tensor_amax: jax.Array | None = None,
+             backend: str | None = None) -> QTensor:
+  """`qlayers.scaling.quantize` of ``x`` (no stochastic-rounding key: where
+  the spec rounds stochastically this is XLA's form and needs ``key``).
+
+  The payload and scale have a zero derivative: qlayers differentiates
+  around quantization (custom VJPs, straight-through estimators), never
+  through it.
+  """
+  if not applies(x, spec, backend)[0]:
+    return scaling.quantize(x, spec, axis, tensor_amax=tensor_amax)
+
+  axis = scaling._normalize_axis(axis, x.ndim)  # pylint: disable=protected-access
+  fmt = spec.fmt
+  given = () if tensor_amax is None else (jnp.asarray(tensor_amax,
+                                                      jnp.float32),)
+
+  def xla(x, *given):
+    return scaling.quantize(x, spec, axis,
+                            tensor_amax=given[0] if given else None)
+
+  def cpu(x, *given):
+    native = _native()
+    a = given[0] if given else native.amax(x)
+    payload, scale = native.quantize_fp8_tensor(
+        x, a, fmt.dtype, margin=spec.margin, pow2=spec.pow2)
+    return QTensor(payload, scale, fmt.name, spec.granularity, None, axis,
+                   tuple(x.shape))
+
+  return lax.platform_dependent(
+      *map(lax.stop_gradient, (x, *given)), cpu=cpu, default=xla)
