@@ -62,7 +62,9 @@ __all__ = [
   "gemm_blockwise",
   "gemm_fp8_rowwise",
   "amax",
+  "max_f32",
   "quantize_fp8_tensor",
+  "quantize_mx",
   "MX_FORMATS",
   "NATIVE_GRANULARITIES",
   "loaded",
@@ -76,6 +78,8 @@ _CPU_HANDLERS = {
   "qlayers_gemm_mx": "QlayersGemmMx",
   "qlayers_gemm_blockwise": "QlayersGemmBlockwise",
   "qlayers_amax": "QlayersAmax",
+  "qlayers_max_f32": "QlayersMaxF32",
+  "qlayers_quantize_mx": "QlayersQuantizeMx",
   "qlayers_quantize_fp8_tensor": "QlayersQuantizeFp8Tensor",
 }
 _GPU_HANDLERS = {
@@ -373,6 +377,15 @@ def amax(x) -> jax.Array:
   return _call("qlayers_amax", jax.ShapeDtypeStruct((), jnp.float32), x)
 
 
+def max_f32(x) -> jax.Array:
+  """CPU only: ``max(x)`` of a float32 array as a scalar (NaN if it holds a
+  NaN, -Inf if it is empty)."""
+  _require()
+  if jnp.dtype(x.dtype) != jnp.float32:
+    raise TypeError(f"x must be float32, got {x.dtype}")
+  return _call("qlayers_max_f32", jax.ShapeDtypeStruct((), jnp.float32), x)
+
+
 def quantize_fp8_tensor(x, amax_value, dtype, *, margin: int = 0,
                         pow2: bool = False) -> tuple[jax.Array, jax.Array]:
   """CPU only: per-tensor fp8 quantization with Transformer Engine's scale
@@ -405,6 +418,43 @@ def quantize_fp8_tensor(x, amax_value, dtype, *, margin: int = 0,
   return _call("qlayers_quantize_fp8_tensor", outs, x,
                jnp.asarray(amax_value, jnp.float32), margin=np.int64(margin),
                pow2=bool(pow2))
+
+
+def quantize_mx(x, dtype, *, axis: int, block: int = 32,
+                rule: str = "mx_rceil") -> tuple[jax.Array, jax.Array]:
+  """CPU only: MX quantization of a 2-D ``x`` along ``axis``, bit for bit
+  `qlayers.scaling.quantize` (granularity ``mx``, round to nearest even).
+
+  Args:
+    x: ``(R, C)`` float32, bfloat16 or float16.
+    dtype: ``float8_e4m3fn`` or ``float8_e5m2``.
+    axis: 0 or 1, the axis the blocks run along.
+    block: elements per block (32 for OCP MX).
+    rule: ``mx_rceil`` or ``mx_floor`` (`qlayers.scaling.mx_scale_codes`).
+
+  Returns:
+    ``(payload, codes)``: ``payload`` is ``x`` padded with zeros to whole
+    blocks along ``axis``, in ``dtype``; ``codes`` the uint8 E8M0 code of
+    each block, ``(R, C_padded / block)`` or ``(R_padded / block, C)``.
+  """
+  _require()
+  _wide_input(x)
+  if jnp.ndim(x) != 2 or axis not in (0, 1):
+    raise ValueError(f"x must be 2-D and axis 0 or 1, got shape "
+                     f"{jnp.shape(x)} and axis {axis}")
+  dtype = jnp.dtype(dtype)
+  if dtype not in _FP8_DTYPES[:2]:
+    raise TypeError(f"dtype must be float8_e4m3fn or float8_e5m2, got {dtype}")
+  if rule not in ("mx_rceil", "mx_floor"):
+    raise ValueError(f"rule must be mx_rceil or mx_floor, got {rule!r}")
+  r, c = jnp.shape(x)
+  pad = lambda n: -(-n // block) * block
+  shape = (pad(r), c) if axis == 0 else (r, pad(c))
+  grid = (shape[0] // block, c) if axis == 0 else (r, shape[1] // block)
+  outs = (jax.ShapeDtypeStruct(shape, dtype),
+          jax.ShapeDtypeStruct(grid, jnp.uint8))
+  return _call("qlayers_quantize_mx", outs, x, axis=np.int64(axis),
+               block=np.int64(block), rceil=rule == "mx_rceil")
 
 
 # ----------------------------------------------------------------------------

@@ -685,13 +685,15 @@ def report() -> dict:
   """What is available, and which backend each named recipe's GEMMs use.
 
   ``chosen`` is for the host platform and its Fprop; ``targets`` has every
-  GEMM of every recipe for each of `REPORT_TARGETS` (``"cuda sm_90"``, ...).
+  GEMM of every recipe for each of `REPORT_TARGETS` (``"cuda sm_90"``, ...);
+  ``native_quantize`` says whether a program lowered for CPU now quantizes
+  per-tensor FP8 operands with the native kernel (`qlayers.native_quantize`).
 
   Example:
     >>> import qlayers
     >>> info = qlayers.backends()
     >>> sorted(info)
-    ['available', 'chosen', 'ffi_build', 'forced', 'platform', 'targets']
+    ['available', 'chosen', 'ffi_build', 'forced', 'native_quantize', 'platform', 'targets']
     >>> info["targets"]["cuda sm_100"]["mxfp8"]["fprop"]["form"]
     'mx_cudnn'
   """
@@ -709,9 +711,14 @@ def report() -> dict:
     key = platform + (f" {arch}" if arch else "")
     targets[key] = {name: _recipe_choices(r, platform, arch)
                     for name, r in recipes.items()}
+  from qlayers import native_quantize, scaling  # pylint: disable=g-import-not-at-top
+  used, why = native_quantize.applies(
+      jax.ShapeDtypeStruct((256, 256), jnp.bfloat16),
+      scaling.QuantSpec(format="e4m3", granularity="tensor"))
   return {
       "platform": host,
       "available": {"xla": True, "ffi": ffi_ok},
+      "native_quantize": {"cpu": used, "why": why},
       "ffi_build": native.build_info() if native else "qlayers._native missing",
       "forced": os.environ.get("QLAYERS_BACKEND"),
       "chosen": chosen,

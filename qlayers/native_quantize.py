@@ -1,11 +1,11 @@
-"""Per-tensor FP8 quantization through the native CPU kernels, where they apply.
+"""FP8 quantization (per tensor and MX) through native CPU kernels, where they apply.
 
-`amax` and `quantize` are drop-ins for `qlayers.scaling.amax` and
-`qlayers.scaling.quantize` with the same results, bit for bit. In a program
-lowered for CPU they are one custom call per pass over the tensor (the
-``qlayers_amax`` and ``qlayers_quantize_fp8_tensor`` kernels of
-``ffi/cpu/quantize_handlers.cc``) instead of XLA's chain of an integer
-reduction, a float reduction, the scalar scale rule and the cast: a smaller
+`amax`, `history_max` and `quantize` are drop-ins for `qlayers.scaling.amax`,
+`qlayers.scaling.history_amax` and `qlayers.scaling.quantize` with the same
+results, bit for bit. In a program lowered for CPU they are one custom call
+per pass over the tensor (the kernels of ``ffi/cpu/quantize_handlers.cc``)
+instead of XLA's chain of reductions, the scalar scale rule and the cast
+(per tensor), or its block amax, E8M0 code and scaled cast (MX): a smaller
 program, so a quantized train step compiles in about the time of the stock
 one. Every other platform lowers the XLA form, which XLA:GPU fuses into the
 GEMM (``lax.platform_dependent`` keeps only the branch of the lowering
@@ -16,8 +16,9 @@ The CPU branch takes the kernel only when all of these hold, else XLA's form:
 * the native CPU library is loaded with these targets (`qlayers._native`);
 * the process sees one device (a custom call has no partitioning rule: on a
   mesh its operand would be gathered to every device);
-* per-tensor granularity, Transformer Engine's scale rule, round to nearest
-  even, an fp8 payload (E4M3/E5M2, or their FNUZ variants);
+* round to nearest even and an fp8 payload: per tensor with Transformer
+  Engine's scale rule (E4M3/E5M2 or their FNUZ variants), or MX blocks
+  (E4M3/E5M2, RCEIL or FLOOR codes) of a 2-D operand along either axis;
 * a non-empty float32/bfloat16/float16 input;
 * ``QLAYERS_NATIVE_QUANTIZE`` is not ``0`` and the ``xla`` backend is not
   forced (``QLAYERS_BACKEND=xla`` or ``backend="xla"``).
@@ -44,9 +45,9 @@ from jax import lax
 from qlayers import scaling
 from qlayers.scaling import QTensor, QuantSpec
 
-__all__ = ["amax", "quantize", "applies"]
+__all__ = ["amax", "history_max", "quantize", "applies"]
 
-_TARGETS = ("qlayers_amax", "qlayers_quantize_fp8_tensor")
+_TARGETS = ("qlayers_amax", "qlayers_max_f32", "qlayers_quantize_fp8_tensor")
 _INPUTS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
            jnp.dtype(jnp.float16))
 _FP8 = tuple(jnp.dtype(d) for d in (jnp.float8_e4m3fn, jnp.float8_e5m2,
@@ -93,13 +94,17 @@ def applies(x, spec: QuantSpec | None = None, backend: str | None = None
     return False, f"input {x.dtype}{tuple(x.shape)} (needs a non-empty float)"
   if spec is None:
     return True, "native amax"
-  if spec.granularity != "tensor" or spec.scale_rule != "te":
-    return False, f"{spec.granularity} granularity, {spec.scale_rule} rule"
   if spec.stochastic:
     return False, "stochastic rounding"
   if spec.fmt.dtype is None or jnp.dtype(spec.fmt.dtype) not in _FP8:
     return False, f"format {spec.fmt.name} (not fp8)"
-  return True, "native per-tensor fp8 quantize"
+  if spec.granularity == "tensor" and spec.scale_rule == "te":
+    return True, "native per-tensor fp8 quantize"
+  if (spec.granularity == "mx" and x.ndim == 2
+      and jnp.dtype(spec.fmt.dtype) in _FP8[:2]):
+    return True, "native MX fp8 quantize"
+  return False, (f"{spec.granularity} granularity, {spec.scale_rule} rule, "
+                 f"rank {x.ndim}")
 
 
 def amax(x: jax.Array, *, backend: str | None = None) -> jax.Array:
@@ -109,6 +114,18 @@ def amax(x: jax.Array, *, backend: str | None = None) -> jax.Array:
   # Zero derivative, as XLA's form (integer bit operations) has.
   return lax.platform_dependent(lax.stop_gradient(x), cpu=_native().amax,
                                 default=scaling.amax)
+
+
+def history_max(history: jax.Array, *, backend: str | None = None
+                ) -> jax.Array:
+  """``jnp.max(history)`` of a 1-D FP32 amax history (NaN if it holds one):
+  `qlayers.scaling.history_amax` with ``algo="max"``."""
+  if (history.ndim != 1 or jnp.dtype(history.dtype) != jnp.float32
+      or not applies(history, None, backend)[0]):
+    return scaling.history_amax(history, "max")
+  return lax.platform_dependent(
+      lax.stop_gradient(history), cpu=_native().max_f32,
+      default=lambda h: scaling.history_amax(h, "max"))
 
 
 def quantize(x: jax.Array, spec: QuantSpec, axis: int = -1, *,
@@ -126,6 +143,10 @@ def quantize(x: jax.Array, spec: QuantSpec, axis: int = -1, *,
 
   axis = scaling._normalize_axis(axis, x.ndim)  # pylint: disable=protected-access
   fmt = spec.fmt
+  if spec.granularity == "mx":
+    if tensor_amax is not None:
+      raise ValueError("tensor_amax applies to per-tensor granularity only.")
+    return _quantize_mx(x, spec, axis)
   given = () if tensor_amax is None else (jnp.asarray(tensor_amax,
                                                       jnp.float32),)
 
@@ -143,3 +164,19 @@ def quantize(x: jax.Array, spec: QuantSpec, axis: int = -1, *,
 
   return lax.platform_dependent(
       *map(lax.stop_gradient, (x, *given)), cpu=cpu, default=xla)
+
+
+def _quantize_mx(x, spec: QuantSpec, axis: int) -> QTensor:
+  block = scaling.block_shape(x.shape, spec, axis)
+
+  def xla(x):
+    return scaling.quantize(x, spec, axis)
+
+  def cpu(x):
+    payload, codes = _native().quantize_mx(
+        x, spec.fmt.dtype, axis=axis, block=spec.block_size,
+        rule=spec.scale_rule)
+    return QTensor(payload, codes, spec.fmt.name, spec.granularity, block,
+                   axis, tuple(x.shape))
+
+  return lax.platform_dependent(lax.stop_gradient(x), cpu=cpu, default=xla)

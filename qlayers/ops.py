@@ -116,7 +116,10 @@ def _delayed(t, st: ScaleState, recipe: Recipe, backend=None):
   """(amax to scale ``t`` by now, updated running amax) for one role."""
   st = ScaleState(*map(_to_f32, st))
   current = sharding.global_amax(native_quantize.amax(t, backend=backend), t)
-  return scaling.delayed_amax(st, current, recipe.amax_compute_algo)
+  stored = None
+  if recipe.amax_compute_algo == "max":
+    stored = native_quantize.history_max(st.amax_history, backend=backend)
+  return scaling.delayed_amax(st, current, recipe.amax_compute_algo, stored)
 
 
 def _transposes(spec: QuantSpec, axis: int, backend=None) -> bool:

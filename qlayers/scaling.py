@@ -783,7 +783,8 @@ def history_amax(history: jax.Array, algo: str = "max") -> jax.Array:
 
 
 def delayed_amax(state: ScaleState, current: jax.Array,
-                 algo: str = "max") -> tuple[jax.Array, jax.Array]:
+                 algo: str = "max", stored: jax.Array | None = None
+                 ) -> tuple[jax.Array, jax.Array]:
   """One use of a delayed-scaling role: ``(amax to scale by, new running amax)``.
 
   The amax to scale by comes from the history of completed steps; while the
@@ -792,12 +793,14 @@ def delayed_amax(state: ScaleState, current: jax.Array,
   scale of 1 (which flushes small gradients in E5M2). A non-finite
   ``current`` (the operand holds Inf/NaN) is returned as the amax to scale
   by, which makes the quantized operand, and so its GEMM, non-finite, but it
-  never enters the running amax.
+  never enters the running amax. ``stored`` is `history_amax` of the
+  state's history when the caller has it already.
   """
   current = jnp.asarray(current, jnp.float32)
   finite = jnp.isfinite(current)
   running = jnp.where(finite, jnp.maximum(state.amax, current), state.amax)
-  stored = history_amax(state.amax_history, algo)
+  if stored is None:
+    stored = history_amax(state.amax_history, algo)
   use = jnp.where(stored > 0, stored, running)
   return jnp.where(finite, use, current), running
 

@@ -104,6 +104,30 @@ def test_quantize_bits_equal_xla(name, fmt):
           np.testing.assert_array_equal(_bits(g), _bits(w), err_msg=where)
 
 
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("name", sorted(INPUTS))
+def test_mx_bits_equal_xla(name, fmt):
+  """Blocks along either axis, padding (sizes that are not multiples of 32),
+  both E8M0 rules, blocks holding NaN or Inf."""
+  x0 = np.asarray(INPUTS[name], np.float32).ravel()
+  x0 = np.resize(x0, (33, max(2, x0.size // 33 + 1)))[:, :70]
+  for dtype, rule in itertools.product(DTYPES, ("mx_rceil", "mx_floor")):
+    spec = QuantSpec(format=fmt, granularity="mx", scale_rule=rule)
+    x = _as(x0, dtype)
+
+    @jax.jit
+    def both(x, spec=spec):
+      return [[(q.payload, q.scale) for q in (quantize(x, spec, 0),
+                                              quantize(x, spec, 1))]
+              for quantize in (scaling.quantize, native_quantize.quantize)]
+
+    want, got = both(x)
+    for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+      where = f"{name} {dtype.__name__} {fmt} {rule}"
+      assert w.dtype == g.dtype and w.shape == g.shape, where
+      np.testing.assert_array_equal(_bits(g), _bits(w), err_msg=where)
+
+
 def _lowered(fn, *args) -> str:
   return jax.jit(fn).lower(*args).as_text()
 
@@ -126,8 +150,12 @@ def test_the_kernel_is_in_the_cpu_program(monkeypatch):
 
 
 @pytest.mark.parametrize("spec,x,why", [
-    (QuantSpec(format="e4m3", granularity="mx"), jnp.ones((4, 64)),
-     "mx granularity"),
+    (QuantSpec(format="e4m3", granularity="mx"), jnp.ones((2, 4, 64)),
+     "rank 3"),
+    (QuantSpec(format="e2m1", granularity="mx"), jnp.ones((4, 64)),
+     "not fp8"),
+    (QuantSpec(format="e4m3", granularity="row"), jnp.ones((4, 64)),
+     "row granularity"),
     (QuantSpec(format="e4m3", granularity="tensor", rounding="stochastic"),
      jnp.ones((4, 64)), "stochastic"),
     (QuantSpec(format="e4m3", granularity="tensor", scale_rule="deepseek"),
@@ -152,7 +180,7 @@ def test_bad_arguments_are_named():
     _native.quantize_fp8_tensor(x, 1.0, jnp.float8_e4m3fn, margin=127)
 
 
-@pytest.mark.parametrize("name", ["fp8_current", "fp8_delayed"])
+@pytest.mark.parametrize("name", ["fp8_current", "fp8_delayed", "mxfp8"])
 def test_layer_bits_do_not_depend_on_the_kernel(name, monkeypatch):
   """Outputs, gradients and delayed state of a quantized matmul with leading
   dims, with and without the kernel."""
@@ -175,8 +203,26 @@ def test_layer_bits_do_not_depend_on_the_kernel(name, monkeypatch):
 
   lowered = jax.jit(lambda x, w: ops.quantized_matmul(
       x, w, name, state=state)[0]).lower(x, w).as_text()
-  assert "qlayers_quantize_fp8_tensor" in lowered
+  assert ("qlayers_quantize_mx" if name == "mxfp8"
+          else "qlayers_quantize_fp8_tensor") in lowered
   native = run()
   monkeypatch.setenv("QLAYERS_NATIVE_QUANTIZE", "0")
   reference = run()
   chex.assert_trees_all_equal(native, reference)
+
+
+def test_history_max_equals_jnp_max():
+  """Delayed scaling only compares it with zero and uses it when positive:
+  equal values (zeros of either sign), NaN for a history holding NaN."""
+  rng = np.random.default_rng(1)
+  cases = [rng.uniform(0, 5, 1024), np.zeros(16), np.array([-0.0, 0.0]),
+           np.array([-3.0, -1.0]), np.array([1e-39, 0.0]),
+           np.array([2.0, np.nan, 1.0]), np.array([np.inf, 1.0]),
+           rng.standard_normal(7)]
+  fn = jax.jit(lambda h: (native_quantize.history_max(h), jnp.max(h)))
+  for h in cases:
+    got, want = map(np.asarray, fn(jnp.asarray(h, jnp.float32)))
+    assert (got == want) or (np.isnan(got) and np.isnan(want)), (h, got, want)
+  text = jax.jit(native_quantize.history_max).lower(
+      jnp.zeros(8, jnp.float32)).as_text()
+  assert "qlayers_max_f32" in text

@@ -17,6 +17,18 @@
 //             x * s is rounded to f32 first, NaN stays NaN, and a NaN s
 //             (a non-finite amax) makes every element the positive NaN.
 //
+// QlayersMaxF32 (x f32 of any shape -> f32 scalar): max(x) as a float max
+//   (negative values included), NaN if x holds a NaN, -Inf for an empty x:
+//   the value delayed scaling compares with zero (`scaling.history_amax`).
+//
+// QlayersQuantizeMx (x (R, C) f32 / bf16 / f16 -> payload fp8 (R, C) padded
+//   to whole blocks along `axis`, codes uint8 E8M0 one per block; attributes
+//   axis (0 or 1), block (32), rceil (bool: RCEIL, else FLOOR)):
+//   `scaling.quantize` with granularity "mx": per block amax as above, code
+//   from its f32 bits (`scaling.mx_scale_codes`), multiplier 2^(127 - code)
+//   (0 for the NaN code 0xFF), payload RNE(clip(x * multiplier)); padding
+//   is zeros.
+//
 // XLA:CPU runs its executables with flush-to-zero and denormals-are-zero
 // (a subnormal amax reads as zero there), so both handlers compute under
 // the same mode.
@@ -38,6 +50,8 @@ namespace {
 
 constexpr std::string_view kOpAmax = "qlayers_amax";
 constexpr std::string_view kOpQuantize = "qlayers_quantize_fp8_tensor";
+constexpr std::string_view kOpMax = "qlayers_max_f32";
+constexpr std::string_view kOpMx = "qlayers_quantize_mx";
 // Elements per thread below which a pass stays on the calling thread.
 constexpr double kPerThread = 1 << 16;
 
@@ -218,6 +232,22 @@ ffi::Error AmaxImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out) {
   return ffi::Error::Success();
 }
 
+ffi::Error MaxImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out) {
+  QLAYERS_RETURN_IF_ERROR(ExpectDtype(kOpMax, "x", x, ffi::DataType::F32));
+  QLAYERS_RETURN_IF_ERROR(ExpectScalarF32(kOpMax, "output", *out));
+  const float* v = static_cast<const float*>(x.untyped_data());
+  const int64_t n = static_cast<int64_t>(x.element_count());
+  float m = -std::numeric_limits<float>::infinity();
+  bool nan = false;
+  for (int64_t i = 0; i < n; ++i) {
+    nan |= std::isnan(v[i]);
+    m = v[i] > m ? v[i] : m;
+  }
+  *static_cast<float*>(out->untyped_data()) =
+      nan ? std::numeric_limits<float>::quiet_NaN() : m;
+  return ffi::Error::Success();
+}
+
 ffi::Error QuantizeImpl(ffi::AnyBuffer x, ffi::AnyBuffer amax,
                         ffi::Result<ffi::AnyBuffer> payload,
                         ffi::Result<ffi::AnyBuffer> scale, int64_t margin,
@@ -277,6 +307,181 @@ ffi::Error QuantizeImpl(ffi::AnyBuffer x, ffi::AnyBuffer amax,
   return ffi::Error::Success();
 }
 
+struct MxRule {
+  uint32_t k;      // subtracted from the biased exponent
+  uint32_t m_max;  // RCEIL: mantissa field of the format's max
+  bool rceil;
+
+  // Code of a block from the bits of its f32 amax (NaN patterns included:
+  // their exponent field is all ones, as Inf's).
+  uint8_t Code(uint32_t bits) const {
+    const uint32_t eb = (bits >> 23) & 0xFFu;
+    if (eb == 0xFFu) return 0xFF;
+    const uint32_t above = rceil && (bits & 0x7FFFFFu) > m_max ? 1u : 0u;
+    const uint32_t e = eb + above;
+    return static_cast<uint8_t>((e > k ? e : k) - k);
+  }
+  static float Multiplier(uint8_t code) {
+    if (code == 0xFF) return 0.0f;
+    const uint32_t b = (254u - code) << 23;
+    return BitsFloat(b > 0x400000u ? b : 0x400000u);
+  }
+};
+
+// Widens n inputs to f32 (exact; magnitudes keep their order and NaNs stay
+// NaNs, so amaxes of the widened values are those of the inputs).
+void Widen(const void* x, Wide w, int64_t offset, int64_t n, float* out) {
+  switch (w) {
+    case Wide::kF32:
+      std::memcpy(out, static_cast<const float*>(x) + offset, n * sizeof(float));
+      break;
+    case Wide::kBF16: {
+      const uint16_t* h = static_cast<const uint16_t*>(x) + offset;
+      for (int64_t i = 0; i < n; ++i) out[i] = Bf16ToFloat(h[i]);
+      break;
+    }
+    case Wide::kF16: {
+      const uint16_t* h = static_cast<const uint16_t*>(x) + offset;
+      for (int64_t i = 0; i < n; ++i) out[i] = HalfToFloat(h[i]);
+      break;
+    }
+  }
+}
+
+// m[i] = max(m[i], magnitude bits of v[i]).
+QL_ISA_CLONES void MaxInto(const float* __restrict v, int64_t n,
+                           uint32_t* __restrict m) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t b = FloatBits(v[i]) & 0x7FFFFFFFu;
+    m[i] = b > m[i] ? b : m[i];
+  }
+}
+
+// Magnitude-bit max of each bs-long block of v (n a multiple of bs).
+QL_ISA_CLONES void BlockMax(const float* __restrict v, int64_t n, int64_t bs,
+                            uint32_t* __restrict m) {
+  for (int64_t j = 0; j < n / bs; ++j) {
+    uint32_t b = 0;
+    for (int64_t i = 0; i < bs; ++i) {
+      const uint32_t u = FloatBits(v[j * bs + i]) & 0x7FFFFFFFu;
+      b = u > b ? u : b;
+    }
+    m[j] = b;
+  }
+}
+
+// q[i] = enc(v[i] * s[i / bs]).
+QL_ISA_CLONES void EncodeBlocks(const Fp8Encoder enc, const float* __restrict v,
+                                const float* __restrict s, int64_t n,
+                                int64_t bs, uint8_t* __restrict q) {
+  for (int64_t j = 0; j < n / bs; ++j) {
+    const float sj = s[j];
+    for (int64_t i = 0; i < bs; ++i) q[j * bs + i] = enc(v[j * bs + i] * sj);
+  }
+}
+
+// q[i] = enc(v[i] * s[i]).
+QL_ISA_CLONES void EncodeEach(const Fp8Encoder enc, const float* __restrict v,
+                              const float* __restrict s, int64_t n,
+                              uint8_t* __restrict q) {
+  for (int64_t i = 0; i < n; ++i) q[i] = enc(v[i] * s[i]);
+}
+
+// Blocks along C (axis 1): row r, block j covers columns [j*bs, (j+1)*bs).
+void MxRows(const void* x, Wide w, int64_t R, int64_t C, int64_t bs,
+            int64_t Cp, const MxRule& rule, const Fp8Encoder& enc, uint8_t* q,
+            uint8_t* codes) {
+  const int64_t nb = Cp / bs;
+  const int threads = ThreadsFor(static_cast<double>(R * C), kPerThread);
+  ForRanges(R, threads, [&](int64_t r0, int64_t r1, int) {
+    ScopedFlushSubnormals mode;
+    // One row widened (zero padded), then its block maxima and multipliers.
+    float* v = ThreadScratch(static_cast<size_t>(Cp + 2 * nb));
+    float* s = v + Cp;
+    uint32_t* m = reinterpret_cast<uint32_t*>(s + nb);
+    std::fill(v + C, v + Cp, 0.0f);
+    for (int64_t r = r0; r < r1; ++r) {
+      Widen(x, w, r * C, C, v);
+      BlockMax(v, Cp, bs, m);
+      for (int64_t j = 0; j < nb; ++j) {
+        codes[r * nb + j] = rule.Code(m[j]);
+        s[j] = MxRule::Multiplier(codes[r * nb + j]);
+      }
+      EncodeBlocks(enc, v, s, Cp, bs, q + r * Cp);
+    }
+  });
+}
+
+// Blocks along R (axis 0): block i covers rows [i*bs, (i+1)*bs) of column c.
+void MxCols(const void* x, Wide w, int64_t R, int64_t C, int64_t bs,
+            int64_t Rp, const MxRule& rule, const Fp8Encoder& enc, uint8_t* q,
+            uint8_t* codes) {
+  const int64_t nb = Rp / bs;
+  const int threads = ThreadsFor(static_cast<double>(R * C), kPerThread);
+  ForRanges(nb, threads, [&](int64_t i0, int64_t i1, int) {
+    ScopedFlushSubnormals mode;
+    // The block's rows widened, then per-column maxima and multipliers.
+    float* v = ThreadScratch(static_cast<size_t>((bs + 2) * C));
+    float* s = v + bs * C;
+    uint32_t* m = reinterpret_cast<uint32_t*>(s + C);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t r0 = i * bs, rows = std::min(R, r0 + bs) - r0;
+      std::fill(m, m + C, 0u);
+      for (int64_t r = 0; r < rows; ++r) {
+        Widen(x, w, (r0 + r) * C, C, v + r * C);
+        MaxInto(v + r * C, C, m);
+      }
+      std::fill(v + rows * C, v + bs * C, 0.0f);
+      for (int64_t c = 0; c < C; ++c) {
+        codes[i * C + c] = rule.Code(m[c]);
+        s[c] = MxRule::Multiplier(codes[i * C + c]);
+      }
+      for (int64_t r = 0; r < bs; ++r) {
+        EncodeEach(enc, v + r * C, s, C, q + (r0 + r) * C);
+      }
+    }
+  });
+}
+
+ffi::Error QuantizeMxImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> payload,
+                          ffi::Result<ffi::AnyBuffer> codes, int64_t axis,
+                          int64_t block, bool rceil) {
+  const std::string_view op = kOpMx;
+  Wide w = Wide::kF32;
+  int64_t R = 0, C = 0;
+  QLAYERS_RETURN_IF_ERROR(WideInput(op, x, &w));
+  QLAYERS_RETURN_IF_ERROR(Rank2(op, "x", x, &R, &C));
+  if (axis != 0 && axis != 1) {
+    return InvalidArg(op, "axis must be 0 or 1, got ", axis);
+  }
+  if (block <= 0) return InvalidArg(op, "block must be positive, got ", block);
+  auto elem = ElemOfFp8Dtype(payload->element_type());
+  if (!elem || Info(*elem).fnuz) {
+    return InvalidArg(op, "the payload must be float8_e4m3fn or float8_e5m2, "
+                      "got ", DtypeName(payload->element_type()));
+  }
+  const int64_t Rp = axis == 0 ? RoundUp(R, block) : R;
+  const int64_t Cp = axis == 1 ? RoundUp(C, block) : C;
+  QLAYERS_RETURN_IF_ERROR(ExpectShape2(op, "payload", *payload, Rp, Cp));
+  QLAYERS_RETURN_IF_ERROR(ExpectShape2(op, "codes", *codes,
+                                       axis == 0 ? Rp / block : R,
+                                       axis == 1 ? Cp / block : C));
+  QLAYERS_RETURN_IF_ERROR(ExpectDtype(op, "codes", *codes, ffi::DataType::U8));
+  const ElemInfo& info = Info(*elem);
+  const uint32_t max_bits = FloatBits(info.max_finite);
+  const int emax = static_cast<int>((max_bits >> 23) & 0xFFu) - 127;
+  const MxRule rule{static_cast<uint32_t>(emax), max_bits & 0x7FFFFFu, rceil};
+  const Fp8Encoder enc(*elem);
+  uint8_t* q = static_cast<uint8_t*>(payload->untyped_data());
+  uint8_t* cd = static_cast<uint8_t*>(codes->untyped_data());
+  if (axis == 1) {
+    MxRows(x.untyped_data(), w, R, C, block, Cp, rule, enc, q, cd);
+  } else {
+    MxCols(x.untyped_data(), w, R, C, block, Rp, rule, enc, q, cd);
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace qlayers::cpu
 
@@ -286,6 +491,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QlayersAmax, qlayers::cpu::AmaxImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()  // x
                                   .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QlayersMaxF32, qlayers::cpu::MaxImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QlayersQuantizeMx, qlayers::cpu::QuantizeMxImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Ret<ffi::AnyBuffer>()  // payload
+                                  .Ret<ffi::AnyBuffer>()  // codes
+                                  .Attr<int64_t>("axis")
+                                  .Attr<int64_t>("block")
+                                  .Attr<bool>("rceil"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QlayersQuantizeFp8Tensor,
                               qlayers::cpu::QuantizeImpl,
