@@ -6,8 +6,8 @@ results, bit for bit. In a program lowered for CPU they are one custom call
 per pass over the tensor (the kernels of ``ffi/cpu/quantize_handlers.cc``)
 instead of XLA's chain of reductions, the scalar scale rule and the cast
 (per tensor), or its block amax, E8M0 code and scaled cast (MX): a smaller
-program, so a quantized train step compiles in about the time of the stock
-one. Every other platform lowers the XLA form, which XLA:GPU fuses into the
+program, which compiles faster (benchmarks/RESULTS.md, "Native CPU
+quantize"). Every other platform lowers the XLA form, which XLA:GPU fuses into the
 GEMM (``lax.platform_dependent`` keeps only the branch of the lowering
 platform).
 
