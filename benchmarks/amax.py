@@ -25,11 +25,11 @@ from qlayers import scaling
 
 
 def median_ms(fn, x, runs: int) -> float:
-  fn(x).block_until_ready()
+  jax.block_until_ready(fn(x))
   times = []
   for _ in range(runs):
     t0 = time.perf_counter()
-    fn(x).block_until_ready()
+    jax.block_until_ready(fn(x))
     times.append(time.perf_counter() - t0)
   return float(np.median(times)) * 1e3
 

@@ -8,8 +8,13 @@ Usage (from the repository root)::
 For per-tensor E4M3 (TE rule) and MXFP8 E4M3 blocks along axis 0 and 1, the
 quantize alone (payload) and quantize + dequantize to BF16 are jitted twice:
 with `qlayers.native_quantize` (its CPU kernels) and with
-`qlayers.scaling.quantize` (XLA's fused ops). Median wall ms over ``--runs``
-calls after a warm-up; markdown to stdout.
+`qlayers.scaling.quantize` (XLA's fused ops). Then the passes that have a
+kernel of their own: a delayed-scaling use (history max, amax choice and
+quantize; `native_quantize.quantize_delayed` against `scaling.delayed_amax`
++ `quantize`), and the BF16 copy of an MXFP8 operand that the CPU MX GEMM
+multiplies, as stored and transposed (`native_quantize.dequantize` against
+``QTensor.dequantize``). Median wall ms over ``--runs`` calls after a
+warm-up; markdown to stdout.
 """
 
 from __future__ import annotations
@@ -51,9 +56,54 @@ def main(argv=None) -> int:
             return q.payload if what == "quantize" else q.dequantize(
                 jnp.bfloat16)
           ms.append(median_ms(jax.jit(fn), x, args.runs))
-        print(f"| {jnp.dtype(dtype).name}{list(shape)} | {name} | {what} | "
-              f"{ms[0]:.2f} | {ms[1]:.2f} | {ms[1] / ms[0]:.2f}x |")
+        _row(dtype, shape, name, what, ms)
+    _delayed_rows(x, shape, args.runs)
+  _dequantize_rows(shape, args.runs)
   return 0
+
+
+def _row(dtype, shape, name, what, ms) -> None:
+  print(f"| {jnp.dtype(dtype).name}{list(shape)} | {name} | {what} | "
+        f"{ms[0]:.2f} | {ms[1]:.2f} | {ms[1] / ms[0]:.2f}x |")
+
+
+def _delayed_rows(x, shape, runs: int) -> None:
+  """One delayed-scaling use (a seen history of 1024 steps)."""
+  spec = CASES[0][1]
+  history = jnp.zeros(1024, jnp.float32).at[3].set(2.0)
+  running = jnp.float32(0.5)
+
+  def xla(x, h, r):
+    use, run = scaling.delayed_amax(scaling.ScaleState(h, r), scaling.amax(x))
+    return scaling.quantize(x, spec, 1, tensor_amax=use).payload, use, run
+
+  def native(x, h, r):
+    q, use, run = native_quantize.quantize_delayed(x, spec, h, r, 1)
+    return q.payload, use, run
+
+  ms = [median_ms(jax.jit(lambda x, f=f: f(x, history, running)), x, runs)
+        for f in (xla, native)]
+  _row(x.dtype, shape, "per-tensor e4m3, delayed", "delayed use + quantize",
+       ms)
+
+
+def _dequantize_rows(shape, runs: int) -> None:
+  """The MXFP8 GEMM operand's BF16 copy, from a quantized BF16 tensor."""
+  x = jax.random.normal(jax.random.key(1), shape, jnp.bfloat16)
+  for name, spec, axis in CASES[1:]:
+    q = jax.jit(lambda x, spec=spec, axis=axis: scaling.quantize(
+        x, spec, axis))(x)
+    for transpose in (False, True):
+      def xla(q, t=transpose):
+        out = q.dequantize(jnp.bfloat16)
+        return out.T if t else out
+
+      def native(q, t=transpose):
+        return native_quantize.dequantize(q, transpose=t)
+
+      ms = [median_ms(jax.jit(f), q, runs) for f in (xla, native)]
+      _row(jnp.bfloat16, shape, name, "dequantize to BF16"
+           + (", transposed" if transpose else ""), ms)
 
 
 if __name__ == "__main__":

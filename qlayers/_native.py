@@ -65,6 +65,9 @@ __all__ = [
   "max_f32",
   "quantize_fp8_tensor",
   "quantize_mx",
+  "dequantize_mx",
+  "quantize_fp8_delayed",
+  "end_step",
   "MX_FORMATS",
   "NATIVE_GRANULARITIES",
   "loaded",
@@ -81,6 +84,9 @@ _CPU_HANDLERS = {
   "qlayers_max_f32": "QlayersMaxF32",
   "qlayers_quantize_mx": "QlayersQuantizeMx",
   "qlayers_quantize_fp8_tensor": "QlayersQuantizeFp8Tensor",
+  "qlayers_dequantize_mx": "QlayersDequantizeMx",
+  "qlayers_quantize_fp8_delayed": "QlayersQuantizeFp8Delayed",
+  "qlayers_end_step": "QlayersEndStep",
 }
 _GPU_HANDLERS = {
   "qlayers_gemm_fp8_tensor": "QlayersGemmFp8TensorGpu",
@@ -386,6 +392,18 @@ def max_f32(x) -> jax.Array:
   return _call("qlayers_max_f32", jax.ShapeDtypeStruct((), jnp.float32), x)
 
 
+def _per_tensor_args(x, dtype, margin) -> jnp.dtype:
+  """Checks the arguments of the per-tensor quantize kernels."""
+  _require()
+  _wide_input(x)
+  dtype = jnp.dtype(dtype)
+  if dtype not in _FP8_DTYPES:
+    raise TypeError(f"dtype must be an fp8 dtype, got {dtype}")
+  if not 0 <= int(margin) <= 126:
+    raise ValueError(f"margin must be in [0, 126], got {margin}")
+  return dtype
+
+
 def quantize_fp8_tensor(x, amax_value, dtype, *, margin: int = 0,
                         pow2: bool = False) -> tuple[jax.Array, jax.Array]:
   """CPU only: per-tensor fp8 quantization with Transformer Engine's scale
@@ -406,18 +424,79 @@ def quantize_fp8_tensor(x, amax_value, dtype, *, margin: int = 0,
     ``s = te_multiplier(amax_value)`` (NaN for a non-finite amax, which makes
     every payload element NaN).
   """
-  _require()
-  _wide_input(x)
-  dtype = jnp.dtype(dtype)
-  if dtype not in _FP8_DTYPES:
-    raise TypeError(f"dtype must be an fp8 dtype, got {dtype}")
-  if not 0 <= int(margin) <= 126:
-    raise ValueError(f"margin must be in [0, 126], got {margin}")
+  dtype = _per_tensor_args(x, dtype, margin)
   outs = (jax.ShapeDtypeStruct(jnp.shape(x), dtype),
           jax.ShapeDtypeStruct((), jnp.float32))
   return _call("qlayers_quantize_fp8_tensor", outs, x,
                jnp.asarray(amax_value, jnp.float32), margin=np.int64(margin),
                pow2=bool(pow2))
+
+
+def quantize_fp8_delayed(x, history, running, dtype, *, margin: int = 0,
+                         pow2: bool = False):
+  """CPU only: one use of a delayed-scaling role and its quantize, bit for
+  bit ``scaling.delayed_amax(ScaleState(history, running), amax(x), "max",
+  history_amax(history))`` followed by `quantize_fp8_tensor` with the amax
+  it chose, on XLA:CPU.
+
+  Args:
+    x: float32, bfloat16 or float16 array of any shape.
+    history: ``(H,)`` float32 amax history (index 0 the most recent).
+    running: float32 scalar, the step's running amax so far.
+    dtype: the payload's fp8 dtype.
+    margin: TE's margin, 0 to 126.
+    pow2: round the multiplier down to a power of two.
+
+  Returns:
+    ``(payload, scale, amax, running)``: the quantized ``x`` and its
+    dequantization factor, the amax the scale came from, and the running
+    amax with ``max |x|`` folded in (unchanged when ``x`` holds Inf or NaN).
+  """
+  dtype = _per_tensor_args(x, dtype, margin)
+  if jnp.ndim(history) != 1 or jnp.size(history) == 0:
+    raise ValueError(f"history must be a non-empty 1-D array, got shape "
+                     f"{jnp.shape(history)}")
+  scalar = jax.ShapeDtypeStruct((), jnp.float32)
+  outs = (jax.ShapeDtypeStruct(jnp.shape(x), dtype), scalar, scalar, scalar)
+  return _call("qlayers_quantize_fp8_delayed", outs, x,
+               jnp.asarray(history, jnp.float32),
+               jnp.asarray(running, jnp.float32), margin=np.int64(margin),
+               pow2=bool(pow2))
+
+
+def end_step(histories, amaxes, gradient_amaxes=()) -> list[jax.Array]:
+  """CPU only: the end of a delayed-scaling step for many roles in one call,
+  bit for bit `qlayers.scaling.update_scales` of each on XLA:CPU.
+
+  Args:
+    histories: ``N`` float32 ``(H_i,)`` amax histories.
+    amaxes: their ``N`` float32 scalar running amaxes.
+    gradient_amaxes: ``K <= N`` float32 scalars folded into the first ``K``
+      running amaxes first (``max(a, m)``, a non-finite ``m`` read as 0), as
+      `qlayers.update_scales` writes gradient state.
+
+  Returns:
+    The ``N`` new histories (rolled one step, the running amax at index 0,
+    0 where it is not finite).
+  """
+  _require()
+  histories, amaxes = list(histories), list(amaxes)
+  gradient_amaxes = list(gradient_amaxes)
+  if len(amaxes) != len(histories) or len(gradient_amaxes) > len(histories):
+    raise ValueError(f"{len(histories)} histories need as many running "
+                     f"amaxes (got {len(amaxes)}) and at most as many "
+                     f"gradient amaxes (got {len(gradient_amaxes)})")
+  if not histories:
+    return []
+  for h in histories:
+    if jnp.ndim(h) != 1 or jnp.size(h) == 0:
+      raise ValueError(f"every history must be a non-empty 1-D array, got "
+                       f"shape {jnp.shape(h)}")
+  f32 = lambda v: jnp.asarray(v, jnp.float32)  # noqa: E731
+  outs = [jax.ShapeDtypeStruct(jnp.shape(h), jnp.float32) for h in histories]
+  return list(_call("qlayers_end_step", outs, *map(f32, histories),
+                    *map(f32, amaxes), *map(f32, gradient_amaxes),
+                    merged=np.int64(len(gradient_amaxes))))
 
 
 def quantize_mx(x, dtype, *, axis: int, block: int = 32,
@@ -455,6 +534,45 @@ def quantize_mx(x, dtype, *, axis: int, block: int = 32,
           jax.ShapeDtypeStruct(grid, jnp.uint8))
   return _call("qlayers_quantize_mx", outs, x, axis=np.int64(axis),
                block=np.int64(block), rceil=rule == "mx_rceil")
+
+
+def dequantize_mx(payload, codes, shape: tuple[int, int], *, axis: int,
+                  block: int = 32, transpose: bool = False) -> jax.Array:
+  """CPU only: an MX fp8 operand as bfloat16, bit for bit
+  ``QTensor.dequantize(jnp.bfloat16)`` on XLA:CPU (and its transpose with
+  ``transpose``), in one pass.
+
+  Args:
+    payload: ``(R, C)`` padded to whole blocks along ``axis``,
+      ``float8_e4m3fn`` or ``float8_e5m2`` (as `quantize_mx` makes it).
+    codes: the uint8 E8M0 code of each block.
+    shape: ``(R, C)``, the unpadded shape the output is cropped to.
+    axis: 0 or 1, the axis the blocks run along.
+    block: elements per block.
+    transpose: write the ``(C, R)`` transpose instead.
+  """
+  _require()
+  if jnp.ndim(payload) != 2 or axis not in (0, 1):
+    raise ValueError(f"payload must be 2-D and axis 0 or 1, got shape "
+                     f"{jnp.shape(payload)} and axis {axis}")
+  if jnp.dtype(payload.dtype) not in _FP8_DTYPES[:2]:
+    raise TypeError(f"payload must be float8_e4m3fn or float8_e5m2, got "
+                    f"{payload.dtype}")
+  if jnp.dtype(codes.dtype) != jnp.uint8:
+    raise TypeError(f"codes must be uint8, got {codes.dtype}")
+  r, c = shape
+  pad = lambda n: -(-n // block) * block  # noqa: E731
+  padded = (pad(r), c) if axis == 0 else (r, pad(c))
+  grid = (padded[0] // block, c) if axis == 0 else (r, padded[1] // block)
+  if tuple(jnp.shape(payload)) != padded or tuple(jnp.shape(codes)) != grid:
+    raise ValueError(
+        f"payload {jnp.shape(payload)} and codes {jnp.shape(codes)} do not "
+        f"hold a {shape} operand in blocks of {block} along axis {axis} "
+        f"(expected {padded} and {grid})")
+  out = jax.ShapeDtypeStruct((c, r) if transpose else (r, c), jnp.bfloat16)
+  return _call("qlayers_dequantize_mx", out, payload, codes,
+               axis=np.int64(axis), block=np.int64(block),
+               transpose=bool(transpose))
 
 
 # ----------------------------------------------------------------------------

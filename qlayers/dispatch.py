@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from qlayers import native_quantize
 from qlayers import partition
 from qlayers import sharding
 from qlayers.scaling import QTensor
@@ -201,8 +202,9 @@ TABLE: tuple[Rule, ...] = (
          "FP32 emulation (arbitrary FP32 tile/block scales): about as fast "
          "as the native kernel on CPU"),
     Rule("cpu", "any", ("mx",), _ANY, "xla", "cpu_mx",
-         "exact BF16 dequantize + XLA's BF16 dot (FP32 accumulation) beats "
-         "the native kernel on CPU"),
+         "exact BF16 dequantize (a native pass per operand where it "
+         "applies) + XLA's BF16 dot (FP32 accumulation) beats the native "
+         "MX GEMM on CPU"),
     # --- NVIDIA.
     Rule("cuda", "any", ("tensor",), ("fp8",), "xla", "fp8_folded",
          "FP8 dot_general with both scales folded into cuBLASLt FP8 (or the "
@@ -490,9 +492,23 @@ def _fp8_rowwise(a, b, out_dtype, axes):
   return out * (sa * sb).astype(out_dtype)
 
 
-def _cpu_mx(a, b, out_dtype, axes):
+def _cpu_mx(a, b, out_dtype, axes, native: bool = True):
   """CPU MX: an MX value (at most 4 significant bits times a power of two)
-  is exact in BF16, which has FP32's exponent range."""
+  is exact in BF16, which has FP32's exponent range.
+
+  Where `native_quantize.dequantizes` both operands (and ``native``), each
+  is one native pass that writes the BF16 copy in the layout of a plain
+  ``(M, K) @ (K, N)`` dot, transposing on the way where the contraction
+  axis is elsewhere; the same bits as XLA's fusion, without a fusion per
+  operand to compile.
+  """
+  if (native and native_quantize.dequantizes(a)
+      and native_quantize.dequantizes(b)):
+    ad = native_quantize.dequantize(a, transpose=axes[0] == 0, cpu_only=True)
+    bd = native_quantize.dequantize(b, transpose=axes[1] == 1, cpu_only=True)
+    return lax.dot_general(ad, bd, _dims(1, 0),
+                           preferred_element_type=jnp.float32
+                           ).astype(out_dtype)
   ad, bd = a.dequantize(jnp.bfloat16), b.dequantize(jnp.bfloat16)
   return _dot_f32(ad, bd, axes, precision=lax.Precision.HIGHEST
                   ).astype(out_dtype)
@@ -587,12 +603,20 @@ FORMS: dict[str, Callable] = {
 }
 
 
+def _form(name: str, backend: str | None) -> Callable:
+  """`FORMS` entry ``name``; with the ``xla`` backend forced, XLA ops only
+  (no native dequantize in ``cpu_mx``)."""
+  if name == "cpu_mx" and backend == "xla":
+    return functools.partial(_cpu_mx, native=False)
+  return FORMS[name]
+
+
 def xla_gemm(a, b, out_dtype, axes: tuple[int, int], *,
              platform: str = "cpu", arch: str | None = None) -> jax.Array:
   """The ``xla`` backend's form for ``platform`` (default: the CPU reference),
   called directly, without a platform branch."""
   c = choose(a, b, platform, arch, backend="xla")
-  return FORMS[c.form](a, b, out_dtype, tuple(axes))
+  return _form(c.form, "xla")(a, b, out_dtype, tuple(axes))
 
 
 def gemm(a, b, *, axes: tuple[int, int], out_dtype,
@@ -631,7 +655,8 @@ def _dispatched(a, b, axes, out_dtype, backend) -> jax.Array:
   for form in forms.values():
     if form not in branches:
       branches[form] = functools.partial(
-          lambda form, a, b: FORMS[form](a, b, out_dtype, axes), form)
+          lambda form, a, b: _form(form, backend)(a, b, out_dtype, axes),
+          form)
   if len(branches) == 1:
     return next(iter(branches.values()))(a, b)
   return lax.platform_dependent(
@@ -686,8 +711,9 @@ def report() -> dict:
 
   ``chosen`` is for the host platform and its Fprop; ``targets`` has every
   GEMM of every recipe for each of `REPORT_TARGETS` (``"cuda sm_90"``, ...);
-  ``native_quantize`` says whether a program lowered for CPU now quantizes
-  per-tensor FP8 operands with the native kernel (`qlayers.native_quantize`).
+  ``native_quantize`` says whether a program lowered for CPU now runs the
+  native kernels of `qlayers.native_quantize` (FP8 and MXFP8 quantize, the
+  MXFP8 GEMM's BF16 operands, delayed scaling), and if not, why.
 
   Example:
     >>> import qlayers
@@ -711,7 +737,7 @@ def report() -> dict:
     key = platform + (f" {arch}" if arch else "")
     targets[key] = {name: _recipe_choices(r, platform, arch)
                     for name, r in recipes.items()}
-  from qlayers import native_quantize, scaling  # pylint: disable=g-import-not-at-top
+  from qlayers import scaling  # pylint: disable=g-import-not-at-top
   used, why = native_quantize.applies(
       jax.ShapeDtypeStruct((256, 256), jnp.bfloat16),
       scaling.QuantSpec(format="e4m3", granularity="tensor"))

@@ -1,8 +1,9 @@
 """FP8 quantization (per tensor and MX) through native CPU kernels, where they apply.
 
-`amax`, `history_max` and `quantize` are drop-ins for `qlayers.scaling.amax`,
-`qlayers.scaling.history_amax` and `qlayers.scaling.quantize` with the same
-results, bit for bit. In a program lowered for CPU they are one custom call
+`amax`, `history_max`, `quantize` and `dequantize` are drop-ins for
+`qlayers.scaling.amax`, `qlayers.scaling.history_amax`,
+`qlayers.scaling.quantize` and ``QTensor.dequantize(jnp.bfloat16)`` (MX, the
+operands of the CPU MX GEMM) with the same results, bit for bit. In a program lowered for CPU they are one custom call
 per pass over the tensor (the kernels of ``ffi/cpu/quantize_handlers.cc``)
 instead of XLA's chain of reductions, the scalar scale rule and the cast
 (per tensor), or its block amax, E8M0 code and scaled cast (MX): a smaller
@@ -23,6 +24,13 @@ The CPU branch takes the kernel only when all of these hold, else XLA's form:
 * ``QLAYERS_NATIVE_QUANTIZE`` is not ``0`` and the ``xla`` backend is not
   forced (``QLAYERS_BACKEND=xla`` or ``backend="xla"``).
 
+`quantize_delayed` is one use of a delayed-scaling role (the amax
+`qlayers.scaling.delayed_amax` chooses, then `quantize`) in one kernel, for
+the per-tensor specs above, the ``max`` history algorithm and a 1-D history
+(`fuses_delayed`). `dequantize` takes the kernel for a 2-D MX fp8 `QTensor`
+under the same switches (`dequantizes`), and `end_step` (the end of a step
+for many delayed-scaling roles at once) for 1-D FP32 histories.
+
 Example:
   >>> import jax, jax.numpy as jnp
   >>> from qlayers import native_quantize, scaling
@@ -36,6 +44,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax
@@ -45,9 +54,13 @@ from jax import lax
 from qlayers import scaling
 from qlayers.scaling import QTensor, QuantSpec
 
-__all__ = ["amax", "history_max", "quantize", "applies"]
+__all__ = ["amax", "history_max", "quantize", "quantize_delayed",
+           "dequantize", "end_step", "applies", "fuses_delayed",
+           "dequantizes"]
 
-_TARGETS = ("qlayers_amax", "qlayers_max_f32", "qlayers_quantize_fp8_tensor")
+_TARGETS = ("qlayers_amax", "qlayers_max_f32", "qlayers_quantize_fp8_tensor",
+            "qlayers_quantize_mx", "qlayers_dequantize_mx",
+            "qlayers_quantize_fp8_delayed", "qlayers_end_step")
 _INPUTS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
            jnp.dtype(jnp.float16))
 _FP8 = tuple(jnp.dtype(d) for d in (jnp.float8_e4m3fn, jnp.float8_e5m2,
@@ -166,6 +179,49 @@ def quantize(x: jax.Array, spec: QuantSpec, axis: int = -1, *,
       *map(lax.stop_gradient, (x, *given)), cpu=cpu, default=xla)
 
 
+def fuses_delayed(x, spec: QuantSpec, history, algo: str = "max",
+                  backend: str | None = None) -> bool:
+  """Whether the CPU branch of `quantize_delayed` is the one native kernel."""
+  return (algo == "max" and spec.granularity == "tensor"
+          and jnp.ndim(history) == 1 and jnp.size(history) > 0
+          and applies(x, spec, backend)[0])
+
+
+def quantize_delayed(x: jax.Array, spec: QuantSpec, history: jax.Array,
+                     running: jax.Array, axis: int = -1, *,
+                     algo: str = "max", backend: str | None = None
+                     ) -> tuple[QTensor, jax.Array, jax.Array]:
+  """One use of a delayed-scaling role: ``x`` quantized with the amax that
+  `qlayers.scaling.delayed_amax` chooses from ``history`` and the step's
+  ``running`` amax, in one pass where `fuses_delayed` holds.
+
+  Returns:
+    ``(quantized x, amax its scale came from, running amax with max |x|
+    folded in)``: bit for bit ``delayed_amax(ScaleState(history, running),
+    scaling.amax(x), algo)`` and ``scaling.quantize(x, spec, axis,
+    tensor_amax=...)``. No derivative flows through any of them.
+  """
+  axis = scaling._normalize_axis(axis, x.ndim)  # pylint: disable=protected-access
+
+  def xla(x, history, running):
+    state = scaling.ScaleState(history, running)
+    use, run = scaling.delayed_amax(state, scaling.amax(x), algo)
+    return scaling.quantize(x, spec, axis, tensor_amax=use), use, run
+
+  args = tuple(map(lax.stop_gradient, (x, history, running)))
+  if not fuses_delayed(x, spec, history, algo, backend):
+    return xla(*args)
+  fmt = spec.fmt
+
+  def cpu(x, history, running):
+    payload, scale, use, run = _native().quantize_fp8_delayed(
+        x, history, running, fmt.dtype, margin=spec.margin, pow2=spec.pow2)
+    return (QTensor(payload, scale, fmt.name, spec.granularity, None, axis,
+                    tuple(x.shape)), use, run)
+
+  return lax.platform_dependent(*args, cpu=cpu, default=xla)
+
+
 def _quantize_mx(x, spec: QuantSpec, axis: int) -> QTensor:
   block = scaling.block_shape(x.shape, spec, axis)
 
@@ -180,3 +236,86 @@ def _quantize_mx(x, spec: QuantSpec, axis: int) -> QTensor:
                    axis, tuple(x.shape))
 
   return lax.platform_dependent(lax.stop_gradient(x), cpu=cpu, default=xla)
+
+
+def dequantizes(q, backend: str | None = None) -> bool:
+  """Whether the CPU branch of `dequantize` runs the native kernel for ``q``."""
+  if (not isinstance(q, QTensor) or q.granularity != "mx"
+      or q.payload.ndim != 2 or q.payload.size == 0
+      or jnp.dtype(q.payload.dtype) not in _FP8[:2]):
+    return False
+  bs = q.block[q.axis]
+  if q.block != ((bs, 1) if q.axis == 0 else (1, bs)):
+    return False
+  return _enabled(backend)[0]
+
+
+def dequantize(q: QTensor, *, transpose: bool = False,
+               backend: str | None = None, cpu_only: bool = False
+               ) -> jax.Array:
+  """``q.dequantize(jnp.bfloat16)`` (its transpose with ``transpose``) of a
+  2-D MX fp8 operand, in one native pass where `dequantizes` holds (XLA's
+  form otherwise). The result has a zero derivative, as the payload has.
+
+  ``cpu_only``: the caller is itself a CPU-only branch (the CPU GEMM forms
+  of `qlayers.dispatch`), so the kernel is called without a platform branch
+  of its own (one form traced instead of two).
+  """
+  def xla(payload, codes):
+    out = dataclasses.replace(q, payload=payload, scale=codes).dequantize(
+        jnp.bfloat16)
+    return out.T if transpose else out
+
+  if not dequantizes(q, backend):
+    return xla(q.payload, q.scale)
+
+  def cpu(payload, codes):
+    return _native().dequantize_mx(payload, codes, q.shape, axis=q.axis,
+                                   block=q.block[q.axis], transpose=transpose)
+
+  args = tuple(map(lax.stop_gradient, (q.payload, q.scale)))
+  if cpu_only:
+    return cpu(*args)
+  return lax.platform_dependent(*args, cpu=cpu, default=xla)
+
+
+def _plain_f32(v, ndim: int) -> bool:
+  return (jnp.ndim(v) == ndim and jnp.dtype(v.dtype) == jnp.float32
+          and jnp.size(v) > 0)
+
+
+def end_step(states: list[scaling.ScaleState], gradient_amaxes=(), *,
+             backend: str | None = None) -> list[jax.Array]:
+  """The new histories of `qlayers.scaling.update_scales` for every state
+  (the running amax of each is cleared by the caller), the first
+  ``len(gradient_amaxes)`` after folding a gradient amax into the running
+  one (``max``, a non-finite one read as 0) as `qlayers.update_scales`
+  does: one native call for all of them where the kernel applies (1-D FP32
+  histories, FP32 scalars), XLA's per-role form otherwise.
+  """
+  histories = [st.amax_history for st in states]
+  amaxes = [st.amax for st in states]
+  grads = list(gradient_amaxes)
+
+  def xla(histories, amaxes, grads):
+    out = []
+    for i, (h, a) in enumerate(zip(histories, amaxes)):
+      if i < len(grads):
+        m = grads[i].astype(a.dtype)
+        a = jnp.maximum(a, jnp.where(jnp.isfinite(m), m, 0.0))
+      out.append(scaling.update_scales(scaling.ScaleState(h, a)).amax_history)
+    return out
+
+  if not (states and len(grads) <= len(states) and _enabled(backend)[0]
+          and all(_plain_f32(h, 1) for h in histories)
+          and all(_plain_f32(a, 0) for a in amaxes + grads)):
+    return xla(histories, amaxes, grads)
+  n, k = len(histories), len(grads)
+
+  def split(fn):
+    return lambda *flat: list(fn(list(flat[:n]), list(flat[n:2 * n]),
+                                 list(flat[2 * n:2 * n + k])))
+
+  return lax.platform_dependent(
+      *map(lax.stop_gradient, histories + amaxes + grads),
+      cpu=split(_native().end_step), default=split(xla))

@@ -122,6 +122,34 @@ def _delayed(t, st: ScaleState, recipe: Recipe, backend=None):
   return scaling.delayed_amax(st, current, recipe.amax_compute_algo, stored)
 
 
+def _delayed_operand(t, st: ScaleState, spec, axis, key, recipe: Recipe,
+                     backend=None, rows: bool = True, hadamard: int = 0):
+  """One delayed role's use: (`_operand_rows` of ``t``, or `_operand` of a
+  2-D ``t`` without ``rows``, the amax it was scaled by, the updated running
+  amax). One native kernel where it applies: a per-tensor copy of ``t`` as
+  it is (no transpose, Hadamard transform or shard), unstacked state."""
+  st = ScaleState(*map(_to_f32, st))
+  if (spec is not None and not hadamard and not spec.stochastic
+      and recipe.amax_compute_algo == "max"
+      and not _transposes(spec, axis, backend)
+      and not sharding.varying_axes(t)
+      and native_quantize.fuses_delayed(t, spec, st.amax_history,
+                                        backend=backend)):
+    q, use, running = native_quantize.quantize_delayed(
+        t, spec, st.amax_history, st.amax, -1 if rows else axis,
+        backend=backend)
+    if rows:
+      payload = _rows(q.payload)
+      q = dataclasses.replace(q, payload=payload, axis=axis,
+                              shape=payload.shape)
+    return q, use, running
+  use, running = _delayed(t, st, recipe, backend)
+  if rows:
+    return (_operand_rows(t, spec, axis, use, key, recipe, backend, hadamard),
+            use, running)
+  return _operand(t, spec, axis, use, key, recipe, backend), use, running
+
+
 def _transposes(spec: QuantSpec, axis: int, backend=None) -> bool:
   """Packed formats, and operands for a TN-only backend, go contraction-last."""
   return axis != 1 and (spec.fmt.packed or dispatch.prefers_contraction_last(
@@ -285,14 +313,17 @@ def _qmm_forward(recipe: Recipe, backend, out_dtype, x, w, state, key):
   ax = aw = None
   new_state = state
   if recipe.delayed:
-    ax, run_x = _delayed(x, state["x"], recipe, backend)
-    aw, run_w = _delayed(w, state["w"], recipe, backend)
+    qx, ax, run_x = _delayed_operand(x, state["x"], fx, 1, kx, recipe,
+                                     backend)
+    qw, aw, run_w = _delayed_operand(w, state["w"], fw, 0, kw, recipe,
+                                     backend, rows=False)
     new_state = {
         "x": state["x"]._replace(amax=_like(run_x, state["x"].amax.dtype)),
         "w": state["w"]._replace(amax=_like(run_w, state["w"].amax.dtype)),
         "g": state["g"]}
-  qx = _operand_rows(x, fx, 1, ax, kx, recipe, backend)
-  qw = _operand(w, fw, 0, aw, kw, recipe, backend)
+  else:
+    qx = _operand_rows(x, fx, 1, ax, kx, recipe, backend)
+    qw = _operand(w, fw, 0, aw, kw, recipe, backend)
   y = _run(qx, qw, (1, 0), out_dtype, backend)
   y = y.reshape(*x.shape[:-1], y.shape[-1])
 
@@ -338,17 +369,18 @@ def _qmm_bwd(recipe: Recipe, backend, out_dtype, dtypes, res, cts):
 
   ag = None
   state_ct = None
+  # Dgrad: dx = g @ w.T, contracted over N (both Hadamard-transformed along
+  # N first if the recipe says so: (g Q.T) @ (w Q.T).T = g @ w.T).
+  rht_n = dg.hadamard
   if recipe.delayed:
-    ag, run_g = _delayed(g, g_state, recipe, backend)
+    qg, ag, run_g = _delayed_operand(g, g_state, dg.lhs, 1, kd, recipe,
+                                     backend, hadamard=rht_n)
     # Only the gradient role's running amax leaves the backward pass; the
     # forward roles left through the output.
     state_ct = {"x": None, "w": None,
                 "g": ScaleState(None, _like(run_g, g_state.amax.dtype))}
-
-  # Dgrad: dx = g @ w.T, contracted over N (both Hadamard-transformed along
-  # N first if the recipe says so: (g Q.T) @ (w Q.T).T = g @ w.T).
-  rht_n = dg.hadamard
-  qg = _operand_rows(g, dg.lhs, 1, ag, kd, recipe, backend, rht_n)
+  else:
+    qg = _operand_rows(g, dg.lhs, 1, ag, kd, recipe, backend, rht_n)
   if isinstance(w_saved, QTensor):
     qw = w_saved
   else:

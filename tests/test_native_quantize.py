@@ -59,7 +59,7 @@ def _as(x, dtype):
 
 
 def _bits(a):
-  return np.asarray(a).view(np.uint8)
+  return np.asarray(a).reshape(-1).view(np.uint8)
 
 
 @pytest.mark.parametrize("name", sorted(INPUTS))
@@ -203,8 +203,9 @@ def test_layer_bits_do_not_depend_on_the_kernel(name, monkeypatch):
 
   lowered = jax.jit(lambda x, w: ops.quantized_matmul(
       x, w, name, state=state)[0]).lower(x, w).as_text()
-  assert ("qlayers_quantize_mx" if name == "mxfp8"
-          else "qlayers_quantize_fp8_tensor") in lowered
+  assert {"mxfp8": "qlayers_quantize_mx",
+          "fp8_delayed": "qlayers_quantize_fp8_delayed"}.get(
+              name, "qlayers_quantize_fp8_tensor") in lowered
   native = run()
   monkeypatch.setenv("QLAYERS_NATIVE_QUANTIZE", "0")
   reference = run()
@@ -226,3 +227,208 @@ def test_history_max_equals_jnp_max():
   text = jax.jit(native_quantize.history_max).lower(
       jnp.zeros(8, jnp.float32)).as_text()
   assert "qlayers_max_f32" in text
+
+
+def _mx_tensor(rng, fmt, axis, shape, block=32):
+  """A QTensor of random payload bits (NaN and Inf codes included) and
+  random E8M0 codes (0, 0xFF and a band of ordinary ones)."""
+  dtype = jnp.float8_e4m3fn if fmt == "e4m3" else jnp.float8_e5m2
+  r, c = shape
+  padded = (-(-r // block) * block, c) if axis == 0 else (r, -(-c // block) * block)
+  grid = (padded[0] // block, c) if axis == 0 else (r, padded[1] // block)
+  payload = jax.lax.bitcast_convert_type(
+      jnp.asarray(rng.integers(0, 256, padded, dtype=np.uint8)), dtype)
+  codes = rng.integers(0, 256, grid).astype(np.uint8)
+  ordinary = rng.random(grid) < 0.7
+  codes[ordinary] = rng.integers(100, 150, grid)[ordinary]
+  blocks = (block, 1) if axis == 0 else (1, block)
+  return scaling.QTensor(payload, jnp.asarray(codes), fmt, "mx", blocks, axis,
+                         shape)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("axis", [0, 1])
+@pytest.mark.parametrize("shape", [(64, 96), (70, 33), (1, 1), (257, 130)])
+def test_mx_dequantize_bits_equal_xla(fmt, axis, shape):
+  """Every payload code (NaN, Inf, subnormals) under every kind of E8M0
+  code (0 reads as zero under DAZ, 0xFF is NaN), padding cropped, and the
+  transposed copy."""
+  q = _mx_tensor(np.random.default_rng(sum(shape) + axis), fmt, axis, shape)
+  assert native_quantize.dequantizes(q)
+  want = jax.jit(lambda q: q.dequantize(jnp.bfloat16))(q)
+  for transpose in (False, True):
+    got = jax.jit(lambda q, t=transpose: native_quantize.dequantize(
+        q, transpose=t))(q)
+    ref = want.T if transpose else want
+    assert got.dtype == jnp.bfloat16 and got.shape == ref.shape
+    np.testing.assert_array_equal(_bits(got), _bits(ref),
+                                  err_msg=f"{fmt} axis {axis} {shape} "
+                                          f"transpose={transpose}")
+
+
+def test_mx_dequantize_in_the_gemm_program(monkeypatch):
+  """The CPU MX GEMM dequantizes both operands natively (one of them
+  transposed for Wgrad), and not with either switch off."""
+  x = jnp.ones((64, 96), jnp.bfloat16)
+  w = jnp.ones((96, 64), jnp.float32)
+  fn = lambda: jax.value_and_grad(lambda x, w: jnp.sum(  # noqa: E731
+      ops.quantized_matmul(x, w, "mxfp8")[0].astype(jnp.float32)), (0, 1))
+  text = _lowered(fn(), x, w)
+  assert text.count("qlayers_dequantize_mx") == 6
+  assert "transpose = true" in text
+  monkeypatch.setenv("QLAYERS_NATIVE_QUANTIZE", "0")
+  assert "qlayers_" not in _lowered(fn(), x, w)
+  monkeypatch.setenv("QLAYERS_NATIVE_QUANTIZE", "1")
+  text = jax.jit(lambda x, w: jax.grad(lambda x, w: jnp.sum(
+      ops.quantized_matmul(x, w, "mxfp8", backend="xla")[0].astype(
+          jnp.float32)), (0, 1))(x, w)).lower(x, w).as_text()
+  assert "qlayers_dequantize_mx" not in text
+
+
+def test_mx_dequantize_bad_arguments_are_named():
+  q = _mx_tensor(np.random.default_rng(0), "e4m3", 1, (4, 64))
+  with pytest.raises(ValueError, match="do not hold"):
+    _native.dequantize_mx(q.payload, q.scale, (4, 96), axis=1)
+  with pytest.raises(TypeError, match="uint8"):
+    _native.dequantize_mx(q.payload, q.scale.astype(jnp.int32), (4, 64),
+                          axis=1)
+  with pytest.raises(TypeError, match="float8_e4m3fn or float8_e5m2"):
+    _native.dequantize_mx(q.payload.astype(jnp.bfloat16), q.scale, (4, 64),
+                          axis=1)
+  packed = scaling.quantize(jnp.ones((4, 64)), QuantSpec(
+      format="e2m1", granularity="mx"), 1)
+  assert not native_quantize.dequantizes(packed)
+
+
+_HISTORIES = {
+    "empty": np.zeros(16),
+    "seen": np.r_[0.0, 3.5, 1.0, np.zeros(13)],
+    "subnormal": np.r_[1e-39, np.zeros(15)],
+    "nan": np.r_[np.nan, 2.0, np.zeros(14)],
+    "inf": np.r_[np.inf, np.zeros(15)],
+}
+_RUNNING = {"zero": 0.0, "-zero": -0.0, "subnormal": 2e-39, "big": 7.0,
+            "small": 1e-3, "nan": np.nan}
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("name", sorted(INPUTS))
+def test_delayed_quantize_bits_equal_xla(name, fmt):
+  """The fused delayed use against `scaling.delayed_amax` + `quantize`:
+  first step (empty history), a seen history, subnormal/NaN/Inf entries,
+  running amaxes of every kind, operands holding Inf/NaN/subnormals."""
+  fn = jax.jit(lambda x, h, r, spec: (
+      native_quantize.quantize_delayed(x, spec, h, r),
+      (lambda ar: (scaling.quantize(x, spec, tensor_amax=ar[0]), *ar))(
+          scaling.delayed_amax(scaling.ScaleState(h, r), scaling.amax(x)))),
+               static_argnums=3)
+  for dtype, (hname, h), (rname, r), (margin, pow2) in itertools.product(
+      DTYPES, _HISTORIES.items(), _RUNNING.items(), [(0, False), (2, True)]):
+    spec = QuantSpec(format=fmt, granularity="tensor", margin=margin,
+                     pow2=pow2)
+    x = _as(INPUTS[name], dtype)
+    assert native_quantize.fuses_delayed(x, spec, jnp.zeros(16))
+    (q, use, run), (qr, use_r, run_r) = fn(
+        x, jnp.asarray(h, jnp.float32), jnp.float32(r), spec)
+    where = f"{name} {dtype.__name__} history {hname} running {rname} {spec}"
+    for got, want in ((q.payload, qr.payload), (q.scale, qr.scale),
+                      (use, use_r), (run, run_r)):
+      assert got.dtype == want.dtype and got.shape == want.shape, where
+      np.testing.assert_array_equal(_bits(got), _bits(want), err_msg=where)
+
+
+def test_delayed_quantize_in_the_layer_program(monkeypatch):
+  """One fused kernel per delayed role use (x, w forward; g backward), and
+  none with the switch off or for the most_recent algorithm."""
+  x = jnp.ones((2, 8, 64), jnp.bfloat16)
+  w = jnp.ones((64, 32), jnp.float32)
+
+  def lowered(recipe):
+    return jax.jit(jax.value_and_grad(lambda x, w, state: jnp.sum(
+        ops.quantized_matmul(x, w, recipe, state=state)[0].astype(
+            jnp.float32)), (0, 1, 2))).lower(
+                x, w, ops.init_state(recipe)).as_text()
+
+  assert lowered("fp8_delayed").count("qlayers_quantize_fp8_delayed") == 3
+  most_recent = ops.load_recipe("fp8_delayed").replace(
+      amax_compute_algo="most_recent")
+  assert "qlayers_quantize_fp8_delayed" not in lowered(most_recent)
+  monkeypatch.setenv("QLAYERS_NATIVE_QUANTIZE", "0")
+  assert "qlayers_" not in lowered("fp8_delayed")
+
+
+def test_delayed_quantize_bad_arguments_are_named():
+  x = jnp.ones((4, 8))
+  with pytest.raises(ValueError, match="1-D"):
+    _native.quantize_fp8_delayed(x, jnp.zeros((2, 3)), 0.0,
+                                 jnp.float8_e4m3fn)
+  with pytest.raises(TypeError, match="fp8 dtype"):
+    _native.quantize_fp8_delayed(x, jnp.zeros(4), 0.0, jnp.float32)
+  assert not native_quantize.fuses_delayed(
+      x, QuantSpec(format="e4m3", granularity="tensor"), jnp.zeros(4),
+      algo="most_recent")
+
+
+def test_end_step_bits_equal_xla():
+  """Every role's new history against `scaling.update_scales` after the
+  gradient merge, for running and gradient amaxes of every kind (NaN, Inf,
+  -0, subnormals, which XLA's max reads as zeros), and histories of
+  several lengths."""
+  kinds = [0.0, -0.0, 1e-39, -1e-39, 3.0, 0.5, np.inf, -np.inf, np.nan]
+  pairs = list(itertools.product(kinds, kinds))
+  rng = np.random.default_rng(2)
+  states = [scaling.ScaleState(
+      jnp.asarray(rng.uniform(0, 4, 1 + i % 5), jnp.float32), jnp.float32(a))
+            for i, (a, _) in enumerate(pairs)]
+  states += [scaling.ScaleState(jnp.zeros(3, jnp.float32), jnp.float32(a))
+             for a in kinds]
+  grads = [jnp.float32(m) for _, m in pairs]
+  got = jax.jit(native_quantize.end_step)(states, grads)
+  for i, st in enumerate(states):
+    a = st.amax
+    if i < len(grads):
+      a = jnp.maximum(a, jnp.where(jnp.isfinite(grads[i]), grads[i], 0.0))
+    want = jax.jit(scaling.update_scales)(st._replace(amax=a)).amax_history
+    np.testing.assert_array_equal(_bits(got[i]), _bits(want),
+                                  err_msg=f"role {i}: {pairs[i % len(pairs)]}")
+  assert "qlayers_end_step" in _lowered(native_quantize.end_step, states,
+                                        grads)
+
+
+def test_update_scales_is_one_kernel_and_the_same_state(monkeypatch):
+  """`qlayers.update_scales` of a model ends every role's step in one
+  call, and a few training steps leave the same state with it as without."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  import qlayers  # pylint: disable=g-import-not-at-top
+
+  class Two(nnx.Module):
+    def __init__(self):
+      self.a = qlayers.QuantDense(64, 32, recipe="fp8_delayed",
+                                  rngs=nnx.Rngs(0))
+      self.b = nnx.List([qlayers.QuantDense(32, 16, recipe="fp8_delayed",
+                                            rngs=nnx.Rngs(1))])
+
+    def __call__(self, x):
+      return self.b[0](self.a(x))
+
+  def train():
+    model = Two()
+    loss = lambda m, x: jnp.mean(m(x).astype(jnp.float32) ** 2)  # noqa: E731
+
+    @nnx.jit
+    def step(model, x):
+      _, grads = qlayers.value_and_grad(loss)(model, x)
+      qlayers.update_scales(model, grads)
+
+    for i in range(3):
+      step(model, jax.random.normal(jax.random.key(i), (4, 64)) * (i + 1))
+    text = nnx.jit(step).lower(model, jnp.ones((4, 64))).as_text()
+    return nnx.state(model, qlayers.QuantVariable), text
+
+  native, text = train()
+  assert text.count("qlayers_end_step") == 1
+  assert float(native["b"][0]["quant"]["g_amax_history"][...][2]) > 0
+  monkeypatch.setenv("QLAYERS_NATIVE_QUANTIZE", "0")
+  reference, text = train()
+  assert "qlayers_end_step" not in text
+  chex.assert_trees_all_equal(native, reference)

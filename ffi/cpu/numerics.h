@@ -138,6 +138,23 @@ struct Fp8Encoder {
   }
 };
 
+// A subnormal as the zero of its sign (how XLA:CPU's ops read it, DAZ).
+inline float ReadAsDaz(float v) {
+  const uint32_t u = FloatBits(v);
+  return (u & 0x7F800000u) == 0 ? BitsFloat(u & 0x80000000u) : v;
+}
+
+// XLA:CPU's `maximum` of two f32 scalars: a NaN operand propagates (the
+// first one's bits), subnormals read as signed zeros, +0 above -0.
+inline float XlaMaximum(float a, float b) {
+  if (std::isnan(a)) return a;
+  if (std::isnan(b)) return b;
+  a = ReadAsDaz(a);
+  b = ReadAsDaz(b);
+  if (FloatBits(a) != FloatBits(b) && a == b) return 0.0f;  // +0 and -0
+  return a > b ? a : b;
+}
+
 // MX scale by the RCEIL rule (DESIGN.md, numerics 9; the rule used by
 // Transformer Engine, cuBLAS and JAX): d = amax / max_elem in f32, and the
 // E8M0 code is the smallest c with 2^(c - 127) >= d, clamped to [0, 254].

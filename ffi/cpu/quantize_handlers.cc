@@ -17,6 +17,16 @@
 //             x * s is rounded to f32 first, NaN stays NaN, and a NaN s
 //             (a non-finite amax) makes every element the positive NaN.
 //
+// QlayersQuantizeFp8Delayed (x, history f32 (H,), running f32 scalar ->
+//   payload, scale, amax f32 scalar, running f32 scalar; attributes margin,
+//   pow2): one use of a delayed-scaling role, `scaling.delayed_amax` with
+//   the history max (as QlayersMaxF32) and the operand's amax (as
+//   QlayersAmax), then QlayersQuantizeFp8Tensor with the amax it chose.
+//   The scalar logic follows XLA:CPU's: its `maximum` reads subnormal
+//   operands as zeros of their sign (so a running amax below 2^-126 is
+//   recorded as 0) and puts +0 above -0; `stored > 0` is false for a
+//   subnormal stored amax.
+//
 // QlayersMaxF32 (x f32 of any shape -> f32 scalar): max(x) as a float max
 //   (negative values included), NaN if x holds a NaN, -Inf for an empty x:
 //   the value delayed scaling compares with zero (`scaling.history_amax`).
@@ -52,48 +62,9 @@ constexpr std::string_view kOpAmax = "qlayers_amax";
 constexpr std::string_view kOpQuantize = "qlayers_quantize_fp8_tensor";
 constexpr std::string_view kOpMax = "qlayers_max_f32";
 constexpr std::string_view kOpMx = "qlayers_quantize_mx";
+constexpr std::string_view kOpDelayed = "qlayers_quantize_fp8_delayed";
 // Elements per thread below which a pass stays on the calling thread.
 constexpr double kPerThread = 1 << 16;
-
-// The encode loop vectorizes with AVX2/AVX-512 integer ops but not with
-// baseline SSE2: build it per ISA and let the loader pick (GCC/Clang
-// function multi-versioning). QLAYERS_TARGET_CLONES is set by CMake after a
-// test compile.
-#if defined(QLAYERS_TARGET_CLONES) && !defined(__SANITIZE_ADDRESS__)
-#define QL_ISA_CLONES \
-  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define QL_ISA_CLONES
-#endif
-
-// Flush-to-zero and denormals-are-zero for the life of the object, on the
-// calling thread (XLA:CPU's own floating-point mode).
-class ScopedFlushSubnormals {
- public:
-  ScopedFlushSubnormals() {
-#if defined(__x86_64__) || defined(_M_X64)
-    saved_ = _mm_getcsr();
-    _mm_setcsr(saved_ | 0x8000u | 0x0040u);  // FTZ (bit 15), DAZ (bit 6)
-#elif defined(__aarch64__)
-    uint64_t fpcr;
-    __asm__ __volatile__("mrs %0, fpcr" : "=r"(fpcr));
-    saved_ = fpcr;
-    __asm__ __volatile__("msr fpcr, %0" : : "r"(fpcr | (1ull << 24)));  // FZ
-#endif
-  }
-  ~ScopedFlushSubnormals() {
-#if defined(__x86_64__) || defined(_M_X64)
-    _mm_setcsr(static_cast<unsigned>(saved_));
-#elif defined(__aarch64__)
-    __asm__ __volatile__("msr fpcr, %0" : : "r"(saved_));
-#endif
-  }
-  ScopedFlushSubnormals(const ScopedFlushSubnormals&) = delete;
-  ScopedFlushSubnormals& operator=(const ScopedFlushSubnormals&) = delete;
-
- private:
-  uint64_t saved_ = 0;
-};
 
 // IEEE binary16 -> f32, exact (f16 subnormals are f32 normals).
 inline float HalfToFloat(uint16_t h) {
@@ -119,23 +90,6 @@ ffi::Error WideInput(std::string_view op, const ffi::AnyBuffer& x, Wide* w) {
                         DtypeName(x.element_type()));
   }
   return ffi::Error::Success();
-}
-
-// Splits [0, n) into one range per thread and runs fn(begin, end, thread).
-template <typename Fn>
-void ForRanges(int64_t n, int threads, Fn fn) {
-  if (threads <= 1) {
-    fn(int64_t{0}, n, 0);
-    return;
-  }
-  const int64_t step = CeilDiv(n, threads);
-#ifdef _OPENMP
-#pragma omp parallel for num_threads(threads) schedule(static)
-#endif
-  for (int t = 0; t < threads; ++t) {
-    const int64_t begin = std::min(n, t * step);
-    fn(begin, std::min(n, begin + step), t);
-  }
 }
 
 template <typename U>
@@ -224,6 +178,23 @@ void EncodeF16(const Fp8Encoder enc, const uint16_t* __restrict x, float s,
   for (int64_t i = 0; i < n; ++i) q[i] = enc(HalfToFloat(x[i]) * s);
 }
 
+// max(v) with jnp.max's NaN propagation; -Inf for n == 0.
+float MaxF32(const float* v, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  bool nan = false;
+  for (int64_t i = 0; i < n; ++i) {
+    nan |= std::isnan(v[i]);
+    m = v[i] > m ? v[i] : m;
+  }
+  return nan ? std::numeric_limits<float>::quiet_NaN() : m;
+}
+
+// `x > 0` under DAZ: positive, not NaN, not subnormal.
+bool PositiveNormalOrInf(float v) {
+  const uint32_t u = FloatBits(v);
+  return !(u & 0x80000000u) && (u & 0x7F800000u) != 0 && !std::isnan(v);
+}
+
 ffi::Error AmaxImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out) {
   Wide w = Wide::kF32;
   QLAYERS_RETURN_IF_ERROR(WideInput(kOpAmax, x, &w));
@@ -235,35 +206,23 @@ ffi::Error AmaxImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out) {
 ffi::Error MaxImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out) {
   QLAYERS_RETURN_IF_ERROR(ExpectDtype(kOpMax, "x", x, ffi::DataType::F32));
   QLAYERS_RETURN_IF_ERROR(ExpectScalarF32(kOpMax, "output", *out));
-  const float* v = static_cast<const float*>(x.untyped_data());
-  const int64_t n = static_cast<int64_t>(x.element_count());
-  float m = -std::numeric_limits<float>::infinity();
-  bool nan = false;
-  for (int64_t i = 0; i < n; ++i) {
-    nan |= std::isnan(v[i]);
-    m = v[i] > m ? v[i] : m;
-  }
   *static_cast<float*>(out->untyped_data()) =
-      nan ? std::numeric_limits<float>::quiet_NaN() : m;
+      MaxF32(static_cast<const float*>(x.untyped_data()),
+             static_cast<int64_t>(x.element_count()));
   return ffi::Error::Success();
 }
 
-ffi::Error QuantizeImpl(ffi::AnyBuffer x, ffi::AnyBuffer amax,
-                        ffi::Result<ffi::AnyBuffer> payload,
-                        ffi::Result<ffi::AnyBuffer> scale, int64_t margin,
-                        bool pow2) {
-  const std::string_view op = kOpQuantize;
-  Wide w = Wide::kF32;
-  QLAYERS_RETURN_IF_ERROR(WideInput(op, x, &w));
-  QLAYERS_RETURN_IF_ERROR(ExpectScalarF32(op, "amax", amax));
-  QLAYERS_RETURN_IF_ERROR(ExpectScalarF32(op, "scale output", *scale));
-  auto elem = ElemOfFp8Dtype(payload->element_type());
-  if (!elem) {
+// Checks a per-tensor quantize's payload against x.
+ffi::Error CheckPayload(std::string_view op, const ffi::AnyBuffer& x,
+                        const ffi::AnyBuffer& payload, int64_t margin,
+                        Elem* elem) {
+  auto e = ElemOfFp8Dtype(payload.element_type());
+  if (!e) {
     return InvalidArg(op, "the payload must be an fp8 dtype, got ",
-                      DtypeName(payload->element_type()));
+                      DtypeName(payload.element_type()));
   }
   auto xd = x.dimensions();
-  auto pd = payload->dimensions();
+  auto pd = payload.dimensions();
   if (!std::equal(xd.begin(), xd.end(), pd.begin(), pd.end())) {
     return InvalidArg(op, "the payload has shape ", ShapeStr(pd),
                       " but x has shape ", ShapeStr(xd));
@@ -271,22 +230,26 @@ ffi::Error QuantizeImpl(ffi::AnyBuffer x, ffi::AnyBuffer amax,
   if (margin < 0 || margin > 126) {
     return InvalidArg(op, "margin must be in [0, 126], got ", margin);
   }
-  const Fp8Encoder enc(*elem);
-  const float fmax = Info(*elem).max_finite;
-  const int64_t n = static_cast<int64_t>(x.element_count());
-  uint8_t* q = static_cast<uint8_t*>(payload->untyped_data());
+  *elem = *e;
+  return ffi::Error::Success();
+}
 
-  float s = 0.0f;
+// payload = RNE(clip(x * s)) with s = TeMultiplier(amax); returns 1 / s.
+float EncodeTensor(const ffi::AnyBuffer& x, Wide w, float amax, Elem elem,
+                   int64_t margin, bool pow2, uint8_t* q) {
+  const Fp8Encoder enc(elem);
+  const int64_t n = static_cast<int64_t>(x.element_count());
+  float s = 0.0f, scale = 0.0f;
   {
     ScopedFlushSubnormals mode;
-    s = TeMultiplier(*static_cast<const float*>(amax.untyped_data()), fmax,
-                     static_cast<int>(margin), pow2);
-    *static_cast<float*>(scale->untyped_data()) = Reciprocal(s);
+    s = TeMultiplier(amax, Info(elem).max_finite, static_cast<int>(margin),
+                     pow2);
+    scale = Reciprocal(s);
   }
   if (std::isnan(s)) {
     // XLA's x * NaN is the NaN operand, positive (and the clip keeps it).
     std::memset(q, static_cast<int>(enc.nan_code), static_cast<size_t>(n));
-    return ffi::Error::Success();
+    return scale;
   }
   const int threads = ThreadsFor(static_cast<double>(n), kPerThread);
   const void* d = x.untyped_data();
@@ -304,6 +267,65 @@ ffi::Error QuantizeImpl(ffi::AnyBuffer x, ffi::AnyBuffer amax,
         break;
     }
   });
+  return scale;
+}
+
+ffi::Error QuantizeImpl(ffi::AnyBuffer x, ffi::AnyBuffer amax,
+                        ffi::Result<ffi::AnyBuffer> payload,
+                        ffi::Result<ffi::AnyBuffer> scale, int64_t margin,
+                        bool pow2) {
+  const std::string_view op = kOpQuantize;
+  Wide w = Wide::kF32;
+  Elem elem = Elem::kE4M3;
+  QLAYERS_RETURN_IF_ERROR(WideInput(op, x, &w));
+  QLAYERS_RETURN_IF_ERROR(ExpectScalarF32(op, "amax", amax));
+  QLAYERS_RETURN_IF_ERROR(ExpectScalarF32(op, "scale output", *scale));
+  QLAYERS_RETURN_IF_ERROR(CheckPayload(op, x, *payload, margin, &elem));
+  *static_cast<float*>(scale->untyped_data()) = EncodeTensor(
+      x, w, *static_cast<const float*>(amax.untyped_data()), elem, margin,
+      pow2, static_cast<uint8_t*>(payload->untyped_data()));
+  return ffi::Error::Success();
+}
+
+ffi::Error QuantizeDelayedImpl(ffi::AnyBuffer x, ffi::AnyBuffer history,
+                               ffi::AnyBuffer running,
+                               ffi::Result<ffi::AnyBuffer> payload,
+                               ffi::Result<ffi::AnyBuffer> scale,
+                               ffi::Result<ffi::AnyBuffer> used,
+                               ffi::Result<ffi::AnyBuffer> new_running,
+                               int64_t margin, bool pow2) {
+  const std::string_view op = kOpDelayed;
+  Wide w = Wide::kF32;
+  Elem elem = Elem::kE4M3;
+  QLAYERS_RETURN_IF_ERROR(WideInput(op, x, &w));
+  QLAYERS_RETURN_IF_ERROR(
+      ExpectDtype(op, "history", history, ffi::DataType::F32));
+  if (history.dimensions().size() != 1 || history.element_count() == 0) {
+    return InvalidArg(op, "history must be a non-empty 1-D array, got shape ",
+                      ShapeStr(history.dimensions()));
+  }
+  QLAYERS_RETURN_IF_ERROR(ExpectScalarF32(op, "running amax", running));
+  QLAYERS_RETURN_IF_ERROR(ExpectScalarF32(op, "scale output", *scale));
+  QLAYERS_RETURN_IF_ERROR(ExpectScalarF32(op, "amax output", *used));
+  QLAYERS_RETURN_IF_ERROR(
+      ExpectScalarF32(op, "running amax output", *new_running));
+  QLAYERS_RETURN_IF_ERROR(CheckPayload(op, x, *payload, margin, &elem));
+
+  // `scaling.delayed_amax(state, amax(x), "max", history_max(history))`.
+  const float current = Amax(x, w);
+  const float stored =
+      MaxF32(static_cast<const float*>(history.untyped_data()),
+             static_cast<int64_t>(history.element_count()));
+  const float before = *static_cast<const float*>(running.untyped_data());
+  const bool finite = std::isfinite(current);
+  const float run = finite ? XlaMaximum(before, current) : before;
+  const float use = PositiveNormalOrInf(stored) ? stored : run;
+  const float amax = finite ? use : current;
+  *static_cast<float*>(used->untyped_data()) = amax;
+  *static_cast<float*>(new_running->untyped_data()) = run;
+  *static_cast<float*>(scale->untyped_data()) = EncodeTensor(
+      x, w, amax, elem, margin, pow2,
+      static_cast<uint8_t*>(payload->untyped_data()));
   return ffi::Error::Success();
 }
 
@@ -513,5 +535,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QlayersQuantizeFp8Tensor,
                                   .Arg<ffi::AnyBuffer>()  // amax
                                   .Ret<ffi::AnyBuffer>()  // payload
                                   .Ret<ffi::AnyBuffer>()  // scale
+                                  .Attr<int64_t>("margin")
+                                  .Attr<bool>("pow2"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QlayersQuantizeFp8Delayed,
+                              qlayers::cpu::QuantizeDelayedImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::AnyBuffer>()  // history
+                                  .Arg<ffi::AnyBuffer>()  // running amax
+                                  .Ret<ffi::AnyBuffer>()  // payload
+                                  .Ret<ffi::AnyBuffer>()  // scale
+                                  .Ret<ffi::AnyBuffer>()  // amax used
+                                  .Ret<ffi::AnyBuffer>()  // running amax
                                   .Attr<int64_t>("margin")
                                   .Attr<bool>("pow2"));

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from qlayers import native_quantize
 from qlayers import ops
 from qlayers import sharding
 from qlayers.recipe import Recipe, recipe as load_recipe
@@ -235,13 +236,48 @@ def update_scales(model: nnx.Module, grads: nnx.State | None = None) -> int:
     >>> float(model.quant.g_amax_history[0]) > 0
     True
   """
-  if grads is not None:
-    _write_grad_state(model, grads)
-  n = 0
-  for _, gemm in gemms(model):
-    gemm.update_scales()
-    n += 1
-  return n
+  found = list(gemms(model))
+  delayed = [(path, gemm) for path, gemm in found if gemm.delayed]
+  merges = _gradient_amaxes(grads, {path for path, _ in delayed})
+  if delayed and merges is not None:
+    _end_step_at_once(delayed, merges)
+  else:
+    if grads is not None:
+      _write_grad_state(model, grads)
+    for _, gemm in found:
+      gemm.update_scales()
+  return len(found)
+
+
+def _gradient_amaxes(grads, paths: set) -> dict | None:
+  """``{gemm path: gradient amax}`` of ``grads``, or None when one is not
+  at the path of a delayed `QuantGemm` (then the per-module route runs)."""
+  if grads is None:
+    return {}
+  out = {}
+  for path, var in nnx.to_flat_state(nnx.state(grads, QuantGradState)):
+    if path[:-1] not in paths or path[-1] != "g_amax":
+      return None
+    out[path[:-1]] = var.get_value() if isinstance(var, nnx.Variable) else var
+  return out
+
+
+def _end_step_at_once(delayed, merges: dict) -> None:
+  """`QuantGemm.update_scales` of every delayed GEMM, with the gradient
+  amaxes ``merges`` written first (by max, as `_write_grad_state` does),
+  through one `native_quantize.end_step` call: a native kernel on CPU
+  instead of one small XLA fusion per role."""
+  merged, plain = [], []
+  for path, gemm in delayed:
+    for role, st in gemm.read().items():
+      (merged if role == "g" and path in merges else plain).append(
+          (gemm, role, st, merges.get(path) if role == "g" else None))
+  roles = merged + plain
+  histories = native_quantize.end_step(
+      [st for _, _, st, _ in roles], [m for *_, m in merged])
+  for (gemm, role, st, _), history in zip(roles, histories):
+    getattr(gemm, f"{role}_amax_history").set_value(history)
+    getattr(gemm, f"{role}_amax").set_value(jnp.zeros_like(st.amax))
 
 
 def _write_grad_state(model: nnx.Module, grads: nnx.State) -> None:
