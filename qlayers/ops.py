@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import warnings
 
 import jax
@@ -486,11 +487,45 @@ def quantized_matmul(x: jax.Array, w: jax.Array, recipe: Recipe | str,
   def run(x, w, state, key):
     return _qmm(recipe, backend, out_dtype, dtypes, x, w, state, key)
 
+  if _traces_once(recipe, dtypes, key):
+    return _qmm_traced_once(recipe, backend, out_dtype, dtypes,
+                            _trace_settings(), x, w, state, key)
   if sharding.explicit_axes():
     y_spec = sharding.dot_spec(sharding.spec_of(x)[:-1],
                                sharding.spec_of(w)[1:])
     run = sharding.auto_region(run, (y_spec, _replicated_specs(state)))
   return run(x, w, state, key)
+
+
+def _traces_once(recipe: Recipe, dtypes, key) -> bool:
+  """Whether the GEMM is traced once per distinct signature
+  (`_qmm_traced_once`): outside any mesh, shard_map or explicit sharding,
+  whose context a cached trace would not see, and not with stochastic
+  rounding keyed by the data (`_data_key`: a sum whose rounding would then
+  follow the fused program's order, not the caller's op-by-op one)."""
+  data_keyed = key is None and any(
+      s is not None and s.stochastic for s in recipe.specs().values())
+  return (not data_keyed and not any(dtypes[2])
+          and not sharding.explicit_axes() and sharding.auto_mesh() is None)
+
+
+def _trace_settings() -> tuple:
+  """What else a trace of the GEMM reads: the ``QLAYERS_*`` switches (the
+  forced backend, the native kernels, the GPU generation) and the device
+  count. Part of `_qmm_traced_once`'s cache key."""
+  return (tuple(sorted((k, v) for k, v in os.environ.items()
+                       if k.startswith("QLAYERS_"))), jax.device_count())
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
+def _qmm_traced_once(recipe, backend, out_dtype, dtypes, settings, x, w,
+                     state, key):
+  """`_qmm` behind a jit boundary: a model's layers of one shape and recipe
+  (SmolLM2's 30 blocks) share one trace of the forward and backward GEMMs,
+  their partial evaluation and transpose, and one lowered function, which
+  XLA inlines again (the optimized program is the same)."""
+  del settings  # a cache key only
+  return _qmm(recipe, backend, out_dtype, dtypes, x, w, state, key)
 
 
 def _replicated_specs(state):
