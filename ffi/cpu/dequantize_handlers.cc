@@ -74,42 +74,43 @@ struct MxOperand {
   const float* scale;      // decoded codes, (R, Cp / bs) or (Rp / bs, C)
   int64_t R, C, Cp, bs;
   int axis;
-
-  float Scale(int64_t r, int64_t c) const {
-    return axis == 1 ? scale[r * (Cp / bs) + c / bs] : scale[(r / bs) * C + c];
-  }
 };
 
-// Row r of the cropped operand into out[0, C).
-void DecodeRow(const MxOperand& x, const Decoder& d, int64_t r,
-               uint16_t* out) {
+// Columns [c0, c0 + n) of row r of the cropped operand into out[0, n).
+void DecodeSpan(const MxOperand& x, const Decoder& d, int64_t r, int64_t c0,
+                int64_t n, uint16_t* out) {
   const uint8_t* p = x.payload + r * x.Cp;
   if (x.axis == 0) {
-    DecodeEach(d.lut, p, x.scale + (r / x.bs) * x.C, x.C, out);
+    DecodeEach(d.lut, p + c0, x.scale + (r / x.bs) * x.C + c0, n, out);
     return;
   }
   const float* s = x.scale + r * (x.Cp / x.bs);
-  for (int64_t j = 0; j * x.bs < x.C; ++j) {
-    const int64_t c0 = j * x.bs, n = std::min(x.C, c0 + x.bs) - c0;
+  for (int64_t c = c0; c < c0 + n;) {
+    const int64_t j = c / x.bs, e = std::min(c0 + n, (j + 1) * x.bs);
     if (std::isnan(s[j])) {
-      std::fill(out + c0, out + c0 + n, kBf16NaN);
+      std::fill(out + (c - c0), out + (e - c0), kBf16NaN);
     } else {
-      DecodeBlock(d.lut, p + c0, s[j], n, out + c0);
+      DecodeBlock(d.lut, p + c, s[j], e - c, out + (c - c0));
     }
+    c = e;
   }
 }
 
-// The transpose, out (C, R), written one kTile x kTile tile at a time.
+// Columns [c0, c1) of the transpose, out (C, R): each kTile x kTile tile is
+// decoded row by row into a buffer, then written out column by column.
 void DecodeTransposed(const MxOperand& x, const Decoder& d, int64_t c0,
                       int64_t c1, uint16_t* out) {
+  uint16_t tile[kTile * kTile];
   for (int64_t r0 = 0; r0 < x.R; r0 += kTile) {
-    const int64_t r1 = std::min(x.R, r0 + kTile);
-    for (int64_t c = c0; c < c1; ++c) {
-      uint16_t* o = out + c * x.R;
-      for (int64_t r = r0; r < r1; ++r) {
-        const float s = x.Scale(r, c);
-        const uint16_t v = FloatToBf16(d.lut[x.payload[r * x.Cp + c]] * s);
-        o[r] = std::isnan(s) ? kBf16NaN : v;
+    const int64_t nr = std::min(x.R, r0 + kTile) - r0;
+    for (int64_t t0 = c0; t0 < c1; t0 += kTile) {
+      const int64_t nc = std::min(c1, t0 + kTile) - t0;
+      for (int64_t r = 0; r < nr; ++r) {
+        DecodeSpan(x, d, r0 + r, t0, nc, tile + r * kTile);
+      }
+      for (int64_t c = 0; c < nc; ++c) {
+        uint16_t* o = out + (t0 + c) * x.R + r0;
+        for (int64_t r = 0; r < nr; ++r) o[r] = tile[r * kTile + c];
       }
     }
   }
@@ -155,7 +156,7 @@ ffi::Error DequantizeMxImpl(ffi::AnyBuffer payload, ffi::AnyBuffer codes,
   if (!transpose) {
     ForRanges(R, threads, [&](int64_t r0, int64_t r1, int) {
       ScopedFlushSubnormals mode;
-      for (int64_t r = r0; r < r1; ++r) DecodeRow(x, dec, r, o + r * C);
+      for (int64_t r = r0; r < r1; ++r) DecodeSpan(x, dec, r, 0, C, o + r * C);
     });
   } else {
     ForRanges(CeilDiv(C, kTile), threads, [&](int64_t t0, int64_t t1, int) {
