@@ -342,3 +342,39 @@ def test_saving_quantized_wgrad_input_shrinks_residuals(name):
 def test_recipe_dataclass_is_hashable_static_arg():
   r = qlayers.recipe("mxfp8")
   assert hash(r) == hash(dataclasses.replace(r))
+
+
+def test_the_gemm_is_traced_once_per_signature(monkeypatch):
+  """Same-shaped GEMMs of one recipe share a trace; a QLAYERS_* switch, a
+  new shape or a data-keyed stochastic recipe traces again; the results are
+  those of the uncached op."""
+  traces = []
+  real = ops._qmm
+
+  def counted(*args):
+    traces.append(args[0].name)
+    return real(*args)
+
+  monkeypatch.setattr(ops, "_qmm", counted)
+  ops._qmm_traced_once.clear_cache()
+  x = jax.random.normal(jax.random.key(0), (8, 64))
+  w = jax.random.normal(jax.random.key(1), (64, 32))
+
+  def two(recipe, x=x):
+    return jax.jit(lambda x, w: [ops.quantized_matmul(t, w, recipe)[0]
+                                 for t in (x, 2 * x)])(x, w)
+
+  cached = two("fp8_current")
+  assert traces == ["fp8_current"]
+  two("fp8_current", x[:4])
+  assert len(traces) == 2
+  monkeypatch.setenv("QLAYERS_NATIVE_QUANTIZE", "0")
+  two("fp8_current")
+  assert len(traces) == 3
+  del traces[:]
+  two("mxfp4_rht")  # stochastic rounding keyed by the data: per call
+  assert traces == ["mxfp4_rht", "mxfp4_rht"]
+  monkeypatch.delenv("QLAYERS_NATIVE_QUANTIZE")
+  monkeypatch.setattr(ops, "_traces_once", lambda *a: False)
+  uncached = two("fp8_current")
+  chex.assert_trees_all_equal(cached, uncached)
