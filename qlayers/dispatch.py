@@ -91,6 +91,13 @@ def target_arch(arch: str) -> Iterator[None]:
     yield
 
 
+def targets_gpu() -> bool:
+  """Whether GEMMs traced now may be lowered for a GPU: the host has one,
+  or a GPU target is named (`target_arch`, ``$QLAYERS_GPU_ARCH``)."""
+  return (jax.default_backend() != "cpu" or bool(_TARGET.value)
+          or bool(os.environ.get("QLAYERS_GPU_ARCH", "").strip()))
+
+
 def _arch_platform(arch: str) -> str:
   return "cuda" if arch.startswith("sm_") else "rocm"
 

@@ -499,14 +499,18 @@ def quantized_matmul(x: jax.Array, w: jax.Array, recipe: Recipe | str,
 
 def _traces_once(recipe: Recipe, dtypes, key) -> bool:
   """Whether the GEMM is traced once per distinct signature
-  (`_qmm_traced_once`): outside any mesh, shard_map or explicit sharding,
-  whose context a cached trace would not see, and not with stochastic
-  rounding keyed by the data (`_data_key`: a sum whose rounding would then
-  follow the fused program's order, not the caller's op-by-op one)."""
+  (`_qmm_traced_once`): for CPU programs only (XLA:GPU fuses the quantize
+  of an operand behind the boundary differently: the deviceless sm_90
+  MXFP8 step gained separate convert/reduce passes), outside any mesh,
+  shard_map or explicit sharding, whose context a cached trace would not
+  see, and not with stochastic rounding keyed by the data (`_data_key`: a
+  sum whose rounding would then follow the fused program's order, not the
+  caller's op-by-op one)."""
   data_keyed = key is None and any(
       s is not None and s.stochastic for s in recipe.specs().values())
-  return (not data_keyed and not any(dtypes[2])
-          and not sharding.explicit_axes() and sharding.auto_mesh() is None)
+  return (not data_keyed and not dispatch.targets_gpu()
+          and not any(dtypes[2]) and not sharding.explicit_axes()
+          and sharding.auto_mesh() is None)
 
 
 def _trace_settings() -> tuple:
