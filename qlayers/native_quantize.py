@@ -301,8 +301,7 @@ def end_step(states: list[scaling.ScaleState], gradient_amaxes=(), *,
     out = []
     for i, (h, a) in enumerate(zip(histories, amaxes)):
       if i < len(grads):
-        m = grads[i].astype(a.dtype)
-        a = jnp.maximum(a, jnp.where(jnp.isfinite(m), m, 0.0))
+        a = scaling.merge_amax(a, grads[i])
       out.append(scaling.update_scales(scaling.ScaleState(h, a)).amax_history)
     return out
 

@@ -130,20 +130,15 @@ def _delayed_operand(t, st: ScaleState, spec, axis, key, recipe: Recipe,
   amax). One native kernel where it applies: a per-tensor copy of ``t`` as
   it is (no transpose, Hadamard transform or shard), unstacked state."""
   st = ScaleState(*map(_to_f32, st))
-  if (spec is not None and not hadamard and not spec.stochastic
-      and recipe.amax_compute_algo == "max"
+  if (spec is not None and not hadamard
       and not _transposes(spec, axis, backend)
       and not sharding.varying_axes(t)
       and native_quantize.fuses_delayed(t, spec, st.amax_history,
-                                        backend=backend)):
+                                        recipe.amax_compute_algo, backend)):
     q, use, running = native_quantize.quantize_delayed(
         t, spec, st.amax_history, st.amax, -1 if rows else axis,
         backend=backend)
-    if rows:
-      payload = _rows(q.payload)
-      q = dataclasses.replace(q, payload=payload, axis=axis,
-                              shape=payload.shape)
-    return q, use, running
+    return (_as_rows(q, axis) if rows else q), use, running
   use, running = _delayed(t, st, recipe, backend)
   if rows:
     return (_operand_rows(t, spec, axis, use, key, recipe, backend, hadamard),
@@ -251,7 +246,13 @@ def _operand_rows(t, spec, axis, amax, key, recipe: Recipe, backend=None,
   if amax is None and sharding.varying_axes(t):
     amax = sharding.global_amax(native_quantize.amax(t, backend=backend),
                                 t)  # see `_operand`
-  q = native_quantize.quantize(t, spec, -1, tensor_amax=amax, backend=backend)
+  return _as_rows(native_quantize.quantize(t, spec, -1, tensor_amax=amax,
+                                           backend=backend), axis)
+
+
+def _as_rows(q: QTensor, axis: int) -> QTensor:
+  """A per-tensor copy of ``t (..., C)`` as the operand ``_rows(t)``
+  contracted over ``axis``: only the payload is flattened."""
   rows = _rows(q.payload)
   return dataclasses.replace(q, payload=rows, axis=axis, shape=rows.shape)
 

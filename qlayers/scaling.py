@@ -80,6 +80,7 @@ __all__ = [
     "history_amax",
     "delayed_amax",
     "update_scales",
+    "merge_amax",
     "mx_scale_codes",
 ]
 
@@ -803,6 +804,13 @@ def delayed_amax(state: ScaleState, current: jax.Array,
     stored = history_amax(state.amax_history, algo)
   use = jnp.where(stored > 0, stored, running)
   return jnp.where(finite, use, current), running
+
+
+def merge_amax(running: jax.Array, gradient: jax.Array) -> jax.Array:
+  """A running amax with a gradient amax written into it, by max; a
+  non-finite gradient amax carries no information and reads as 0."""
+  gradient = gradient.astype(running.dtype)
+  return jnp.maximum(running, jnp.where(jnp.isfinite(gradient), gradient, 0.0))
 
 
 def update_scales(state: ScaleState) -> ScaleState:

@@ -35,6 +35,7 @@ from flax import nnx
 
 from qlayers import native_quantize
 from qlayers import ops
+from qlayers import scaling
 from qlayers import sharding
 from qlayers.recipe import Recipe, recipe as load_recipe
 from qlayers.scaling import ScaleState
@@ -291,8 +292,4 @@ def _write_grad_state(model: nnx.Module, grads: nnx.State) -> None:
     return
   current = nnx.state(model, QuantGradState)
 
-  def merge(old, new):
-    new = new.astype(old.dtype)
-    return jnp.maximum(old, jnp.where(jnp.isfinite(new), new, 0.0))
-
-  nnx.update(model, jax.tree.map(merge, current, updates))
+  nnx.update(model, jax.tree.map(scaling.merge_amax, current, updates))
