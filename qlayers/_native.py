@@ -464,7 +464,8 @@ def quantize_fp8_delayed(x, history, running, dtype, *, margin: int = 0,
                pow2=bool(pow2))
 
 
-def end_step(histories, amaxes, gradient_amaxes=()) -> list[jax.Array]:
+def end_step(histories, amaxes, gradient_amaxes=()
+             ) -> tuple[list[jax.Array], list[jax.Array]]:
   """CPU only: the end of a delayed-scaling step for many roles in one call,
   bit for bit `qlayers.scaling.update_scales` of each on XLA:CPU.
 
@@ -476,8 +477,10 @@ def end_step(histories, amaxes, gradient_amaxes=()) -> list[jax.Array]:
       `qlayers.update_scales` writes gradient state.
 
   Returns:
-    The ``N`` new histories (rolled one step, the running amax at index 0,
-    0 where it is not finite).
+    ``(histories, cleared)``: the ``N`` new histories (rolled one step, the
+    running amax at index 0, 0 where it is not finite) and ``N`` float32
+    zeros, the cleared running amaxes (written by the kernel, so that XLA
+    needs no copy of a zero per role for the step's outputs).
   """
   _require()
   histories, amaxes = list(histories), list(amaxes)
@@ -487,16 +490,18 @@ def end_step(histories, amaxes, gradient_amaxes=()) -> list[jax.Array]:
                      f"amaxes (got {len(amaxes)}) and at most as many "
                      f"gradient amaxes (got {len(gradient_amaxes)})")
   if not histories:
-    return []
+    return [], []
   for h in histories:
     if jnp.ndim(h) != 1 or jnp.size(h) == 0:
       raise ValueError(f"every history must be a non-empty 1-D array, got "
                        f"shape {jnp.shape(h)}")
   f32 = lambda v: jnp.asarray(v, jnp.float32)  # noqa: E731
   outs = [jax.ShapeDtypeStruct(jnp.shape(h), jnp.float32) for h in histories]
-  return list(_call("qlayers_end_step", outs, *map(f32, histories),
-                    *map(f32, amaxes), *map(f32, gradient_amaxes),
-                    merged=np.int64(len(gradient_amaxes))))
+  outs += [jax.ShapeDtypeStruct((), jnp.float32)] * len(histories)
+  res = list(_call("qlayers_end_step", outs, *map(f32, histories),
+                   *map(f32, amaxes), *map(f32, gradient_amaxes),
+                   merged=np.int64(len(gradient_amaxes))))
+  return res[:len(histories)], res[len(histories):]
 
 
 def quantize_mx(x, dtype, *, axis: int, block: int = 32,

@@ -285,36 +285,45 @@ def _plain_f32(v, ndim: int) -> bool:
 
 
 def end_step(states: list[scaling.ScaleState], gradient_amaxes=(), *,
-             backend: str | None = None) -> list[jax.Array]:
-  """The new histories of `qlayers.scaling.update_scales` for every state
-  (the running amax of each is cleared by the caller), the first
+             backend: str | None = None
+             ) -> tuple[list[jax.Array], list[jax.Array]]:
+  """`qlayers.scaling.update_scales` for every state, the first
   ``len(gradient_amaxes)`` after folding a gradient amax into the running
   one (``max``, a non-finite one read as 0) as `qlayers.update_scales`
   does: one native call for all of them where the kernel applies (1-D FP32
   histories, FP32 scalars), XLA's per-role form otherwise.
+
+  Returns:
+    ``(histories, amaxes)``: the new histories and the cleared running
+    amaxes (zeros; on CPU written by the kernel, which spares XLA a copy of
+    a zero per role where they are a step's outputs).
   """
   histories = [st.amax_history for st in states]
   amaxes = [st.amax for st in states]
   grads = list(gradient_amaxes)
+  n, k = len(histories), len(grads)
 
   def xla(histories, amaxes, grads):
-    out = []
+    new = []
     for i, (h, a) in enumerate(zip(histories, amaxes)):
       if i < len(grads):
         a = scaling.merge_amax(a, grads[i])
-      out.append(scaling.update_scales(scaling.ScaleState(h, a)).amax_history)
-    return out
+      new.append(scaling.update_scales(scaling.ScaleState(h, a)))
+    return ([st.amax_history for st in new], [st.amax for st in new])
 
-  if not (states and len(grads) <= len(states) and _enabled(backend)[0]
+  if not (states and k <= n and _enabled(backend)[0]
           and all(_plain_f32(h, 1) for h in histories)
           and all(_plain_f32(a, 0) for a in amaxes + grads)):
     return xla(histories, amaxes, grads)
-  n, k = len(histories), len(grads)
 
   def split(fn):
-    return lambda *flat: list(fn(list(flat[:n]), list(flat[n:2 * n]),
-                                 list(flat[2 * n:2 * n + k])))
+    def run(*flat):
+      new, cleared = fn(list(flat[:n]), list(flat[n:2 * n]),
+                        list(flat[2 * n:2 * n + k]))
+      return list(new) + list(cleared)
+    return run
 
-  return lax.platform_dependent(
+  out = lax.platform_dependent(
       *map(lax.stop_gradient, histories + amaxes + grads),
       cpu=split(_native().end_step), default=split(xla))
+  return list(out[:n]), list(out[n:])

@@ -6,6 +6,7 @@ the kernel and without it (``QLAYERS_NATIVE_QUANTIZE=0``).
 """
 
 import itertools
+import re
 
 import chex
 import jax
@@ -370,8 +371,8 @@ def test_delayed_quantize_bad_arguments_are_named():
 
 
 def test_end_step_bits_equal_xla():
-  """Every role's new history against `scaling.update_scales` after the
-  gradient merge, for running and gradient amaxes of every kind (NaN, Inf,
+  """Every role's new history (and cleared amax) against
+  `scaling.update_scales` after the gradient merge, for running and gradient amaxes of every kind (NaN, Inf,
   -0, subnormals, which XLA's max reads as zeros), and histories of
   several lengths."""
   kinds = [0.0, -0.0, 1e-39, -1e-39, 3.0, 0.5, np.inf, -np.inf, np.nan]
@@ -383,7 +384,11 @@ def test_end_step_bits_equal_xla():
   states += [scaling.ScaleState(jnp.zeros(3, jnp.float32), jnp.float32(a))
              for a in kinds]
   grads = [jnp.float32(m) for _, m in pairs]
-  got = jax.jit(native_quantize.end_step)(states, grads)
+  got, cleared = jax.jit(native_quantize.end_step)(states, grads)
+  assert len(got) == len(cleared) == len(states)
+  for a in cleared:  # +0.0, as `scaling.update_scales` clears it
+    chex.assert_shape(a, ())
+    np.testing.assert_array_equal(_bits(a), _bits(jnp.float32(0.0)))
   for i, st in enumerate(states):
     a = st.amax
     if i < len(grads):
@@ -422,13 +427,17 @@ def test_update_scales_is_one_kernel_and_the_same_state(monkeypatch):
 
     for i in range(3):
       step(model, jax.random.normal(jax.random.key(i), (4, 64)) * (i + 1))
-    text = nnx.jit(step).lower(model, jnp.ones((4, 64))).as_text()
-    return nnx.state(model, qlayers.QuantVariable), text
+    lowered = nnx.jit(step).lower(model, jnp.ones((4, 64)))
+    return (nnx.state(model, qlayers.QuantVariable), lowered.as_text(),
+            lowered.compile().as_text())
 
-  native, text = train()
+  native, text, optimized = train()
   assert text.count("qlayers_end_step") == 1
+  # The kernel writes the cleared running amaxes: XLA copies no zero into
+  # the step's outputs, one per role, as it does for `jnp.zeros_like`.
+  assert not re.search(r"f32\[\] copy\(%constant", optimized), optimized
   assert float(native["b"][0]["quant"]["g_amax_history"][...][2]) > 0
   monkeypatch.setenv("QLAYERS_NATIVE_QUANTIZE", "0")
-  reference, text = train()
+  reference, text, _ = train()
   assert "qlayers_end_step" not in text
   chex.assert_trees_all_equal(native, reference)

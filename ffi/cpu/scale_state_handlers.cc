@@ -4,13 +4,16 @@
 //
 // QlayersEndStep (variadic: histories h_0 .. h_{N-1} f32 (H_i,), running
 //   amaxes a_0 .. a_{N-1} f32 scalars, gradient amaxes m_0 .. m_{K-1} f32
-//   scalars -> new histories f32 (H_i,); attribute merged = K):
+//   scalars -> new histories f32 (H_i,), then the N cleared running amaxes
+//   f32 scalars (0); attribute merged = K):
 //   for the first K roles the gradient amax is folded in first, as
 //   `qlayers.update_scales` writes a gradient state: a = max(a, m) with a
 //   non-finite m read as 0; then `scaling.update_scales`: the history
 //   shifts one step (index 0 most recent) and takes a at index 0, or 0 for
 //   a non-finite a. `max` is XLA:CPU's (subnormals read as zeros, see
-//   `XlaMaximum`); the select passes a through bit for bit.
+//   `XlaMaximum`); the select passes a through bit for bit. Writing the
+//   cleared amaxes here spares XLA one copy of a zero per role (the step's
+//   outputs need a buffer each).
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -39,7 +42,11 @@ ffi::ErrorOr<float> Scalar(const ffi::RemainingArgs& args, size_t i,
 
 ffi::Error EndStepImpl(ffi::RemainingArgs args, ffi::RemainingRets rets,
                        int64_t merged) {
-  const int64_t n = static_cast<int64_t>(rets.size());
+  if (rets.size() % 2 != 0) {
+    return InvalidArg(kOp, "expected as many cleared amaxes as histories "
+                      "among the ", rets.size(), " results");
+  }
+  const int64_t n = static_cast<int64_t>(rets.size()) / 2;
   if (merged < 0 || merged > n ||
       static_cast<int64_t>(args.size()) != 2 * n + merged) {
     return InvalidArg(kOp, "expected ", n, " histories, ", n,
@@ -60,6 +67,14 @@ ffi::Error EndStepImpl(ffi::RemainingArgs args, ffi::RemainingRets rets,
                         DtypeName(h->element_type()),
                         ShapeStr(h->dimensions()));
     }
+    auto cleared = rets.get<ffi::AnyBuffer>(n + i);
+    if (cleared.has_error()) return cleared.error();
+    if ((*cleared)->element_type() != ffi::DataType::F32 ||
+        (*cleared)->element_count() != 1) {
+      return InvalidArg(kOp, "cleared amax ", i, " must be an f32 scalar, "
+                        "got ", DtypeName((*cleared)->element_type()),
+                        ShapeStr((*cleared)->dimensions()));
+    }
     auto a = Scalar(args, n + i, "running amax");
     if (a.has_error()) return a.error();
     float amax = *a;
@@ -74,6 +89,7 @@ ffi::Error EndStepImpl(ffi::RemainingArgs args, ffi::RemainingRets rets,
     // memmove: XLA may give the output the history's buffer.
     std::memmove(dst + 1, src, (len - 1) * sizeof(float));
     dst[0] = std::isfinite(amax) ? amax : 0.0f;
+    *static_cast<float*>((*cleared)->untyped_data()) = 0.0f;
   }
   return ffi::Error::Success();
 }

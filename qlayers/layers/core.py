@@ -274,11 +274,11 @@ def _end_step_at_once(delayed, merges: dict) -> None:
       (merged if role == "g" and path in merges else plain).append(
           (gemm, role, st, merges.get(path) if role == "g" else None))
   roles = merged + plain
-  histories = native_quantize.end_step(
+  histories, amaxes = native_quantize.end_step(
       [st for _, _, st, _ in roles], [m for *_, m in merged])
-  for (gemm, role, st, _), history in zip(roles, histories):
+  for (gemm, role, _, _), history, amax in zip(roles, histories, amaxes):
     getattr(gemm, f"{role}_amax_history").set_value(history)
-    getattr(gemm, f"{role}_amax").set_value(jnp.zeros_like(st.amax))
+    getattr(gemm, f"{role}_amax").set_value(amax)
 
 
 def _write_grad_state(model: nnx.Module, grads: nnx.State) -> None:
