@@ -7,6 +7,7 @@ Usage (from the repository root)::
   python benchmarks/compile.py --model smollm2 \\
       --variants stock,qlayers/fp8_current
   python benchmarks/compile.py --model smollm2 --blocks 4     # a shorter stack
+  python benchmarks/compile.py --model smollm2 --repeat 3     # medians
   python benchmarks/compile.py --quick                        # ~1 min smoke run
   python benchmarks/compile.py breakdown --recipe fp8_current # what adds HLO
   python benchmarks/compile.py report gpt.json                # tables again
@@ -59,6 +60,9 @@ apart: trace (``jax.jit(step).trace``), lower (``.lower()``) and compile
 (``.compile()``), wall and process CPU time (all threads). Sizes: jaxpr
 equations (nested ones included), StableHLO lines, and of the optimized HLO
 (``compiled.as_text()``): instructions, lines and fusions. Nothing is run.
+Compile times on a shared machine drift by tens of percent between runs;
+``--repeat N`` runs all variants N times, round after round, and reports
+each timing's median and every round's ratio to that round's stock.
 Ratios are against ``stock`` of the same run. ``--json PATH`` writes
 everything; the Markdown table goes to stdout.
 
@@ -78,6 +82,7 @@ import os
 import pathlib
 import platform
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -482,6 +487,16 @@ def render(results: list[dict[str, Any]], header: dict[str, Any]) -> str:
         f"{r['hlo_instructions']:,}", f"{r['hlo_lines']:,}",
         f"{r['fusions']:,}",
         _ratio(r["hlo_instructions"], base and base["hlo_instructions"])))
+  if base and base.get("rounds"):
+    lines += ["", f"Timings are medians of {len(base['rounds'])} interleaved "
+              "rounds; compile wall / CPU vs stock in each round:", ""]
+    for r in results:
+      if r is base or not r.get("rounds"):
+        continue
+      each = [_ratio(a.get("compile_s"), b.get("compile_s")) + " / "
+              + _ratio(a.get("compile_cpu_s"), b.get("compile_cpu_s"))
+              for a, b in zip(r["rounds"], base["rounds"])]
+      lines.append(f"- {r['variant']}: " + ", ".join(each))
   return "\n".join(lines) + "\n"
 
 
@@ -560,22 +575,12 @@ def _run(args: argparse.Namespace) -> int:
       "isolate": args.isolate,
       "command": "python benchmarks/compile.py " + " ".join(sys.argv[1:]),
   }
-  results = []
-  for name in names:
-    if args.isolate:
-      r = _measure_isolated(args.model, name, blocks=args.blocks,
-                            rules=args.rules, timeout=args.timeout)
-    else:
-      try:
-        r = measure(args.model, name, blocks=args.blocks, rules=args.rules)
-      except Exception as e:  # noqa: BLE001 - reported, others go on
-        r = {"model": args.model, "variant": name,
-             "error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
-    results.append(r)
-    msg = r.get("error") or (
-        f"trace {r['trace_s']:.1f}s lower {r['lower_s']:.1f}s compile "
-        f"{r['compile_s']:.1f}s, {r['hlo_instructions']:,} HLO instr")
-    print(f"[{args.model}] {name}: {msg}", file=sys.stderr, flush=True)
+  runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+  for _ in range(args.repeat):
+    for name in names:
+      runs[name].append(_measure_one(args, name))
+  results = [_combine(runs[name]) for name in names]
+  header["repeat"] = args.repeat
   header["wall_s"] = time.perf_counter() - t_start
   md = render(results, header)
   print(md)
@@ -586,6 +591,44 @@ def _run(args: argparse.Namespace) -> int:
     pathlib.Path(args.json).write_text(json.dumps(
         {"header": header, "results": results}, indent=2) + "\n")
   return 1 if any("error" in r for r in results) else 0
+
+
+# Timings that vary from run to run; a repeated variant reports their median.
+_TIMES = ("build_s", "trace_s", "trace_cpu_s", "lower_s", "lower_cpu_s",
+          "compile_s", "compile_cpu_s", "process_s")
+
+
+def _combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
+  """One record of a variant's runs: the median of each timing (the sizes
+  are the same every run), with every run's timings under ``rounds``."""
+  good = [r for r in runs if "error" not in r]
+  if len(runs) == 1 or not good:
+    return runs[0]
+  out = dict(good[0])
+  for key in _TIMES:
+    if key in out:
+      out[key] = statistics.median(r[key] for r in good)
+  out["rounds"] = [{k: r.get(k) for k in _TIMES} if "error" not in r
+                   else {"error": r["error"]} for r in runs]
+  return out
+
+
+def _measure_one(args: argparse.Namespace, name: str) -> dict[str, Any]:
+  """One variant measured once (isolated unless ``--no-isolate``)."""
+  if args.isolate:
+    r = _measure_isolated(args.model, name, blocks=args.blocks,
+                          rules=args.rules, timeout=args.timeout)
+  else:
+    try:
+      r = measure(args.model, name, blocks=args.blocks, rules=args.rules)
+    except Exception as e:  # noqa: BLE001 - reported, others go on
+      r = {"model": args.model, "variant": name,
+           "error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
+  msg = r.get("error") or (
+      f"trace {r['trace_s']:.1f}s lower {r['lower_s']:.1f}s compile "
+      f"{r['compile_s']:.1f}s, {r['hlo_instructions']:,} HLO instr")
+  print(f"[{args.model}] {name}: {msg}", file=sys.stderr, flush=True)
+  return r
 
 
 def _report_cmd(args: argparse.Namespace) -> int:
@@ -626,6 +669,9 @@ def _parser() -> argparse.ArgumentParser:
                  help="gpt-d64 with 2 blocks, fp8_current only")
   r.add_argument("--isolate", action=argparse.BooleanOptionalAction,
                  default=True, help="each variant in a fresh process")
+  r.add_argument("--repeat", type=int, default=1, metavar="N",
+                 help="measure every variant N times, interleaved, and "
+                 "report each timing's median (default 1)")
   r.add_argument("--timeout", type=float, default=1800.0,
                  help="seconds per isolated variant")
   r.add_argument("--json", default=None, metavar="PATH")
