@@ -139,18 +139,12 @@ class QuantAttentionProj(nnx.Module):
                     out_kernel_init or kernel_init, out_kernel_metadata,
                     out_bias_metadata)
 
-    self.in_features = in_features
-    self.in_kv_features = in_kv_features
-    self.num_heads = num_heads
-    self.num_kv_heads = num_kv_heads
-    self.head_dim = head_dim
-    self.out_features = out_features
-    self.fused_qkv = fused_qkv
-    self.use_bias = use_bias
-    self.dtype = dtype
-    self.param_dtype = param_dtype
-    self.recipe = recipe
-    self.backend = backend
+    self.in_features, self.in_kv_features = in_features, in_kv_features
+    self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+    self.head_dim, self.out_features = head_dim, out_features
+    self.fused_qkv, self.use_bias = fused_qkv, use_bias
+    self.dtype, self.param_dtype = dtype, param_dtype
+    self.recipe, self.backend = recipe, backend
 
   def qkv(self, x: jax.Array, x_kv: jax.Array | None = None):
     """Projects ``x`` (and ``x_kv`` for cross-attention) to heads.
