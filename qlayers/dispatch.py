@@ -11,7 +11,8 @@ Every backend takes the same contract: two operands, each a `QTensor`
 The choice is made for the platform the program is *lowered* for, not the
 host's ``jax.default_backend()``: `gemm` traces one branch per distinct
 choice and hands them to ``lax.platform_dependent``, which compiles only the
-branch of the lowering platform (cpu, cuda or rocm). The CPU branch is the
+branch of the lowering platform (cpu, cuda or rocm); where no GPU can be the
+target (`targets_gpu`) it traces the CPU branch alone. The CPU branch is the
 numerical reference; the others only change how the same product is
 computed. `TABLE` holds every rule, first match wins:
 (platform, architecture, granularity, element format) -> (backend, form, why).
@@ -656,8 +657,11 @@ def _chooses_ffi(a, b, backend) -> bool:
 def _dispatched(a, b, axes, out_dtype, backend) -> jax.Array:
   """The GEMM on the operands as they are (on one device, or on each
   device's shards inside `qlayers.partition`)."""
+  # Lowered for CPU only where no GPU can be the target: the other branches
+  # would be traced only to be dropped.
+  platforms = PLATFORMS if targets_gpu() else ("cpu",)
   forms = {p: choose(a, b, p, gpu_arch(p), backend=backend).form
-           for p in PLATFORMS}
+           for p in platforms}
   branches: dict[str, Callable] = {}
   for form in forms.values():
     if form not in branches:

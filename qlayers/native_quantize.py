@@ -10,7 +10,7 @@ instead of XLA's chain of reductions, the scalar scale rule and the cast
 program, which compiles faster (benchmarks/RESULTS.md, "Native CPU
 quantize"). Every other platform lowers the XLA form, which XLA:GPU fuses into the
 GEMM (``lax.platform_dependent`` keeps only the branch of the lowering
-platform).
+platform; where no GPU can be the target, only the CPU branch is traced).
 
 The CPU branch takes the kernel only when all of these hold, else XLA's form:
 
@@ -75,6 +75,18 @@ def _native():
   return _native
 
 
+def _per_platform(*args, cpu, default):
+  """``lax.platform_dependent(*args, cpu=cpu, default=default)``, or
+  ``cpu(*args)`` alone where no GPU can be the target
+  (`qlayers.dispatch.targets_gpu`): there the program is lowered for CPU
+  only, and the XLA branch would be traced just to be dropped (one trace of
+  the XLA form per native call saved)."""
+  from qlayers import dispatch  # pylint: disable=g-import-not-at-top
+  if not dispatch.targets_gpu():
+    return cpu(*args)
+  return lax.platform_dependent(*args, cpu=cpu, default=default)
+
+
 def _enabled(backend: str | None) -> tuple[bool, str]:
   value = os.environ.get("QLAYERS_NATIVE_QUANTIZE", "1").strip().lower()
   if value not in ("0", "1", "false", "true", "off", "on"):
@@ -125,7 +137,7 @@ def amax(x: jax.Array, *, backend: str | None = None) -> jax.Array:
   if not applies(x, None, backend)[0]:
     return scaling.amax(x)
   # Zero derivative, as XLA's form (integer bit operations) has.
-  return lax.platform_dependent(lax.stop_gradient(x), cpu=_native().amax,
+  return _per_platform(lax.stop_gradient(x), cpu=_native().amax,
                                 default=scaling.amax)
 
 
@@ -136,7 +148,7 @@ def history_max(history: jax.Array, *, backend: str | None = None
   if (history.ndim != 1 or jnp.dtype(history.dtype) != jnp.float32
       or not applies(history, None, backend)[0]):
     return scaling.history_amax(history, "max")
-  return lax.platform_dependent(
+  return _per_platform(
       lax.stop_gradient(history), cpu=_native().max_f32,
       default=lambda h: scaling.history_amax(h, "max"))
 
@@ -175,7 +187,7 @@ def quantize(x: jax.Array, spec: QuantSpec, axis: int = -1, *,
     return QTensor(payload, scale, fmt.name, spec.granularity, None, axis,
                    tuple(x.shape))
 
-  return lax.platform_dependent(
+  return _per_platform(
       *map(lax.stop_gradient, (x, *given)), cpu=cpu, default=xla)
 
 
@@ -219,7 +231,7 @@ def quantize_delayed(x: jax.Array, spec: QuantSpec, history: jax.Array,
     return (QTensor(payload, scale, fmt.name, spec.granularity, None, axis,
                     tuple(x.shape)), use, run)
 
-  return lax.platform_dependent(*args, cpu=cpu, default=xla)
+  return _per_platform(*args, cpu=cpu, default=xla)
 
 
 def _quantize_mx(x, spec: QuantSpec, axis: int) -> QTensor:
@@ -235,7 +247,7 @@ def _quantize_mx(x, spec: QuantSpec, axis: int) -> QTensor:
     return QTensor(payload, codes, spec.fmt.name, spec.granularity, block,
                    axis, tuple(x.shape))
 
-  return lax.platform_dependent(lax.stop_gradient(x), cpu=cpu, default=xla)
+  return _per_platform(lax.stop_gradient(x), cpu=cpu, default=xla)
 
 
 def dequantizes(q, backend: str | None = None) -> bool:
@@ -276,7 +288,7 @@ def dequantize(q: QTensor, *, transpose: bool = False,
   args = tuple(map(lax.stop_gradient, (q.payload, q.scale)))
   if cpu_only:
     return cpu(*args)
-  return lax.platform_dependent(*args, cpu=cpu, default=xla)
+  return _per_platform(*args, cpu=cpu, default=xla)
 
 
 def _plain_f32(v, ndim: int) -> bool:
@@ -323,7 +335,7 @@ def end_step(states: list[scaling.ScaleState], gradient_amaxes=(), *,
       return list(new) + list(cleared)
     return run
 
-  out = lax.platform_dependent(
+  out = _per_platform(
       *map(lax.stop_gradient, histories + amaxes + grads),
       cpu=split(_native().end_step), default=split(xla))
   return list(out[:n]), list(out[n:])

@@ -441,3 +441,18 @@ def test_update_scales_is_one_kernel_and_the_same_state(monkeypatch):
   reference, text, _ = train()
   assert "qlayers_end_step" not in text
   chex.assert_trees_all_equal(native, reference)
+
+
+def test_the_xla_branch_is_traced_only_where_a_gpu_can_be_the_target(
+    monkeypatch):
+  """On a CPU host with no GPU target only the kernel is traced (the
+  program is lowered for CPU alone); naming a GPU target brings back the
+  per-platform choice, whose non-CPU branch is XLA's form."""
+  x = jnp.linspace(-3.0, 5.0, 64, dtype=jnp.float32).reshape(8, 8)
+  monkeypatch.delenv("QLAYERS_GPU_ARCH", raising=False)
+  cpu_only = str(jax.make_jaxpr(native_quantize.amax)(x))
+  assert "platform_index" not in cpu_only and "ffi_call" in cpu_only
+  monkeypatch.setenv("QLAYERS_GPU_ARCH", "sm_90")
+  both = str(jax.make_jaxpr(native_quantize.amax)(x))
+  assert "platform_index" in both and "ffi_call" in both
+  np.testing.assert_array_equal(jax.jit(native_quantize.amax)(x), 5.0)
