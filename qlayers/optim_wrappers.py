@@ -303,14 +303,20 @@ def skip_if_nonfinite(
     def step():
       return inner_update(updates, state.inner_state, params, **extra)
 
-    upd_type, state_type = jax.eval_shape(step)
-    _state_dtypes(state.inner_state, state_type)
+    def skip(upd_type):
+      return lambda: (jax.tree.map(lambda t: jnp.full_like(t, -0.0),
+                                   upd_type), state.inner_state)
 
-    def skip():
-      return (jax.tree.map(lambda t: jnp.full_like(t, -0.0), upd_type),
-              state.inner_state)
-
-    upd, inner_state = jax.lax.cond(finite, step, skip)
+    try:
+      # Updates typed as the gradients (most transformations): the step is
+      # traced once, by the cond.
+      upd, inner_state = jax.lax.cond(finite, step, skip(updates))
+    except TypeError:
+      # The branches differ: the updates' types come from a trace of the
+      # step, and a state whose types change is named.
+      upd_type, state_type = jax.eval_shape(step)
+      _state_dtypes(state.inner_state, state_type)
+      upd, inner_state = jax.lax.cond(finite, step, skip(upd_type))
     return upd, SkipState(inner_state,
                           state.skipped + (~finite).astype(jnp.int32))
 

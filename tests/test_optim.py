@@ -334,6 +334,40 @@ def test_skip_if_nonfinite_names_a_state_that_changes_dtype():
     tx.update({"w": jnp.ones(2)}, tx.init(p), p)
 
 
+def _counting(inner):
+  """``inner`` with a count of its update's calls (traces, under jit)."""
+  calls = []
+
+  def update(updates, state, params=None):
+    calls.append(1)
+    return inner.update(updates, state, params)
+
+  return optax.GradientTransformation(inner.init, update), calls
+
+
+@pytest.mark.parametrize("update_dtype", [jnp.float32, jnp.bfloat16])
+def test_skip_if_nonfinite_traces_the_step_once(update_dtype):
+  """Updates typed as the gradients: one trace of the inner update (the
+  cond's, no separate shape pass); updates of another dtype still work
+  (their types from a trace of the step)."""
+  cast = optax.GradientTransformation(
+      lambda p: optax.EmptyState(),
+      lambda u, s, p=None: (jax.tree.map(lambda t: t.astype(update_dtype),
+                                         u), s))
+  inner, calls = _counting(optax.chain(optax.sgd(1.0, momentum=0.5), cast))
+  tx = optim.skip_if_nonfinite(inner)
+  p = {"w": jnp.ones(3)}
+  s = tx.init(p)
+  u, s = jax.jit(tx.update)({"w": jnp.array([1.0, 2.0, 3.0])}, s, p)
+  if update_dtype == jnp.float32:
+    assert len(calls) == 1
+  assert u["w"].dtype == update_dtype
+  np.testing.assert_array_equal(u["w"].astype(jnp.float32), [-1, -2, -3])
+  u, s = jax.jit(tx.update)({"w": jnp.array([1.0, jnp.nan, 3.0])}, s, p)
+  assert u["w"].dtype == update_dtype and int(s.skipped) == 1
+  assert np.all(np.signbit(u["w"].astype(jnp.float32)))
+
+
 def test_dynamic_loss_scaling_trajectory():
   tx = optim.dynamic_loss_scaling(optax.sgd(1.0), init_scale=4.0,
                                   growth_interval=2)
