@@ -449,10 +449,12 @@ def test_the_xla_branch_is_traced_only_where_a_gpu_can_be_the_target(
   program is lowered for CPU alone); naming a GPU target brings back the
   per-platform choice, whose non-CPU branch is XLA's form."""
   x = jnp.linspace(-3.0, 5.0, 64, dtype=jnp.float32).reshape(8, 8)
+  # A new function each time: a trace of the same one would be reused.
+  jaxpr = lambda: str(jax.make_jaxpr(lambda v: native_quantize.amax(v))(x))  # noqa: E731
   monkeypatch.delenv("QLAYERS_GPU_ARCH", raising=False)
-  cpu_only = str(jax.make_jaxpr(native_quantize.amax)(x))
+  cpu_only = jaxpr()
   assert "platform_index" not in cpu_only and "ffi_call" in cpu_only
   monkeypatch.setenv("QLAYERS_GPU_ARCH", "sm_90")
-  both = str(jax.make_jaxpr(native_quantize.amax)(x))
+  both = jaxpr()
   assert "platform_index" in both and "ffi_call" in both
   np.testing.assert_array_equal(jax.jit(native_quantize.amax)(x), 5.0)
