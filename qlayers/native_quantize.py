@@ -138,7 +138,7 @@ def amax(x: jax.Array, *, backend: str | None = None) -> jax.Array:
     return scaling.amax(x)
   # Zero derivative, as XLA's form (integer bit operations) has.
   return _per_platform(lax.stop_gradient(x), cpu=_native().amax,
-                                default=scaling.amax)
+                       default=scaling.amax)
 
 
 def history_max(history: jax.Array, *, backend: str | None = None
