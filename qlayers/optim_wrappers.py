@@ -311,16 +311,22 @@ def skip_if_nonfinite(
       # Updates typed as the gradients (most transformations): the step is
       # traced once, by the cond.
       upd, inner_state = jax.lax.cond(finite, step, skip(updates))
+      return upd, _skip_state(inner_state, state, finite)
     except TypeError:
-      # The branches differ: the updates' types come from a trace of the
-      # step, and a state whose types change is named.
-      upd_type, state_type = jax.eval_shape(step)
-      _state_dtypes(state.inner_state, state_type)
-      upd, inner_state = jax.lax.cond(finite, step, skip(upd_type))
-    return upd, SkipState(inner_state,
-                          state.skipped + (~finite).astype(jnp.int32))
+      pass
+    # The branches differ: the updates' types come from a trace of the step,
+    # and a state whose types change is named (outside the handler, so that
+    # an error of the step itself is reported on its own).
+    upd_type, state_type = jax.eval_shape(step)
+    _state_dtypes(state.inner_state, state_type)
+    upd, inner_state = jax.lax.cond(finite, step, skip(upd_type))
+    return upd, _skip_state(inner_state, state, finite)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _skip_state(inner_state, state: SkipState, finite) -> SkipState:
+  return SkipState(inner_state, state.skipped + (~finite).astype(jnp.int32))
 
 
 # ==========================================================================
