@@ -439,11 +439,13 @@ def _wide(a, b, out_dtype, axes):
 def _cpu_fp8(a, b, out_dtype, axes):
   """CPU per-tensor / row-wise: XLA's CPU dot upcasts FP8 operands to FP32
   and runs an FP32 GEMM; BF16 holds every FP8 value exactly and its dot with
-  FP32 accumulation runs at about twice the speed."""
+  FP32 accumulation runs at about twice the speed. The product of the two
+  scales is applied once, as the GPU forms do: one scale after the other
+  overflows to Inf near the FP32 range."""
   pa, pb = a.payload.astype(jnp.bfloat16), b.payload.astype(jnp.bfloat16)
   out = _dot_f32(pa, pb, axes)
   sa, sb = _outer_scales(a, b)
-  return (out * sa * sb).astype(out_dtype)
+  return (out * (sa * sb)).astype(out_dtype)
 
 
 def _fp8_folded(a, b, out_dtype, axes):

@@ -311,6 +311,20 @@ def test_gemm_checks_operands():
     dispatch.gemm(a, b, axes=(1, 1), out_dtype=jnp.float32)
 
 
+@pytest.mark.parametrize("name,big", [("fp8_current", 1e34),
+                                       ("fp8_rowwise", 1e35)])
+def test_cpu_fp8_applies_the_scale_product_once(name, big):
+  """Near the FP32 range the output is finite: one multiply by the product
+  of the two scales (as the GPU form), not one scale after the other."""
+  from flax import nnx
+  layer = qlayers.QuantDense(128, 8, recipe=name, rngs=nnx.Rngs(0))
+  layer.kernel[...] = jnp.full((128, 8), 1e-3)
+  y = layer(jnp.full((2, 128), big))
+  assert bool(jnp.isfinite(y).all()), y
+  np.testing.assert_allclose(np.asarray(y, np.float64), 128 * 1e-3 * big,
+                             rtol=0.1)
+
+
 def test_scaled_dot_matches_emulation():
   spec = S.QuantSpec(format="e4m3", granularity="mx")
   x = jax.random.normal(jax.random.key(0), (64, 96))
