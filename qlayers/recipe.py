@@ -8,7 +8,14 @@ A linear layer runs three GEMMs per training step:
 
 where ``g`` is the output gradient. A `Recipe` gives every operand of every
 GEMM its own `QuantSpec` (or ``None`` for no quantization). Named recipes are
-TOML files in ``recipes/``; ``qlayers.recipe("fp8_delayed")`` loads one.
+TOML files in ``recipes/``; ``qlayers.recipe("fp8_delayed")`` loads one, and
+``qlayers.recipe("path/to/mine.toml")`` a file of your own.
+
+A file quantizes the operands its ``[fprop]``, ``[dgrad]`` and ``[wgrad]``
+tables list (``[defaults]`` fills in their fields). A wide recipe (no
+quantized GEMM, as ``bf16.toml``) has none of these tables and no setting
+that only quantization reads; a file with such settings that quantizes
+nothing is refused, as are out-of-range sizes (see `validate`).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from typing import Any, Literal
 
 import jax.numpy as jnp
 
+from qlayers import formats
 from qlayers import hadamard
 from qlayers.scaling import QuantSpec, check_fields
 
@@ -30,6 +38,20 @@ __all__ = ["GemmRecipe", "Recipe", "recipe", "available_recipes", "validate"]
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16,
            "float16": jnp.float16}
+
+# Transformer Engine's default history is 1024 steps (as fp8_delayed's);
+# 4x that bounds the state (16 KiB a role) and the per-step history max,
+# which reads the whole history of every role of every GEMM.
+MAX_AMAX_HISTORY_LEN = 4096
+# Tile/block lengths: powers of two (scale grids then align with the GEMM
+# kernels' K tiles: 128 for DeepSeek-V3/DeepGEMM and cuBLASLt's VEC128 /
+# BLK128x128, 32 for MX, 16 for NVFP4) up to 1024; the CPU path pads every
+# dim to a multiple of the block, so a block of 100000 asks for ~41 GB.
+BLOCK_SIZES = tuple(2 ** i for i in range(4, 11))
+# Top-level settings read only by quantized GEMMs: a file that sets one (or
+# has a [defaults] table) but quantizes nothing is refused.
+_QUANT_ONLY_KEYS = ("defaults", "scaling", "amax_history_len",
+                    "amax_compute_algo", "save_quantized_wgrad_input")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -73,7 +95,8 @@ class Recipe:
     fprop, dgrad, wgrad: the three GEMMs.
     scaling: ``current`` (amax of the tensor being cast) or ``delayed``
       (per-tensor scales from an amax history kept as layer state).
-    amax_history_len: delayed scaling history length (TE default 1024).
+    amax_history_len: delayed scaling history length (TE default 1024;
+      at most `MAX_AMAX_HISTORY_LEN`).
     amax_compute_algo: ``max`` or ``most_recent``.
     compute_dtype: dtype of unquantized GEMM inputs and layer outputs.
     save_quantized_wgrad_input: keep the Wgrad input ``x`` quantized (FP8)
@@ -131,7 +154,9 @@ class Recipe:
 
 def validate(r: Recipe) -> None:
   """Raises ValueError with an actionable message if ``r`` is inconsistent
-  (TypeError for a field of the wrong type, see `scaling.check_fields`)."""
+  or out of range (``amax_history_len`` up to `MAX_AMAX_HISTORY_LEN`,
+  tile/block lengths in `BLOCK_SIZES`); TypeError for a field of the wrong
+  type (see `scaling.check_fields`)."""
   check_fields(r)
   where = f"recipe {r.name!r}"
   if r.scaling not in ("current", "delayed"):
@@ -140,9 +165,10 @@ def validate(r: Recipe) -> None:
   if r.amax_compute_algo not in ("max", "most_recent"):
     raise ValueError(f"{where}: amax_compute_algo must be 'max' or "
                      f"'most_recent', got {r.amax_compute_algo!r}.")
-  if r.amax_history_len < 1:
-    raise ValueError(f"{where}: amax_history_len must be >= 1, got "
-                     f"{r.amax_history_len}.")
+  if not 1 <= r.amax_history_len <= MAX_AMAX_HISTORY_LEN:
+    raise ValueError(f"{where}: amax_history_len must be >= 1 and <= "
+                     f"{MAX_AMAX_HISTORY_LEN} (Transformer Engine's default "
+                     f"is 1024), got {r.amax_history_len}.")
   if r.compute_dtype not in _DTYPES:
     raise ValueError(f"{where}: compute_dtype must be one of "
                      f"{sorted(_DTYPES)}, got {r.compute_dtype!r}.")
@@ -181,6 +207,12 @@ def validate(r: Recipe) -> None:
           f"{where}: {gname} would multiply E5M2 by E5M2, which loses too "
           "much precision; keep one operand E4M3 (HYBRID: E5M2 for "
           "gradients only).")
+  for role, spec in r.specs().items():
+    if (spec is not None and spec.granularity in ("tile", "block")
+        and spec.block_size not in BLOCK_SIZES):
+      raise ValueError(f"{where}: {role}.block_size must be a power of two "
+                       f"from {BLOCK_SIZES[0]} to {BLOCK_SIZES[-1]} (128 is "
+                       f"DeepSeek-V3's), got {spec.block_size}.")
   if r.delayed:
     for role, spec in r.specs().items():
       if spec is not None and spec.granularity != "tensor":
@@ -198,14 +230,12 @@ def validate(r: Recipe) -> None:
 
 
 def _recipes_dirs() -> list[pathlib.Path]:
-  dirs = []
-  env = os.environ.get("QLAYERS_RECIPES")
-  if env:
-    dirs.append(pathlib.Path(env))
+  """Where the named recipes are: installed with the package, or the
+  checkout's ``recipes/`` (an editable install). Recipes of your own are
+  loaded by path: ``qlayers.recipe("path/to/mine.toml")``."""
   pkg = pathlib.Path(str(importlib.resources.files("qlayers"))) / "recipes"
-  dirs.append(pkg)
-  dirs.append(pathlib.Path(__file__).resolve().parent.parent / "recipes")
-  return [d for d in dirs if d.is_dir()]
+  here = pathlib.Path(__file__).resolve().parent.parent / "recipes"
+  return [d for d in (pkg, here) if d.is_dir()]
 
 
 def available_recipes() -> list[str]:
@@ -219,16 +249,41 @@ def available_recipes() -> list[str]:
 _GEMM_ROLES = {"fprop": ("x", "w"), "dgrad": ("g", "w"), "wgrad": ("x", "g")}
 
 
-def _spec(table: Any, where: str) -> QuantSpec | None:
-  if table is None or table is False:
-    return None
-  if not isinstance(table, dict):
-    raise ValueError(f"{where}: expected a table of QuantSpec fields.")
+def _table(value: Any, where: str, example: str) -> dict:
+  """``value`` if it is a TOML table, else a ValueError naming ``where``."""
+  if not isinstance(value, dict):
+    raise ValueError(f"{where} must be a table ({example}), got {value!r} "
+                     f"({type(value).__name__}).")
+  return value
+
+
+def _spec_fields(table: dict, where: str) -> None:
+  """Refuses keys that are not `QuantSpec` fields."""
   known = {f.name for f in dataclasses.fields(QuantSpec)}
   unknown = set(table) - known
   if unknown:
     raise ValueError(f"{where}: unknown keys {sorted(unknown)}; known: "
                      f"{sorted(known)}.")
+
+
+def _check_defaults(defaults: dict, where: str) -> None:
+  """Type-checks ``[defaults]`` on its own, so a bad value is refused even
+  where every operand overrides it. Only the field types are checked here
+  (a default such as ``format = "e2m1"`` may need the operands' own
+  ``granularity``); each merged operand is then a full `QuantSpec`."""
+  _spec_fields(defaults, where)
+  probe = object.__new__(QuantSpec)  # fields only: no __post_init__ rules
+  for f in dataclasses.fields(QuantSpec):
+    object.__setattr__(probe, f.name, defaults.get(f.name, f.default))
+  try:
+    check_fields(probe)
+    formats.get_format(probe.format)
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"{where}: {e}") from None
+
+
+def _spec(table: dict, where: str) -> QuantSpec:
+  _spec_fields(table, where)
   try:
     return QuantSpec(**table)
   except (TypeError, ValueError) as e:
@@ -236,12 +291,18 @@ def _spec(table: Any, where: str) -> QuantSpec | None:
 
 
 def from_dict(data: dict, source: str = "<dict>") -> Recipe:
-  """Builds a `Recipe` from the TOML-shaped dict ``data``."""
+  """Builds a `Recipe` from the TOML-shaped dict ``data`` (``source``, the
+  file, starts every error message)."""
   data = dict(data)
-  defaults = data.pop("defaults", {})
+  quant_only = ["[defaults]" if k == "defaults" else k
+                for k in _QUANT_ONLY_KEYS if k in data]
+  defaults = _table(data.pop("defaults", {}), f"{source}: [defaults]",
+                    'e.g. format = "e4m3"')
+  _check_defaults(defaults, f"{source}: [defaults]")
   kwargs = {}
   for gname, (lrole, rrole) in _GEMM_ROLES.items():
-    table = dict(data.pop(gname, {}))
+    table = dict(_table(data.pop(gname, {}), f"{source}: [{gname}]",
+                        f"of operands {lrole!r} and {rrole!r}"))
     out_dtype = table.pop("out_dtype", None)
     accum = table.pop("accum_dtype", "float32")
     rht = table.pop("hadamard", 0)
@@ -251,13 +312,14 @@ def from_dict(data: dict, source: str = "<dict>") -> Recipe:
                        f"{rrole!r}, not {sorted(unknown)}.")
 
     def merged(role, gname=gname, table=table):
-      t = table.get(role)
-      if t is None:
+      if role not in table:
         return None
-      return {**defaults, **t}
+      where = f"{source}: {gname}.{role}"
+      t = _table(table[role], where, '{ format = "e4m3" }, or {} for '
+                 "the [defaults]")
+      return _spec({**defaults, **t}, where)
 
-    lhs = _spec(merged(lrole), f"{source}: {gname}.{lrole}")
-    rhs = _spec(merged(rrole), f"{source}: {gname}.{rrole}")
+    lhs, rhs = merged(lrole), merged(rrole)
     try:
       kwargs[gname] = GemmRecipe(lhs=lhs, rhs=rhs, out_dtype=out_dtype,
                                  accum_dtype=accum, hadamard=rht)
@@ -268,9 +330,17 @@ def from_dict(data: dict, source: str = "<dict>") -> Recipe:
   if unknown:
     raise ValueError(f"{source}: unknown recipe keys {sorted(unknown)}.")
   try:
-    return Recipe(**data, **kwargs)
+    r = Recipe(**data, **kwargs)
   except (TypeError, ValueError) as e:
     raise ValueError(f"{source}: {e}") from None
+  if quant_only and not r.quantized:
+    raise ValueError(
+        f"{source}: sets {', '.join(quant_only)} but quantizes no GEMM: "
+        "list the operands to quantize in [fprop], [dgrad] and [wgrad] "
+        "(e.g. [fprop] x = {} w = {}; [defaults] only fills in their "
+        "fields), or, for a wide recipe, drop these settings (as bf16.toml "
+        "has none).")
+  return r
 
 
 def recipe(name_or_path: "str | os.PathLike | Recipe", **changes) -> Recipe:

@@ -163,3 +163,95 @@ def test_unknown_recipe_suggests_the_closest_names():
     qlayers.recipe("mxpf8")
   with pytest.raises(ValueError, match=r"Unknown recipe 'zzz'; available"):
     qlayers.recipe("zzz")
+
+
+# ----------------------------------------------------------------------------
+# Files that quantize nothing, sizes out of range, bad tables: refused with
+# the file and the field named.
+
+_QUANTIZED = '[fprop]\nx = {}\nw = {}\n'
+
+
+@pytest.mark.parametrize("text,what", [
+    ('[defaults]\nformat = "e4m3"\ngranularity = "tensor"\n', r"\[defaults\]"),
+    ('scaling = "delayed"\namax_history_len = 16\n', "scaling"),
+    ('save_quantized_wgrad_input = true\n[fprop]\nout_dtype = "float32"\n',
+     "save_quantized_wgrad_input"),
+])
+def test_a_file_that_quantizes_nothing_is_refused(tmp_path, text, what):
+  with pytest.raises(ValueError, match=rf"r\.toml: sets .*{what}.* but "
+                     "quantizes no GEMM: list the operands"):
+    _load(tmp_path, text)
+
+
+def test_wide_recipes_still_load(tmp_path):
+  """A wide recipe is written as bf16.toml is: no [defaults] or GEMM
+  tables, no setting only quantization reads."""
+  assert not qlayers.recipe("bf16").quantized
+  assert not qlayers.recipe("fp16").quantized
+  mine = _load(tmp_path, 'description = "wide"\ncompute_dtype = "float32"\n')
+  assert not mine.quantized and mine.compute_dtype == "float32"
+
+
+def test_amax_history_len_is_bounded(tmp_path):
+  text = ('scaling = "delayed"\namax_history_len = 1000000000\n'
+          + _QUANTIZED)
+  with pytest.raises(ValueError, match=r"r\.toml: .*amax_history_len must "
+                     r"be >= 1 and <= 4096 .*got 1000000000"):
+    _load(tmp_path, text)
+  assert qlayers.recipe("fp8_delayed", amax_history_len=4096).delayed
+  with pytest.raises(ValueError, match="<= 4096"):
+    qlayers.recipe("fp8_delayed", amax_history_len=4097)
+
+
+@pytest.mark.parametrize("block", [100000, 2048, 8, 48, 100])
+def test_tile_and_block_sizes_are_bounded(tmp_path, block):
+  """block_size 100000 once asked for ~41 GB at the first GEMM."""
+  for gran in ("tile", "block"):
+    text = (f'[defaults]\ngranularity = "{gran}"\nblock_size = {block}\n'
+            + _QUANTIZED)
+    with pytest.raises(ValueError, match=rf"r\.toml: .*fprop\.x\.block_size "
+                       rf"must be a power of two from 16 to 1024.*got {block}"):
+      _load(tmp_path, text)
+  for ok in (16, 64, 128, 1024):
+    r = _load(tmp_path, f'[defaults]\ngranularity = "tile"\n'
+              f'block_size = {ok}\n' + _QUANTIZED)
+    assert r.fprop.lhs.block_size == ok
+
+
+@pytest.mark.parametrize("default,msg", [
+    ("format = 7", r"format must be str, got 7"),
+    ('format = "e9m9"', "e9m9"),
+    ("pow2 = 1", r"pow2 must be bool"),
+    ("colour = 1", r"unknown keys \['colour'\]"),
+])
+def test_defaults_are_checked_even_when_every_operand_overrides_them(
+    tmp_path, default, msg):
+  text = (f'[defaults]\n{default}\n[fprop]\nx = {{ format = "e4m3", '
+          'pow2 = false }\nw = { format = "e4m3", pow2 = false }\n')
+  with pytest.raises(ValueError, match=rf"r\.toml: \[defaults\]: .*{msg}"):
+    _load(tmp_path, text)
+
+
+@pytest.mark.parametrize("text,where", [
+    ('[fprop]\nx = "e4m3"\nw = { format = "e4m3" }\n',
+     r"fprop\.x must be a table .*got 'e4m3' \(str\)"),
+    ('[fprop]\nx = false\nw = { format = "e4m3" }\n', r"fprop\.x must be a "),
+    ('fprop = 3\n', r"\[fprop\] must be a table .*got 3"),
+    ('defaults = "e4m3"\n' + _QUANTIZED, r"\[defaults\] must be a table"),
+])
+def test_operands_that_are_not_tables_name_file_and_field(tmp_path, text,
+                                                         where):
+  with pytest.raises(ValueError, match=rf"r\.toml: {where}"):
+    _load(tmp_path, text)
+
+
+def test_recipes_are_found_by_name_or_path_only(tmp_path, monkeypatch):
+  """No search path from the environment: a file of your own is loaded by
+  its path (QLAYERS_RECIPES is not read)."""
+  (tmp_path / "mine.toml").write_text('description = "wide"\n')
+  monkeypatch.setenv("QLAYERS_RECIPES", str(tmp_path))
+  assert "mine" not in qlayers.available_recipes()
+  with pytest.raises(ValueError, match="Unknown recipe 'mine'"):
+    qlayers.recipe("mine")
+  assert qlayers.recipe(tmp_path / "mine.toml").name == "mine"
