@@ -1,0 +1,122 @@
+"""Records qlayers' outputs, gradients and state for every named recipe.
+
+Run from the repository root to (re)write ``tests/golden/golden.npz``::
+
+  .venv/bin/python tests/golden/make_golden.py
+
+`tests/test_golden.py` recomputes the same values with `compute` and compares
+them bit for bit: the evidence that a refactoring changed no numerics. Only
+the public API is used (QuantDense, QuantEinsum, qlayers.value_and_grad,
+qlayers.Optimizer, qlayers.ops), on small shapes.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import qlayers
+from qlayers import ops
+
+PATH = pathlib.Path(__file__).with_name("golden.npz")
+K, N = 64, 32
+
+
+def _loss(y):
+  y = y.astype(jnp.float32)
+  return jnp.sum(y * jnp.cos(y))
+
+
+def _flat(prefix: str, state) -> dict[str, np.ndarray]:
+  out = {}
+  for path, v in nnx.to_flat_state(state):
+    value = v.get_value() if isinstance(v, nnx.Variable) else v
+    out[prefix + "/".join(map(str, path))] = np.asarray(value)
+  return out
+
+
+def _layer(name: str) -> dict[str, np.ndarray]:
+  """QuantDense: forward, input/kernel/bias gradients, then params and
+  quantization state after 3 optimizer steps."""
+  x = jax.random.normal(jax.random.key(1), (2, 5, K)) * 2
+  model = qlayers.QuantDense(K, N, recipe=name, rngs=nnx.Rngs(0))
+  out = {}
+
+  @nnx.jit
+  def dx_of(model, x):
+    return nnx.grad(lambda x, m: _loss(m(x)))(x, nnx.clone(model))
+
+  with warnings.catch_warnings():  # x alone is differentiated here
+    warnings.simplefilter("ignore")
+    out["dense/dx"] = np.asarray(dx_of(model, x))
+  opt = qlayers.Optimizer(model, optax.adam(1e-2))
+
+  @nnx.jit
+  def step(model, opt, x):
+    (_, y), grads = qlayers.value_and_grad(
+        lambda m: (_loss(m(x)), m(x)), has_aux=True)(model)
+    opt.update(model, grads)
+    return y, grads
+
+  for i in range(3):
+    y, grads = step(model, opt, x * (1 + i))
+    if i == 0:
+      out["dense/y"] = np.asarray(y)
+      out.update(_flat("dense/grad/", grads))
+  out.update(_flat("dense/param/", nnx.state(model, nnx.Param)))
+  out.update(_flat("dense/qstate/", nnx.state(model, qlayers.QuantVariable)))
+  return out
+
+
+def _ops(name: str) -> dict[str, np.ndarray]:
+  """ops.quantized_matmul (and ops.dot_general for stateless recipes):
+  output, new state and the vjp of x, w (and the gradient amax)."""
+  recipe = qlayers.recipe(name)
+  x = jax.random.normal(jax.random.key(2), (3, K))
+  w = jax.random.normal(jax.random.key(3), (K, N)) * 0.1
+  state = ops.init_state(recipe)
+  out = {}
+
+  def f(x, w, state):
+    return ops.quantized_matmul(x, w, recipe, state)
+
+  (y, new_state), vjp = jax.vjp(jax.jit(f), x, w, state)
+  g = jnp.cos(y)
+  dx, dw, dstate = vjp((g, jax.tree.map(jnp.zeros_like, new_state)))
+  out["ops/y"], out["ops/dx"], out["ops/dw"] = map(np.asarray, (y, dx, dw))
+  if state is not None:
+    out["ops/g_amax"] = np.asarray(dstate["g"].amax)
+    for role, st in new_state.items():
+      out[f"ops/state/{role}"] = np.asarray(st.amax)
+    return out
+  dg = ops.dot_general(recipe)
+  y2, grads = jax.value_and_grad(
+      lambda x, w: _loss(jnp.einsum("mk,kn->mn", x, w, _dot_general=dg)),
+      argnums=(0, 1))(x, w)
+  out["dot_general/loss"] = np.asarray(y2)
+  out["dot_general/dx"], out["dot_general/dw"] = map(np.asarray, grads)
+  einsum = qlayers.QuantEinsum("btd,dnh->btnh", (K, 2, 8), (2, 8),
+                               recipe=recipe, rngs=nnx.Rngs(4))
+  out["einsum/y"] = np.asarray(einsum(x.reshape(1, 3, K)))
+  return out
+
+
+def compute() -> dict[str, np.ndarray]:
+  """``{recipe/what: array}`` for every recipe of `available_recipes`."""
+  out = {}
+  for name in qlayers.available_recipes():
+    for part in (_layer(name), _ops(name)):
+      out.update({f"{name}/{k}": v for k, v in part.items()})
+  return out
+
+
+if __name__ == "__main__":
+  data = compute()
+  np.savez_compressed(PATH, **data)
+  print(f"{PATH}: {len(data)} arrays, {PATH.stat().st_size} bytes")
