@@ -8,6 +8,13 @@ dtype ``fm32`` (``flax.linen.fp8_ops``), whose addition is ``max``: a layer
 used several times in a step (tied weights, a loop) combines its uses by max,
 not sum. Outside the differentiated function the state is plain FP32, which
 orbax saves.
+
+Like ``nnx.value_and_grad`` it compiles nothing itself: called eagerly it
+runs op by op (and reads closures and globals afresh on every call); put the
+training step under ``nnx.jit`` for speed. JAX adds ``fm32`` values only
+inside a trace, so a layer used several times in one step must be
+differentiated under ``nnx.jit`` (or ``jax.jit``); eagerly that is an error
+naming the fix.
 """
 
 from __future__ import annotations
@@ -58,6 +65,9 @@ def value_and_grad(f: Callable[..., Any], argnums: int = 0, *,
     loss_scale: multiply the seed cotangent by this (FP16 loss scaling; the
       returned value is not scaled, the gradients are). ``None``: 1.
 
+  Called eagerly it runs op by op, as ``nnx.value_and_grad`` does; a fast
+  training step is one the caller wraps in ``nnx.jit``.
+
   Example:
     >>> import jax.numpy as jnp
     >>> from flax import nnx
@@ -72,20 +82,15 @@ def value_and_grad(f: Callable[..., Any], argnums: int = 0, *,
   if not isinstance(argnums, int):
     raise TypeError("qlayers.value_and_grad differentiates one model: "
                     f"argnums must be an int, got {argnums!r}.")
-  scale = loss_scale
 
   @functools.wraps(f)
-  def dispatch(*args, **kwargs):
+  def value_and_grad_fn(*args, **kwargs):
     if len(args) <= argnums or not isinstance(args[argnums], nnx.Module):
       got = type(args[argnums]).__name__ if len(args) > argnums else "nothing"
       raise TypeError(f"Argument {argnums} must be an nnx.Module, got {got}.")
-    if _tracing(args[argnums]):
-      return _value_and_grad(f, argnums, has_aux, wrt, scale, args, kwargs)
-    # The max-combining dtype only exists inside a trace; called eagerly, the
-    # whole step runs under nnx.jit, compiled once per (f, settings).
-    return _eager(f, argnums, has_aux, wrt)(scale, *args, **kwargs)
+    return _value_and_grad(f, argnums, has_aux, wrt, loss_scale, args, kwargs)
 
-  return dispatch
+  return value_and_grad_fn
 
 
 def _value_and_grad(f, argnums, has_aux, wrt, loss_scale, args, kwargs):
@@ -105,39 +110,26 @@ def _value_and_grad(f, argnums, has_aux, wrt, loss_scale, args, kwargs):
   seed = jnp.ones_like(loss)
   if loss_scale is not None:
     seed = seed * jnp.asarray(loss_scale, loss.dtype)
-  g_diff, g_q = vjp_fn(seed)
+  try:
+    g_diff, g_q = vjp_fn(seed)
+  except KeyError as e:  # JAX has no eager add for extended-dtype arrays
+    if getattr(e.args[0] if e.args else None, "__name__", "") != "EArray":
+      raise
+    raise ValueError(
+        "qlayers.value_and_grad: a quantized layer is used more than once in "
+        "this step, and its gradient amaxes combine by max only inside a "
+        "trace (JAX cannot add the max-combining dtype eagerly). Put the "
+        "step under nnx.jit (or jax.jit).") from None
   nnx.update(model, new_rest)
   grads = nnx.merge_state(_typed(typed[0], g_diff),
                           _typed(typed[1], _from_max(g_q)))
   return ((loss, aux) if has_aux else loss), grads
 
 
-def _eager(f, argnums, has_aux, wrt):
-  try:
-    return _eager_cached(f, argnums, has_aux, wrt)
-  except TypeError:  # an unhashable f or filter: compiled per call
-    return _eager_jit(f, argnums, has_aux, wrt)
-
-
-def _eager_jit(f, argnums, has_aux, wrt):
-  def run(loss_scale, *args, **kwargs):
-    return _value_and_grad(f, argnums, has_aux, wrt, loss_scale, args,
-                           kwargs)
-  return nnx.jit(run)
-
-
-_eager_cached = functools.lru_cache(maxsize=64)(_eager_jit)
-
-
 def _typed(template: nnx.State, values) -> nnx.State:
   """``values`` (pure arrays) as Variables of the types in ``template``."""
   return jax.tree.map(lambda v, x: v.replace(x), template, values,
                       is_leaf=lambda v: isinstance(v, nnx.Variable))
-
-
-def _tracing(model) -> bool:
-  leaves = jax.tree.leaves(nnx.as_pure(nnx.state(model)))
-  return any(isinstance(v, jax.core.Tracer) for v in leaves)
 
 
 def grad(f: Callable[..., Any], argnums: int = 0, *, has_aux: bool = False,

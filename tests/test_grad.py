@@ -17,7 +17,8 @@ from numerics import sqnr_db
 
 
 def test_layer_used_twice_combines_by_max():
-  """Two uses in one step: gradient amaxes 3 and 5 give 5 (a sum gives 8)."""
+  """Two uses in one step: gradient amaxes 3 and 5 give 5 (a sum gives 8),
+  under nnx.jit; eagerly, an error that names the fix."""
   m = qlayers.QuantDense(16, 8, use_bias=False, rngs=nnx.Rngs(0),
                          recipe=delayed())
   k1, k2 = jax.random.split(jax.random.key(0))
@@ -29,7 +30,10 @@ def test_layer_used_twice_combines_by_max():
   def loss_fn(m):
     return weighted_sum(m(x1), c1) + weighted_sum(m(x2), c2)
 
-  _, grads = qlayers.value_and_grad(loss_fn)(m)
+  # Called eagerly, JAX cannot add the max-combining dtype: a named error.
+  with pytest.raises(ValueError, match="used more than once.*nnx.jit"):
+    qlayers.value_and_grad(loss_fn)(nnx.clone(m))
+  _, grads = nnx.jit(lambda m: qlayers.value_and_grad(loss_fn)(m))(m)
   assert float(grads["quant"]["g_amax"][...]) == 5.0
   x_amax = max(float(jnp.max(jnp.abs(x1))), float(jnp.max(jnp.abs(x2))))
   assert float(m.quant.x_amax[...]) == x_amax
@@ -71,3 +75,71 @@ def test_loss_scale_reaches_value_and_grad():
   _, g8 = qlayers.value_and_grad(f, loss_scale=8.0)(m)
   np.testing.assert_allclose(g8["kernel"][...], 8 * g1["kernel"][...],
                              rtol=1e-6)
+
+
+def _mlp(recipe):
+  return nnx.Sequential(
+      qlayers.QuantDense(16, 32, rngs=nnx.Rngs(0), recipe=recipe), nnx.relu,
+      qlayers.QuantDense(32, 8, rngs=nnx.Rngs(1), recipe=recipe))
+
+
+BATCH = None  # rebound by the loop of the test below
+
+
+def _global_loss(m):
+  x, y = BATCH
+  return jnp.mean((m(x).astype(jnp.float32) - y) ** 2)
+
+
+@pytest.mark.parametrize("recipe", ["fp8_delayed", "mxfp8"])
+def test_eager_call_reads_the_global_batch_like_nnx(recipe):
+  """A loss reading a global batch the loop rebinds: every eager call sees
+  the current batch, with nnx.value_and_grad's losses and gradients (the
+  quantization state differentiated as a DiffState), step after step."""
+  global BATCH
+  ours, stock = _mlp(recipe), _mlp(recipe)
+  diff = nnx.DiffState(0, (nnx.Param, qlayers.QuantGradState))
+  losses = []
+  for i in range(3):
+    kx, ky = jax.random.split(jax.random.key(i))
+    BATCH = (jax.random.normal(kx, (4, 16)) * (i + 1),
+             jax.random.normal(ky, (4, 8)) * 2.0 ** i)
+    loss, grads = qlayers.value_and_grad(_global_loss)(ours)
+    want_loss, want = nnx.value_and_grad(_global_loss, argnums=diff)(stock)
+    assert np.array_equal(loss, want_loss), i
+    assert pure(grads).keys() == pure(want).keys()
+    for k, v in pure(want).items():
+      assert np.array_equal(pure(grads)[k], v), (i, k)
+    for m, g in ((ours, grads), (stock, want)):
+      qlayers.update_scales(m, g)
+    losses.append(float(loss))
+  assert len(set(losses)) == 3, losses
+  for k, v in pure(nnx.state(stock)).items():
+    assert np.array_equal(pure(nnx.state(ours))[k], v), k
+
+
+def test_jitted_step_matches_nnx_value_and_grad():
+  """Under nnx.jit (the fast loop) the same values as nnx.value_and_grad."""
+  def loss_fn(m, x, y):
+    return jnp.mean((m(x).astype(jnp.float32) - y) ** 2)
+
+  diff = nnx.DiffState(0, (nnx.Param, qlayers.QuantGradState))
+  steps = {
+      "ours": nnx.jit(lambda m, x, y: qlayers.value_and_grad(loss_fn)(m, x,
+                                                                      y)),
+      "stock": nnx.jit(lambda m, x, y: nnx.value_and_grad(
+          loss_fn, argnums=diff)(m, x, y))}
+  runs = {}
+  for name, step in steps.items():
+    m, out = _mlp("fp8_delayed"), []
+    for i in range(3):
+      x = jax.random.normal(jax.random.key(i), (4, 16)) * (i + 1)
+      loss, grads = step(m, x, jnp.ones((4, 8)) * i)
+      qlayers.update_scales(m, grads)
+      out.append((float(loss), pure(grads)))
+    runs[name] = out
+  assert len({loss for loss, _ in runs["ours"]}) == 3
+  for (l1, g1), (l2, g2) in zip(runs["ours"], runs["stock"]):
+    assert l1 == l2 and g1.keys() == g2.keys()
+    for k in g2:
+      assert np.array_equal(g1[k], g2[k]), k
