@@ -139,3 +139,17 @@ def test_attention_errors():
                                rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="normalize_qk"):
     qlayers.QuantAttentionProj.from_multihead(mha)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_attention_rank0_input_is_a_type_error(fused):
+  """A scalar gets the TypeError nnx.MultiHeadAttention's projections give,
+  naming the layer and the axes it contracts (it was a ZeroDivisionError)."""
+  p = qlayers.QuantAttentionProj(32, 4, 8, fused_qkv=fused,
+                                 rngs=nnx.Rngs(0))
+  with pytest.raises(TypeError, match=r"QuantLinearGeneral contracts axis "
+                     r"\(-1,\) of sizes \(32,\)"):
+    p.qkv(jnp.float32(1.0))
+  with pytest.raises(TypeError, match=r"contracts axis \(-2, -1\) of sizes "
+                     r"\(4, 8\)"):
+    p.out(jnp.ones((8,)))

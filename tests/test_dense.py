@@ -99,3 +99,98 @@ def test_dense_unquantized_rejects_wrong_last_dim():
   qd = qlayers.QuantDense(16, 8, rngs=nnx.Rngs(0), recipe="bf16")
   with pytest.raises((TypeError, ValueError)):
     qd(jnp.ones((2, 12)))
+
+
+def test_dense_rank0_input_is_the_type_error_linear_gives():
+  """nnx.Linear raises TypeError (from lax.dot_general) for a scalar; so
+  does QuantDense, naming itself and the shape it expects (it raised a bare
+  IndexError)."""
+  x = jnp.float32(1.0)
+  with pytest.raises(TypeError):
+    nnx.Linear(16, 8, rngs=nnx.Rngs(0))(x)
+  for recipe in ("fp8_current", "bf16"):
+    qd = qlayers.QuantDense(16, 8, rngs=nnx.Rngs(0), recipe=recipe)
+    with pytest.raises(TypeError, match=r"QuantDense expects inputs of shape "
+                       r"\(\.\.\., 16\), got a scalar"):
+      qd(x)
+
+
+# A row-parallel layer inside jax.shard_map: kernel split along K over "tp",
+# input split along its last dim, partial products summed with psum. Run in
+# a subprocess with 4 CPU devices (JAX fixes the device count at start).
+ROW_PARALLEL = r'''
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from flax import nnx
+import qlayers
+
+def row_parallel(layer, x, mesh):
+  graphdef, state = nnx.split(layer)
+  specs = jax.tree.map(lambda a: P("tp", None) if a.ndim == 2 else P(), state)
+  place = lambda a, p: jax.device_put(a, NamedSharding(mesh, p))
+  def loss(state, x):
+    @jax.shard_map(mesh=mesh, in_specs=(specs, P(None, "tp")), out_specs=P())
+    def f(state, x):
+      return jax.lax.psum(nnx.merge(graphdef, state)(x), "tp")
+    y = f(state, x)
+    return jnp.sum(y * y), y
+  (_, y), g = jax.jit(jax.value_and_grad(loss, has_aux=True))(
+      jax.tree.map(place, state, specs), place(x, P(None, "tp")))
+  return y, g["kernel"][...]
+
+def one_device(layer, x):
+  def loss(layer, x):
+    y = layer(x)
+    return jnp.sum(y * y), y
+  (_, y), g = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(layer, x)
+  return y, g["kernel"][...]
+
+mesh = jax.make_mesh((4,), ("tp",))
+x = jax.random.normal(jax.random.key(0), (8, 256))
+out = {}
+for kind in ("Linear", "QuantDense"):
+  kw = dict(use_bias=False, rngs=nnx.Rngs(0))
+  layer = (nnx.Linear(256, 32, **kw) if kind == "Linear" else
+           qlayers.QuantDense(256, 32, recipe="fp8_current", **kw))
+  out[kind] = {k: np.asarray(v).tolist() for k, v in zip(
+      ("y_tp", "g_tp", "y", "g"), row_parallel(layer, x, mesh)
+      + one_device(layer, x))}
+out["x"] = np.asarray(x).tolist()
+out["w"] = np.asarray(layer.kernel[...]).tolist()
+with open(sys.argv[1], "w") as f:
+  json.dump(out, f)
+'''
+
+
+def test_dense_row_parallel_inside_shard_map(tmp_path):
+  """The shape check reads the local kernel (K/4 rows per device), as
+  nnx.Linear does; it compared the input with the global in_features.
+
+  Scales are global inside shard_map (the amax is reduced with pmax over
+  the axes the operand varies on), so each device quantizes its shard to
+  the payloads the one-device layer makes: the outputs differ only by the
+  order of the FP32 sum over K (bounded by K * eps * |x| @ |w|), far below
+  the quantization error, and the kernel gradients likewise.
+  """
+  import subprocess, sys, json
+  import multidevice
+  script = tmp_path / "row_parallel.py"
+  script.write_text(ROW_PARALLEL)
+  out = tmp_path / "out.json"
+  proc = subprocess.run([sys.executable, str(script), str(out)],
+                        env=multidevice.env(4), capture_output=True,
+                        text=True, timeout=600, check=False)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  r = {k: v if k in ("Linear", "QuantDense") else np.asarray(v, np.float64)
+       for k, v in json.loads(out.read_text()).items()}
+  q = {k: np.asarray(v) for k, v in r["QuantDense"].items()}
+  stock = {k: np.asarray(v) for k, v in r["Linear"].items()}
+  eps = float(np.finfo(np.float32).eps)
+  bound = 256 * eps * (np.abs(r["x"]) @ np.abs(r["w"]))
+  assert np.all(np.abs(q["y_tp"] - q["y"]) <= bound)
+  assert np.all(np.abs(stock["y_tp"] - stock["y"]) <= bound)
+  quant_error = np.abs(q["y"] - stock["y"]).max()
+  assert np.abs(q["y_tp"] - q["y"]).max() < 1e-4 * quant_error
+  np.testing.assert_allclose(q["g_tp"], q["g"], rtol=0,
+                             atol=1e-6 * np.abs(q["g"]).max())

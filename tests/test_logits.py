@@ -147,3 +147,16 @@ def test_quantized_chunked_loss_carries_state():
   assert w0 == w1 > 0
   assert g0 > 0 and abs(g1 - g0) <= 0.05 * g0
   assert abs(float(l1) - float(l0)) <= 0.02 * float(l0)
+
+
+def test_logits_rank0_input_is_a_type_error():
+  """A scalar gets the TypeError nnx.Linear gives, naming the head and the
+  shape it expects (it was an IndexError), untied or tied, and in loss."""
+  embed = nnx.Embed(50, 16, rngs=nnx.Rngs(0))
+  for head in (qlayers.QuantLogits(16, 50, rngs=nnx.Rngs(0)),
+               qlayers.QuantLogits(embed=embed, recipe="fp8_current")):
+    with pytest.raises(TypeError, match=r"QuantLogits expects inputs of "
+                       r"shape \(\.\.\., 16\), got a scalar"):
+      head(jnp.float32(1.0))
+    with pytest.raises(TypeError, match="got a scalar"):
+      head.loss(jnp.float32(1.0), jnp.zeros((), jnp.int32))

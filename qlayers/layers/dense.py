@@ -3,12 +3,38 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from qlayers.layers.core import QuantGemm, QuantLayer
 from qlayers.recipe import Recipe
 
 __all__ = ["QuantDense"]
+
+
+def check_last_dim(where: str, x, features: int, what: str = "inputs"):
+  """Raises if ``x`` is not ``(..., features)``, naming ``where`` (a layer).
+
+  A scalar gets the TypeError ``nnx.Linear`` users meet (``lax.dot_general``
+  raises one); a wrong last dim a ValueError. ``features`` is read from the
+  local kernel, so a layer whose kernel is split inside ``jax.shard_map``
+  checks its shard's size, as ``nnx.Linear`` does.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> check_last_dim("QuantDense", jnp.ones((2, 8)), 8)
+    >>> check_last_dim("QuantDense", jnp.float32(1), 8)
+    Traceback (most recent call last):
+    ...
+    TypeError: QuantDense expects inputs of shape (..., 8), got a scalar; give it a feature axis (e.g. x[None]).
+  """
+  shape = jnp.shape(x)
+  if not shape:
+    raise TypeError(f"{where} expects {what} of shape (..., {features}), got "
+                    "a scalar; give it a feature axis (e.g. x[None]).")
+  if shape[-1] != features:
+    raise ValueError(f"{where} expects {what} with last dim {features}, got "
+                     f"shape {shape}.")
 
 
 class QuantDense(QuantLayer, nnx.Linear):
@@ -64,10 +90,8 @@ class QuantDense(QuantLayer, nnx.Linear):
 
   def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
     """Applies the quantized linear map along the last input dimension."""
-    if inputs.shape[-1] != self.in_features:
-      raise ValueError(f"{type(self).__name__} expects inputs with last dim "
-                       f"{self.in_features}, got shape {inputs.shape}.")
     kernel = self.kernel[...]
+    check_last_dim(type(self).__name__, inputs, kernel.shape[0])
     bias = self.bias[...] if self.bias is not None else None
     # Promoted as nnx.Linear promotes them; the kernel is quantized from its
     # stored value (the promoted copy is not used).

@@ -7,6 +7,7 @@ import jax
 from flax import nnx
 
 from qlayers.layers.core import QuantGemm, QuantLayer
+from qlayers.layers.dense import check_last_dim
 from qlayers.recipe import Recipe
 
 __all__ = ["QuantEmbed"]
@@ -51,10 +52,9 @@ class QuantEmbed(QuantLayer, nnx.Embed):
 
   def attend(self, query: jax.Array, out_sharding=None) -> jax.Array:
     """Logits ``(..., num_embeddings)`` of ``query (..., features)``."""
-    if query.shape[-1] != self.features:
-      raise ValueError(f"{type(self).__name__}.attend expects queries with "
-                       f"last dim {self.features}, got shape {query.shape}.")
     table = self.embedding[...]
+    check_last_dim(f"{type(self).__name__}.attend", query, table.shape[-1],
+                   "queries")
     query, _ = self.promote_dtype((query, table), dtype=self.dtype)
     return self.quant.matmul(query, table.T, out_dtype=query.dtype,
                              out_sharding=out_sharding)

@@ -73,15 +73,8 @@ class QuantLinearGeneral(QuantLayer, nnx.LinearGeneral):
 
   def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
     """Contracts ``inputs`` over ``axis``; output ``(*rest, *out_features)``."""
-    # Sorted, as nnx.LinearGeneral contracts them: kernel dims follow the
-    # input's axis order, not the order ``axis`` lists them in.
-    axis = tuple(sorted(a % inputs.ndim for a in self.axis))
-    got = tuple(inputs.shape[a] for a in axis)
-    if got != self.in_features:
-      raise ValueError(
-          f"{type(self).__name__} expects input dims {self.in_features} at "
-          f"axis {self.axis}, got shape {inputs.shape}.")
     kernel = self.kernel[...]
+    axis = self._contracted_axes(inputs, kernel)
     bias = self.bias[...] if self.bias is not None else None
     # The kernel is quantized from its stored value (see QuantDense).
     inputs, _, bias = self.promote_dtype((inputs, kernel, bias),
@@ -96,6 +89,23 @@ class QuantLinearGeneral(QuantLayer, nnx.LinearGeneral):
     if out_sharding is not None:
       y = jax.sharding.reshard(y, out_sharding)
     return y
+
+  def _contracted_axes(self, inputs, kernel) -> tuple[int, ...]:
+    """The input axes contracted, sorted (as ``nnx.LinearGeneral`` contracts
+    them: kernel dims follow the input's axis order, not ``axis``'s), after
+    checking their sizes against the local kernel (its shard inside
+    ``jax.shard_map``). A rank too small for ``axis`` is the TypeError
+    ``lax.dot_general`` gives ``nnx.LinearGeneral``."""
+    name, shape = type(self).__name__, jnp.shape(inputs)
+    want = tuple(kernel.shape[:len(self.axis)])
+    if not all(-len(shape) <= a < len(shape) for a in self.axis):
+      raise TypeError(f"{name} contracts axis {self.axis} of sizes {want}, "
+                      f"which inputs of shape {shape} do not have.")
+    axis = tuple(sorted(a % len(shape) for a in self.axis))
+    if tuple(shape[a] for a in axis) != want:
+      raise ValueError(f"{name} expects input dims {want} at axis "
+                       f"{self.axis}, got shape {shape}.")
+    return axis
 
 
 # ----------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from jax import lax
 from qlayers import ops
 from qlayers import sharding
 from qlayers.layers.core import QuantGemm, QuantLayer
+from qlayers.layers.dense import check_last_dim
 from qlayers.recipe import Recipe
 
 __all__ = ["QuantLogits"]
@@ -161,9 +162,9 @@ class QuantLogits(QuantLayer, nnx.Module):
     return y, new_state
 
   def _check(self, x):
-    if x.shape[-1] != self.in_features:
-      raise ValueError(f"QuantLogits expects inputs with last dim "
-                       f"{self.in_features}, got shape {x.shape}.")
+    table = self.embed.embedding if self.tied else self.kernel
+    d = table.shape[1] if self.tied else table.shape[0]  # the local kernel's
+    check_last_dim("QuantLogits", x, d)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     """FP32 logits ``(..., vocab_size)`` of ``x (..., in_features)``."""
