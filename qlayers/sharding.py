@@ -44,32 +44,41 @@ __all__ = ["context_mesh", "auto_mesh", "manual_axes", "explicit_axes",
 
 def context_mesh():
   """The abstract mesh being traced under, or None (no mesh, one device)."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or math.prod(mesh.axis_sizes) == 1:
+  mesh = _abstract_mesh()
+  if mesh is None or math.prod(mesh.axis_sizes) == 1:
     return None
   return mesh
 
 
+def _abstract_mesh():
+  mesh = jax.sharding.get_abstract_mesh()
+  return None if mesh.empty else mesh
+
+
 def _axes_of(mesh, kind) -> tuple[str, ...]:
+  """Every axis of ``kind``, those of size 1 included: an array's type names
+  them in its spec all the same, and JAX's explicit-mode rules read them."""
   if mesh is None:
     return ()
   return tuple(n for n, t in zip(mesh.axis_names, mesh.axis_types)
-               if t == kind and mesh.shape[n] > 1)
+               if t == kind)
 
 
 def manual_axes(mesh=None) -> tuple[str, ...]:
-  """Manual (``shard_map``) axes of ``mesh`` (default: the context mesh)."""
-  return _axes_of(mesh or context_mesh(), AxisType.Manual)
+  """Manual (``shard_map``) axes of ``mesh`` (default: the abstract mesh
+  being traced under, even of one device)."""
+  return _axes_of(mesh or _abstract_mesh(), AxisType.Manual)
 
 
 def explicit_axes(mesh=None) -> tuple[str, ...]:
-  """Explicit axes of ``mesh`` (default: the context mesh)."""
-  return _axes_of(mesh or context_mesh(), AxisType.Explicit)
+  """Explicit axes of ``mesh`` (default: the abstract mesh being traced
+  under, even of one device), those of size 1 included."""
+  return _axes_of(mesh or _abstract_mesh(), AxisType.Explicit)
 
 
 def auto_mesh():
   """The context mesh if its GEMMs can use a partitioning rule: more than one
-  device and every axis of size > 1 auto (not manual, not explicit)."""
+  device and every axis auto (not manual, not explicit)."""
   mesh = context_mesh()
   if mesh is None or manual_axes(mesh) or explicit_axes(mesh):
     return None

@@ -192,6 +192,52 @@ def _block_loss(model, tokens):
 
 
 # ----------------------------------------------------------------------------
+# A mesh axis of size 1 named in a spec (Gemma's and MiniGPT's annotations on
+# meshes such as (8, 1) or (1, 8)): the stock model trains, so must ours.
+
+
+class _Pair(nnx.Module):
+  """A stock Linear (converted by qlayers.quantize) and a QuantDense whose
+  kernels name both mesh axes (no annotations without a mesh)."""
+
+  def __init__(self, rngs, quantized, sharded):
+    init = nnx.initializers.lecun_normal()
+    wp = nnx.with_partitioning if sharded else (lambda f, spec: f)
+    self.up = nnx.Linear(64, 128, rngs=rngs,
+                         kernel_init=wp(init, (None, "tp")))
+    if quantized:
+      meta = {"out_sharding": (None, "tp")} if sharded else {}
+      self.down = qlayers.QuantDense(128, 64, rngs=rngs, kernel_metadata=meta,
+                                     recipe="fp8_current")
+      qlayers.quantize(self, "fp8_current", rules=())
+    else:
+      self.down = nnx.Linear(128, 64, rngs=rngs,
+                             kernel_init=wp(init, (None, "tp")))
+
+  def __call__(self, x):
+    return self.down(jax.nn.gelu(self.up(x)))
+
+
+@case
+def size_one_axes():
+  x, y = st.data()
+  out = {}
+  for shape in (None, (8, 1), (1, 8)):
+    for quantized in (False, True):
+      mesh = shape and jax.make_mesh(shape, ("fsdp", "tp"), axis_types=(
+          jax.sharding.AxisType.Explicit,) * 2)
+      with jax.set_mesh(mesh) if mesh else contextlib.nullcontext():
+        model = _Pair(nnx.Rngs(0), quantized, mesh is not None)
+        opt = st.optimizer(model, "nnx")
+        xs = jax.device_put(x, P("fsdp")) if mesh else jnp.asarray(x)
+        ys = jax.device_put(y, P("fsdp")) if mesh else jnp.asarray(y)
+        losses, _ = st.train(model, opt, xs, ys, 2,
+                             loss_fn=_stock_loss)
+      out[f"{shape}/{'quantized' if quantized else 'stock'}"] = losses
+  return out
+
+
+# ----------------------------------------------------------------------------
 # Checkpoints of a sharded model and optimizer (qlayers.checkpoint as is).
 
 

@@ -92,6 +92,13 @@ def test_every_layer_kind(results):
   _close(r["tp"]["losses"], r["single"]["losses"], rtol=1e-4)
 
 
+@pytest.mark.parametrize("shape", ["(8, 1)", "(1, 8)"])
+def test_mesh_axis_of_size_one_in_a_spec(results, shape):
+  r = multidevice.result(results, "size_one_axes")
+  _close(r[f"{shape}/stock"], r["None/stock"])
+  _close(r[f"{shape}/quantized"], r["None/quantized"])
+
+
 def test_checkpoint_roundtrip(results):
   r = multidevice.result(results, "checkpoint_roundtrip")
   assert r["same_state"]
