@@ -15,8 +15,6 @@ composition), `master_weights`, `cast_moments`, `skip_if_nonfinite`,
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import optax
@@ -38,32 +36,6 @@ __all__ = ["Optimizer", "mixed_precision", "master_weights", "cast_moments",
 
 def _wants_dynamic_loss_scale(model) -> bool:
   return any(g.recipe.loss_scaling == "dynamic" for _, g in gemms(model))
-
-
-def _dtype(d):
-  return None if d is None else jnp.dtype(d)
-
-
-@functools.lru_cache(maxsize=64)
-def _wrap_cached(tx, master_dtype, moment_dtype, kwargs):
-  return mixed_precision(tx, master_dtype=master_dtype,
-                         moment_dtype=moment_dtype, **dict(kwargs))
-
-
-def _cached_mixed_precision(tx, *, master_dtype, moment_dtype, **kwargs):
-  """`mixed_precision`, the same object for the same ``tx`` and settings.
-
-  The wrapper is a static attribute of `Optimizer`, so ``nnx.jit`` compares
-  it by equality: building a fresh closure per optimizer would recompile the
-  train step for every new optimizer around the same ``tx``.
-  """
-  master_dtype, moment_dtype = _dtype(master_dtype), _dtype(moment_dtype)
-  try:
-    return _wrap_cached(tx, master_dtype, moment_dtype,
-                        tuple(sorted(kwargs.items())))
-  except TypeError:  # an unhashable tx or setting: no caching
-    return mixed_precision(tx, master_dtype=master_dtype,
-                           moment_dtype=moment_dtype, **kwargs)
 
 
 class Optimizer(nnx.Optimizer):
@@ -113,7 +85,7 @@ class Optimizer(nnx.Optimizer):
         needs_master(p, master_dtype)
         for p in jax.tree.leaves(nnx.state(model, wrt))):
       master_dtype = None  # nothing narrow: no master_weights at all
-    wrapped = _cached_mixed_precision(
+    wrapped = mixed_precision(
         tx, master_dtype=master_dtype, moment_dtype=moment_dtype,
         skip_nonfinite=skip_nonfinite,
         dynamic_loss_scale=loss_scaling == "dynamic", **loss_scale_kwargs)

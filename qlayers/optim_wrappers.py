@@ -279,9 +279,10 @@ def skip_if_nonfinite(
 
   On such a step the updates are ``-0.0`` (``p + -0.0 == p`` bit for bit for
   every ``p``, signed zeros included: IEEE 754-2019 section 6.3), the inner
-  state is returned as it was, and ``skipped`` counts the step. One
-  ``lax.cond`` chooses between the two branches (it compiles smaller than a
-  ``where`` per leaf).
+  state is returned as it was, and ``skipped`` counts the step. Traced (under
+  ``jit``), one ``lax.cond`` chooses between the two branches (it compiles
+  smaller than a ``where`` per leaf); called eagerly, a Python ``if`` does,
+  so an eager update compiles nothing new after its first call.
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -307,6 +308,15 @@ def skip_if_nonfinite(
       return lambda: (jax.tree.map(lambda t: jnp.full_like(t, -0.0),
                                    upd_type), state.inner_state)
 
+    if not isinstance(finite, jax.core.Tracer):
+      # Called eagerly: a Python branch, as nnx.Optimizer's eager update
+      # runs op by op (a cond would compile its two fresh branches per call).
+      if finite:
+        upd, inner_state = step()
+        _state_dtypes(state.inner_state, inner_state)
+      else:
+        upd, inner_state = skip(jax.eval_shape(step)[0])()
+      return upd, _skip_state(inner_state, state, finite)
     try:
       # Updates typed as the gradients (most transformations): the step is
       # traced once, by the cond.
