@@ -49,6 +49,11 @@ class Optimizer(nnx.Optimizer):
   and every amax history rolls once). Masters and moments are Variables
   with their Params' metadata, so they follow the Params' shardings.
 
+  ``tx`` is kept as given (a static attribute, as in ``nnx.Optimizer``: a
+  jitted step traces once for the Optimizers around one ``tx``); the
+  wrapper is built from it and the settings where it runs (`wrapped_tx`),
+  so nothing caches the user's objects.
+
   Args:
     model: the model.
     tx: any optax transformation.
@@ -85,12 +90,20 @@ class Optimizer(nnx.Optimizer):
         needs_master(p, master_dtype)
         for p in jax.tree.leaves(nnx.state(model, wrt))):
       master_dtype = None  # nothing narrow: no master_weights at all
-    wrapped = mixed_precision(
-        tx, master_dtype=master_dtype, moment_dtype=moment_dtype,
+    wrapping = tuple(sorted(dict(
+        master_dtype=master_dtype, moment_dtype=moment_dtype,
         skip_nonfinite=skip_nonfinite,
-        dynamic_loss_scale=loss_scaling == "dynamic", **loss_scale_kwargs)
-    super().__init__(model, wrapped, wrt=wrt)
+        dynamic_loss_scale=loss_scaling == "dynamic",
+        **loss_scale_kwargs).items()))
+    super().__init__(model, mixed_precision(tx, **dict(wrapping)), wrt=wrt)
+    self.tx = tx  # as given: static, compared by identity as in nnx
+    self.wrapping = wrapping
     self.loss_scaling = loss_scaling
+
+  @property
+  def wrapped_tx(self) -> optax.GradientTransformationExtraArgs:
+    """``tx`` wrapped in `mixed_precision` (built where it is used)."""
+    return mixed_precision(self.tx, **dict(self.wrapping))
 
   @property
   def loss_scale(self) -> jax.Array:
@@ -113,8 +126,8 @@ class Optimizer(nnx.Optimizer):
           "grads do not match the model's optimized Variables; compute them "
           "with qlayers.value_and_grad (or nnx.grad) using the same `wrt`.")
     opt_state = nnx.as_pure(self.opt_state)
-    updates, new_state = self.tx.update(param_grads, opt_state, params,
-                                        **nnx.as_pure(kwargs))
+    updates, new_state = self.wrapped_tx.update(
+        param_grads, opt_state, params, **nnx.as_pure(kwargs))
     masters = find_state(new_state, MasterWeightsState)
     masked = lambda x: isinstance(x, optax.MaskedNode)
     if masters is None:

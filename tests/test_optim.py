@@ -147,6 +147,29 @@ def test_optimizer_keeps_no_reference_to_tx():
 
 
 @pytest.mark.usefixtures("optax_promotion")
+def test_new_optimizer_on_same_tx_reuses_compiled_step():
+  tx = optax.adam(0.1)
+  traces = []
+
+  @nnx.jit
+  def step(m, opt, g):
+    traces.append(1)
+    opt.update(m, grads_of(m, g))
+
+  for _ in range(2):
+    m = Vec([1.0, 2.0])
+    opt = qlayers.Optimizer(m, tx)
+    step(m, opt, jnp.array([1.0, -1.0]))
+    assert float(m.w[...][0]) != 1.0
+  assert len(traces) == 1
+  # Different settings are a different wrapper (and a new trace).
+  m = Vec([1.0, 2.0])
+  step(m, qlayers.Optimizer(m, tx, moment_dtype=jnp.bfloat16),
+       jnp.array([1.0, -1.0]))
+  assert len(traces) == 2
+
+
+@pytest.mark.usefixtures("optax_promotion")
 def test_jitted_step_traces_once_per_optimizer():
   traces = []
 
