@@ -220,13 +220,13 @@ class QuantEinsum(QuantLayer, nnx.Einsum):
     inputs, promoted, bias = self.promote_dtype((inputs, kernel, bias),
                                                 dtype=self.dtype)
     if len(lhs) != inputs.ndim or len(rhs) != kernel.ndim:
-      raise ValueError(f"Einsum {eq!r} does not fit input {inputs.shape} and "
-                       f"kernel {kernel.shape}.")
+      raise ValueError(f"{type(self).__name__} {eq!r} does not fit input "
+                       f"{inputs.shape} and kernel {kernel.shape}.")
     size = dict(zip(rhs, kernel.shape))
     for c, n in zip(lhs, inputs.shape):
       if size.setdefault(c, n) != n:
-        raise ValueError(f"Einsum {eq!r}: index {c!r} is {n} in the input "
-                         f"but {size[c]} in the kernel.")
+        raise ValueError(f"{type(self).__name__} {eq!r}: index {c!r} is {n} "
+                         f"in the input but {size[c]} in the kernel.")
     dims = ((tuple(lhs.index(c) for c in contracted),
              tuple(rhs.index(c) for c in contracted)), ((), ()))
     y = self.quant(inputs, kernel, dims,
