@@ -19,8 +19,8 @@ a GEMM is traced, which kind of mesh it runs under and adapts to it:
   implicitly broadcast over manual axes is summed over them
   (`sum_over_broadcast`).
 
-The FP8 gather can be switched off with ``QLAYERS_QUANTIZED_GATHER=0`` (read
-when a step is traced): XLA then places the gathers of the xla backend
+The FP8 gather can be switched off for steps traced inside
+``gather_payloads(False)``: XLA then places the gathers of the xla backend
 itself (on CPU, where payloads are upcast before the dot, that gathers wide
 data). The ffi backend always keeps its partitioning rule.
 """
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import threading
 
 import jax
@@ -37,7 +36,7 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 __all__ = ["context_mesh", "auto_mesh", "manual_axes", "explicit_axes",
-           "quantized_gather", "auto_region", "global_amax",
+           "quantized_gather", "gather_payloads", "auto_region", "global_amax",
            "sum_over_broadcast", "varying_axes", "replicated", "spec_of",
            "dot_spec", "unpartitioned", "unpartitioned_now"]
 
@@ -85,17 +84,41 @@ def auto_mesh():
   return mesh
 
 
-def quantized_gather() -> bool:
-  """Whether the xla backend's quantized GEMMs use the partitioning rule that
-  gathers quantized payloads (``QLAYERS_QUANTIZED_GATHER``, default on)."""
-  value = os.environ.get("QLAYERS_QUANTIZED_GATHER", "1").strip().lower()
-  if value not in ("0", "1", "false", "true", "off", "on"):
-    raise ValueError(f"QLAYERS_QUANTIZED_GATHER must be 0/1 (or off/on), got "
-                     f"{value!r}.")
-  return value in ("1", "true", "on")
-
-
 _local = threading.local()
+
+
+@contextlib.contextmanager
+def gather_payloads(enabled: bool = True):
+  """Whether quantized GEMMs of the xla backend traced in this block use the
+  partitioning rule that gathers quantized payloads (`qlayers.partition`;
+  default: yes). With ``False`` XLA places their gathers itself (wide ones
+  on CPU, where payloads are upcast before the dot); the ffi backend keeps
+  its rule. Read when a step is traced: lower or first call it inside.
+
+  Example:
+    >>> from qlayers import sharding
+    >>> with sharding.gather_payloads(False):
+    ...   sharding.quantized_gather()
+    False
+    >>> sharding.quantized_gather()
+    True
+  """
+  if not isinstance(enabled, bool):
+    raise TypeError(f"gather_payloads(enabled) takes a bool, got "
+                    f"{enabled!r}.")
+  previous = getattr(_local, "gather", True)
+  _local.gather = enabled
+  try:
+    yield
+  finally:
+    _local.gather = previous
+
+
+def quantized_gather() -> bool:
+  """Whether the xla backend's quantized GEMMs being traced use the
+  partitioning rule that gathers quantized payloads (see
+  `gather_payloads`)."""
+  return getattr(_local, "gather", True)
 
 
 @contextlib.contextmanager

@@ -8,7 +8,6 @@ and runs it a few times.
 
 from __future__ import annotations
 
-import os
 import pathlib
 import sys
 
@@ -180,18 +179,3 @@ def specs(tree) -> dict[str, str]:
 
 def summary(hlo: str) -> dict:
   return collectives.summary(hlo)
-
-
-def env_flag(name: str, value: str):
-  """Context manager setting an environment variable (trace-time switches)."""
-  class _Env:
-    def __enter__(self):
-      self.old = os.environ.get(name)
-      os.environ[name] = value
-
-    def __exit__(self, *exc):
-      if self.old is None:
-        os.environ.pop(name, None)
-      else:
-        os.environ[name] = self.old
-  return _Env()

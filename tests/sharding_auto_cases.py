@@ -10,7 +10,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import qlayers
-from qlayers import ops, scaling
+from qlayers import ops, scaling, sharding
 from qlayers.scaling import QuantSpec
 
 import multidevice
@@ -71,7 +71,7 @@ def train_bf16():
 
 @case
 def gather_switch_off():
-  with st.env_flag("QLAYERS_QUANTIZED_GATHER", "0"):
+  with sharding.gather_payloads(False):
     return {"fsdp": _run("fp8_delayed", "fsdp")}
 
 

@@ -11,6 +11,8 @@ and quantized bits agree exactly.
 import numpy as np
 import pytest
 
+from qlayers import sharding
+
 import multidevice
 
 LOSS_RTOL = 1e-5
@@ -96,6 +98,20 @@ def test_gather_switch_restores_wide_gathers(results):
   on = multidevice.result(results, "train_fp8_delayed")
   _close(off["losses"], on["single"]["losses"])
   assert set(_gathers(off)) - {"u8"}, off["collectives"]
+
+
+def test_gather_switch_is_a_context_manager(monkeypatch):
+  monkeypatch.setenv("QLAYERS_QUANTIZED_GATHER", "0")  # no longer read
+  assert sharding.quantized_gather()
+  with sharding.gather_payloads(False):
+    assert not sharding.quantized_gather()
+    with sharding.gather_payloads(True):
+      assert sharding.quantized_gather()
+    assert not sharding.quantized_gather()
+  assert sharding.quantized_gather()
+  with pytest.raises(TypeError, match="takes a bool, got '0'"):
+    with sharding.gather_payloads("0"):
+      pass
 
 
 def test_ffi_has_the_xla_collectives(results):
