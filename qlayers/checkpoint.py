@@ -1,35 +1,20 @@
-"""Checkpoints of (quantized) models and their optimizers, with orbax.
+"""Checkpoints of (quantized) models and their optimizers, on orbax.
 
-A checkpoint is one orbax composite checkpoint: items ``model`` (Variables
-other than quantization state), ``quant`` (`QuantVariable` state) and
-``optimizer``, with orbax's tree, shape, dtype and sharding metadata and, as
-its custom metadata, the qlayers description (versions, per quantized layer
-its recipe and settings). qlayers adds what orbax does not do:
-
-* ``qlayers.json``: size and SHA-256 of every other file. Orbax reads a
-  flipped bit in an array's data file back as a wrong value, silently.
-* Kill-safe replacement: the new checkpoint is written complete beside the
-  old one and swapped in atomically (Linux ``renameat2(RENAME_EXCHANGE)``;
-  elsewhere two renames, after which a cut-off swap is found and finished).
-* Checks of the target before anything is read into it (same Variables,
-  same recipes), and params-only loads that start quantization state fresh.
-
-Under ``jax.distributed`` every process calls `save` and `restore`: orbax
-writes each process's shards, process 0 alone writes the metadata and
-swaps, every process checks and reads. Arrays come back with the target's
-shardings. Zero-size arrays (e.g. `qlayers.Optimizer`'s master markers) hold
-no data and orbax cannot save them: they are skipped and kept from the target.
+Orbax writes each checkpoint (items ``model``: Variables other than
+quantization state; ``quant``: `QuantVariable` state; ``optimizer``) into a
+temporary directory and renames it when complete. `Manager` is orbax's
+``CheckpointManager``: numbered steps, keep-last-N, async saves, unfinished
+saves removed. qlayers adds what orbax lacks (`qlayers._checkpoint_checks`):
+the recipes in the metadata, mismatch errors naming layer and setting,
+params-only loads between plain and quantized models, digests of every
+file. PRNG keys are saved as key data (orbax cannot describe key dtypes).
+Every process calls save and restore; arrays come back with the target's
+shardings. Zero-size arrays hold no data: the target keeps its own.
 """
 
 from __future__ import annotations
 
-import ctypes
-import dataclasses
-import errno
 import glob
-import hashlib
-import itertools
-import json
 import os
 import pathlib
 import shutil
@@ -39,30 +24,20 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from qlayers.layers.core import QuantGemm, QuantLayer, gemms
+from qlayers import _checkpoint_checks as checks
+from qlayers._checkpoint_checks import (CheckpointCorruptError,
+                                        CheckpointMismatchError)
+from qlayers.layers.core import QuantGemm, gemms
 from qlayers.state import QuantVariable
 
-__all__ = ["save", "restore", "read_metadata", "CheckpointMismatchError",
-           "CheckpointCorruptError"]
+__all__ = ["Manager", "save", "restore", "read_metadata",
+           "CheckpointMismatchError", "CheckpointCorruptError"]
 
-FORMAT = "qlayers-checkpoint"
-FORMAT_VERSION = 2
-DIGESTS_FILE = "qlayers.json"
 _ITEMS = ("model", "quant", "optimizer")
-_SHOW = 8  # differences listed per category in an error message
-_barriers = itertools.count()
 
 
-class CheckpointMismatchError(ValueError):
-  """The checkpoint does not fit the target model or optimizer."""
-
-
-class CheckpointCorruptError(ValueError):
-  """The checkpoint directory is incomplete, damaged or not a checkpoint."""
-
-
-# ----------------------------------------------------------------------------
-# Model state as orbax trees
+def _is_key(x) -> bool:
+  return jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
 
 
 def _items(model, optimizer) -> dict[str, nnx.State]:
@@ -74,216 +49,65 @@ def _items(model, optimizer) -> dict[str, nnx.State]:
 
 
 def _tree(state: nnx.State) -> dict:
-  """Nested ``{str: array}`` of the non-empty arrays in ``state``."""
+  """Nested ``{str: array}`` of the non-empty arrays (keys as key data)."""
   out: dict = {}
   for path, var in nnx.to_flat_state(state):
-    if np.size(var.get_value()):
+    x = var.get_value()
+    x = jax.random.key_data(x) if _is_key(x) else x
+    if np.size(x):
       node = out
       for p in path[:-1]:
         node = node.setdefault(str(p), {})
-      node[str(path[-1])] = var.get_value()
+      node[str(path[-1])] = x
   return out
 
 
-def _flat(tree, prefix: str = "") -> dict:
-  if not isinstance(tree, dict):
-    return {prefix: tree}
-  return {k: v for key, sub in tree.items()
-          for k, v in _flat(sub, f"{prefix}/{key}" if prefix else key).items()}
+def _replace(var, x):
+  """``var`` holding ``x`` (key data wrapped as ``var``'s keys were)."""
+  old = var.get_value()
+  if _is_key(old) and not _is_key(x):  # format 2 restores keys as keys
+    x = jax.random.wrap_key_data(x, impl=jax.random.key_impl(old))
+  return var.replace(x)
 
 
-def _abstract(x):
-  return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x),
-                              sharding=getattr(x, "sharding", None))
+def _save_args(model, optimizer):
+  """Orbax's save arguments and the qlayers description."""
+  import orbax.checkpoint as ocp
+  import qlayers
+
+  checks.check_model(model)
+  if optimizer is not None and not isinstance(optimizer, nnx.Optimizer):
+    raise TypeError(f"optimizer must be an nnx.Optimizer, got "
+                    f"{type(optimizer).__name__}.")
+  trees = {name: tree for name, state in _items(model, optimizer).items()
+           if (tree := _tree(state))}
+  description = {"format": checks.FORMAT, "format_version": checks.VERSION,
+                 "qlayers_version": qlayers.__version__,
+                 "jax_version": jax.__version__, "items": list(trees),
+                 "has_optimizer": optimizer is not None,
+                 "layers": checks.layers(model)}
+  return ocp.args.Composite(**{name: ocp.args.StandardSave(tree)
+                               for name, tree in trees.items()}), description
 
 
-def _fill(state: nnx.State, values: dict) -> nnx.State:
-  """``state`` with the arrays of ``values`` (zero-size ones kept)."""
-  flat = _flat(values)
-  return nnx.from_flat_state([
-      (path, var.replace(flat["/".join(map(str, path))])
-       if np.size(var.get_value()) else var)
-      for path, var in nnx.to_flat_state(state)])
-
-
-def _layers(model: nnx.Module) -> dict[str, dict]:
-  """Per quantized layer (or bare `QuantGemm`): type and recipe."""
-  nodes = dict(nnx.iter_graph(model))
-  out = {}
-  for path, node in gemms(model):
-    r = node.recipe
-    owner = nodes.get(path[:-1]) if path and path[-1] == "quant" else None
-    if isinstance(owner, QuantLayer):
-      path, node = path[:-1], owner
-    out["/".join(map(str, path))] = {
-        "type": type(node).__name__, "recipe": r.name,
-        "scaling": ("delayed" if r.delayed
-                    else "current" if r.quantized else "none"),
-        "amax_history_len": r.amax_history_len if r.delayed else None,
-        "recipe_config": json.loads(json.dumps(dataclasses.asdict(r)))}
-  return out
-
-
-def _checkpointer():
+def _checkpointer(path_class=None):
   import orbax.checkpoint as ocp
 
   return ocp.Checkpointer(ocp.CompositeCheckpointHandler(
-      **{name: ocp.StandardCheckpointHandler() for name in _ITEMS}))
-
-
-def _primary() -> bool:
-  return jax.process_index() == 0
-
-
-def _sync(what: str) -> None:
-  """Barrier across processes (a no-op in a single process)."""
-  import orbax.checkpoint as ocp
-
-  ocp.multihost.sync_global_processes(
-      f"qlayers_checkpoint_{what}_{next(_barriers)}")
-
-
-# ----------------------------------------------------------------------------
-# Digests
-
-
-def _digest(file: pathlib.Path) -> str:
-  h = hashlib.sha256()
-  with open(file, "rb") as f:
-    for chunk in iter(lambda: f.read(1 << 20), b""):
-      h.update(chunk)
-  return h.hexdigest()
-
-
-def _files(path: pathlib.Path) -> dict[str, dict]:
-  return {f.relative_to(path).as_posix(): {"size": f.stat().st_size,
-                                           "sha256": _digest(f)}
-          for f in sorted(path.rglob("*")) if f.is_file()}
-
-
-def _verify_files(path: pathlib.Path, files: dict, items, digests: bool):
-  """Checks the files of ``items`` and the top-level ones against ``files``."""
-  problems = []
-  for rel, rec in files.items():
-    f = path / rel
-    if "/" in rel and rel.split("/", 1)[0] not in items:
-      continue
-    if not f.is_file():
-      problems.append(f"{rel} is missing")
-    elif f.stat().st_size != rec["size"]:
-      problems.append(f"{rel} has {f.stat().st_size} bytes, {rec['size']} "
-                      "when saved")
-    elif digests and _digest(f) != rec["sha256"]:
-      problems.append(f"{rel} changed since it was saved (SHA-256 differs)")
-  if problems:
-    raise CheckpointCorruptError(f"Checkpoint {path} is damaged:\n" +
-                                 "\n".join(_listed("", problems)[1:]))
-
-
-def _write_json(file: pathlib.Path, obj) -> None:
-  tmp = file.with_name(file.name + ".tmp")
-  with open(tmp, "w") as f:
-    json.dump(obj, f, indent=1, sort_keys=True)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, file)
-
-
-# ----------------------------------------------------------------------------
-# Putting a finished checkpoint in place
-
-
-def _sibling(path: pathlib.Path, role: str) -> pathlib.Path:
-  """Where a checkpoint is written before its swap (``new``), or where the
-  old one waits for removal after two renames (``old``)."""
-  return path.with_name(f".{path.name}.qlayers-{role}")
-
-
-def _fsync_dir(path: pathlib.Path) -> None:
-  fd = os.open(path, os.O_RDONLY)
-  try:
-    os.fsync(fd)
-  finally:
-    os.close(fd)
-
-
-def _exchange(a: pathlib.Path, b: pathlib.Path) -> bool:
-  """Swaps two directory entries atomically; False where the platform or
-  file system cannot."""
-  rename = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
-  if rename is None:
-    return False
-  at_fdcwd, rename_exchange = -100, 2  # <fcntl.h>, <linux/fs.h>
-  if rename(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b),
-            rename_exchange) == 0:
-    return True
-  err = ctypes.get_errno()
-  if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
-    return False
-  raise OSError(err, os.strerror(err), str(a), None, str(b))
-
-
-def _swap_in(new: pathlib.Path, path: pathlib.Path) -> None:
-  """Moves the complete checkpoint ``new`` to ``path``. Killed at any point,
-  a complete checkpoint is at ``path`` or (between two renames) beside it,
-  where `_resolve` finds it."""
-  old = None
-  if not os.path.lexists(path):
-    os.rename(new, path)
-  elif _exchange(new, path):
-    old = new
-  else:
-    old = _sibling(path, "old")
-    os.rename(path, old)
-    os.rename(new, path)
-  _fsync_dir(path.parent)
-  if old is not None:
-    shutil.rmtree(old)
-
-
-def _resolve(path: pathlib.Path) -> pathlib.Path:
-  """``path``, or if a swap by two renames was cut off between them (no
-  ``path``, both siblings complete), the new checkpoint beside it."""
-  new, old = _sibling(path, "new"), _sibling(path, "old")
-  if not os.path.lexists(path) and all((p / DIGESTS_FILE).is_file()
-                                       for p in (new, old)):
-    return new
-  return path
-
-
-def _recover(path: pathlib.Path) -> None:
-  """Finishes a cut-off swap and removes what unfinished saves left."""
-  found = _resolve(path)
-  if found != path:
-    os.rename(found, path)
-  for leftover in path.parent.glob(f".{glob.escape(path.name)}.qlayers-*"):
-    shutil.rmtree(leftover)  # also orbax's temporary directory
-
-
-# ----------------------------------------------------------------------------
-# Save
+      **{name: ocp.StandardCheckpointHandler() for name in _ITEMS}),
+                          temporary_path_class=path_class)
 
 
 def save(path: str | os.PathLike, model: nnx.Module, *,
          optimizer: nnx.Optimizer | None = None,
          overwrite: bool = False) -> pathlib.Path:
-  """Saves ``model`` (and ``optimizer``) to the directory ``path``.
+  """Saves ``model`` (every Variable) and ``optimizer`` to the directory
+  ``path``; returns it. Under ``jax.distributed`` every process calls it.
 
-  The checkpoint is written beside ``path`` and swapped in when complete: a
-  save that is killed leaves the previous checkpoint (or the new one) and
-  can simply be run again. Under ``jax.distributed`` every process calls it.
-
-  Args:
-    path: checkpoint directory; must not exist unless ``overwrite``.
-    model: the model: every Variable is saved (Params, quantization state,
-      batch statistics, RNG state, ...), sharded arrays by the processes
-      that hold them.
-    optimizer: an ``nnx.Optimizer`` (e.g. `qlayers.Optimizer`) to save too.
-    overwrite: replace an existing checkpoint (only a directory holding a
-      qlayers checkpoint, or an empty one, is ever replaced).
-
-  Returns:
-    The absolute checkpoint path.
+  Orbax writes the checkpoint beside ``path`` and renames it when complete;
+  what a killed save left is removed by the next save to ``path``.
+  ``overwrite=True`` replaces a qlayers checkpoint, which orbax deletes
+  first: where a kill must never lose the last checkpoint, use `Manager`.
 
   Example:
     >>> import tempfile
@@ -294,168 +118,113 @@ def save(path: str | os.PathLike, model: nnx.Module, *,
     >>> qlayers.checkpoint.read_metadata(d)["layers"][""]["recipe"]
     'fp8_delayed'
   """
-  import orbax.checkpoint as ocp
-  import qlayers
+  from orbax.checkpoint.path import atomicity
 
-  _check_model(model)
-  if optimizer is not None and not isinstance(optimizer, nnx.Optimizer):
-    raise TypeError(f"optimizer must be an nnx.Optimizer, got "
-                    f"{type(optimizer).__name__}.")
+  args, description = _save_args(model, optimizer)
   path = pathlib.Path(path).expanduser().absolute()
-  if _primary():
-    _recover(path)
-  _sync("recovered")
-  if path.exists():
-    if not overwrite:
-      raise FileExistsError(f"{path} exists; pass overwrite=True to replace "
-                            "it.")
-    if not path.is_dir() or not ((path / DIGESTS_FILE).is_file()
-                                 or not any(path.iterdir())):
-      raise FileExistsError(f"{path} exists and is not a qlayers checkpoint; "
-                            "refusing to overwrite it.")
-  path.parent.mkdir(parents=True, exist_ok=True)
-
-  trees = {name: _tree(state)
-           for name, state in _items(model, optimizer).items()}
-  trees = {name: tree for name, tree in trees.items() if tree}
-  description = {"format": FORMAT, "format_version": FORMAT_VERSION,
-                 "qlayers_version": qlayers.__version__,
-                 "jax_version": jax.__version__, "items": list(trees),
-                 "has_optimizer": optimizer is not None,
-                 "layers": _layers(model)}
-  new = _sibling(path, "new")
-  with _checkpointer() as ckptr:  # orbax finalizes `new` atomically
-    ckptr.save(new, ocp.args.Composite(
-        **{name: ocp.args.StandardSave(tree) for name, tree in trees.items()}),
-               custom_metadata=description, force=True)
-  if _primary():
-    _write_json(new / DIGESTS_FILE, {"format": FORMAT,
-                                     "format_version": FORMAT_VERSION,
-                                     "files": _files(new)})
-    _swap_in(new, path)
-  _sync("saved")
+  if path.exists() and not overwrite:
+    raise FileExistsError(f"{path} exists; pass overwrite=True to replace it.")
+  if path.exists() and not (path.is_dir() and ((path / checks.FILE).is_file()
+                                               or not any(path.iterdir()))):
+    raise FileExistsError(f"{path} exists and is not a qlayers checkpoint; "
+                          "refusing to overwrite it.")
+  if jax.process_index() == 0:
+    pattern = glob.escape(path.name) + atomicity.TMP_DIR_SUFFIX + "*"
+    for leftover in path.parent.glob(pattern):
+      shutil.rmtree(leftover)
+  with _checkpointer(checks.path_class()) as ckptr:
+    ckptr.save(path, args, custom_metadata=description, force=overwrite)
   return path
 
 
-# ----------------------------------------------------------------------------
-# Restore
+class Manager:
+  """Numbered checkpoints ``directory/<step>`` on orbax's
+  ``CheckpointManager``, each written as `save` writes one.
 
+  A step is renamed into place when complete, so a killed save never
+  touches a finished step, and a new Manager removes what killed saves
+  left. Under ``jax.distributed`` every process makes one and calls it.
 
-def _item_metadata(path: pathlib.Path, item: str):
-  """Orbax's tree metadata (shapes, dtypes, shardings) of one item."""
-  import orbax.checkpoint as ocp
+  Args:
+    directory: where the steps go (created if missing).
+    max_to_keep: keep only the latest this many steps (default: all).
+    async_save: write in a background thread; `save` returns once the
+      arrays are copied to host, `restore` and `close` wait for it.
 
-  handler = ocp.StandardCheckpointHandler()
-  try:
-    return handler.metadata(path / item).tree
-  except Exception as e:  # orbax and tensorstore raise many types
-    raise _unreadable(path, e) from e
-  finally:
-    handler.close()
+  Example:
+    >>> import tempfile
+    >>> from flax import nnx
+    >>> import qlayers
+    >>> layer = qlayers.QuantDense(8, 4, rngs=nnx.Rngs(0))
+    >>> directory = tempfile.mkdtemp()
+    >>> with qlayers.checkpoint.Manager(directory, max_to_keep=2) as m:
+    ...   for step in (10, 20, 30):
+    ...     _ = m.save(step, layer)
+    ...   info = m.restore(qlayers.QuantDense(8, 4, rngs=nnx.Rngs(1)))
+    ...   print(m.all_steps(), m.latest_step(), info["step"], info["restored"])
+    [20, 30] 30 30 full
+  """
 
+  def __init__(self, directory: str | os.PathLike, *,
+               max_to_keep: int | None = None, async_save: bool = False):
+    import orbax.checkpoint as ocp
 
-def _unreadable(path, e: Exception) -> CheckpointCorruptError:
-  msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-  return CheckpointCorruptError(f"Could not read checkpoint {path}: "
-                                f"{msg[:300]}")
+    keep = None if max_to_keep is None else (
+        ocp.checkpoint_managers.LatestN(max_to_keep))
+    self.directory = pathlib.Path(directory).expanduser().absolute()
+    self._orbax = ocp.CheckpointManager(
+        self.directory, options=ocp.CheckpointManagerOptions(
+            preservation_policy=keep, enable_async_checkpointing=async_save,
+            temporary_path_class=checks.path_class(),
+            cleanup_tmp_directories=True))
+
+  def save(self, step: int, model: nnx.Module, *,
+           optimizer: nnx.Optimizer | None = None) -> pathlib.Path:
+    """Saves ``model`` (and ``optimizer``) as a new ``step``; returns its
+    directory, complete once `wait_until_finished` returns."""
+    args, description = _save_args(model, optimizer)
+    self._orbax.save(step, args=args, custom_metadata=description, force=True)
+    return self.directory / str(step)
+
+  def restore(self, model: nnx.Module, *, step: int | None = None,
+              **kwargs) -> dict:
+    """`restore` (same keyword arguments) of ``step``, default the latest;
+    the result also has ``"step"``."""
+    self.wait_until_finished()
+    step = self.latest_step() if step is None else step
+    if step is None:
+      raise FileNotFoundError(f"No checkpoint in {self.directory}.")
+    return {**restore(self.directory / str(step), model, **kwargs),
+            "step": step}
+
+  def latest_step(self) -> int | None:
+    return self._orbax.latest_step()
+
+  def all_steps(self) -> list[int]:
+    return sorted(self._orbax.all_steps())
+
+  def wait_until_finished(self) -> None:
+    self._orbax.wait_until_finished()
+
+  def close(self) -> None:
+    self._orbax.close()
+
+  def __enter__(self) -> Manager:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
 
 
 def read_metadata(path: str | os.PathLike) -> dict:
-  """The description of the checkpoint at ``path`` (raises if not one):
-  versions, ``items``, ``has_optimizer``, per quantized layer its ``type``,
-  ``recipe``, ``scaling``, ``amax_history_len`` and ``recipe_config``, and
-  the ``files`` with their sizes and SHA-256."""
-  path = _resolve(pathlib.Path(path).expanduser().absolute())
-  if not path.exists():
-    raise FileNotFoundError(f"No checkpoint at {path}.")
-  if not path.is_dir():
-    raise CheckpointCorruptError(f"{path} is not a checkpoint directory.")
-  file = path / DIGESTS_FILE
-  if not file.is_file():
-    raise CheckpointCorruptError(
-        f"{path} has no {DIGESTS_FILE}: the save did not finish, or this is "
-        "not a qlayers checkpoint.")
-  try:
-    digests = json.loads(file.read_text())
-  except (OSError, ValueError) as e:
-    raise CheckpointCorruptError(f"{file} is not readable JSON: {e}") from None
-  if not (isinstance(digests, dict) and digests.get("format") == FORMAT
-          and isinstance(digests.get("files"), dict)):
-    raise CheckpointCorruptError(f"{file} is not qlayers checkpoint metadata.")
-  if digests.get("format_version") != FORMAT_VERSION:
-    raise CheckpointCorruptError(
-        f"{path} has checkpoint format version "
-        f"{digests.get('format_version')}; this qlayers reads version "
-        f"{FORMAT_VERSION}.")
-  import orbax.checkpoint as ocp
-
-  try:
-    meta = dict(ocp.metadata.get_step_metadata(path).custom_metadata or {})
-  except (OSError, ValueError):
-    meta = {}
-  for key in ("format", "items", "layers", "has_optimizer"):
-    if key not in meta:
-      raise CheckpointCorruptError(
-          f"{path} lacks the qlayers description ({key!r}) in its orbax "
-          "metadata.")
-  return {**meta, "files": digests["files"]}
-
-
-def _listed(title: str, items: list[str]) -> list[str]:
-  more = len(items) - _SHOW
-  shown = items[:_SHOW] + ([f"... and {more} more"] if more > 0 else [])
-  return [f"{title}:"] + [f"  {s}" for s in shown] if items else []
-
-
-def _variable_diff(what: str, ckpt: dict, target: dict) -> list[str]:
-  """Differences of two ``{path: ArrayMetadata | ShapeDtypeStruct}``."""
-  fmt = lambda x: f"{tuple(x.shape)} {np.dtype(x.dtype)}"
-  changed = [f"{p}: checkpoint {fmt(ckpt[p])}, {what} {fmt(target[p])}"
-             for p in sorted(set(ckpt) & set(target))
-             if fmt(ckpt[p]) != fmt(target[p])]
-  return (_listed(f"{what} Variables missing from the checkpoint",
-                  sorted(set(target) - set(ckpt)))
-          + _listed(f"checkpoint Variables the {what} does not have",
-                    sorted(set(ckpt) - set(target)))
-          + _listed(f"{what} Variables that differ", changed))
-
-
-def _layer_diff(ckpt: dict, target: dict) -> list[str]:
-  def describe(layer):
-    hist = layer["amax_history_len"]
-    return (f"{layer['type']} recipe {layer['recipe']!r} ({layer['scaling']}"
-            + (f" scaling, amax_history_len={hist})" if hist else " scaling)"))
-
-  changed = []
-  for p in sorted(set(ckpt) & set(target)):
-    c, t = ckpt[p], target[p]
-    fc, ft = _flat(c["recipe_config"]), _flat(t["recipe_config"])
-    fields = [f"{k.replace('/', '.')}: {fc.get(k)!r} vs {ft.get(k)!r}"
-              for k in sorted(set(fc) | set(ft)) if fc.get(k) != ft.get(k)]
-    if c["type"] != t["type"]:
-      fields.append(f"layer type {c['type']} vs {t['type']}")
-    if fields:
-      changed.append(f"{p or '(model)'}: checkpoint {describe(c)}, model "
-                     f"{describe(t)}; " + "; ".join(fields))
-  only = lambda a, b: [f"{p or '(model)'}: {describe(a[p])}"
-                       for p in sorted(set(a) - set(b))]
-  return (_listed("layers quantized in the model but not in the checkpoint",
-                  only(target, ckpt))
-          + _listed("layers quantized in the checkpoint but not in the model",
-                    only(ckpt, target))
-          + _listed("layers whose recipe differs", changed))
-
-
-def _mismatch(path, lines: list[str], hint: str = "") -> Exception:
-  return CheckpointMismatchError(
-      f"Checkpoint {path} does not match the target:\n" + "\n".join(lines)
-      + (f"\n{hint}" if hint else ""))
-
-
-_FRESH_HINT = ("To load only the Params and start the quantization state "
-               "fresh, pass params_only=True.")
-_OPT_HINT = ("The optimizer must be built like the saved one (same optax "
-             "transformation and wrapper, same model Params).")
+  """The description of the checkpoint at ``path``, checked against its
+  digest: versions, ``items``, ``has_optimizer``, per quantized layer its
+  ``type``, ``recipe``, ``scaling``, ``amax_history_len`` and
+  ``recipe_config``, and ``files`` (size and SHA-256 of each)."""
+  path = pathlib.Path(path).expanduser().absolute()
+  digests, meta = checks.read(path)
+  return {**meta, "files": digests["files"],
+          "format_version": digests["format_version"]}
 
 
 def _reset_quant_state(model: nnx.Module) -> None:
@@ -472,100 +241,59 @@ def _reset_quant_state(model: nnx.Module) -> None:
 def restore(path: str | os.PathLike, model: nnx.Module, *,
             optimizer: nnx.Optimizer | None = None,
             params_only: bool | None = None, verify: bool = True) -> dict:
-  """Restores a checkpoint written by `save` into ``model`` (and
-  ``optimizer``), in place, each array with the sharding of the target's.
+  """Restores a checkpoint of `save` or `Manager` into ``model`` (and
+  ``optimizer``) in place, each array with the sharding of the target's.
 
-  The target is checked against orbax's metadata and the files against
-  their digests before any array is read; on any error nothing is changed.
-  The Variables other than quantization state (Params, batch statistics,
-  ...) must always match in path, shape and dtype. Under
-  ``jax.distributed`` every process must call it.
-
-  Quantization state:
-
-  * ``params_only=None`` (default): if both the checkpoint and the model
-    have quantized layers, the same layers must be quantized with the same
-    recipes (all settings, e.g. ``amax_history_len``) and their state is
-    restored exactly. If either side has no quantized layer (a plain model's
-    checkpoint into a quantized model, or the reverse), only the other
-    Variables are restored and the model's delayed-scaling state is reset
-    to fresh.
-  * ``params_only=True``: as the second case, whatever the checkpoint holds
-    (e.g. to fine-tune a model under a different recipe).
-  * ``params_only=False``: the quantization state must match and is
-    restored, as in the first case.
-
-  Args:
-    path: a checkpoint directory.
-    model: the target model, built as the saved one was (any values).
-    optimizer: an optimizer to restore too; the checkpoint must hold one
-      with the same state structure.
-    params_only: see above.
-    verify: check the SHA-256 of every file read (each process reads them
-      all); ``False`` checks only that they exist with their saved sizes.
-
-  Returns:
-    The checkpoint's metadata (`read_metadata`), with ``"restored"`` set to
-    ``"full"`` or ``"params_only"``.
-
-  Raises:
-    FileNotFoundError: nothing at ``path``.
-    CheckpointCorruptError: ``path`` is not a complete qlayers checkpoint,
-      or it was damaged.
-    CheckpointMismatchError: the checkpoint does not fit the target.
+  The files are checked against their digests (``verify=False``: sizes
+  only), then the target against the checkpoint, before any array is read;
+  on an error nothing changes. Variables other than quantization state must
+  match in path, shape and dtype. Quantization state: ``params_only=None``
+  restores it if both sides have quantized layers (the same layers, recipes
+  and settings, else `CheckpointMismatchError`) and resets it to fresh if
+  either has none (plain <-> quantized); ``True`` always resets it,
+  ``False`` always restores it. Every process calls it. Returns
+  `read_metadata`'s dict with ``"restored"``: ``"full"`` or ``"params_only"``.
   """
   import orbax.checkpoint as ocp
 
-  _check_model(model)
+  checks.check_model(model)
   if params_only not in (None, True, False):
     raise TypeError("params_only must be None, True or False.")
   meta = read_metadata(path)
-  path = _resolve(pathlib.Path(path).expanduser().absolute())
-  if optimizer is not None and not meta["has_optimizer"]:
-    raise _mismatch(path, ["the checkpoint holds no optimizer state "
-                           "(restore without optimizer=)"])
-  layers_c, layers_t = meta["layers"], _layers(model)
+  path = pathlib.Path(path).expanduser().absolute()
+  layers_c, layers_t = meta["layers"], checks.layers(model)
   if params_only is None:
     params_only = not (layers_c and layers_t)
-  if not params_only:
-    lines = _layer_diff(layers_c, layers_t)
-    if lines:
-      raise _mismatch(path, lines, _FRESH_HINT)
-
   states = _items(model, optimizer)
   if params_only:
     del states["quant"]
-  _verify_files(path, meta["files"], states, digests=verify)
-  targets = {name: jax.tree.map(_abstract, _tree(state))
-             for name, state in states.items()}
-  hints = {"quant": _FRESH_HINT, "optimizer": _OPT_HINT}
-  for name, tree in targets.items():
-    saved = (_item_metadata(path, name) if name in meta["items"] else {})
-    lines = _variable_diff(name if name != "quant" else "model",
-                           _flat(saved), _flat(tree))
-    if lines:
-      raise _mismatch(path, lines, hints.get(name, ""))
-
-  read = {name: tree for name, tree in targets.items() if tree}
-  values = {}
-  if read:
-    try:
-      with _checkpointer() as ckptr:
-        values = ckptr.restore(path, ocp.args.Composite(
-            **{name: ocp.args.StandardRestore(tree)
-               for name, tree in read.items()}))
-    except Exception as e:  # orbax and tensorstore raise many types
-      raise _unreadable(path, e) from e
+  checks.verify(path, meta, set(states), deep=verify)
+  if optimizer is not None and not meta["has_optimizer"]:
+    checks.check(path, ["the checkpoint holds no optimizer state (restore "
+                        "without optimizer=)"])
+  if not params_only:
+    checks.check(path, checks.layer_diff(layers_c, layers_t),
+                 checks.HINTS["quant"])
+  targets = {name: jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      np.shape(x), jnp.result_type(x), sharding=getattr(x, "sharding", None)),
+                                _tree(state)) for name, state in states.items()}
+  with _checkpointer() as ckptr:
+    saved = checks.orbax_read(path, lambda: ckptr.metadata(path).item_metadata)
+    for name, tree in targets.items():
+      got = saved.get(name) if name in meta["items"] else None
+      checks.check(path, checks.variable_diff(
+          "model" if name == "quant" else name,
+          checks.flat(got.tree if got else {}), checks.flat(tree)),
+                   checks.HINTS.get(name))
+    read = {name: ocp.args.StandardRestore(tree)
+            for name, tree in targets.items() if tree}
+    values = checks.orbax_read(path, lambda: ckptr.restore(
+        path, ocp.args.Composite(**read))) if read else {}
   # Everything is read: only now is the target changed.
-  filled = {name: _fill(state, values[name] if name in read else {})
-            for name, state in states.items()}
-  for name, state in filled.items():
+  for name, state in states.items():
+    nnx.replace_by_pure_dict(state, values.get(name, {}), _replace)
     nnx.update(optimizer if name == "optimizer" else model, state)
   if params_only:
     _reset_quant_state(model)
   return {**meta, "restored": "params_only" if params_only else "full"}
 
-
-def _check_model(model) -> None:
-  if not isinstance(model, nnx.Module):
-    raise TypeError(f"Expected an nnx.Module, got {type(model).__name__}.")

@@ -1,8 +1,12 @@
-"""Checkpoints: exact round trips with quantization and optimizer state,
-plain <-> quantized Params, mismatches and damaged checkpoints."""
+"""Checkpoints: exact round trips with quantization and optimizer state
+and PRNG keys, plain <-> quantized Params, mismatches, damaged checkpoints,
+the orbax CheckpointManager behind `checkpoint.Manager`, and format 2."""
 
+import contextlib
 import hashlib
 import json
+import os
+import pathlib
 import shutil
 
 import jax
@@ -63,8 +67,10 @@ def apply(model, x):
 
 
 def pure(tree):
-  """Variables as a flat {path: numpy array} dict."""
-  return {"/".join(map(str, p)): np.asarray(v.get_value())
+  """Variables as a flat {path: numpy array} dict (PRNG keys as key data)."""
+  key = lambda x: jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+  return {"/".join(map(str, p)): np.asarray(
+      jax.random.key_data(x) if key(x := v.get_value()) else x)
           for p, v in nnx.to_flat_state(tree)}
 
 
@@ -128,12 +134,18 @@ def test_metadata_records_recipes_and_file_digests(trained):
   # The description is orbax's custom step metadata, written by orbax.
   orbax_meta = json.loads((path / "_CHECKPOINT_METADATA").read_text())
   assert orbax_meta["custom_metadata"]["layers"] == meta["layers"]
-  # Digests cover every file of the directory but their own.
+  # Digests cover every file of the directory but their own and the two
+  # that orbax's rename step writes (the description has its own digest).
+  renaming = {"_CHECKPOINT_METADATA", "commit_success.txt"}
   files = {f.relative_to(path).as_posix(): f for f in path.rglob("*")
            if f.is_file() and f.name != "qlayers.json"}
-  assert meta["files"].keys() == files.keys()
-  assert {k.split("/")[0] for k in files} >= {"model", "quant", "optimizer",
-                                              "_CHECKPOINT_METADATA"}
+  assert meta["files"].keys() == files.keys() - renaming
+  assert files.keys() >= renaming
+  digests = json.loads((path / "qlayers.json").read_text())
+  assert digests["format_version"] == 3
+  assert digests["description_sha256"] == hashlib.sha256(json.dumps(
+      orbax_meta["custom_metadata"], sort_keys=True).encode()).hexdigest()
+  assert {k.split("/")[0] for k in files} >= {"model", "quant", "optimizer"}
   for rel, rec in meta["files"].items():
     assert rec["size"] == files[rel].stat().st_size
     assert rec["sha256"] == hashlib.sha256(files[rel].read_bytes()).hexdigest()
@@ -226,7 +238,7 @@ def test_missing_and_damaged_checkpoints(trained, tmp_path):
   (copy / "qlayers.json").write_text(json.dumps(
       {"format": "qlayers-checkpoint", "format_version": 1, "files": {}}))
   with pytest.raises(CheckpointCorruptError, match="format version 1; this "
-                     "qlayers reads version 2"):
+                     "qlayers reads versions 2 and 3"):
     checkpoint.restore(copy, target)
 
   copy = shutil.copytree(path, tmp_path / "copy2")
@@ -238,8 +250,8 @@ def test_missing_and_damaged_checkpoints(trained, tmp_path):
 
   copy = shutil.copytree(path, tmp_path / "copy3")
   (copy / "_CHECKPOINT_METADATA").unlink()  # orbax's metadata, with ours
-  with pytest.raises(CheckpointCorruptError, match="lacks the qlayers "
-                     "description"):
+  with pytest.raises(CheckpointCorruptError, match="orbax cannot read its "
+                     "_CHECKPOINT_METADATA"):
     checkpoint.restore(copy, target)
 
   copy = shutil.copytree(path, tmp_path / "copy4")
@@ -357,3 +369,181 @@ def test_save_refuses_to_overwrite(tmp_path):
   assert (tmp_path / "other" / "keep.txt").read_text() == "mine"
   with pytest.raises(TypeError, match="nnx.Module"):
     checkpoint.save(tmp_path / "d", {"w": jnp.ones(2)})
+
+
+# ----------------------------------------------------------------------------
+# PRNG keys (issue 24, item 6)
+
+
+class Dropped(nnx.Module):
+  """A block holding its own dropout key stream, as MiniGPT's blocks do
+  (only its dropout is applied here)."""
+
+  def __init__(self, seed, spec=None):
+    rng = np.random.default_rng(seed)
+    init = lambda key, shape, dtype: rng.standard_normal(shape).astype(dtype)
+    self.up = nnx.Linear(32, 32, kernel_init=init if spec is None else
+                         nnx.with_partitioning(init, spec), rngs=nnx.Rngs(0))
+    self.drop = nnx.Dropout(0.1, rngs=nnx.Rngs(dropout=seed))
+
+def test_prng_keys_round_trip_with_and_without_a_mesh(tmp_path):
+  """Plain without a mesh, quantized on a 1x1 mesh (both failed before)."""
+  mesh = jax.make_mesh((1, 1), ("data", "model"))
+  ones = jnp.ones((4, 8))
+  for recipe, spec in ((None, None), ("fp8_delayed", (None, "model"))):
+    with jax.set_mesh(mesh) if spec else contextlib.nullcontext():
+      def make(seed):
+        model = Dropped(seed, spec)
+        if recipe:
+          qlayers.quantize(model, recipe, strict=True)
+        return model
+      source = make(3)
+      source.drop.rngs.count[...] = jnp.uint32(5)  # the stream moved on
+      checkpoint.save(tmp_path / str(recipe), source)
+      target = make(4)
+      checkpoint.restore(tmp_path / str(recipe), target)
+      got, want = pure(nnx.state(target)), pure(nnx.state(source))
+      assert got.keys() == want.keys()
+      for k in got:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+      assert int(target.drop.rngs.count[...]) == 5
+      assert jax.random.key_impl(target.drop.rngs.key[...]) == \
+          jax.random.key_impl(source.drop.rngs.key[...])
+      # The next dropout mask is the one the source draws.
+      np.testing.assert_array_equal(np.asarray(target.drop(ones)),
+                                    np.asarray(source.drop(ones)))
+
+
+# ----------------------------------------------------------------------------
+# Digests before the description; no file unlisted (issue 24, item 14)
+
+
+def test_flipped_bit_in_the_recipe_metadata_is_corruption(trained, tmp_path):
+  _, _, path, _ = trained
+  for text, flip_at in (('"name": "fp8_delayed"', -2),  # 'd' -> 'e'
+                        ('"amax_history_len": 16', -1)):  # 16 -> 17
+    copy = shutil.copytree(path, tmp_path / f"c{flip_at}")
+    file = copy / "_CHECKPOINT_METADATA"
+    raw = bytearray(file.read_bytes())
+    config = raw.index(b'"recipe_config"')  # what restore compares
+    raw[raw.index(text.encode(), config) + len(text) + flip_at] ^= 1
+    file.write_bytes(bytes(raw))
+    json.loads(raw)  # still valid JSON: only the digest tells
+    with pytest.raises(CheckpointCorruptError, match="description in "
+                       "_CHECKPOINT_METADATA changed since it was saved"):
+      checkpoint.restore(copy, build(seed=6))
+    with pytest.raises(CheckpointCorruptError):
+      checkpoint.read_metadata(copy)
+
+
+def test_an_emptied_or_shortened_digest_list_hides_no_flipped_byte(
+    trained, tmp_path):
+  _, _, path, _ = trained
+  copy = shutil.copytree(path, tmp_path / "c")
+  data = _largest_data_file(copy / "model")
+  raw = bytearray(data.read_bytes())
+  raw[len(raw) // 2] ^= 1
+  data.write_bytes(bytes(raw))
+  rel = data.relative_to(copy).as_posix()
+  digests = json.loads((copy / "qlayers.json").read_text())
+  shortened = {k: v for k, v in digests["files"].items() if k != rel}
+  for files, unlisted in (({}, "model/_METADATA"), (shortened, rel)):
+    (copy / "qlayers.json").write_text(json.dumps({**digests, "files": files}))
+    with pytest.raises(CheckpointCorruptError,
+                       match=f"{unlisted} is not listed in qlayers.json"):
+      checkpoint.restore(copy, build(seed=6))
+
+
+# ----------------------------------------------------------------------------
+# Manager: orbax's CheckpointManager
+
+
+def test_manager_keeps_the_latest_steps_and_saves_async(tmp_path):
+  model = build(seed=0)
+  opt = qlayers.Optimizer(model, optax.adam(1e-2))
+  snapshots = {}
+  with checkpoint.Manager(tmp_path, max_to_keep=2, async_save=True) as m:
+    assert m.latest_step() is None
+    for step in range(3):
+      train_step(model, opt, X, Y)
+      assert m.save(step, model, optimizer=opt) == tmp_path / str(step)
+      snapshots[step] = pure(nnx.state(model)), pure(nnx.state(opt))
+    fresh = build(seed=1)
+    fresh_opt = qlayers.Optimizer(fresh, optax.adam(1e-2))
+    for step in (None, 1):
+      info = m.restore(fresh, step=step, optimizer=fresh_opt)
+      want = 2 if step is None else step
+      assert (info["step"], info["restored"]) == (want, "full")
+      for got, saved in zip((pure(nnx.state(fresh)),
+                             pure(nnx.state(fresh_opt))), snapshots[want]):
+        for k in saved:
+          np.testing.assert_array_equal(got[k], saved[k], err_msg=k)
+    assert m.all_steps() == [1, 2]
+  assert sorted(os.listdir(tmp_path)) == ["1", "2"]
+  with pytest.raises(FileNotFoundError, match="No checkpoint"):
+    checkpoint.Manager(tmp_path / "empty").restore(fresh)
+
+
+def test_manager_removes_what_killed_saves_left(tmp_path):
+  """A save killed before orbax's rename leaves ``<step>.orbax-checkpoint-
+  tmp[-<timestamp>]`` (names of this and older orbax): the next Manager's
+  save of any step removes it. (tests/test_checkpoint_kill.py kills real
+  saves.)"""
+  model = Net()
+  with checkpoint.Manager(tmp_path) as m:
+    m.save(1, model)
+  for name in ("2.orbax-checkpoint-tmp", "3.orbax-checkpoint-tmp-1764740000"):
+    shutil.copytree(tmp_path / "1", tmp_path / name)
+    (tmp_path / name / "qlayers.json").unlink()
+  with checkpoint.Manager(tmp_path) as m:
+    assert m.all_steps() == [1]
+    m.save(7, model)
+  assert sorted(os.listdir(tmp_path)) == ["1", "7"]
+  # A single checkpoint: the next save to the same path removes its leftover.
+  shutil.copytree(tmp_path / "1", tmp_path / "c.orbax-checkpoint-tmp")
+  checkpoint.save(tmp_path / "c", model)
+  assert sorted(os.listdir(tmp_path)) == ["1", "7", "c"]
+
+
+# ----------------------------------------------------------------------------
+# Format 2 (qlayers 0.2)
+
+
+class Legacy(nnx.Module):
+  """The model of tests/data/checkpoint_v2, which qlayers' format-2 code
+  wrote (commit 7c40ec7) after setting each array to `_legacy_values`."""
+
+  def __init__(self):
+    self.dense = qlayers.QuantDense(
+        8, 4, recipe=qlayers.recipe("fp8_delayed", amax_history_len=4),
+        rngs=nnx.Rngs(0))
+    self.drop = nnx.Dropout(0.1, rngs=nnx.Rngs(dropout=7))
+
+
+def _legacy_values(model) -> dict:
+  """Flat state order i: arange * 0.25 + i + 1 (PRNG keys as built)."""
+  return {k: v if k.endswith("rngs/key") else
+          (np.arange(v.size) * 0.25 + i + 1).reshape(v.shape).astype(v.dtype)
+          for i, (k, v) in enumerate(pure(nnx.state(model)).items())}
+
+
+def test_format_2_checkpoint_loads(tmp_path):
+  path = shutil.copytree(pathlib.Path(__file__).parent / "data" /
+                         "checkpoint_v2", tmp_path / "v2")
+  target = Legacy()
+  want = _legacy_values(target)
+  info = checkpoint.restore(path, target)
+  assert (info["format_version"], info["restored"]) == (2, "full")
+  got = pure(nnx.state(target))
+  assert got.keys() == want.keys()
+  for k in got:
+    np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+  assert int(got["drop/rngs/count"]) == 9
+  # Its digests still guard it: a flipped bit in its recipe text is caught.
+  file = path / "_CHECKPOINT_METADATA"
+  raw = bytearray(file.read_bytes())
+  raw[raw.index(b'"recipe": "fp8_delayed"') + 21] ^= 1
+  file.write_bytes(bytes(raw))
+  with pytest.raises(CheckpointCorruptError, match="_CHECKPOINT_METADATA "
+                     "changed since it was saved"):
+    checkpoint.restore(path, Legacy())

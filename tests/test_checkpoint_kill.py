@@ -1,11 +1,12 @@
-"""`checkpoint.save(..., overwrite=True)` killed with SIGKILL: the directory
-always holds the old or the new complete checkpoint, it restores, and the
-save can be run again.
+"""`checkpoint.Manager.save` killed with SIGKILL: every step the next Manager
+lists is complete and restores exactly (all digests checked), the killed
+step is either complete or absent, and what a killed save left is removed
+by the next save (of any step).
 
-Kills land at random times during the save and, since the swap itself takes
-microseconds, also exactly around it (the saving process kills itself on
-entering a step). Both ways of replacing are run: the atomic exchange and the
-two renames used where the file system has no exchange.
+Kills land at random times during a save and, since the end of a save
+takes milliseconds, also exactly in orbax's finalize step: as qlayers'
+digests are about to be written, and after they are written but before
+orbax's rename (the saving process kills itself there).
 
 The saving processes are forked from one helper process (this file run as a
 script) that has imported everything a save needs but started no JAX backend
@@ -25,14 +26,12 @@ import numpy as np
 from flax import nnx
 
 import qlayers
+from qlayers import _checkpoint_checks as checks
 from qlayers import checkpoint
 
-RANDOM_KILLS = 6  # per way of replacing
-# Steps of a save the process kills itself on entering: writing the digests,
-# swapping, syncing the directory after the swap; with two renames also the
-# second rename.
-POINTS = {False: ("_write_json", "_swap_in", "_fsync_dir"),
-          True: ("_write_json", "_swap_in", "rename", "_fsync_dir")}
+RANDOM_KILLS = 4
+POINTS = ("before_digests", "before_rename")  # in orbax's finalize step
+TMP = ".orbax-checkpoint-tmp"  # orbax's name for an unfinished step
 
 
 def build(gen: int) -> nnx.Module:
@@ -62,17 +61,12 @@ def _die(*_, **__):
   os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _kill_at(point: str, path: str) -> None:
-  if point == "rename":
-    rename = os.rename
-
-    def second_rename(src, dst):
-      if os.fspath(dst) == path:  # the old one is already moved aside
-        _die()
-      rename(src, dst)
-    os.rename = second_rename
-  elif point != "-":
-    setattr(checkpoint, point, _die)
+def _kill_at(point: str) -> None:
+  write = checks._write  # pylint: disable=protected-access
+  if point == "before_digests":
+    checks._write = _die
+  elif point == "before_rename":
+    checks._write = lambda path: (write(path), _die())
 
 
 def _fork(fn, *args) -> tuple[int, int]:
@@ -90,21 +84,21 @@ def _fork(fn, *args) -> tuple[int, int]:
   return pid, r
 
 
-def _child(path, gen, fallback, point, ready) -> None:
-  if fallback:  # as on a file system without an atomic exchange
-    checkpoint._exchange = lambda a, b: False  # pylint: disable=protected-access
-  model = build(gen)
-  _kill_at(point, path)
-  os.write(ready, b"r")
-  checkpoint.save(path, model, overwrite=True)
+def _child(directory, step, point, ready) -> None:
+  model = build(step)
+  _kill_at(point)
+  with checkpoint.Manager(directory) as manager:
+    os.write(ready, b"r")
+    manager.save(step, model)
   os._exit(0)
 
 
 def _scout(scratch, out) -> None:
-  """Builds, saves and restores once; reports the modules that imported."""
+  """Saves and restores once; reports the modules that imported."""
   before = set(sys.modules)
-  checkpoint.save(scratch, build(0))
-  checkpoint.restore(scratch, build(1))
+  with checkpoint.Manager(scratch) as manager:
+    manager.save(0, build(0))
+    manager.restore(build(1))
   os.write(out, "\n".join(sorted(set(sys.modules) - before)).encode())
   os._exit(0)
 
@@ -124,14 +118,14 @@ def _warm_up(scratch: str) -> None:
 
 
 def _serve(scratch: str) -> None:
-  """Per line ``path gen fallback point delay`` on stdin: forks a process
-  that saves, SIGKILLs it ``delay`` s after it starts saving, answers
+  """Per line ``directory step point delay`` on stdin: forks a process that
+  saves, SIGKILLs it ``delay`` s after it starts saving, answers
   ``killed|done|failed seconds``."""
   _warm_up(scratch)
   print(f"threads {len(os.listdir('/proc/self/task'))}", flush=True)
   for line in sys.stdin:
-    path, gen, fallback, point, delay = line.split()
-    pid, r = _fork(_child, path, int(gen), fallback == "1", point)
+    directory, step, point, delay = line.split()
+    pid, r = _fork(_child, directory, int(step), point)
     os.read(r, 1)
     os.close(r)
     start = time.monotonic()
@@ -159,8 +153,8 @@ class _Helper:
     first = self.proc.stdout.readline()
     assert first == "threads 1\n", f"helper not fork-safe: {first!r}"
 
-  def save(self, path, gen, fallback, point="-", delay=600.0):
-    self.proc.stdin.write(f"{path} {gen} {int(fallback)} {point} {delay}\n")
+  def save(self, directory, step, point="-", delay=600.0):
+    self.proc.stdin.write(f"{directory} {step} {point} {delay}\n")
     self.proc.stdin.flush()
     how, seconds = self.proc.stdout.readline().split()
     return how, float(seconds)
@@ -174,55 +168,46 @@ class _Helper:
 # ----------------------------------------------------------------------------
 
 
-def test_killed_overwrite_keeps_a_complete_checkpoint(tmp_path):
+def test_killed_saves_leave_complete_steps_and_no_leftovers(tmp_path):
   rng = random.Random(0)
-  cache = {}
-  want = lambda gen: cache.setdefault(gen, _values(build(gen)))
-  target = build(0)
+  directory = tmp_path / "steps"
   helper = _Helper(tmp_path)
+  target = build(0)
   try:
-    for fallback in (False, True):
-      path = tmp_path / ("two_renames" if fallback else "exchange") / "ckpt"
-      path.parent.mkdir()
-      how, seconds = helper.save(path, 1, fallback)  # unkilled
-      assert how == "done"
-      durations, current, outcomes = [seconds], 1, []
-      trials = [(p, 600.0) for p in POINTS[fallback]] + [
-          ("-", None)] * RANDOM_KILLS
-      for point, delay in trials:
-        new = current + 1
-        if delay is None:
-          delay = rng.uniform(0, 1.1 * float(np.median(durations)))
-        how, seconds = helper.save(path, new, fallback, point, delay)
-        assert how in ("killed", "done"), how
-        if how == "done":
-          durations.append(seconds)
-        at_path = path.is_dir()
-        left = sorted(p.name for p in path.parent.iterdir() if p != path)
-        assert at_path or fallback, f"nothing at {path} after a kill"
-        checkpoint.restore(path, target)  # complete: all digests checked
-        got = _values(target)
-        same = [g for g in (current, new)
-                if all(np.array_equal(got[k], want(g)[k]) for k in got)]
-        assert same, f"{point} {delay}: neither the old nor the new values"
-        assert how == "killed" or same == [new]
-        outcomes.append((point if point != "-" else round(delay, 3), how,
-                         "new" if same == [new] else "old", at_path, left))
-        current = same[0]
-      # The killed saves left no trap: a save from here works and cleans up.
-      checkpoint.save(path, build(99), overwrite=True)
-      checkpoint.restore(path, target)
-      assert all(np.array_equal(v, want(99)[k])
-                 for k, v in _values(target).items())
-      assert sorted(p.name for p in path.parent.iterdir()) == ["ckpt"]
-      print("two renames" if fallback else "exchange",
-            np.round(durations, 3), *outcomes, sep="\n")
-      point_outcomes = outcomes[:len(POINTS[fallback])]
-      assert all(o[1] == "killed" for o in point_outcomes)
-      assert [o[2] for o in point_outcomes] == (
-          ["old", "old", "new", "new"] if fallback else ["old", "old", "new"])
-      if fallback:  # killed between the renames: found beside the path
-        assert not point_outcomes[2][3]
+    how, seconds = helper.save(directory, 1)  # unkilled
+    assert how == "done"
+    durations, outcomes, leftovers, complete = [seconds], [], set(), {1}
+    trials = [(p, 600.0) for p in POINTS] + [("-", None)] * RANDOM_KILLS
+    for step, (point, delay) in enumerate(trials, start=2):
+      if delay is None:
+        delay = rng.uniform(0, 1.5 * float(np.median(durations)))
+      how, seconds = helper.save(directory, step, point, delay)
+      assert how in ("killed", "done"), how
+      if how == "done":
+        durations.append(seconds)
+      # Read without a Manager (a new Manager would clean up itself).
+      names = {p.name for p in directory.iterdir()}
+      assert not names & leftovers, "an earlier save's leftover is still there"
+      leftovers = {n for n in names if TMP in n}
+      steps = {int(n) for n in names if n.isdigit()}
+      assert how == "killed" or (step in steps and not leftovers), names
+      assert steps - {step} == complete, names
+      complete = steps
+      for s in steps:  # complete, all digests checked, exact
+        checkpoint.restore(directory / str(s), target)
+        want = _values(build(s))
+        assert all(np.array_equal(v, want[k])
+                   for k, v in _values(target).items()), s
+      outcomes.append((point if point != "-" else round(delay, 3), how,
+                       step in steps, sorted(leftovers)))
+    print(np.round(durations, 3), *outcomes, sep="\n")
+    # The kills in the finalize step left orbax's unfinished directory.
+    assert [o[1:3] for o in outcomes[:len(POINTS)]] == [("killed", False)] * 2
+    assert all(o[3] for o in outcomes[:len(POINTS)])
+    # The next save (of any step) leaves nothing unfinished behind.
+    how, _ = helper.save(directory, 99)
+    assert how == "done"
+    assert not [p.name for p in directory.iterdir() if TMP in p.name]
   finally:
     helper.close()
 

@@ -1,5 +1,6 @@
 """Checkpoints of arrays sharded over a mesh: one process with 8 CPU
-devices, and 2 processes x 4 CPU devices under ``jax.distributed``.
+devices, and 2 processes x 4 CPU devices under ``jax.distributed``; single
+checkpoints (`checkpoint.save`) and numbered steps (`checkpoint.Manager`).
 
 Each case runs this file as a script in fresh processes (the device count is
 fixed when JAX starts). The model: ``nnx.Linear`` layers with
@@ -77,6 +78,7 @@ def _worker(process_id: int, nproc: int, directory: str, port: int):
   import orbax.checkpoint as ocp
   import qlayers
   from qlayers import checkpoint
+  from qlayers import _checkpoint_checks as ckpt_checks
   from jax.experimental import multihost_utils
   from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -151,12 +153,12 @@ def _worker(process_id: int, nproc: int, directory: str, port: int):
       == 8, hist.sharding
   src_global = {k: gather(v) for k, v in src.items()}
 
-  # Only process 0 writes the metadata and digests.
+  # Only process 0 writes the digests (in orbax's finalize step).
   written = []
-  write_json = checkpoint._write_json  # pylint: disable=protected-access
-  checkpoint._write_json = lambda f, o: (written.append(f), write_json(f, o))
+  write = ckpt_checks._write  # pylint: disable=protected-access
+  ckpt_checks._write = lambda p: (written.append(p), write(p))
   path = checkpoint.save(directory / "ckpt", source, optimizer=opt)
-  checkpoint._write_json = write_json
+  ckpt_checks._write = write
   assert len(written) == (1 if primary else 0), written
   sync("saved")
   files = checkpoint.read_metadata(path)["files"]
@@ -229,6 +231,17 @@ def _worker(process_id: int, nproc: int, directory: str, port: int):
   checkpoint.restore(path, target)
   np.testing.assert_array_equal(gather(target.dly.quant.x_amax[...]),
                                 np.full((), 5 + 3 / 8, np.float32))
+
+  # Numbered steps with orbax's CheckpointManager: the latest one kept.
+  with checkpoint.Manager(directory / "steps", max_to_keep=1) as steps:
+    steps.save(1, build(7))
+    steps.save(2, build(8), optimizer=optimizer(build(8)))
+    target = build(9)
+    info = steps.restore(target)
+    assert steps.all_steps() == [2] and info["step"] == 2
+  np.testing.assert_array_equal(gather(target.dly.quant.x_amax[...]),
+                                np.full((), 8 + 3 / 8, np.float32))
+  checks.append("Manager: latest step kept and restored")
   sync("done")
   print(f"process {jax.process_index()}:", "; ".join(checks))
   print("checks passed")
