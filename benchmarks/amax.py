@@ -6,7 +6,7 @@ Usage (from the repository root)::
   python benchmarks/amax.py --shape 8192,4096 --runs 50
 
 `qlayers.scaling.amax` (max |x| of the whole tensor, +Inf when it holds Inf
-or NaN) and the MX block amax (``scaling._block_amax`` over blocks of 1x32)
+or NaN) and the MX block amax (``blocks.block_amax`` over blocks of 1x32)
 are jitted and timed on one random tensor per dtype: median wall ms over
 ``--runs`` calls after a warm-up. ``jnp.max(jnp.abs(x))`` (which may drop a
 NaN on XLA:CPU) is the reference of the ratio column. Markdown to stdout.
@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qlayers import blocks
 from qlayers import scaling
 
 
@@ -50,7 +51,7 @@ def main(argv=None) -> int:
       "jnp.max(jnp.abs(x)) (reference)": jax.jit(lambda v: jnp.max(jnp.abs(v))),
       "scaling.amax": jax.jit(scaling.amax),
       "MX block amax (1x32)": jax.jit(
-          lambda v: scaling._block_amax(v, (1, 32))),
+          lambda v: blocks.block_amax(v, (1, 32))),
   }
   print(f"amax of a {shape} tensor on {jax.default_backend()}, median of "
         f"{args.runs} runs (jax {jax.__version__})\n")

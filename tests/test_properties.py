@@ -14,6 +14,7 @@ from hypothesis import given, settings, strategies as st
 
 import reference_numpy as ref
 from qlayers import formats as F
+from qlayers import scale_rules
 from qlayers import scaling as S
 from qlayers.scaling import QuantSpec
 
@@ -224,7 +225,7 @@ def _rule_fn(kind, fmt):
   else:
     def rules(a):
       return [(S.te_multiplier(a, f, pow2=pow2), S.te_scale(a, f, pow2=pow2),
-               S._deepseek_scale(a, f, pow2)) for pow2 in (False, True)]
+               scale_rules.deepseek_scale(a, f, pow2)) for pow2 in (False, True)]
   return jax.jit(rules)
 
 

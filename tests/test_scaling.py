@@ -1,4 +1,5 @@
-"""Scale rules, QTensor layout, bit-exact MX vectors and delayed scaling."""
+"""quantize and QTensor: bit-exact MX vectors, layout and padding,
+non-finite units, exact payloads."""
 
 import jax
 import jax.numpy as jnp
@@ -76,21 +77,6 @@ def test_mx_boundary_exponents(fmt, amax, floor_e, rceil_e):
   assert float(jnp.max(jnp.abs(r.elements()))) <= F.get_format(fmt).max
 
 
-def test_mx_scale_codes_match_ml_dtypes_for_powers_of_two():
-  # For a power-of-two scale 2**e, ml_dtypes' E8M0 encodes code e + 127.
-  exps = np.arange(-120, 120)
-  amax = np.ldexp(448.0, exps).astype(np.float32)
-  codes = np.asarray(S.mx_scale_codes(jnp.asarray(amax), F.E4M3, "mx_rceil"))
-  ref = np.ldexp(1.0, exps).astype(ml_dtypes.float8_e8m0fnu).view(np.uint8)
-  np.testing.assert_array_equal(codes, ref)
-
-
-def test_mx_extreme_exponents_clamp():
-  amax = jnp.array([1e-45, 3e38], jnp.float32)
-  codes = np.asarray(S.mx_scale_codes(amax, F.E4M3, "mx_floor"))
-  assert codes[0] == 0 and codes[1] == 127 + 127 - 8
-
-
 def test_mx_dequantize_is_exact_given_payload():
   x = jax.random.normal(jax.random.key(0), (6, 96)) * 3
   for fmt in ("e4m3", "e5m2", "e3m2", "e2m3", "e2m1"):
@@ -133,23 +119,6 @@ def test_deepseek_scale_formula():
                                 [2.0**-7, 2.0**-22])  # rounded up
 
 
-def test_te_scale_margin_pow2_and_bad_amax():
-  e4 = F.E4M3
-  assert float(S.te_scale(448.0, e4)) == 1.0
-  assert float(S.te_scale(448.0, e4, margin=2)) == 4.0
-  assert float(S.te_multiplier(448.0, e4, margin=2)) == 0.25
-  assert float(S.te_scale(300.0, e4, pow2=True)) == 1.0
-  assert float(S.te_scale(500.0, e4, pow2=True)) == 2.0
-  assert float(S.te_scale(0.0, e4)) == 1.0  # nothing to scale: s = 1
-  for bad in (np.inf, np.nan):  # the unit holds Inf/NaN: its GEMM is too
-    assert np.isnan(float(S.te_scale(bad, e4)))
-  # max / amax overflows FP32: the multiplier is the FP32 max (TE's
-  # value_for_inf), rounded down to 2**127 with pow2.
-  tiny = np.float32(2.0**-126)
-  assert float(S.te_multiplier(tiny, e4)) == np.finfo(np.float32).max
-  assert float(S.te_multiplier(tiny, e4, pow2=True)) == 2.0**127
-
-
 def test_rowwise_scales_along_axis():
   x = jnp.arange(1.0, 13.0).reshape(3, 4)
   qt = S.quantize(x, QuantSpec(format="e4m3", granularity="row"), axis=1)
@@ -187,70 +156,6 @@ def test_quantize_errors():
     QuantSpec(format="e4m3fnuz", granularity="mx")
   with pytest.raises(ValueError, match="axis 5 out of range"):
     S.quantize(jnp.ones((2, 32)), QuantSpec(), axis=5)
-
-
-# ------------------------------------------------------------ delayed
-
-
-def test_delayed_scaling_hand_computed_trajectory():
-  """History of 3, algo max: spike, NaN step, spike leaving the window."""
-  st = S.init_scale_state(3)
-  amaxes = [2.0, 4.0, 44.8, np.nan, 1.0, 1.0, 1.0]
-  used, hists = [], []
-  for a in amaxes:
-    now, running = S.delayed_amax(st, jnp.float32(a))
-    used.append(float(now))
-    st = S.update_scales(st._replace(amax=running))
-    hists.append(np.asarray(st.amax_history).tolist())
-  # Step 0 uses the current amax (empty history), later steps the stored
-  # ones; the NaN step scales by NaN (its GEMM is non-finite) but records 0.
-  np.testing.assert_allclose(
-      used, [2, 2, 4, np.nan, 44.8, 44.8, 1], rtol=1e-6)
-  assert hists == [[2, 0, 0], [4, 2, 0], [np.float32(44.8), 4, 2],
-                   [0, np.float32(44.8), 4], [1, 0, np.float32(44.8)],
-                   [1, 1, 0], [1, 1, 1]]
-
-
-def test_delayed_running_amax_combines_uses_by_max():
-  st = S.init_scale_state(4)
-  for a in (3.0, 5.0, np.inf, 4.0):
-    now, running = S.delayed_amax(st, jnp.float32(a))
-    st = st._replace(amax=running)
-  assert float(st.amax) == 5.0  # Inf never enters
-  # Within the first step every use scales by the running max so far.
-  assert float(now) == 5.0
-
-
-def test_history_amax_max_and_most_recent():
-  hist = jnp.array([2.0, 100.0, 50.0])
-  assert float(S.history_amax(hist, "most_recent")) == 2.0
-  assert float(S.history_amax(hist, "max")) == 100.0
-  # most_recent skips steps that recorded nothing (0), as TE keeps the
-  # previous scale then.
-  assert float(S.history_amax(jnp.array([0.0, 7.0, 9.0]), "most_recent")) == 7
-  assert float(S.history_amax(jnp.zeros(3), "most_recent")) == 0.0
-  with pytest.raises(ValueError, match="amax_compute_algo"):
-    S.history_amax(hist, "mean")
-
-
-def test_nan_never_poisons_history():
-  st = S.ScaleState(jnp.array([3.0, 0.0]), jnp.float32(0))
-  for bad in (np.nan, np.inf):
-    now, running = S.delayed_amax(st, jnp.float32(bad))
-    assert not np.isfinite(float(now))  # this use's GEMM is non-finite
-    assert float(running) == 0.0
-    nxt = S.update_scales(st._replace(amax=jnp.float32(bad)))
-    assert np.asarray(nxt.amax_history).tolist() == [0.0, 3.0]
-    # The next step scales by the stored 3 again.
-    assert float(S.delayed_amax(nxt, jnp.float32(1.0))[0]) == 3.0
-
-
-def test_stacked_state_updates_per_layer():
-  st = S.init_scale_state(2, batch_shape=(3,))
-  st = st._replace(amax=jnp.array([1.0, 2.0, jnp.nan]))
-  nxt = S.update_scales(st)
-  np.testing.assert_array_equal(nxt.amax_history, [[1, 0], [2, 0], [0, 0]])
-  np.testing.assert_array_equal(nxt.amax, [0, 0, 0])
 
 
 # --------------------------------------------------- non-finite, exactness
@@ -371,58 +276,6 @@ def test_per_tensor_payload_uses_te_multiplier():
                   tensor_amax=jnp.float32(amax))
   assert float(q2.elements()[0]) == 104.0
   assert np.float32(q2.scale) == np.float32(1) / s
-
-
-def test_margin_divides_the_multiplier_by_a_power_of_two():
-  amax = np.float32(31.683146)
-  for margin in (0, 1, 4):
-    s = float(S.te_multiplier(jnp.float32(amax), F.E5M2, margin=margin))
-    assert s == float((np.float32(57344) / amax) / np.float32(2**margin))
-
-
-def _binade(biased_exponent):
-  """Every FP32 value with this exponent field (2**23 of them)."""
-  mant = np.arange(1 << 23, dtype=np.uint32)
-  return ((np.uint32(biased_exponent) << 23) | mant).view(np.float32)
-
-
-@pytest.mark.parametrize("const", [448.0, 57344.0, 240.0, 7.5])
-def test_divisions_are_correctly_rounded_on_a_whole_binade(const):
-  """divide_rn(a, c) and rdivide_rn(c, a) equal NumPy's IEEE FP32 division
-  for all 2**23 significands (the quotient's significand depends on the
-  significand only), where XLA's a / c (a * fl(1/c)) is 1 ulp off for about
-  half of them and XLA:GPU's c / a is div.full.f32 (2 ulp). The integer
-  long division (the non-CPU branch of rdivide_rn) is checked here too."""
-  a = _binade(120)
-  got = np.asarray(jax.jit(lambda v: S.divide_rn(v, const))(a))
-  np.testing.assert_array_equal(got.view(np.uint32),
-                                (a / np.float32(const)).view(np.uint32))
-  for rdivide in (S.rdivide_rn, S.rdivide_rn_integer):
-    got = np.asarray(jax.jit(lambda v, f=rdivide: f(const, v))(a))
-    np.testing.assert_array_equal(got.view(np.uint32),
-                                  (np.float32(const) / a).view(np.uint32))
-    recip = np.asarray(jax.jit(lambda v, f=rdivide: f(1.0, v))(a))
-    np.testing.assert_array_equal(recip.view(np.uint32),
-                                  (np.float32(1) / a).view(np.uint32))
-
-
-def test_rdivide_rn_lowers_only_its_platform_branch():
-  """On CPU the lowered program is one division, not the integer steps."""
-  text = jax.jit(lambda v: S.rdivide_rn(448.0, v)).lower(
-      jnp.ones((8,), jnp.float32)).as_text()
-  assert "divide" in text
-  assert "shift_left" not in text and "count_leading_zeros" not in text
-
-
-@pytest.mark.parametrize("const", [448.0, 1.0])
-def test_rdivide_rn_integer_edge_cases_fall_back_to_division(const):
-  """Zero, subnormal, huge and non-finite divisors (and quotients out of the
-  normal range) give the plain division's result."""
-  b = np.array([0.0, -0.0, 1e-40, 1e-38, 3e38, np.inf, -np.inf, np.nan,
-                -2.5, 1.0, 7.0], np.float32)
-  want = np.asarray(jax.jit(lambda v: const / v)(b))
-  got = np.asarray(jax.jit(lambda v: S.rdivide_rn_integer(const, v))(b))
-  np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
 def test_deepseek_tile_scales_are_exact_quotients():

@@ -1,5 +1,6 @@
-"""`scaling.amax` and the block amax against a NumPy reference: exact values,
-NaN anywhere (also as the last of 4096+ elements), -0.0, Inf, subnormals."""
+"""qlayers.blocks: `amax` and `block_amax` against a NumPy reference (exact
+values, NaN anywhere, also as the last of 4096+ elements, -0.0, Inf,
+subnormals) and the block grid of each granularity."""
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +8,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from qlayers import scaling as S
+from qlayers import blocks as B
+from qlayers.scaling import QuantSpec
 
 DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32]
 # XLA on CPU reads FP32 subnormals as zero in float arithmetic; the float
@@ -37,7 +39,7 @@ def _values(dtype, n, rng):
 def test_nan_anywhere_gives_inf(dtype, n):
   rng = np.random.default_rng(n)
   x, _ = _values(dtype, n, rng)
-  f = jax.jit(S.amax)
+  f = jax.jit(B.amax)
   np.testing.assert_array_equal(bits(f(jnp.asarray(x))), bits(ref_amax(x)))
   positions = sorted({0, n // 2, n - 1, *rng.integers(0, n, 3).tolist()})
   for pos in positions:
@@ -65,7 +67,7 @@ def test_special_values(dtype):
   for name, vals in cases.items():
     x = np.asarray(vals, np.float32).astype(np.dtype(dtype))
     want = ref_amax(x)
-    for f in (S.amax, jax.jit(S.amax)):
+    for f in (B.amax, jax.jit(B.amax)):
       got = np.asarray(f(jnp.asarray(x)))
       assert got.dtype == np.float32
       np.testing.assert_array_equal(bits(got), bits(want), err_msg=name)
@@ -83,7 +85,7 @@ def test_subnormals(dtype, n):
   x = np.full(n, sub, np.float32)
   x[n // 3] = -5 * sub
   x = x.astype(np.dtype(dtype))
-  got = np.float32(jax.jit(S.amax)(jnp.asarray(x)))
+  got = np.float32(jax.jit(B.amax)(jnp.asarray(x)))
   want = ref_amax(x)
   if FTZ and dtype != jnp.float16 and n > 32:
     assert got in (want, 0.0)
@@ -97,10 +99,10 @@ def test_fp8_inputs_widen():
   for dt in (jnp.float8_e4m3fn, jnp.float8_e5m2):
     x = np.asarray([1.5, -448.0 if dt == jnp.float8_e4m3fn else -57344.0, 0.0],
                    np.float32).astype(np.dtype(dt))
-    assert float(S.amax(jnp.asarray(x))) == float(ref_amax(x))
+    assert float(B.amax(jnp.asarray(x))) == float(ref_amax(x))
     y = x.copy()
     y[1] = np.nan
-    assert float(S.amax(jnp.asarray(y))) == np.inf
+    assert float(B.amax(jnp.asarray(y))) == np.inf
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -120,12 +122,12 @@ def test_block_amax_matches_reference(dtype, block, shape):
   gb = [n // b for n, b in zip(shape, block)]
   blocks = x.astype(np.float32).reshape(gb[0], block[0], gb[1], block[1])
   want = ref_amax(blocks, axes=(1, 3))
-  got = jax.jit(lambda v: S._block_amax(v, block))(jnp.asarray(x))
+  got = jax.jit(lambda v: B.block_amax(v, block))(jnp.asarray(x))
   assert got.dtype == x.dtype
   np.testing.assert_array_equal(bits(np.asarray(got, np.float32)), bits(want))
   zero = np.zeros(shape, np.dtype(dtype))
   zero[0, 0] = -0.0
-  got0 = jax.jit(lambda v: S._block_amax(v, block))(jnp.asarray(zero))
+  got0 = jax.jit(lambda v: B.block_amax(v, block))(jnp.asarray(zero))
   np.testing.assert_array_equal(bits(np.asarray(got0, np.float32)), 0)
 
 
@@ -133,6 +135,20 @@ def test_amax_under_transpose_and_grad():
   """Transposed operands (contraction-last layouts) and jvp traces."""
   x = jnp.asarray(np.random.default_rng(1).standard_normal((64, 96)),
                   jnp.bfloat16).at[5, 7].set(-9.5)
-  assert float(jax.jit(lambda v: S.amax(v.T))(x)) == 9.5
-  _, t = jax.jvp(S.amax, (x,), (x,))
+  assert float(jax.jit(lambda v: B.amax(v.T))(x)) == 9.5
+  _, t = jax.jvp(B.amax, (x,), (x,))
   assert t.dtype == jnp.float32
+
+
+def test_block_shape_and_padding_per_granularity():
+  shape = (300, 200)
+  assert B.block_shape(shape, QuantSpec(), 1) is None
+  assert B.block_shape(shape, QuantSpec(granularity="row"), 0) == (300, 1)
+  assert B.block_shape(shape, QuantSpec(granularity="tile"), 1) == (1, 128)
+  assert B.block_shape(shape, QuantSpec(granularity="block"), 0) == (128, 128)
+  assert B.padded_shape(shape, (128, 128)) == (384, 256)
+  assert B.pad_to(jnp.ones((2, 3)), (2, 8)).tolist() == [[1] * 3 + [0] * 5] * 2
+  with pytest.raises(ValueError, match="one of the two trailing dims"):
+    B.block_shape((4, 256, 256), QuantSpec(granularity="block"), 0)
+  with pytest.raises(ValueError, match="axis -3 out of range"):
+    B.normalize_axis(-3, 2)

@@ -1,0 +1,95 @@
+"""Scale rules (qlayers.scale_rules): TE multiplier and scale, DeepSeek-V3
+and MX scale codes, and the correctly rounded FP32 divisions under them."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from qlayers import formats as F
+from qlayers import scale_rules as S
+
+
+def test_mx_scale_codes_match_ml_dtypes_for_powers_of_two():
+  # For a power-of-two scale 2**e, ml_dtypes' E8M0 encodes code e + 127.
+  exps = np.arange(-120, 120)
+  amax = np.ldexp(448.0, exps).astype(np.float32)
+  codes = np.asarray(S.mx_scale_codes(jnp.asarray(amax), F.E4M3, "mx_rceil"))
+  ref = np.ldexp(1.0, exps).astype(ml_dtypes.float8_e8m0fnu).view(np.uint8)
+  np.testing.assert_array_equal(codes, ref)
+
+
+def test_mx_extreme_exponents_clamp():
+  amax = jnp.array([1e-45, 3e38], jnp.float32)
+  codes = np.asarray(S.mx_scale_codes(amax, F.E4M3, "mx_floor"))
+  assert codes[0] == 0 and codes[1] == 127 + 127 - 8
+
+
+def test_te_scale_margin_pow2_and_bad_amax():
+  e4 = F.E4M3
+  assert float(S.te_scale(448.0, e4)) == 1.0
+  assert float(S.te_scale(448.0, e4, margin=2)) == 4.0
+  assert float(S.te_multiplier(448.0, e4, margin=2)) == 0.25
+  assert float(S.te_scale(300.0, e4, pow2=True)) == 1.0
+  assert float(S.te_scale(500.0, e4, pow2=True)) == 2.0
+  assert float(S.te_scale(0.0, e4)) == 1.0  # nothing to scale: s = 1
+  for bad in (np.inf, np.nan):  # the unit holds Inf/NaN: its GEMM is too
+    assert np.isnan(float(S.te_scale(bad, e4)))
+  # max / amax overflows FP32: the multiplier is the FP32 max (TE's
+  # value_for_inf), rounded down to 2**127 with pow2.
+  tiny = np.float32(2.0**-126)
+  assert float(S.te_multiplier(tiny, e4)) == np.finfo(np.float32).max
+  assert float(S.te_multiplier(tiny, e4, pow2=True)) == 2.0**127
+
+
+def test_margin_divides_the_multiplier_by_a_power_of_two():
+  amax = np.float32(31.683146)
+  for margin in (0, 1, 4):
+    s = float(S.te_multiplier(jnp.float32(amax), F.E5M2, margin=margin))
+    assert s == float((np.float32(57344) / amax) / np.float32(2**margin))
+
+
+def _binade(biased_exponent):
+  """Every FP32 value with this exponent field (2**23 of them)."""
+  mant = np.arange(1 << 23, dtype=np.uint32)
+  return ((np.uint32(biased_exponent) << 23) | mant).view(np.float32)
+
+
+@pytest.mark.parametrize("const", [448.0, 57344.0, 240.0, 7.5])
+def test_divisions_are_correctly_rounded_on_a_whole_binade(const):
+  """divide_rn(a, c) and rdivide_rn(c, a) equal NumPy's IEEE FP32 division
+  for all 2**23 significands (the quotient's significand depends on the
+  significand only), where XLA's a / c (a * fl(1/c)) is 1 ulp off for about
+  half of them and XLA:GPU's c / a is div.full.f32 (2 ulp). The integer
+  long division (the non-CPU branch of rdivide_rn) is checked here too."""
+  a = _binade(120)
+  got = np.asarray(jax.jit(lambda v: S.divide_rn(v, const))(a))
+  np.testing.assert_array_equal(got.view(np.uint32),
+                                (a / np.float32(const)).view(np.uint32))
+  for rdivide in (S.rdivide_rn, S.rdivide_rn_integer):
+    got = np.asarray(jax.jit(lambda v, f=rdivide: f(const, v))(a))
+    np.testing.assert_array_equal(got.view(np.uint32),
+                                  (np.float32(const) / a).view(np.uint32))
+    recip = np.asarray(jax.jit(lambda v, f=rdivide: f(1.0, v))(a))
+    np.testing.assert_array_equal(recip.view(np.uint32),
+                                  (np.float32(1) / a).view(np.uint32))
+
+
+def test_rdivide_rn_lowers_only_its_platform_branch():
+  """On CPU the lowered program is one division, not the integer steps."""
+  text = jax.jit(lambda v: S.rdivide_rn(448.0, v)).lower(
+      jnp.ones((8,), jnp.float32)).as_text()
+  assert "divide" in text
+  assert "shift_left" not in text and "count_leading_zeros" not in text
+
+
+@pytest.mark.parametrize("const", [448.0, 1.0])
+def test_rdivide_rn_integer_edge_cases_fall_back_to_division(const):
+  """Zero, subnormal, huge and non-finite divisors (and quotients out of the
+  normal range) give the plain division's result."""
+  b = np.array([0.0, -0.0, 1e-40, 1e-38, 3e38, np.inf, -np.inf, np.nan,
+                -2.5, 1.0, 7.0], np.float32)
+  want = np.asarray(jax.jit(lambda v: const / v)(b))
+  got = np.asarray(jax.jit(lambda v: S.rdivide_rn_integer(const, v))(b))
+  np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
