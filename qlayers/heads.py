@@ -38,6 +38,9 @@ _SAME = frozenset({
     "sharding_constraint", "mesh_cast", "reshard", "device_put", "slice",
     "dynamic_slice"})
 _GEMMS = frozenset({"dot_general", "ragged_dot", "ragged_dot_general"})
+# Statistics (an amax for a scale, a max for a stable softmax) are not the
+# signal: a quantized GEMM's output scaled by its input's amax stays its own.
+_STATS = frozenset({"reduce_max", "reduce_min", "argmax", "argmin"})
 _NONE = (None, frozenset())
 
 
@@ -78,6 +81,8 @@ class _Flow:
 
   def _eqn(self, eqn, vals):
     name, p, n = eqn.primitive.name, eqn.params, len(eqn.outvars)
+    if name in _STATS:
+      return [_NONE] * n
     src = frozenset().union(*(s for _, s in vals))
     if name in _GEMMS:
       layer = next((w for w, _ in vals[:2] if w is not None), None)
@@ -99,8 +104,23 @@ class _Flow:
       if (isinstance(sub, jcore.Jaxpr) and len(sub.invars) == len(vals)
           and len(sub.outvars) == n):
         return self.run(sub, vals)  # jit, custom_vjp/jvp, remat, shard_map
-    w = vals[0][0] if name in _SAME and vals else None
-    return [(w, src)] * n
+    return [(self._weight(eqn, name, vals), src)] * n
+
+  @staticmethod
+  def _weight(eqn, name, vals):
+    """The layer whose weight ``eqn``'s output still is: through a cast or a
+    layout change, or an elementwise op on one weight (scaling, rounding and
+    clipping it: how a quantized layer's kernel reaches its GEMM)."""
+    if name in _SAME:
+      return vals[0][0] if vals else None
+    ws = {w for w, _ in vals if w is not None}
+    if len(ws) != 1 or len(eqn.outvars) != 1:
+      return None
+    shape = getattr(eqn.outvars[0].aval, "shape", None)
+    for v, (w, _) in zip(eqn.invars, vals):
+      if w is not None and getattr(v.aval, "shape", ()) == shape:
+        return w
+    return None
 
 
 def _join_all(vals):

@@ -207,3 +207,14 @@ def test_tracing_error_names_the_example():
                      r"\)\).*failed"):
     qlayers.quantize(ClassifierFirst(nnx.Rngs(0)), "fp8_current",
                      example_input=jnp.ones((2, 7)))
+
+
+@pytest.mark.parametrize("recipe", ["fp8_current", "fp8_delayed"])
+def test_head_already_quantized_is_still_found(recipe):
+  # Its GEMM is recognised through the quantization of its kernel, and the
+  # input's amax scaling its output does not make the layer before a head.
+  model = ClassifierFirst(nnx.Rngs(0))
+  qlayers.quantize(model, None, qlayers.Rule(pattern="score", recipe=recipe))
+  report = qlayers.quantize(model, recipe, example_input=X)
+  assert report.head == "by tracing example_input: score"
+  assert converted(report) == ["mid", "up"] and wide(report) == []
