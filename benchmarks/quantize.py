@@ -75,7 +75,7 @@ def _delayed_rows(x, shape, runs: int) -> None:
 
   def xla(x, h, r):
     use, run = scaling.delayed_amax(scaling.ScaleState(h, r), scaling.amax(x))
-    return scaling.quantize(x, spec, 1, tensor_amax=use).payload, use, run
+    return scaling.quantize(x, spec, 1, amax=use).payload, use, run
 
   def native(x, h, r):
     q, use, run = native_quantize.quantize_delayed(x, spec, h, r, 1)

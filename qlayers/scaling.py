@@ -238,30 +238,60 @@ def _cast(values, fmt: Format, key):
 
 
 def quantize(x: jax.Array, spec: QuantSpec, axis: int = -1, *,
-             tensor_amax: jax.Array | None = None,
-             key: jax.Array | None = None) -> QTensor:
-  """Quantizes ``x`` along ``axis`` following ``spec``.
+             amax: jax.Array | None = None,
+             key: jax.Array | None = None,
+             tensor_amax: jax.Array | None = None) -> QTensor:
+  """Quantizes the operand ``x`` along ``axis`` as ``spec`` says.
+
+  The one quantize entry point: every GEMM operand, whatever its recipe,
+  granularity or scaling (current or delayed), is quantized by this.
 
   Args:
-    x: high-precision input (FP32/BF16/FP16).
-    spec: format, granularity and scale rule.
-    axis: the axis quantized along (the contraction axis of its GEMM).
-    tensor_amax: per-tensor granularity only: the amax the scale is computed
-      from (delayed scaling passes the one of its history); ``max |x|``
-      (current scaling) when omitted. A non-finite amax gives a NaN scale, so
-      the operand, and any GEMM of it, is non-finite.
-    key: PRNG key, required when ``spec.rounding == "stochastic"``.
+    x: FP32/BF16/FP16 array of any rank.
+    spec: element format, granularity and scale rule.
+    axis: the axis quantized along: the contraction axis of the GEMM that
+      consumes ``x``. FP6/FP4 payloads are packed along the last axis, so
+      they need ``axis=-1`` (transpose first).
+    amax: per-tensor granularity only: a precomputed whole-tensor amax (FP32
+      scalar) to compute the scale from, instead of ``max |x|`` (current
+      scaling, the default): the amax of a delayed-scaling history
+      (`delayed_amax`), or under a mesh the global amax of a tensor of which
+      ``x`` is the local shard. A non-finite amax gives a NaN scale, so the
+      operand, and any GEMM of it, is non-finite.
+    key: PRNG key for stochastic rounding; required when ``spec.rounding ==
+      "stochastic"``. A key given rounds stochastically whatever
+      ``spec.rounding`` says: pass ``None`` for round-to-nearest-even.
+    tensor_amax: the former name of ``amax``; being retired.
 
   Returns:
-    A `QTensor` whose ``dequantize()`` approximates ``x``.
+    A `QTensor` with ``shape == x.shape``, ``axis`` in ``[0, x.ndim)`` and:
+
+    * ``payload``: ``x`` scaled and cast, zero-padded at the end of each dim
+      to whole blocks (``padded_shape``): FP8 of that shape, or for FP6/FP4
+      uint8 codes packed along the last axis (4 bits: 2 per byte; 6 bits: 4
+      per 3 bytes).
+    * ``scale``: dequantization factors: FP32 ``()`` per tensor; per row,
+      tile or block an FP32 grid of ``x.ndim`` dims, ``padded_shape[i] //
+      block[i]`` along dim ``i``; per MX block, that grid as uint8 E8M0
+      codes.
+
+    ``dequantize()`` approximates ``x`` in its own shape.
 
   Example:
     >>> import jax.numpy as jnp
-    >>> qt = quantize(jnp.ones((4, 64)), QuantSpec(format="e2m1",
-    ...                                            granularity="mx"))
-    >>> qt.payload.shape, qt.scale.shape
-    ((4, 32), (4, 2))
+    >>> x = jnp.ones((4, 64))
+    >>> qt = quantize(x, QuantSpec(format="e2m1", granularity="mx"))
+    >>> qt.payload.shape, qt.scale.shape, qt.scale.dtype
+    ((4, 32), (4, 2), dtype('uint8'))
+    >>> qt = quantize(x, QuantSpec(format="e4m3"), amax=jnp.float32(2.0))
+    >>> qt.scale, qt.dequantize().shape
+    (Array(0.00446429, dtype=float32), (4, 64))
   """
+  if tensor_amax is not None:
+    if amax is not None:
+      raise TypeError("quantize takes amax= or its former name tensor_amax=, "
+                      "not both.")
+    amax = tensor_amax
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f"quantize expects a floating-point input, got {x.dtype}.")
   fmt = spec.fmt
@@ -279,15 +309,16 @@ def quantize(x: jax.Array, spec: QuantSpec, axis: int = -1, *,
   # values), so XLA fuses the FP32 upcast into each consumer instead of
   # materializing an FP32 copy of ``x``.
   if block is None:
-    a = amax(x) if tensor_amax is None else jnp.asarray(tensor_amax,
-                                                         jnp.float32)
+    a = blocks.amax(x) if amax is None else jnp.asarray(amax, jnp.float32)
     mult, scale = scale_rules.unit_scales(a, spec)
     payload = _cast(xf * mult, fmt, key)
     return QTensor(payload, scale, fmt.name, spec.granularity, None, axis,
                    tuple(x.shape))
 
-  if tensor_amax is not None:
-    raise ValueError("tensor_amax applies to per-tensor granularity only.")
+  if amax is not None:
+    raise ValueError(
+        f"amax= applies to per-tensor granularity only, not "
+        f"{spec.granularity!r}: each block is scaled by its own amax.")
   padded = blocks.padded_shape(x.shape, block)
   xp = blocks.pad_to(xf, padded)
   block_amax = blocks.block_amax(blocks.pad_to(x, padded),

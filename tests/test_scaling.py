@@ -1,5 +1,5 @@
-"""quantize and QTensor: bit-exact MX vectors, layout and padding,
-non-finite units, exact payloads."""
+"""quantize and QTensor: bit-exact MX vectors, layout and padding, the
+amax= of a precomputed amax, non-finite units, exact payloads."""
 
 import jax
 import jax.numpy as jnp
@@ -270,12 +270,31 @@ def test_per_tensor_payload_uses_te_multiplier():
   assert (x * s).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) == 104
   q = jquantize(jnp.asarray([x, amax]), QuantSpec(format="e4m3"))
   assert float(q.elements()[0]) == 104.0
-  # Stored scale = TE's scale_inv = 1 / s in FP32; also through tensor_amax.
+  # Stored scale = TE's scale_inv = 1 / s in FP32; also through amax=.
   assert np.float32(q.scale) == np.float32(1) / s
   q2 = jquantize(jnp.asarray([x]), QuantSpec(format="e4m3"),
-                  tensor_amax=jnp.float32(amax))
+                  amax=jnp.float32(amax))
   assert float(q2.elements()[0]) == 104.0
   assert np.float32(q2.scale) == np.float32(1) / s
+
+
+def test_amax_keyword_scales_by_the_given_amax():
+  """amax= (a delayed or global amax) replaces max |x| bit for bit;
+  tensor_amax= is the same argument under its former name."""
+  x = jnp.asarray([1.0, -2.0, 3.0], jnp.bfloat16)
+  spec = QuantSpec(format="e4m3")
+  q = S.quantize(x, spec, amax=jnp.float32(6.0))
+  assert float(q.scale) == np.float32(1) / (np.float32(448) / np.float32(6))
+  assert np.asarray(q.elements()).tolist() == [72.0, -144.0, 224.0]
+  old = S.quantize(x, spec, tensor_amax=jnp.float32(6.0))
+  assert payload_codes(old).tolist() == payload_codes(q).tolist()
+  assert np.float32(old.scale) == np.float32(q.scale)
+  with pytest.raises(TypeError, match="not both"):
+    S.quantize(x, spec, amax=jnp.float32(6.0), tensor_amax=jnp.float32(6.0))
+  with pytest.raises(ValueError, match="per-tensor granularity only, not "
+                     "'tile'"):
+    S.quantize(jnp.ones((2, 128)), QuantSpec(granularity="tile"),
+               amax=jnp.float32(1.0))
 
 
 def test_deepseek_tile_scales_are_exact_quotients():
