@@ -93,7 +93,7 @@ def read(path: pathlib.Path) -> tuple[dict, dict]:
   checkpoint at ``path``, both checked with its top-level files."""
   import orbax.checkpoint as ocp
 
-  file, digests = path / FILE, None
+  file = path / FILE
   if not path.exists():
     raise FileNotFoundError(f"No checkpoint at {path}.")
   if not file.is_file():
