@@ -1,0 +1,171 @@
+"""qlayers.partition: the partitioning rule of the quantized 2-D GEMM.
+
+The plan (which mesh axes each operand keeps, which are gathered, summed or
+reduce-scattered) is checked on an abstract mesh in this process; the
+compiled rule (payloads gathered as bytes, activations never, each device's
+local GEMM giving the single-device result) runs on 8 simulated devices in
+a subprocess: this file is also the subprocess's script (its cases below).
+"""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import AbstractMesh, AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from qlayers import dispatch, partition, scaling
+from qlayers.scaling import QuantSpec
+
+import multidevice
+
+E4M3 = QuantSpec(format="e4m3")
+MX = QuantSpec(format="e4m3", granularity="mx")
+MESH = AbstractMesh((2, 4), ("fsdp", "model"),
+                    axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def _q(shape, spec, axis):
+  x = np.random.default_rng(0).normal(size=shape).astype(np.float32)
+  return scaling.quantize(jnp.asarray(x), spec, axis)
+
+
+def _struct(q, spec):
+  return jax.ShapeDtypeStruct(q.payload.shape, jnp.uint8,
+                              sharding=NamedSharding(MESH, spec))
+
+
+def _partition(a, b, a_spec, b_spec, out_spec=P()):
+  """(payload specs of a and b, output spec) the rule asks for."""
+  axes = (a.axis, b.axis)
+  out = jax.ShapeDtypeStruct(
+      (a.shape[1 - a.axis], b.shape[1 - b.axis]), jnp.float32,
+      sharding=NamedSharding(MESH, out_spec))
+  args = (_struct(a, a_spec), None, _struct(b, b_spec), None)
+  _, _, out_sharding, arg_shardings = partition._partition(  # pylint: disable=protected-access
+      partition._meta(a), partition._meta(b), axes, "float32", "default",  # pylint: disable=protected-access
+      MESH, args, out)
+  return arg_shardings[0].spec, arg_shardings[2].spec, out_sharding.spec
+
+
+def test_fsdp_weight_is_gathered_activation_keeps_its_rows():
+  x, w = _q((32, 64), E4M3, 1), _q((64, 128), E4M3, 0)
+  a, b, out = _partition(x, w, P("fsdp", None), P("fsdp", None))
+  assert (a, b, out) == (P("fsdp", None), P(None, None), P("fsdp", None))
+
+
+def test_column_parallel_weight_keeps_its_columns():
+  x, w = _q((32, 64), E4M3, 1), _q((64, 128), E4M3, 0)
+  a, b, out = _partition(x, w, P("fsdp", None), P("fsdp", "model"))
+  assert (a, b, out) == (P("fsdp", None), P(None, "model"),
+                         P("fsdp", "model"))
+
+
+def test_row_parallel_keeps_k_sharded_and_sums():
+  x, w = _q((32, 64), E4M3, 1), _q((64, 128), E4M3, 0)
+  a, b, out = _partition(x, w, P(None, "model"), P("model", None))
+  assert (a, b, out) == (P(None, "model"), P("model", None), P(None, None))
+
+
+def test_fsdp_weight_gradient_is_reduce_scattered():
+  # Wgrad dw = x.T @ g: contracted over the tokens, which fsdp splits; the
+  # partitioner wants dw split over fsdp like the weight.
+  x, g = _q((32, 64), E4M3, 0), _q((32, 128), E4M3, 0)
+  a, b, out = _partition(x, g, P("fsdp", None), P("fsdp", None),
+                         out_spec=P("fsdp", None))
+  assert (a, b, out) == (P("fsdp", None), P("fsdp", None), P("fsdp", None))
+  plan = partition._plan(  # pylint: disable=protected-access
+      partition._meta(x), partition._meta(g), MESH,  # pylint: disable=protected-access
+      (_struct(x, P("fsdp", None)), None, _struct(g, P("fsdp", None)), None),
+      jax.ShapeDtypeStruct((64, 128), jnp.float32,
+                           sharding=NamedSharding(MESH, P("fsdp", None))))
+  assert plan.k == ("fsdp",) and plan.scatter == (("fsdp",), ())
+
+
+def test_k_split_into_partial_mx_blocks_is_gathered():
+  # K = 64 over 4 devices leaves 16 per shard: half an MX block of 32.
+  x, w = _q((32, 64), MX, 1), _q((64, 128), MX, 0)
+  a, b, out = _partition(x, w, P(None, "model"), P("model", None))
+  assert (a, b, out) == (P(None, None), P(None, None), P(None, None))
+  # Over 2 devices each shard holds one whole block: K stays split.
+  a, b, _ = _partition(x, w, P(None, "fsdp"), P("fsdp", None))
+  assert (a, b) == (P(None, "fsdp"), P("fsdp", None))
+
+
+@pytest.mark.parametrize("dtype", [ml_dtypes.float8_e4m3fn,
+                                   ml_dtypes.float8_e5m2])
+def test_payloads_travel_as_their_bytes(dtype):
+  codes = np.arange(256, dtype=np.uint8)
+  payload = jnp.asarray(codes.view(dtype))
+  wired = partition._wire(payload)  # pylint: disable=protected-access
+  assert wired.dtype == jnp.uint8
+  np.testing.assert_array_equal(np.asarray(wired), codes)
+  back = partition._unwire(wired, jnp.dtype(dtype).name)  # pylint: disable=protected-access
+  np.testing.assert_array_equal(np.asarray(back).view(np.uint8), codes)
+
+
+# ----------------------------------------------------------------------------
+# On 8 simulated devices
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+  return multidevice.run_once("test_partition.py", tmp_path_factory)
+
+
+def test_fsdp_gathers_the_payload_once_as_bytes(results):
+  r = multidevice.result(results, "fsdp")
+  # The weight's 64 x 128 payload, one byte per element; the activation
+  # is not gathered; the two per-tensor amaxes are all-reduced (max).
+  assert r["collectives"] == {"all-gather": {"u8": 64 * 128},
+                              "all-reduce": {"f32": 2 * 4}}, r
+  assert r["same_bits"]  # each device's rows, as on one device
+
+
+def test_row_parallel_sums_partial_products_in_fp32(results):
+  r = multidevice.result(results, "row_parallel")
+  # The 32 x 128 FP32 partial products and the two amaxes, nothing gathered.
+  assert r["collectives"] == {"all-reduce": {"f32": 32 * 128 * 4 + 2 * 4}}, r
+  assert r["max_rel"] < 1e-6  # a sum in another order
+
+
+def _gemm_case(x_spec, w_spec, mesh_shape, names):
+  from jax.sharding import Mesh  # pylint: disable=g-import-not-at-top
+  import collectives  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(1)
+  x = rng.normal(size=(32, 64)).astype(np.float32)
+  w = rng.normal(size=(64, 128)).astype(np.float32)
+
+  def f(x, w):
+    qx, qw = scaling.quantize(x, E4M3, 1), scaling.quantize(w, E4M3, 0)
+    return dispatch.gemm(qx, qw, axes=(1, 0), out_dtype=jnp.float32)
+
+  ref = np.asarray(jax.jit(f)(x, w))
+  mesh = Mesh(np.array(jax.devices()).reshape(mesh_shape), names)
+  with jax.set_mesh(mesh):
+    xs = jax.device_put(x, NamedSharding(mesh, x_spec))
+    ws = jax.device_put(w, NamedSharding(mesh, w_spec))
+    compiled = jax.jit(f).lower(xs, ws).compile()
+    got = np.asarray(compiled(xs, ws))
+  return {"collectives": collectives.summary(compiled.as_text()),
+          "same_bits": bool(np.array_equal(got, ref)),
+          "max_rel": float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))}
+
+
+def fsdp():
+  return _gemm_case(P("fsdp"), P("fsdp"), (8,), ("fsdp",))
+
+
+def row_parallel():
+  return _gemm_case(P(None, "model"), P("model", None), (4, 2),
+                    ("fsdp", "model"))
+
+
+if __name__ == "__main__":
+  import sys  # pylint: disable=g-import-not-at-top
+  sys.path.insert(0, str(multidevice.ROOT / "benchmarks"))
+  case = multidevice.Cases()
+  case(fsdp)
+  case(row_parallel)
+  case.main()
