@@ -7,6 +7,7 @@ local GEMM giving the single-device result) runs on 8 simulated devices in
 a subprocess: this file is also the subprocess's script (its cases below).
 """
 
+# pylint: disable=protected-access
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -43,8 +44,8 @@ def _partition(a, b, a_spec, b_spec, out_spec=P()):
       (a.shape[1 - a.axis], b.shape[1 - b.axis]), jnp.float32,
       sharding=NamedSharding(MESH, out_spec))
   args = (_struct(a, a_spec), None, _struct(b, b_spec), None)
-  _, _, out_sharding, arg_shardings = partition._partition(  # pylint: disable=protected-access
-      partition._meta(a), partition._meta(b), axes, "float32", "default",  # pylint: disable=protected-access
+  _, _, out_sharding, arg_shardings = partition._partition(
+      partition._meta(a), partition._meta(b), axes, "float32", "default",
       MESH, args, out)
   return arg_shardings[0].spec, arg_shardings[2].spec, out_sharding.spec
 
@@ -75,8 +76,8 @@ def test_fsdp_weight_gradient_is_reduce_scattered():
   a, b, out = _partition(x, g, P("fsdp", None), P("fsdp", None),
                          out_spec=P("fsdp", None))
   assert (a, b, out) == (P("fsdp", None), P("fsdp", None), P("fsdp", None))
-  plan = partition._plan(  # pylint: disable=protected-access
-      partition._meta(x), partition._meta(g), MESH,  # pylint: disable=protected-access
+  plan = partition._plan(
+      partition._meta(x), partition._meta(g), MESH,
       (_struct(x, P("fsdp", None)), None, _struct(g, P("fsdp", None)), None),
       jax.ShapeDtypeStruct((64, 128), jnp.float32,
                            sharding=NamedSharding(MESH, P("fsdp", None))))
@@ -98,10 +99,10 @@ def test_k_split_into_partial_mx_blocks_is_gathered():
 def test_payloads_travel_as_their_bytes(dtype):
   codes = np.arange(256, dtype=np.uint8)
   payload = jnp.asarray(codes.view(dtype))
-  wired = partition._wire(payload)  # pylint: disable=protected-access
+  wired = partition._wire(payload)
   assert wired.dtype == jnp.uint8
   np.testing.assert_array_equal(np.asarray(wired), codes)
-  back = partition._unwire(wired, jnp.dtype(dtype).name)  # pylint: disable=protected-access
+  back = partition._unwire(wired, jnp.dtype(dtype).name)
   np.testing.assert_array_equal(np.asarray(back).view(np.uint8), codes)
 
 
