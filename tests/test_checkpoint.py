@@ -386,6 +386,7 @@ class Dropped(nnx.Module):
                          nnx.with_partitioning(init, spec), rngs=nnx.Rngs(0))
     self.drop = nnx.Dropout(0.1, rngs=nnx.Rngs(dropout=seed))
 
+
 def test_prng_keys_round_trip_with_and_without_a_mesh(tmp_path):
   """Plain without a mesh, quantized on a 1x1 mesh (both failed before)."""
   mesh = jax.make_mesh((1, 1), ("data", "model"))
