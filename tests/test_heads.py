@@ -115,6 +115,10 @@ def test_fused_qkv_as_wide_as_the_vocabulary_is_converted():
   assert wide(report) == ["output_layer"]
   assert "blocks/0/qkv" in converted(report)
   assert type(model.blocks[1].qkv) is qlayers.QuantDense
+  # Without an example the QKV is not taken for "the vocabulary".
+  report = qlayers.quantize(MiniGPT(3 * D, D, ff=2 * D, fused=True),
+                            "fp8_current")
+  assert wide(report) == [] and "undecided" in report.head
 
 
 def test_unique_vocabulary_projection_found_by_shape():
