@@ -1,11 +1,16 @@
-"""Element formats against ml_dtypes: every code, rounding, saturation, packing."""
+"""Element formats against ml_dtypes: every code, rounding, saturation,
+packing (also against the NumPy reference, tests/reference_numpy.py)."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
+import reference_numpy as ref
 from qlayers import formats as F
 
 ALL = [F.E4M3, F.E5M2, F.E4M3FNUZ, F.E5M2FNUZ, F.E3M2, F.E2M3, F.E2M1]
@@ -185,3 +190,20 @@ def test_pack_rejects_bad_lengths():
     F.pack(jnp.zeros((6,), jnp.uint8), F.E2M3)
   with pytest.raises(TypeError, match="uint8"):
     F.unpack(jnp.zeros((3,), jnp.int32), F.E2M3)
+
+
+@functools.cache
+def _pack_fns(fmt):
+  return (jax.jit(lambda c: F.pack(c, fmt)),
+          jax.jit(lambda p: F.unpack(p, fmt)))
+
+
+@settings(max_examples=25, deadline=None, database=None, derandomize=True)
+@given(st.sampled_from(["e2m1", "e3m2", "e2m3"]), st.integers(0, 2**31 - 1))
+def test_pack_matches_reference_and_round_trips(fmt, seed):
+  codes = np.random.default_rng(seed).integers(
+      0, 1 << ref.BITS[fmt], (3, 2, 24)).astype(np.uint8)
+  pack, unpack = _pack_fns(fmt)
+  packed = np.asarray(pack(codes))
+  np.testing.assert_array_equal(packed, ref.pack(codes, fmt))
+  np.testing.assert_array_equal(np.asarray(unpack(packed)), codes)

@@ -1,14 +1,25 @@
 """Scale rules (qlayers.scale_rules): TE multiplier and scale, DeepSeek-V3
-and MX scale codes, and the correctly rounded FP32 divisions under them."""
+and MX scale codes, and the correctly rounded FP32 divisions under them;
+properties against the NumPy reference (tests/reference_numpy.py) over
+random, special and boundary amaxes."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
+import reference_numpy as ref
 from qlayers import formats as F
 from qlayers import scale_rules as S
+
+# XLA on CPU reads FP32 subnormals as zero; the reference models that.
+FTZ = float(jax.jit(lambda v: v * 3.0)(np.float32(1e-40))) == 0.0
+FAST = settings(max_examples=25, deadline=None, database=None,
+                derandomize=True)
 
 
 def test_mx_scale_codes_match_ml_dtypes_for_powers_of_two():
@@ -93,3 +104,70 @@ def test_rdivide_rn_integer_edge_cases_fall_back_to_division(const):
   want = np.asarray(jax.jit(lambda v: const / v)(b))
   got = np.asarray(jax.jit(lambda v: S.rdivide_rn_integer(const, v))(b))
   np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+# --------------------------------------------- properties (NumPy reference)
+
+
+def assert_same_bits(got, want, what):
+  """FP32 arrays equal bit for bit, a NaN matching any NaN."""
+  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+  same = (got.view(np.uint32) == want.view(np.uint32)) | (
+      np.isnan(got) & np.isnan(want))
+  assert same.all(), (what, got[~same][:4], want[~same][:4])
+
+
+AMAX = st.one_of(
+    st.floats(width=32, allow_subnormal=True, allow_infinity=True,
+              allow_nan=True),
+    st.sampled_from([0.0, 2.0**-126, 2.0**-120, 5e-36, 1e-4, 448.0, 449.0,
+                     57344.0, 3.4e38]),
+    st.integers(-149, 127).map(lambda e: float(np.ldexp(np.float32(1), e))))
+
+
+@functools.cache
+def _rule_fn(kind, fmt):
+  f = F.get_format(fmt)
+  if kind == "mx":
+    def rules(a):
+      return {rule: S.mx_scale_codes(a, f, rule)
+              for rule in ("mx_floor", "mx_rceil")}
+  else:
+    def rules(a):
+      return [(S.te_multiplier(a, f, pow2=pow2), S.te_scale(a, f, pow2=pow2),
+               S.deepseek_scale(a, f, pow2)) for pow2 in (False, True)]
+  return jax.jit(rules)
+
+
+def _amax_array(amaxes):
+  a = np.zeros(64, np.float32)
+  with np.errstate(over="ignore"):
+    a[:len(amaxes)] = np.abs(np.asarray(amaxes, np.float64))
+  return a
+
+
+@FAST
+@given(st.lists(AMAX, min_size=1, max_size=64),
+       st.sampled_from(["e4m3", "e5m2", "e3m2", "e2m3", "e2m1"]))
+def test_mx_scale_codes_match_reference(amaxes, fmt):
+  a = _amax_array(amaxes)
+  got = _rule_fn("mx", fmt)(a)
+  for rule in ("mx_floor", "mx_rceil"):
+    want = ref.mx_codes(ref.flush(a, FTZ), fmt, rule)
+    np.testing.assert_array_equal(np.asarray(got[rule]), want,
+                                  err_msg=f"{rule} codes")
+
+
+@FAST
+@given(st.lists(AMAX, min_size=1, max_size=64),
+       st.sampled_from(["e4m3", "e5m2", "e4m3fnuz", "e5m2fnuz"]))
+def test_te_and_deepseek_rules_match_reference(amaxes, fmt):
+  a = _amax_array(amaxes)
+  ar = ref.flush(a, FTZ)
+  got = _rule_fn("fp8", fmt)(a)
+  for pow2 in (False, True):
+    mult, scale, ds = got[int(pow2)]
+    want_mult, want_scale = ref.te(ar, fmt, pow2=pow2)
+    assert_same_bits(mult, want_mult, "te multiplier")
+    assert_same_bits(scale, ref.flush(want_scale, FTZ), "te scale")
+    assert_same_bits(ds, ref.deepseek(ar, fmt, pow2)[1], "deepseek scale")
