@@ -53,7 +53,13 @@ class ScaleState(NamedTuple):
 
 def init_scale_state(history_len: int,
                      batch_shape: tuple[int, ...] = ()) -> ScaleState:
-  """A fresh `ScaleState` (empty history, zero running amax)."""
+  """A fresh `ScaleState` (empty history, zero running amax).
+
+  Example:
+    >>> state = init_scale_state(1024, batch_shape=(2,))  # 2 stacked layers
+    >>> state.amax_history.shape, state.amax.shape
+    ((2, 1024), (2,))
+  """
   return ScaleState(jnp.zeros((*batch_shape, history_len), jnp.float32),
                     jnp.zeros(batch_shape, jnp.float32))
 
@@ -64,6 +70,12 @@ def history_amax(history: jax.Array, algo: str = "max") -> jax.Array:
   ``algo`` is ``max`` (over the whole history) or ``most_recent``: the most
   recent non-zero entry, so a step that recorded nothing keeps the scale of
   the step before (Transformer Engine keeps the previous scale then).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> history = jnp.array([0.0, 7.0, 9.0])
+    >>> history_amax(history, "max"), history_amax(history, "most_recent")
+    (Array(9., dtype=float32), Array(7., dtype=float32))
   """
   if algo == "max":
     return jnp.max(history, axis=-1)
@@ -100,7 +112,13 @@ def delayed_amax(state: ScaleState, current: jax.Array,
 
 def merge_amax(running: jax.Array, gradient: jax.Array) -> jax.Array:
   """A running amax with a gradient amax written into it, by max; a
-  non-finite gradient amax carries no information and reads as 0."""
+  non-finite gradient amax carries no information and reads as 0.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> merge_amax(jnp.array([3.0, 3.0]), jnp.array([5.0, jnp.nan]))
+    Array([5., 3.], dtype=float32)
+  """
   gradient = gradient.astype(running.dtype)
   return jnp.maximum(running, jnp.where(jnp.isfinite(gradient), gradient, 0.0))
 

@@ -146,7 +146,12 @@ _ALIASES = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2",
 
 
 def get_format(fmt: Format | str) -> Format:
-  """Returns the `Format` named ``fmt`` (or ``fmt`` itself)."""
+  """Returns the `Format` named ``fmt`` (or ``fmt`` itself).
+
+  Example:
+    >>> get_format("fp8_e4m3").max, get_format("fp4").bits
+    (448.0, 4)
+  """
   if isinstance(fmt, Format):
     return fmt
   key = _ALIASES.get(str(fmt).lower(), str(fmt).lower())
@@ -157,7 +162,12 @@ def get_format(fmt: Format | str) -> Format:
 
 
 def saturate(x: jax.Array, fmt: Format | str) -> jax.Array:
-  """Clips ``x`` to ``[-max, max]`` of ``fmt``; NaN stays NaN, +-Inf saturate."""
+  """Clips ``x`` to ``[-max, max]`` of ``fmt``; NaN stays NaN, +-Inf saturate.
+
+  Example:
+    >>> saturate(jnp.array([500.0, -jnp.inf, 1.0]), "e4m3")
+    Array([ 448., -448.,    1.], dtype=float32)
+  """
   fmt = get_format(fmt)
   m = jnp.asarray(fmt.max, x.dtype)
   return jnp.clip(x, -m, m)
@@ -191,6 +201,10 @@ def round_to_format(x: jax.Array, fmt: Format | str, *,
   point below, divided by the spacing (unbiased in expectation). The result is
   float32 holding exactly representable values, so a later ``astype`` to the
   format's dtype (or `encode`) is exact.
+
+  Example:
+    >>> round_to_format(jnp.array([0.25, 0.75, 2.6, 9.0]), "e2m1")
+    Array([0., 1., 3., 6.], dtype=float32)
   """
   fmt = get_format(fmt)
   x = saturate(x.astype(jnp.float32), fmt)
@@ -212,6 +226,12 @@ def cast(x: jax.Array, fmt: Format | str, *,
   stochastic-rounding ``key`` is given. +-Inf saturates like any overflow;
   `qlayers.scaling.quantize` gives a unit holding Inf or NaN a NaN scale, so
   a non-finite operand still makes its GEMM non-finite.
+
+  Example:
+    >>> cast(jnp.array([1000.0, 0.3]), "e4m3")
+    Array([448, 0.3125], dtype=float8_e4m3fn)
+    >>> cast(jnp.array([-6.0, 0.5]), "e2m1")  # codes: sign | exp | mantissa
+    Array([15,  1], dtype=uint8)
   """
   fmt = get_format(fmt)
   if fmt is E8M0:
@@ -229,6 +249,10 @@ def encode(values: jax.Array, fmt: Format | str) -> jax.Array:
   """Bit codes (uint8) of values already on ``fmt``'s grid (see `round_to_format`).
 
   NaN maps to code 0 for formats without NaN (the MX scale carries it).
+
+  Example:
+    >>> encode(jnp.array([1.5, -28.0]), "e3m2")
+    Array([14, 63], dtype=uint8)
   """
   fmt = get_format(fmt)
   v = values.astype(jnp.float32)
@@ -254,6 +278,10 @@ def decode(codes: jax.Array, fmt: Format | str,
   Computed from the bit fields, without a lookup table: no array constant
   enters the traced program (a partitioned GEMM's local computation may
   hold none, see `qlayers.partition`).
+
+  Example:
+    >>> decode(jnp.array([14, 63], jnp.uint8), "e3m2")
+    Array([  1.5, -28. ], dtype=float32)
   """
   fmt = get_format(fmt)
   if codes.dtype != jnp.uint8:
@@ -284,7 +312,12 @@ def _group(fmt: Format) -> tuple[int, int]:
 
 
 def packed_size(n: int, fmt: Format | str) -> int:
-  """Bytes holding ``n`` packed elements of ``fmt`` along the last axis."""
+  """Bytes holding ``n`` packed elements of ``fmt`` along the last axis.
+
+  Example:
+    >>> packed_size(64, "e2m1"), packed_size(64, "e3m2")
+    (32, 48)
+  """
   fmt = get_format(fmt)
   elems, nbytes = _group(fmt)
   if n % elems:
@@ -295,7 +328,12 @@ def packed_size(n: int, fmt: Format | str) -> int:
 
 
 def pack(codes: jax.Array, fmt: Format | str) -> jax.Array:
-  """Packs unpacked uint8 ``codes`` of a 4- or 6-bit format along the last axis."""
+  """Packs unpacked uint8 ``codes`` of a 4- or 6-bit format along the last axis.
+
+  Example:
+    >>> pack(jnp.array([1, 15, 2, 3], jnp.uint8), "e2m1")  # low nibble first
+    Array([241,  50], dtype=uint8)
+  """
   fmt = get_format(fmt)
   elems, nbytes = _group(fmt)
   n = codes.shape[-1]
@@ -315,7 +353,12 @@ def pack(codes: jax.Array, fmt: Format | str) -> jax.Array:
 
 
 def unpack(packed: jax.Array, fmt: Format | str) -> jax.Array:
-  """Exact inverse of `pack`: uint8 bytes -> one uint8 code per element."""
+  """Exact inverse of `pack`: uint8 bytes -> one uint8 code per element.
+
+  Example:
+    >>> unpack(jnp.array([241, 50], jnp.uint8), "e2m1")
+    Array([ 1, 15,  2,  3], dtype=uint8)
+  """
   fmt = get_format(fmt)
   elems, nbytes = _group(fmt)
   if packed.dtype != jnp.uint8:

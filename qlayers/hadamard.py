@@ -44,7 +44,13 @@ def _check_size(size: int) -> None:
 @functools.cache
 def hadamard_matrix(size: int) -> np.ndarray:
   """The ``size x size`` Sylvester Hadamard matrix over ``sqrt(size)``
-  (orthonormal, symmetric), float32."""
+  (orthonormal, symmetric), float32.
+
+  Example:
+    >>> h = hadamard_matrix(4)
+    >>> bool(np.allclose(h @ h.T, np.eye(4))), np.sign(h[1]).tolist()
+    (True, [1.0, -1.0, 1.0, -1.0])
+  """
   _check_size(size)
   h = np.ones((1, 1))
   while h.shape[0] < size:
@@ -54,7 +60,12 @@ def hadamard_matrix(size: int) -> np.ndarray:
 
 @functools.cache
 def random_signs(size: int) -> np.ndarray:
-  """The fixed +-1 float32 vector of the transform of this block size."""
+  """The fixed +-1 float32 vector of the transform of this block size.
+
+  Example:
+    >>> bool(np.all(np.abs(random_signs(16)) == 1))
+    True
+  """
   _check_size(size)
   rng = np.random.default_rng(_SIGN_SEED + size)
   return rng.choice(np.array([-1.0, 1.0], np.float32), size)
