@@ -34,7 +34,12 @@ __all__ = ["normalize_axis", "block_shape", "padded_shape", "pad_to",
 
 
 def normalize_axis(axis: int, ndim: int) -> int:
-  """``axis`` in ``[0, ndim)``; ValueError naming it when out of range."""
+  """``axis`` in ``[0, ndim)``; ValueError naming it when out of range.
+
+  Example:
+    >>> normalize_axis(-1, 3)
+    2
+  """
   if not -ndim <= axis < ndim:
     raise ValueError(f"axis {axis} out of range for a rank-{ndim} tensor.")
   return axis % ndim
@@ -70,7 +75,12 @@ def block_shape(shape: tuple[int, ...], spec: QuantSpec,
 
 
 def padded_shape(shape, block):
-  """``shape`` rounded up to whole blocks of ``block``."""
+  """``shape`` rounded up to whole blocks of ``block``.
+
+  Example:
+    >>> padded_shape((5, 70), (1, 32))
+    (5, 96)
+  """
   return tuple(-(-n // b) * b for n, b in zip(shape, block))
 
 
@@ -94,7 +104,14 @@ def _block_axes(block: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def apply_blocks(values, scale, block, op):
-  """op(values, scale) with one scale per block; values in padded shape."""
+  """op(values, scale) with one scale per block; values in padded shape.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> apply_blocks(jnp.ones((1, 4)), jnp.array([[2.0, 3.0]]), (1, 2),
+    ...              jnp.multiply)
+    Array([[2., 2., 3., 3.]], dtype=float32)
+  """
   split = _split_blocks(values, block)
   s = scale.reshape([d for n, b in zip(scale.shape, block)
                      for d in ((n,) if b == 1 else (n, 1))])
@@ -115,7 +132,13 @@ def block_amax(x: jax.Array, block: tuple[int, ...]) -> jax.Array:
 
 
 def pad_to(x: jax.Array, padded: tuple[int, ...]) -> jax.Array:
-  """``x`` zero-padded at the end of each dim up to ``padded``."""
+  """``x`` zero-padded at the end of each dim up to ``padded``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> pad_to(jnp.ones((1, 2)), (1, 4))
+    Array([[1., 1., 0., 0.]], dtype=float32)
+  """
   if padded == x.shape:
     return x
   return jnp.pad(x, [(0, p - n) for n, p in zip(x.shape, padded)])
