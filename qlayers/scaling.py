@@ -178,6 +178,12 @@ class QTensor:
     shape: the original, unpadded shape.
     transposed: the tensor was transposed before quantizing, so ``shape``
       is the transpose of the caller's operand (contraction-last layouts).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> qt = quantize(jnp.ones((2, 40)), QuantSpec(granularity="mx"))
+    >>> qt.payload.shape, qt.scale.shape, qt.block, qt.dequantize().shape
+    ((2, 64), (2, 2), (1, 32), (2, 40))
   """
 
   payload: jax.Array
@@ -331,7 +337,12 @@ def quantize(x: jax.Array, spec: QuantSpec, axis: int = -1, *,
 
 
 def bytes_per_element(spec: QuantSpec | None, compute_bytes: int = 2) -> float:
-  """Storage bytes per element of a quantized operand (payload + scales)."""
+  """Storage bytes per element of a quantized operand (payload + scales).
+
+  Example:
+    >>> bytes_per_element(QuantSpec(format="e2m1", granularity="mx"))
+    0.53125
+  """
   if spec is None:
     return float(compute_bytes)
   fmt = spec.fmt
