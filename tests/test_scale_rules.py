@@ -106,6 +106,19 @@ def test_rdivide_rn_integer_edge_cases_fall_back_to_division(const):
   np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
+
+def test_division_constants_are_checked_and_named():
+  """The constant's odd part must be below 128 (so the integer steps fit
+  uint32); the error names the division and the constant."""
+  with pytest.raises(ValueError, match="divide_rn supports odd parts below "
+                     "128; 129.0 has 129"):
+    S.divide_rn(jnp.ones(2), 129.0)
+  with pytest.raises(ValueError, match="rdivide_rn expects a positive finite "
+                     "constant, got -1.0"):
+    S.rdivide_rn(-1.0, jnp.ones(2))
+  with pytest.raises(ValueError, match="rdivide_rn supports odd parts"):
+    S.rdivide_rn_integer(255.0, jnp.ones(2))
+
 # --------------------------------------------- properties (NumPy reference)
 
 
