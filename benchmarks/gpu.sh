@@ -63,12 +63,13 @@ else
     *) say "jax sees no GPU; nothing to measure (--cpu-smoke runs on CPU)"; exit 2 ;;
   esac
   cc=$(echo "$devices" | sed -n 's/.*:\([0-9]*\)\.\([0-9]*\).*/\1\2/p' | head -1)
-  if [ -z "${QLAYERS_NATIVE_DIR:-}" ]; then
+  # The library goes into the package folder, where qlayers._native looks.
+  if [ ! -f qlayers/libqlayers_cuda.so ]; then
     if command -v nvcc >/dev/null 2>&1; then
       t0=$SECONDS
       if PYTHON="$PY" CUDA_ARCHS="${cc:-90}" timeout 300 bash ffi/build_cuda.sh \
           > /tmp/qlayers_build_cuda.log 2>&1; then
-        export QLAYERS_NATIVE_DIR="$PWD/build/cuda/ffi"
+        cp build/cuda/ffi/libqlayers_cuda.so qlayers/
         say "built the cuBLASLt kernels for sm_${cc:-90} in $((SECONDS - t0)) s"
       else
         say "ffi/build_cuda.sh failed (log: /tmp/qlayers_build_cuda.log);" \

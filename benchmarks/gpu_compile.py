@@ -1583,8 +1583,13 @@ def compare_gemms_markdown(runs: list[tuple[str, list[dict]]],
 # Driver: one worker process per (target, Triton flag)
 
 
-def worker(items_path: str) -> None:
-  """Compiles the items of a JSON file, one JSON line per finished item."""
+def worker(items_path: str, ffi_dir: str = "") -> None:
+  """Compiles the items of a JSON file, one JSON line per finished item;
+  with ``ffi_dir``, the cuBLASLt kernels there are registered although no
+  GPU is attached."""
+  if ffi_dir:
+    from qlayers import _native  # pylint: disable=g-import-not-at-top
+    _native.load(ffi_dir, gpu_without_device=True)
   items = json.loads(pathlib.Path(items_path).read_text())
   devices = {}
   for item in items:
@@ -1608,10 +1613,8 @@ def run_items(items: list[dict], python: str, timeout: float,
     path = tmp / f"qlayers_gpu_compile_{os.getpid()}.json"
     path.write_text(json.dumps(todo))
     env = dict(os.environ, JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1")
-    if ffi_dir:
-      # Register the cuBLASLt kernels although no GPU is attached.
-      env.update(QLAYERS_NATIVE_DIR=ffi_dir, QLAYERS_NATIVE_LOAD_GPU="1")
-    proc = subprocess.Popen([python, __file__, "--worker", str(path)],
+    proc = subprocess.Popen([python, __file__, "--worker", str(path),
+                             "--ffi-dir", ffi_dir],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env, cwd=_ROOT)
     try:
@@ -1709,7 +1712,7 @@ def main(argv=None) -> int:
   p.add_argument("--worker", help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   if args.worker:
-    worker(args.worker)
+    worker(args.worker, args.ffi_dir)
     return 0
   if args.reparse:
     data = json.loads(pathlib.Path(args.reparse[0]).read_text())

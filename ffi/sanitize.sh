@@ -30,17 +30,22 @@ if [[ ! -f "$asan" ]]; then
   exit 1
 fi
 
-export QLAYERS_NATIVE_DIR="$build/ffi"
 export LD_PRELOAD="$asan:$ubsan"
 # Python and jaxlib leak by design at exit; everything else is fatal.
 export ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:strict_string_checks=1:check_initialization_order=1"
 export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1"
 cd "$repo"
-"$python" - <<'PY'
+# The sanitizer build is loaded explicitly (qlayers._native.load) before
+# pytest runs the kernel tests in the same process.
+"$python" - "$build/ffi" "$@" <<'PY'
+import sys
+import pytest
 from qlayers import _native
-info = _native.build_info()["details"]["cpu"]
-assert info["path"].startswith(__import__("os").environ["QLAYERS_NATIVE_DIR"]), info
+info = _native.load(sys.argv[1])["details"]["cpu"]
+assert info["path"].startswith(sys.argv[1]), info
 print("sanitize.sh: testing", info["path"], "-", info["info"])
+sys.exit(pytest.main(["-q", "--capture=no", "-p", "no:cacheprovider",
+                      "tests/test_ffi_kernels.py", "tests/test_ffi_errors.py",
+                      *sys.argv[2:]]))
 PY
-"$python" -m pytest -q --capture=no -p no:cacheprovider tests/test_ffi_kernels.py tests/test_ffi_errors.py "$@"
 echo "sanitize.sh: clean (ASan + UBSan)"

@@ -1,14 +1,14 @@
 """Bindings for the native XLA FFI kernels built from ``ffi/``.
 
-The kernels live in plain shared libraries in the package's folders, or in
-``$QLAYERS_NATIVE_DIR`` (see `_library_dirs`): ``libqlayers_cpu.so`` always;
+The kernels live in plain shared libraries in the package's folders (or a
+folder given to `load`): ``libqlayers_cpu.so`` always;
 ``libqlayers_cuda.so`` / ``libqlayers_rocm.so`` where cuBLASLt / hipBLASLt
 were found at build time. They are loaded with
 ``ctypes`` on first use and each handler symbol is registered with
 ``jax.ffi.register_ffi_target``; no Python extension module is involved.
 A GPU library is loaded only when jax sees devices of its kind, or when
-``$QLAYERS_NATIVE_LOAD_GPU=1`` (compiling for a GPU that is not attached:
-loading needs the BLAS library, not a device).
+`load` is told ``gpu_without_device=True`` (compiling for a GPU that is not
+attached: loading needs the BLAS library, not a device).
 
 Every GEMM computes ``OUT = A @ B^T`` with ``A`` of shape ``(M, K)`` and ``B``
 of shape ``(N, K)`` (both contraction-last, the "TN" layout), FP32
@@ -30,14 +30,8 @@ Payload encodings (the contract with ``formats.py``):
 If the native library is missing (a source checkout that was never built),
 importing this module still works: :func:`available` is ``False`` and
 :func:`unavailable_reason` says why. From a source tree, build it with
-``bash ffi/build_inplace.sh``.
-
-Example::
-
-  from qlayers import _native
-  if _native.available():
-    out = _native.gemm_fp8_tensor(a_fp8, a_scale, b_fp8, b_scale,
-                                  out_dtype=jnp.bfloat16)
+``bash ffi/build_inplace.sh``. Example: ``if _native.available():
+_native.gemm_fp8_tensor(a, a_scale, b, b_scale, out_dtype=jnp.bfloat16)``.
 """
 
 from __future__ import annotations
@@ -61,15 +55,9 @@ __all__ = [
   "gemm_mx",
   "gemm_blockwise",
   "gemm_fp8_rowwise",
-  "amax",
-  "max_f32",
-  "quantize_fp8_tensor",
-  "quantize_mx",
-  "dequantize_mx",
-  "quantize_fp8_delayed",
-  "end_step",
   "MX_FORMATS",
   "NATIVE_GRANULARITIES",
+  "load",
   "loaded",
   "supports",
   "gemm",
@@ -80,13 +68,6 @@ _CPU_HANDLERS = {
   "qlayers_gemm_fp8_tensor": "QlayersGemmFp8Tensor",
   "qlayers_gemm_mx": "QlayersGemmMx",
   "qlayers_gemm_blockwise": "QlayersGemmBlockwise",
-  "qlayers_amax": "QlayersAmax",
-  "qlayers_max_f32": "QlayersMaxF32",
-  "qlayers_quantize_mx": "QlayersQuantizeMx",
-  "qlayers_quantize_fp8_tensor": "QlayersQuantizeFp8Tensor",
-  "qlayers_dequantize_mx": "QlayersDequantizeMx",
-  "qlayers_quantize_fp8_delayed": "QlayersQuantizeFp8Delayed",
-  "qlayers_end_step": "QlayersEndStep",
 }
 _GPU_HANDLERS = {
   "qlayers_gemm_fp8_tensor": "QlayersGemmFp8TensorGpu",
@@ -112,17 +93,13 @@ _lock = threading.Lock()
 _state: dict[str, Any] | None = None
 
 
-def _library_dirs() -> list[pathlib.Path]:
+def _library_dirs(directory=None) -> list[pathlib.Path]:
   """Where the libraries are looked for, in order.
 
-  ``$QLAYERS_NATIVE_DIR`` if set (e.g. a sanitizer build, see
-  ``ffi/sanitize.sh``), then the folders of the ``qlayers`` package, where
+  ``directory`` if given (`load`), then the folders of the ``qlayers`` package, where
   ``pip install`` (editable or not) and ``ffi/build_inplace.sh`` put them.
   """
-  dirs = []
-  env = os.environ.get("QLAYERS_NATIVE_DIR")
-  if env:
-    dirs.append(pathlib.Path(env))
+  dirs = [pathlib.Path(directory)] if directory else []
   package = sys.modules.get(__package__ or "")
   # An editable install splits the package over the source tree and the
   # folder pip installed the built files into.
@@ -131,8 +108,8 @@ def _library_dirs() -> list[pathlib.Path]:
   return list(dict.fromkeys([*dirs, here]))
 
 
-def _find(filename: str) -> pathlib.Path | None:
-  for d in _library_dirs():
+def _find(filename: str, directory=None) -> pathlib.Path | None:
+  for d in _library_dirs(directory):
     path = d / filename
     if path.is_file():
       return path
@@ -146,13 +123,14 @@ def _has_devices(backend: str) -> bool:
     return False
 
 
-def _load_one(backend: str) -> dict[str, Any]:
+def _load_one(backend: str, directory=None,
+              gpu_without_device: bool = False) -> dict[str, Any]:
   filename, platform, handlers, info_symbol = _LIBRARIES[backend]
-  path = _find(filename)
+  path = _find(filename, directory)
   if path is None:
     return {"loaded": False, "path": None, "reason": f"{filename} not found"}
   if (backend != "cpu" and not _has_devices(backend)
-      and os.environ.get("QLAYERS_NATIVE_LOAD_GPU") != "1"):
+      and not gpu_without_device):
     # Do not pull cuBLASLt/hipBLASLt into a process that cannot use them.
     return {"loaded": False, "path": str(path),
             "reason": f"jax sees no {backend} devices"}
@@ -181,6 +159,22 @@ def _load() -> dict[str, Any]:
     if _state is None:
       _state = {backend: _load_one(backend) for backend in _LIBRARIES}
     return _state
+
+
+def load(directory: str | os.PathLike | None = None, *,
+         gpu_without_device: bool = False) -> dict[str, Any]:
+  """Loads the native libraries now: from ``directory`` first (a sanitizer
+  or CUDA build folder), then the package's folders; with
+  ``gpu_without_device`` the GPU libraries are registered although jax sees
+  no GPU (to compile for one that is not attached). Call it before the
+  first GEMM is traced (by default they load on first use). Returns
+  `build_info`, e.g. ``sorted(load())`` is ``['cpu', 'cuda', 'details',
+  'rocm']``."""
+  global _state
+  with _lock:
+    _state = {b: _load_one(b, directory, gpu_without_device)
+              for b in _LIBRARIES}
+  return build_info()
 
 
 def available() -> bool:
@@ -358,226 +352,6 @@ def gemm_blockwise(
     a_rows_per_scale=np.int64(a_rows_per_scale),
     b_rows_per_scale=np.int64(b_rows_per_scale),
   )
-
-
-_WIDE_INPUTS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
-                jnp.dtype(jnp.float16))
-_FP8_DTYPES = tuple(jnp.dtype(d) for d in (
-  jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float8_e4m3fnuz, jnp.float8_e5m2fnuz))
-
-
-def _wide_input(x) -> None:
-  if jnp.dtype(x.dtype) not in _WIDE_INPUTS:
-    raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
-
-
-def amax(x) -> jax.Array:
-  """CPU only: ``max |x|`` as an f32 scalar, exactly as `qlayers.scaling.amax`
-  (+Inf when ``x`` holds Inf or NaN, 0 when it is empty), in one pass.
-
-  Args:
-    x: float32, bfloat16 or float16 array of any shape.
-  """
-  _require()
-  _wide_input(x)
-  return _call("qlayers_amax", jax.ShapeDtypeStruct((), jnp.float32), x)
-
-
-def max_f32(x) -> jax.Array:
-  """CPU only: ``max(x)`` of a float32 array as a scalar (NaN if it holds a
-  NaN, -Inf if it is empty)."""
-  _require()
-  if jnp.dtype(x.dtype) != jnp.float32:
-    raise TypeError(f"x must be float32, got {x.dtype}")
-  return _call("qlayers_max_f32", jax.ShapeDtypeStruct((), jnp.float32), x)
-
-
-def _per_tensor_args(x, dtype, margin) -> jnp.dtype:
-  """Checks the arguments of the per-tensor quantize kernels."""
-  _require()
-  _wide_input(x)
-  dtype = jnp.dtype(dtype)
-  if dtype not in _FP8_DTYPES:
-    raise TypeError(f"dtype must be an fp8 dtype, got {dtype}")
-  if not 0 <= int(margin) <= 126:
-    raise ValueError(f"margin must be in [0, 126], got {margin}")
-  return dtype
-
-
-def quantize_fp8_tensor(x, amax_value, dtype, *, margin: int = 0,
-                        pow2: bool = False) -> tuple[jax.Array, jax.Array]:
-  """CPU only: per-tensor fp8 quantization with Transformer Engine's scale
-  rule, bit for bit `qlayers.scaling.quantize` (granularity ``tensor``,
-  ``scale_rule="te"``, round to nearest even) on XLA:CPU.
-
-  Args:
-    x: float32, bfloat16 or float16 array of any shape.
-    amax_value: f32 scalar the scale is computed from.
-    dtype: the payload's fp8 dtype (``float8_e4m3fn``, ``float8_e5m2`` or a
-      ``*_fnuz`` variant).
-    margin: TE's margin (the scale is divided by ``2**margin``), 0 to 126.
-    pow2: round the multiplier down to a power of two.
-
-  Returns:
-    ``(payload, scale)``: ``payload`` has ``x``'s shape and ``dtype``;
-    ``scale`` is the f32 dequantization factor ``1 / s`` of the multiplier
-    ``s = te_multiplier(amax_value)`` (NaN for a non-finite amax, which makes
-    every payload element NaN).
-  """
-  dtype = _per_tensor_args(x, dtype, margin)
-  outs = (jax.ShapeDtypeStruct(jnp.shape(x), dtype),
-          jax.ShapeDtypeStruct((), jnp.float32))
-  return _call("qlayers_quantize_fp8_tensor", outs, x,
-               jnp.asarray(amax_value, jnp.float32), margin=np.int64(margin),
-               pow2=bool(pow2))
-
-
-def quantize_fp8_delayed(x, history, running, dtype, *, margin: int = 0,
-                         pow2: bool = False):
-  """CPU only: one use of a delayed-scaling role and its quantize, bit for
-  bit ``scaling.delayed_amax(ScaleState(history, running), amax(x), "max",
-  history_amax(history))`` followed by `quantize_fp8_tensor` with the amax
-  it chose, on XLA:CPU.
-
-  Args:
-    x: float32, bfloat16 or float16 array of any shape.
-    history: ``(H,)`` float32 amax history (index 0 the most recent).
-    running: float32 scalar, the step's running amax so far.
-    dtype: the payload's fp8 dtype.
-    margin: TE's margin, 0 to 126.
-    pow2: round the multiplier down to a power of two.
-
-  Returns:
-    ``(payload, scale, amax, running)``: the quantized ``x`` and its
-    dequantization factor, the amax the scale came from, and the running
-    amax with ``max |x|`` folded in (unchanged when ``x`` holds Inf or NaN).
-  """
-  dtype = _per_tensor_args(x, dtype, margin)
-  if jnp.ndim(history) != 1 or jnp.size(history) == 0:
-    raise ValueError(f"history must be a non-empty 1-D array, got shape "
-                     f"{jnp.shape(history)}")
-  scalar = jax.ShapeDtypeStruct((), jnp.float32)
-  outs = (jax.ShapeDtypeStruct(jnp.shape(x), dtype), scalar, scalar, scalar)
-  return _call("qlayers_quantize_fp8_delayed", outs, x,
-               jnp.asarray(history, jnp.float32),
-               jnp.asarray(running, jnp.float32), margin=np.int64(margin),
-               pow2=bool(pow2))
-
-
-def end_step(histories, amaxes, gradient_amaxes=()
-             ) -> tuple[list[jax.Array], list[jax.Array]]:
-  """CPU only: the end of a delayed-scaling step for many roles in one call,
-  bit for bit `qlayers.scaling.update_scales` of each on XLA:CPU.
-
-  Args:
-    histories: ``N`` float32 ``(H_i,)`` amax histories.
-    amaxes: their ``N`` float32 scalar running amaxes.
-    gradient_amaxes: ``K <= N`` float32 scalars folded into the first ``K``
-      running amaxes first (``max(a, m)``, a non-finite ``m`` read as 0), as
-      `qlayers.update_scales` writes gradient state.
-
-  Returns:
-    ``(histories, cleared)``: the ``N`` new histories (rolled one step, the
-    running amax at index 0, 0 where it is not finite) and ``N`` float32
-    zeros, the cleared running amaxes (written by the kernel, so that XLA
-    needs no copy of a zero per role for the step's outputs).
-  """
-  _require()
-  histories, amaxes = list(histories), list(amaxes)
-  gradient_amaxes = list(gradient_amaxes)
-  if len(amaxes) != len(histories) or len(gradient_amaxes) > len(histories):
-    raise ValueError(f"{len(histories)} histories need as many running "
-                     f"amaxes (got {len(amaxes)}) and at most as many "
-                     f"gradient amaxes (got {len(gradient_amaxes)})")
-  if not histories:
-    return [], []
-  for h in histories:
-    if jnp.ndim(h) != 1 or jnp.size(h) == 0:
-      raise ValueError(f"every history must be a non-empty 1-D array, got "
-                       f"shape {jnp.shape(h)}")
-  f32 = lambda v: jnp.asarray(v, jnp.float32)  # noqa: E731
-  outs = [jax.ShapeDtypeStruct(jnp.shape(h), jnp.float32) for h in histories]
-  outs += [jax.ShapeDtypeStruct((), jnp.float32)] * len(histories)
-  res = list(_call("qlayers_end_step", outs, *map(f32, histories),
-                   *map(f32, amaxes), *map(f32, gradient_amaxes),
-                   merged=np.int64(len(gradient_amaxes))))
-  return res[:len(histories)], res[len(histories):]
-
-
-def quantize_mx(x, dtype, *, axis: int, block: int = 32,
-                rule: str = "mx_rceil") -> tuple[jax.Array, jax.Array]:
-  """CPU only: MX quantization of a 2-D ``x`` along ``axis``, bit for bit
-  `qlayers.scaling.quantize` (granularity ``mx``, round to nearest even).
-
-  Args:
-    x: ``(R, C)`` float32, bfloat16 or float16.
-    dtype: ``float8_e4m3fn`` or ``float8_e5m2``.
-    axis: 0 or 1, the axis the blocks run along.
-    block: elements per block (32 for OCP MX).
-    rule: ``mx_rceil`` or ``mx_floor`` (`qlayers.scaling.mx_scale_codes`).
-
-  Returns:
-    ``(payload, codes)``: ``payload`` is ``x`` padded with zeros to whole
-    blocks along ``axis``, in ``dtype``; ``codes`` the uint8 E8M0 code of
-    each block, ``(R, C_padded / block)`` or ``(R_padded / block, C)``.
-  """
-  _require()
-  _wide_input(x)
-  if jnp.ndim(x) != 2 or axis not in (0, 1):
-    raise ValueError(f"x must be 2-D and axis 0 or 1, got shape "
-                     f"{jnp.shape(x)} and axis {axis}")
-  dtype = jnp.dtype(dtype)
-  if dtype not in _FP8_DTYPES[:2]:
-    raise TypeError(f"dtype must be float8_e4m3fn or float8_e5m2, got {dtype}")
-  if rule not in ("mx_rceil", "mx_floor"):
-    raise ValueError(f"rule must be mx_rceil or mx_floor, got {rule!r}")
-  r, c = jnp.shape(x)
-  pad = lambda n: -(-n // block) * block
-  shape = (pad(r), c) if axis == 0 else (r, pad(c))
-  grid = (shape[0] // block, c) if axis == 0 else (r, shape[1] // block)
-  outs = (jax.ShapeDtypeStruct(shape, dtype),
-          jax.ShapeDtypeStruct(grid, jnp.uint8))
-  return _call("qlayers_quantize_mx", outs, x, axis=np.int64(axis),
-               block=np.int64(block), rceil=rule == "mx_rceil")
-
-
-def dequantize_mx(payload, codes, shape: tuple[int, int], *, axis: int,
-                  block: int = 32, transpose: bool = False) -> jax.Array:
-  """CPU only: an MX fp8 operand as bfloat16, bit for bit
-  ``QTensor.dequantize(jnp.bfloat16)`` on XLA:CPU (and its transpose with
-  ``transpose``), in one pass.
-
-  Args:
-    payload: ``(R, C)`` padded to whole blocks along ``axis``,
-      ``float8_e4m3fn`` or ``float8_e5m2`` (as `quantize_mx` makes it).
-    codes: the uint8 E8M0 code of each block.
-    shape: ``(R, C)``, the unpadded shape the output is cropped to.
-    axis: 0 or 1, the axis the blocks run along.
-    block: elements per block.
-    transpose: write the ``(C, R)`` transpose instead.
-  """
-  _require()
-  if jnp.ndim(payload) != 2 or axis not in (0, 1):
-    raise ValueError(f"payload must be 2-D and axis 0 or 1, got shape "
-                     f"{jnp.shape(payload)} and axis {axis}")
-  if jnp.dtype(payload.dtype) not in _FP8_DTYPES[:2]:
-    raise TypeError(f"payload must be float8_e4m3fn or float8_e5m2, got "
-                    f"{payload.dtype}")
-  if jnp.dtype(codes.dtype) != jnp.uint8:
-    raise TypeError(f"codes must be uint8, got {codes.dtype}")
-  r, c = shape
-  pad = lambda n: -(-n // block) * block  # noqa: E731
-  padded = (pad(r), c) if axis == 0 else (r, pad(c))
-  grid = (padded[0] // block, c) if axis == 0 else (r, padded[1] // block)
-  if tuple(jnp.shape(payload)) != padded or tuple(jnp.shape(codes)) != grid:
-    raise ValueError(
-        f"payload {jnp.shape(payload)} and codes {jnp.shape(codes)} do not "
-        f"hold a {shape} operand in blocks of {block} along axis {axis} "
-        f"(expected {padded} and {grid})")
-  out = jax.ShapeDtypeStruct((c, r) if transpose else (r, c), jnp.bfloat16)
-  return _call("qlayers_dequantize_mx", out, payload, codes,
-               axis=np.int64(axis), block=np.int64(block),
-               transpose=bool(transpose))
 
 
 # ----------------------------------------------------------------------------

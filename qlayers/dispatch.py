@@ -1,4 +1,5 @@
-"""GEMM dispatch: which backend and code form runs a quantized GEMM, per platform.
+"""The GEMM plan: which operand copies and which kernel form each GEMM of a
+quantized matmul runs, decided once per matmul (`plan`).
 
 Every backend takes the same contract: two operands, each a `QTensor`
 (payload + scales + layout) or a plain wide array, contracted over their
@@ -9,7 +10,7 @@ Every backend takes the same contract: two operands, each a `QTensor`
 * ``ffi``: native kernels from ``ffi/`` through XLA FFI (see `qlayers._native`).
 
 The choice is made for the platform the program is *lowered* for, not the
-host's ``jax.default_backend()``: `gemm` traces one branch per distinct
+host's ``jax.default_backend()``: `run` traces one branch per distinct
 choice and hands them to ``lax.platform_dependent``, which compiles only the
 branch of the lowering platform (cpu, cuda or rocm); where no GPU can be the
 target (`targets_gpu`) it traces the CPU branch alone. The CPU branch is the
@@ -23,7 +24,8 @@ manager (part of jax's cache keys), else ``$QLAYERS_GPU_ARCH`` (``sm_90``,
 ``sm_100``, ``gfx942``, ``gfx950``; set it before the first trace), else the
 compute capability of the GPUs jax sees.
 
-``QLAYERS_BACKEND=xla|ffi`` (or the ``backend=`` argument) forces a backend.
+``QLAYERS_BACKEND=xla|ffi`` (or the ``backend=`` argument of the layers and
+ops) forces a backend: one input of the plan, like the others.
 
 Under a mesh with auto axes, quantized GEMMs run through `qlayers.partition`
 (each device its local GEMM; FSDP weights gathered as payloads): always for
@@ -33,592 +35,239 @@ Under a mesh with auto axes, quantized GEMMs run through `qlayers.partition`
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
+import math
 import os
-import re
-from typing import Callable, Iterator
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from qlayers import native_quantize
+from qlayers import _native
 from qlayers import partition
+from qlayers import scaling
 from qlayers import sharding
-from qlayers.scaling import QTensor
+from qlayers.forms import FORMS, scaled_dot_mx  # noqa: F401  (re-exported)
+from qlayers.recipe import Recipe
+from qlayers.scaling import QTensor, QuantSpec
+# The capability table, re-exported: one name space for the GEMM's route.
+from qlayers.table import (  # noqa: F401
+    BACKENDS, PLATFORMS, TABLE, Choice, Rule, _host_platform, _requested,
+    _tn_view, choose, gpu_arch, prefers_contraction_last, select,
+    target_arch, targets_gpu)
 
-__all__ = ["gemm", "select", "choose", "report", "target_arch", "gpu_arch",
-           "TABLE", "FORMS", "BACKENDS", "PLATFORMS"]
-
-BACKENDS = ("xla", "ffi")
-# Platforms `gemm` compiles a branch for ("tpu" takes the generic rules).
-PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
-
-
-def _native():
-  try:
-    from qlayers import _native  # pylint: disable=g-import-not-at-top
-  except ImportError:
-    return None
-  return _native
-
-
+__all__ = ["plan", "Plan", "Gemm", "Operand", "run", "gemm", "select",
+           "choose", "report", "target_arch", "gpu_arch", "TABLE", "FORMS",
+           "BACKENDS", "PLATFORMS"]
 # ----------------------------------------------------------------------------
-# The GPU generation being compiled for
-
-_ARCH = re.compile(r"^(sm_\d+|gfx\d+[a-z]?)$")
-# Part of jax's tracing and compilation cache keys: a function traced for one
-# target is traced again for another.
-_TARGET = jax.make_user_context(default_value=None)
-
-
-@contextlib.contextmanager
-def target_arch(arch: str) -> Iterator[None]:
-  """GEMMs traced inside are chosen for GPU ``arch`` (``"sm_90"``, ``"sm_100"``,
-  ``"gfx942"``, ``"gfx950"``): for compiling for a GPU that is not attached.
-  The target is part of jax's cache keys, so jitted functions retrace.
-
-  Example:
-    >>> with target_arch("sm_100"):
-    ...   gpu_arch("cuda")
-    'sm_100'
-  """
-  if not _ARCH.match(arch):
-    raise ValueError(f"Unknown GPU architecture {arch!r}; expected e.g. "
-                     "'sm_90', 'sm_100', 'gfx942' or 'gfx950'.")
-  with _TARGET(arch):
-    yield
-
-
-def targets_gpu() -> bool:
-  """Whether GEMMs traced now may be lowered for a GPU: the host has one,
-  or a GPU target is named (`target_arch`, ``$QLAYERS_GPU_ARCH``)."""
-  return (jax.default_backend() != "cpu" or bool(_TARGET.value)
-          or bool(os.environ.get("QLAYERS_GPU_ARCH", "").strip()))
-
-
-def _arch_platform(arch: str) -> str:
-  return "cuda" if arch.startswith("sm_") else "rocm"
-
-
-@functools.lru_cache(maxsize=None)
-def _device_arch(platform: str) -> str | None:
-  """Architecture of the first ``platform`` device jax sees, or None."""
-  try:
-    devices = jax.devices(platform)
-  except (RuntimeError, ValueError):
-    return None
-  if not devices:
-    return None
-  cc = str(getattr(devices[0], "compute_capability", "") or "")
-  if platform == "cuda":
-    m = re.match(r"^(\d+)\.(\d+)", cc)
-    return f"sm_{m.group(1)}{m.group(2)}" if m else None
-  m = re.search(r"gfx\d+[a-z]?", cc or str(devices[0].device_kind))
-  return m.group(0) if m else None
-
-
-def gpu_arch(platform: str) -> str | None:
-  """The GPU architecture GEMMs for ``platform`` are chosen for, or None.
-
-  `target_arch` first, then ``$QLAYERS_GPU_ARCH`` (read when a GEMM is
-  traced; set it before the first one), then the devices jax sees.
-  """
-  if platform not in ("cuda", "rocm"):
-    return None
-  env = os.environ.get("QLAYERS_GPU_ARCH", "").strip()
-  for arch in (_TARGET.value, env):
-    if not arch:
-      continue
-    if not _ARCH.match(arch):
-      raise ValueError(f"QLAYERS_GPU_ARCH={arch!r} is not a GPU architecture"
-                       " (e.g. sm_90, sm_100, gfx942, gfx950).")
-    if _arch_platform(arch) == platform:
-      return arch
-  return _device_arch(platform)
-
-
-def _sm(arch: str | None) -> int:
-  """``sm_90`` -> 90 (0 when unknown or not CUDA)."""
-  return int(arch[3:]) if arch and arch.startswith("sm_") else 0
-
-
-def _active(platform: str) -> bool:
-  """Whether a program may really be lowered for ``platform`` here: the host,
-  or a GPU that is attached or named as the target."""
-  return platform == "cpu" or gpu_arch(platform) is not None
-
-
-# ----------------------------------------------------------------------------
-# The table
-
-
-def _kind(q: QTensor) -> str:
-  """``fp8`` / ``fp6`` / ``fp4`` by element width."""
-  return {8: "fp8", 6: "fp6", 4: "fp4"}[q.fmt.bits]
-
-
-def _granularity(a: QTensor, b: QTensor) -> str:
-  """``tensor`` / ``row`` (row x row or row x tensor) / ``blockwise`` (tiles
-  and blocks) / ``mx``, or ``mixed`` for any other pair."""
-  ga, gb = ({"tile": "blockwise", "block": "blockwise"}.get(g, g)
-            for g in (a.granularity, b.granularity))
-  if {ga, gb} == {"tensor", "row"}:
-    return "row"
-  return ga if ga == gb else "mixed"
+# The plan of one quantized matmul
 
 
 @dataclasses.dataclass(frozen=True)
-class Rule:
-  """One row of `TABLE`: where it applies and what it picks.
+class Operand:
+  """How a GEMM operand is made from its wide 2-D tensor: Hadamard-transformed
+  along ``axis`` (``hadamard``: the block size, 0 for none), then quantized
+  by ``spec`` along ``axis`` -- of its transpose (``tn``, contraction-last:
+  packed formats, and any operand of a forced native backend) -- or, without
+  a ``spec``, cast to the recipe's compute dtype."""
 
-  ``arch`` is a predicate on the GPU architecture (None when unknown);
-  ``granularity`` and ``kinds`` list what the operands may be (``kinds``:
-  the element formats of both operands must be among them). An ``ffi`` row
-  applies only when the native kernel supports the operands there.
-  """
-
-  platform: str  # "cpu" | "cuda" | "rocm" | "*"
-  arch: str  # description of the predicate, for the report
-  granularity: tuple[str, ...]
-  kinds: tuple[str, ...]
-  backend: str
-  form: str
-  why: str
-  arch_ok: Callable[[str | None], bool] = dataclasses.field(
-      default=lambda arch: True, compare=False, repr=False)
-
-  def matches(self, platform, arch, granularity, kinds) -> bool:
-    return (self.platform in (platform, "*") and self.arch_ok(arch)
-            and granularity in self.granularity
-            and set(kinds) <= set(self.kinds))
-
-
-_ANY = ("fp8", "fp6", "fp4")
-_HOPPER = lambda arch: 90 <= _sm(arch) < 100  # noqa: E731
-_MX_CORES = lambda arch: _sm(arch) >= 100  # noqa: E731
-_GFX950 = lambda arch: arch == "gfx950"  # noqa: E731
-
-TABLE: tuple[Rule, ...] = (
-    # --- CPU: the numerical reference (benchmarks/RESULTS.md for speed).
-    Rule("cpu", "any", ("tensor", "row"), ("fp8",), "xla", "cpu_fp8",
-         "exact BF16 copies of the FP8 payloads + XLA's BF16 dot (FP32 "
-         "accumulation): about twice XLA's FP8 dot, which upcasts to FP32"),
-    Rule("cpu", "any", ("blockwise", "mixed"), _ANY, "xla", "f32_emulation",
-         "FP32 emulation (arbitrary FP32 tile/block scales): about as fast "
-         "as the native kernel on CPU"),
-    Rule("cpu", "any", ("mx",), _ANY, "xla", "cpu_mx",
-         "exact BF16 dequantize (a native pass per operand where it "
-         "applies) + XLA's BF16 dot (FP32 accumulation) beats the native "
-         "MX GEMM on CPU"),
-    # --- NVIDIA.
-    Rule("cuda", "any", ("tensor",), ("fp8",), "xla", "fp8_folded",
-         "FP8 dot_general with both scales folded into cuBLASLt FP8 (or the "
-         "Triton FP8 epilogue), output written in its final dtype",),
-    Rule("cuda", "sm_90", ("row",), ("fp8",), "ffi", "ffi",
-         "cuBLASLt OUTER_VEC_32F row-wise FP8 (sm_90, cuBLAS >= 12.9): the "
-         "only route that folds vector scales", arch_ok=_HOPPER),
-    Rule("cuda", "any", ("row",), ("fp8",), "xla", "fp8_rowwise",
-         "FP8 dot_general with BF16 output and the vector scales applied "
-         "after it: XLA folds no vector scale into the GEMM"),
-    Rule("cuda", "sm_90", ("blockwise",), ("fp8",), "ffi", "ffi",
-         "cuBLASLt VEC128_32F / BLK128x128_32F block-scaled FP8 (sm_90, "
-         "cuBLAS >= 12.9): XLA has no blockwise route", arch_ok=_HOPPER),
-    Rule("cuda", "sm_100+", ("mx",), ("fp8",), "xla", "mx_cudnn",
-         "jax.nn.scaled_matmul -> cuDNN block-scaled MXFP8 GEMM",
-         arch_ok=_MX_CORES),
-    # --- AMD (not compiled here: no ROCm toolchain on the build machine).
-    Rule("rocm", "any", ("tensor",), ("fp8",), "xla", "fp8_folded",
-         "FP8 dot_general with the scales on its output: XLA rewrites it to "
-         "hipBLASLt FP8"),
-    Rule("rocm", "any", ("row",), ("fp8",), "xla", "fp8_rowwise",
-         "FP8 dot_general with BF16 output and the vector scales after it"),
-    Rule("rocm", "gfx950", ("mx",), ("fp8",), "xla", "scaled_dot",
-         "lax.scaled_dot -> hipBLASLt MX GEMM (gfx950, ROCm >= 7)",
-         arch_ok=_GFX950),
-    # Applies once libqlayers_rocm.so's MX handler takes FP6/FP4 payloads;
-    # today's takes e4m3/e5m2 only (_native.supports says so), so MXFP6/MXFP4
-    # fall to the BF16 dequantize below.
-    Rule("rocm", "gfx950", ("mx",), ("fp6", "fp4"), "ffi", "ffi",
-         "hipBLASLt MXFP6/MXFP4 through the native library (gfx950): XLA has "
-         "no FP6/FP4 route", arch_ok=_GFX950),
-    # --- Any other platform, and what is left on the GPUs.
-    Rule("*", "any", ("tensor",), ("fp8",), "xla", "fp8_folded",
-         "FP8 dot_general with both scales folded into its output"),
-    Rule("*", "any", ("row",), ("fp8",), "xla", "fp8_rowwise",
-         "FP8 dot_general with the vector scales after it"),
-    Rule("*", "any", ("mx",), _ANY, "xla", "bf16_dequant",
-         "exact BF16 dequantize (MX values are exact in BF16) + BF16 dot: "
-         "no MX tensor cores, or no XLA route for this format"),
-    Rule("*", "any", ("blockwise", "mixed"), _ANY, "xla", "f32_dequant",
-         "FP32 dequantize (arbitrary FP32 scales are not exact in BF16) + "
-         "dot at default precision (TF32 on NVIDIA GPUs)"),
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class Choice:
-  """The backend and code form of one GEMM on one platform, and why."""
-
-  backend: str
-  form: str
-  why: str
-
-
-def _requested(backend: str | None) -> str | None:
-  requested = backend or os.environ.get("QLAYERS_BACKEND") or None
-  if requested is not None and requested not in BACKENDS:
-    raise ValueError(f"Unknown backend {requested!r}; expected one of "
-                     f"{BACKENDS} (from the backend argument or "
-                     "QLAYERS_BACKEND).")
-  return requested
-
-
-@dataclasses.dataclass(frozen=True)
-class _View:
-  """Shapes and metadata of a `QTensor` as `_contraction_last` would lay it
-  out, without tracing the transposes (what `_native.supports` reads)."""
-
-  payload: jax.ShapeDtypeStruct
-  scale: jax.ShapeDtypeStruct
-  format: str
-  granularity: str
-  block: tuple[int, ...] | None
+  spec: QuantSpec | None
   axis: int
-  shape: tuple[int, ...]
+  tn: bool = False
+  hadamard: int = 0
+
+  @classmethod
+  def make(cls, spec: QuantSpec | None, axis: int, hadamard: int = 0,
+           backend: str | None = None) -> "Operand":
+    """The operand of ``spec`` along ``axis``, contraction-last where its
+    format is packed or the forced ``backend`` wants TN operands."""
+    tn = spec is not None and axis != 1 and (
+        spec.fmt.packed or prefers_contraction_last(spec.granularity,
+                                                    backend))
+    return cls(spec, axis, tn, hadamard)
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemm:
+  """One GEMM of a plan: its two operands (contracted over their ``axis``),
+  the `Choice` per lowering platform, whether it runs through the
+  partitioning rule (`qlayers.partition`: each device its local GEMM, by
+  the name ``local`` of `register_local`), and its output dtype."""
+
+  lhs: Operand
+  rhs: Operand
+  choices: tuple[tuple[str, Choice], ...]
+  partitioned: bool
+  local: str
+  out_dtype: Any
 
   @property
-  def fmt(self):
-    from qlayers import formats  # pylint: disable=g-import-not-at-top
-    return formats.get_format(self.format)
+  def axes(self) -> tuple[int, int]:
+    """The contraction axes of the operands as made (1 where ``tn``)."""
+    return tuple(1 if op.tn else op.axis for op in (self.lhs, self.rhs))
 
 
-def _tn_view(q: QTensor) -> _View:
-  flip = q.axis != 1
-  def shape(x, flip_it):
-    return jax.ShapeDtypeStruct(tuple(reversed(x.shape)) if flip_it else
-                                tuple(x.shape), x.dtype)
-  return _View(shape(q.payload, flip), shape(q.scale, flip and q.scale.ndim == 2),
-               q.format, q.granularity,
-               None if q.block is None else
-               (tuple(reversed(q.block)) if flip else q.block),
-               1 if q.ndim == 2 else q.axis,
-               tuple(reversed(q.shape)) if flip else q.shape)
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Everything decided for one quantized ``x (M, K) @ w (K, N)``.
+
+  ``fprop`` is ``x @ w``, ``dgrad`` ``g @ w.T``, ``wgrad`` ``x.T @ g``.
+  ``save_x``: what Fprop keeps for Wgrad (``"fprop"``: its own copy of x,
+  ``"wgrad"``: a copy quantized for Wgrad now, ``"wide"``: x itself);
+  ``share_w``: Dgrad reuses Fprop's copy of w; ``share_g``: Wgrad reuses
+  Dgrad's copy of g (an axis-free per-tensor copy serves both GEMMs).
+  """
+
+  recipe: Recipe
+  backend: str | None
+  fprop: Gemm
+  dgrad: Gemm
+  wgrad: Gemm
+  save_x: str
+  share_w: bool
+  share_g: bool
 
 
-def _ffi_supports(a, b, platform: str, arch: str | None) -> tuple[bool, str]:
-  """Whether the native kernel takes ``a`` and ``b`` on ``platform`` once
-  they are laid out contraction-last (the ffi form does that)."""
-  native = _native()
-  if native is None:
-    return False, "qlayers._native missing"
-  return native.supports(_tn_view(a), _tn_view(b), platform=platform,
-                         arch=arch)
+def plan(recipe: Recipe, x_shape, x_dtype, w_shape, out_dtype, *,
+         backend: str | None = None) -> Plan:
+  """The `Plan` of ``x (..., K) @ w (K, N)`` under ``recipe``.
 
+  It reads everything that decides a GEMM once: the recipe, the forced
+  backend (``backend``, else ``$QLAYERS_BACKEND``), the platforms the
+  program may be lowered for and their GPU generation (`targets_gpu`,
+  `gpu_arch`), the native libraries loaded, the operand shapes and dtypes
+  and the mesh being traced under.
 
-def choose(a, b, platform: str, arch: str | None = None, *,
-           backend: str | None = None) -> Choice:
-  """The `Choice` for a GEMM of ``a`` and ``b`` lowered for ``platform``.
-
-  ``arch`` is the GPU architecture (see `gpu_arch`; None: unknown). A forced
-  ``ffi`` that cannot run there raises ValueError on a platform this process
-  may lower for (`_active`), and falls back to the table elsewhere.
+  Example:
+    >>> import jax.numpy as jnp, qlayers
+    >>> p = plan(qlayers.recipe("mxfp8"), (4, 64), jnp.float32, (64, 32),
+    ...          jnp.float32)
+    >>> dict(p.fprop.choices)["cpu"].form, p.share_w
+    ('cpu_mx', False)
   """
   requested = _requested(backend)
-  if not isinstance(a, QTensor):
-    return Choice("xla", "wide", "unquantized operands")
-  where = platform + (f" {arch}" if arch else "")
-  if requested == "ffi":
-    ok, why = _ffi_supports(a, b, platform, arch)
-    if ok:
-      return Choice("ffi", "ffi", "forced")
-    if platform == "cpu" or _active(platform):
-      raise ValueError(f"backend 'ffi' was forced but cannot run this GEMM "
-                       f"on {where}: {why}.")
-  gran = _granularity(a, b)
-  kinds = (_kind(a), _kind(b))
-  for rule in TABLE:
-    if not rule.matches(platform, arch, gran, kinds):
-      continue
-    if rule.backend == "ffi":
-      if requested == "xla" or not _ffi_supports(a, b, platform, arch)[0]:
-        continue
-    if requested == "xla":
-      return Choice("xla", rule.form, f"forced; {rule.why}")
-    if requested == "ffi":
-      return Choice("xla", rule.form, f"ffi forced but unavailable on "
-                    f"{where}; {rule.why}")
-    return Choice(rule.backend, rule.form, rule.why)
-  raise ValueError(f"No dispatch rule for {a.granularity} x {b.granularity} "
-                   f"{a.format} x {b.format} operands on {where}.")
+  targets = tuple((p, gpu_arch(p)) for p in PLATFORMS)
+  lowered = PLATFORMS if targets_gpu() else ("cpu",)
+  mesh = sharding.auto_mesh() is not None and not sharding.unpartitioned_now()
+  gather = mesh and sharding.quantized_gather()
+  libraries = tuple(_native.loaded(p) for p in ("cpu", "cuda", "rocm"))
+  m = math.prod(x_shape[:-1])
+  return _plan(recipe, requested, targets, lowered, mesh, gather, libraries,
+               (m, w_shape[0], w_shape[1]), jnp.dtype(x_dtype),
+               jnp.dtype(out_dtype))
 
 
-def _host_platform() -> str:
-  name = jax.default_backend()
-  if name == "gpu":
-    name = jax.devices()[0].platform
-  return name
+def _abstract(op: Operand, shape: tuple[int, int]):
+  """The shapes and metadata of ``op`` made from a ``shape`` tensor."""
+  if op.spec is None:
+    return jax.ShapeDtypeStruct(shape, jnp.float32)
+  key = jax.random.key(0) if op.spec.stochastic else None
+  t = jax.ShapeDtypeStruct(shape[::-1] if op.tn else shape, jnp.float32)
+  q = jax.eval_shape(lambda t: scaling.quantize(
+      t, op.spec, 1 if op.tn else op.axis, key=key), t)
+  return dataclasses.replace(q, transposed=op.tn)
 
 
-def select(a, b, backend: str | None = None,
-           platform: str | None = None) -> tuple[str, str]:
-  """``(backend, reason)`` for a GEMM of ``a`` and ``b`` on ``platform``
-  (default: the host's jax backend)."""
-  platform = platform or _host_platform()
-  c = choose(a, b, platform, gpu_arch(platform), backend=backend)
-  return c.backend, c.why
+def _shares(a: QuantSpec | None, b: QuantSpec | None, requested) -> bool:
+  """One quantized copy serves both specs: an axis-free (per-tensor) scale,
+  in a layout the backend takes for both GEMMs."""
+  return (a is not None and a == b and a.granularity == "tensor"
+          and not a.stochastic
+          and not prefers_contraction_last("tensor", requested))
 
 
-def prefers_contraction_last(granularity: str,
-                             backend: str | None = None) -> bool:
-  """Whether operands of this granularity should be quantized contraction-last
-  (TN layout) before any platform branch: only when the native kernels are
-  forced (they take TN operands on every platform) and exist for it. Where the
-  table picks ``ffi`` by itself, the GPU branch transposes the payload."""
-  if _requested(backend) != "ffi":
-    return False
-  native = _native()
-  if native is None or not native.available():
-    return False
-  return granularity in native.NATIVE_GRANULARITIES
+# Keyed only on its arguments, all explicit values (the loaded native
+# libraries among them, so a library loaded later is seen).
+@functools.lru_cache(maxsize=512)
+def _plan(recipe: Recipe, requested, targets, lowered, mesh: bool,
+          gather: bool, libraries, mkn, x_dtype, out_dtype) -> Plan:
+  del libraries
+  m, k, n = mkn
+  f, d, w = recipe.fprop, recipe.dgrad, recipe.wgrad
+
+  def op(spec, axis, hadamard=0):
+    return Operand.make(spec, axis, hadamard, requested)
+
+  def gemm(lhs, rhs, shapes, out):
+    a, b = _abstract(lhs, shapes[0]), _abstract(rhs, shapes[1])
+    every = {p: choose(a, b, p, arch, backend=requested)
+             for p, arch in targets}
+    partitioned = isinstance(a, QTensor) and mesh and (
+        gather or any(c.backend == "ffi" for c in every.values()))
+    return Gemm(lhs, rhs, tuple((p, every[p]) for p in lowered),
+                partitioned, requested or "default", jnp.dtype(out))
+
+  save_x = "wide"
+  if recipe.save_quantized_wgrad_input and w.lhs is not None:
+    save_x = ("fprop" if _shares(f.lhs, w.lhs, requested) and not w.hadamard
+              else "wgrad")
+  return Plan(
+      recipe, requested,
+      fprop=gemm(op(f.lhs, 1), op(f.rhs, 0), ((m, k), (k, n)), out_dtype),
+      dgrad=gemm(op(d.lhs, 1, d.hadamard), op(d.rhs, 1, d.hadamard),
+                 ((m, n), (k, n)), d.out_dtype or x_dtype),
+      wgrad=gemm(op(w.lhs, 0, w.hadamard), op(w.rhs, 0, w.hadamard),
+                 ((m, k), (m, n)), w.out_dtype or jnp.float32),
+      save_x=save_x,
+      share_w=_shares(f.rhs, d.rhs, requested) and not d.hadamard,
+      share_g=(_shares(d.lhs, w.rhs, requested)
+               and not (w.hadamard or d.hadamard)))
 
 
 # ----------------------------------------------------------------------------
-# The forms
+# Running a GEMM
 
 
-def _dims(a_axis: int, b_axis: int):
-  return (((a_axis,), (b_axis,)), ((), ()))
+def run(step: Gemm, a, b) -> jax.Array:
+  """One GEMM of a `Plan` on its 2-D operands (`QTensor` or wide arrays):
+  ``(free dim of a, free dim of b)`` in ``step.out_dtype``, FP32
+  accumulation. A per-tensor copy made for another GEMM of the plan is
+  relabelled to this one's contraction axis (its scale has no axis)."""
+  a, b = (dataclasses.replace(q, axis=axis)
+          if isinstance(q, QTensor) and q.axis != axis else q
+          for q, axis in zip((a, b), step.axes))
+  if step.partitioned:
+    return partition.gemm(a, b, step.axes, step.out_dtype, step.local)
+  forms = tuple((p, c.form) for p, c in step.choices)
+  if len({form for _, form in forms}) == 1:
+    return FORMS[forms[0][1]](a, b, step.out_dtype, step.axes)
+  return _branches(forms, a, b, step.axes, step.out_dtype)
 
 
-def _scale_vector(q: QTensor) -> jax.Array:
-  """Row-wise scales of a 2-D operand as a vector over its free dim."""
-  if q.granularity == "tensor":
-    return q.scale
-  return jnp.squeeze(q.scale, axis=q.axis)
+def _branches(forms, a, b, axes, out_dtype) -> jax.Array:
+  """One traced branch per distinct form; ``lax.platform_dependent`` keeps
+  the lowering platform's (a single form is called as it is)."""
+  fns: dict[str, Callable] = {}
+  for _, form in forms:
+    fns.setdefault(form, functools.partial(
+        lambda form, a, b: FORMS[form](a, b, out_dtype, axes), form))
+  if len(fns) == 1:
+    return next(iter(fns.values()))(a, b)
+  return lax.platform_dependent(
+      a, b, **{p: fns[form] for p, form in forms})
 
 
-def _outer_scales(a: QTensor, b: QTensor):
-  """``a``'s scales as a column and ``b``'s as a row of the output."""
-  sa, sb = _scale_vector(a), _scale_vector(b)
-  return (sa[:, None] if sa.ndim else sa), (sb[None, :] if sb.ndim else sb)
+def gemm(a, b, *, axes: tuple[int, int], out_dtype,
+         backend: str | None = None) -> jax.Array:
+  """Product of two given 2-D operands contracted over ``axes``.
 
-
-def _dot_f32(a: jax.Array, b: jax.Array, axes: tuple[int, int],
-             **kwargs) -> jax.Array:
-  """2-D ``dot_general`` of ``a`` and ``b`` over ``axes``, FP32 accumulation.
-
-  On CPU, XLA runs a BF16 dot whose lhs contracts its first axis (the weight
-  gradient ``x.T @ g``) as an FP32 dot on upcast copies, at about half the
-  speed of its BF16 kernel (jax 0.10.2; benchmarks/RESULTS.md). Written as a
-  contraction over ``(1, M)``, the same sum gets a physical transpose of
-  ``a`` and the BF16 kernel. The barrier keeps XLA from folding a transpose
-  of the result back into the dot: that form fails at run time
-  ("Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32").
-  Only the CPU branch uses it.
+  ``a`` and ``b`` are both `QTensor` (quantized along their contraction axis)
+  or both plain arrays; the form is chosen per platform from `TABLE` (one
+  branch traced per distinct choice). The GEMMs of a quantized matmul run
+  through their `Plan` instead (`run`); this is the same choice for
+  operands made elsewhere, and the local GEMM of `qlayers.partition`.
   """
-  if (axes[0] == 0 and a.ndim == b.ndim == 2 and a.dtype == jnp.bfloat16
-      and b.dtype == jnp.bfloat16):
-    a3 = a.reshape(1, *a.shape)
-    b3 = b.reshape(*b.shape[:axes[1]], 1, *b.shape[axes[1]:])
-    return lax.optimization_barrier(lax.dot_general(
-        a3, b3, (((0, 1), (axes[1], axes[1] + 1)), ((), ())),
-        preferred_element_type=jnp.float32, **kwargs))
-  return lax.dot_general(a, b, _dims(*axes),
-                         preferred_element_type=jnp.float32, **kwargs)
-
-
-def _wide(a, b, out_dtype, axes):
-  """Unquantized operands: one dot with FP32 accumulation."""
-  out = lax.dot_general(a, b, _dims(*axes), preferred_element_type=jnp.float32)
-  return out.astype(out_dtype)
-
-
-def _cpu_fp8(a, b, out_dtype, axes):
-  """CPU per-tensor / row-wise: XLA's CPU dot upcasts FP8 operands to FP32
-  and runs an FP32 GEMM; BF16 holds every FP8 value exactly and its dot with
-  FP32 accumulation runs at about twice the speed. The product of the two
-  scales is applied once, as the GPU forms do: one scale after the other
-  overflows to Inf near the FP32 range."""
-  pa, pb = a.payload.astype(jnp.bfloat16), b.payload.astype(jnp.bfloat16)
-  out = _dot_f32(pa, pb, axes)
-  sa, sb = _outer_scales(a, b)
-  return (out * (sa * sb)).astype(out_dtype)
-
-
-def _fp8_folded(a, b, out_dtype, axes):
-  """Per-tensor FP8 in the form XLA's GPU GEMM rewriter folds completely.
-
-  ``dot(fp8, fp8, preferred_element_type=out) * (sa * sb)``: cuBLASLt gets
-  the FP32 scale product as its scale operand and writes ``out`` directly;
-  Triton multiplies in its epilogue. A BF16 output is multiplied by the
-  product rounded to BF16, as the HLO says (exact for power-of-two scales).
-  Under XLA's CPU semantics that rounds twice (accumulator to BF16, then
-  the product), which differs from cuBLASLt's single rounding by at most
-  about one BF16 ulp; the CPU branch does not use this form. Other forms
-  (``(dot_f32 * sa * sb).astype(bf16)``, dequantized operands) leave an FP32
-  output and an extra pass (benchmarks/RESULTS.md, "Deviceless GPU
-  compilation").
-  """
-  s = a.scale * b.scale
-  dims = _dims(*axes)
-  pa, pb = _unmerged(a, b)
-  if jnp.dtype(out_dtype) == jnp.float32:
-    return lax.dot_general(pa, pb, dims,
-                           preferred_element_type=jnp.float32) * s
-  out = lax.dot_general(pa, pb, dims, preferred_element_type=out_dtype)
-  return out * s.astype(out_dtype)
-
-
-def _unmerged(a: QTensor, b: QTensor):
-  """The two payloads through one optimization barrier per GEMM.
-
-  XLA:GPU merges dots that share an operand (its DotMerger: the q/k/v
-  projections of one input, gate/up) into one GEMM. Each of ours has its own
-  output scales, so a merged GEMM writes FP32 or unscaled BF16 and the
-  scales take extra passes over its output (benchmarks/RESULTS.md,
-  "Deviceless GPU compilation", block program). Behind the barrier the
-  operands are distinct values and every GEMM keeps its scales; it moves no
-  data.
-  """
-  return lax.optimization_barrier((a.payload, b.payload))
-
-
-def _fp8_rowwise(a, b, out_dtype, axes):
-  """Row-wise FP8 on a GPU without the native kernel: XLA passes no vector
-  scale to cuBLASLt, so the GEMM writes ``out_dtype`` (BF16 for Fprop/Dgrad,
-  which halves the bytes of the pass the scales then take) and the scales
-  follow. Exact for power-of-two row scales; otherwise the accumulator is
-  rounded to ``out_dtype`` before the scales (one extra rounding)."""
-  sa, sb = _outer_scales(a, b)
-  dims = _dims(*axes)
-  pa, pb = _unmerged(a, b)
-  if jnp.dtype(out_dtype) == jnp.float32:
-    out = lax.dot_general(pa, pb, dims, preferred_element_type=jnp.float32)
-    return out * sa * sb
-  out = lax.dot_general(pa, pb, dims, preferred_element_type=out_dtype)
-  return out * (sa * sb).astype(out_dtype)
-
-
-def _cpu_mx(a, b, out_dtype, axes, native: bool = True):
-  """CPU MX: an MX value (at most 4 significant bits times a power of two)
-  is exact in BF16, which has FP32's exponent range.
-
-  Where `native_quantize.dequantizes` both operands (and ``native``), each
-  is one native pass that writes the BF16 copy in the layout of a plain
-  ``(M, K) @ (K, N)`` dot, transposing on the way where the contraction
-  axis is elsewhere; the same bits as XLA's fusion, without a fusion per
-  operand to compile.
-  """
-  if (native and native_quantize.dequantizes(a)
-      and native_quantize.dequantizes(b)):
-    ad = native_quantize.dequantize(a, transpose=axes[0] == 0, cpu_only=True)
-    bd = native_quantize.dequantize(b, transpose=axes[1] == 1, cpu_only=True)
-    return lax.dot_general(ad, bd, _dims(1, 0),
-                           preferred_element_type=jnp.float32
-                           ).astype(out_dtype)
-  ad, bd = a.dequantize(jnp.bfloat16), b.dequantize(jnp.bfloat16)
-  return _dot_f32(ad, bd, axes, precision=lax.Precision.HIGHEST
-                  ).astype(out_dtype)
-
-
-def _f32_emulation(a, b, out_dtype, axes):
-  """CPU reference for arbitrary scales: FP32 dequantize, FP32 dot."""
-  ad, bd = a.dequantize(jnp.float32), b.dequantize(jnp.float32)
-  return _dot_f32(ad, bd, axes, precision=lax.Precision.HIGHEST
-                  ).astype(out_dtype)
-
-
-def _bf16_dequant(a, b, out_dtype, axes):
-  """GPU MX without MX tensor cores: exact BF16 dequantize (XLA fuses it
-  with the quantize that made the payload) and a BF16 dot that writes
-  ``out_dtype`` directly."""
-  ad, bd = a.dequantize(jnp.bfloat16), b.dequantize(jnp.bfloat16)
-  pet = jnp.float32 if jnp.dtype(out_dtype) == jnp.float32 else out_dtype
-  return lax.dot_general(ad, bd, _dims(*axes),
-                         preferred_element_type=pet).astype(out_dtype)
-
-
-def _f32_dequant(a, b, out_dtype, axes):
-  """GPU tiles/blocks without a native kernel: FP32 dequantize and a dot at
-  default precision, which XLA runs in TF32 on NVIDIA GPUs (operands rounded
-  to 10 mantissa bits, below FP8's own 3; not bit-equal to the CPU's FP32)."""
-  ad, bd = a.dequantize(jnp.float32), b.dequantize(jnp.float32)
-  return lax.dot_general(ad, bd, _dims(*axes),
-                         preferred_element_type=jnp.float32).astype(out_dtype)
-
-
-def _contraction_last(q: QTensor) -> QTensor:
-  """The same quantized values laid out ``(free, K)``: a transpose of the
-  payload and scales, relabelled (no requantization)."""
-  if q.axis == 1:
-    return q
-  return dataclasses.replace(
-      q, payload=q.payload.T, scale=q.scale if q.scale.ndim < 2 else q.scale.T,
-      block=None if q.block is None else tuple(reversed(q.block)), axis=1,
-      shape=tuple(reversed(q.shape)), transposed=not q.transposed)
-
-
-def _mx_cudnn(a, b, out_dtype, axes):
-  """MXFP8 on sm_100: ``jax.nn.scaled_matmul`` on 3-D contraction-last
-  operands with E8M0 scales, which XLA lowers to cuDNN's block-scaled GEMM
-  (with Triton GEMMs on or off; ``lax.scaled_dot`` fails with them off)."""
-  del axes
-  qa, qb = _contraction_last(a), _contraction_last(b)
-  e8m0 = lambda q: lax.bitcast_convert_type(q.scale, jnp.float8_e8m0fnu)[None]  # noqa: E731
-  pet = jnp.float32 if jnp.dtype(out_dtype) == jnp.float32 else out_dtype
-  out = jax.nn.scaled_matmul(qa.payload[None], qb.payload[None], e8m0(qa),
-                             e8m0(qb), preferred_element_type=pet)[0]
-  return out[:a.shape[1 - a.axis], :b.shape[1 - b.axis]].astype(out_dtype)
-
-
-def scaled_dot_mx(a: QTensor, b: QTensor, out_dtype) -> jax.Array:
-  """MX FP8 GEMM through ``lax.scaled_dot`` (payloads + E8M0 scale arrays).
-
-  The ROCm gfx950 form (hipBLASLt MX). On NVIDIA GPUs it becomes a Triton
-  kernel that fails to compile with Triton GEMMs off, so CUDA never uses it.
-  It has no transpose rule, which is fine: it only ever runs inside our own
-  custom_vjp.
-  """
-  def e8m0(q):
-    return lax.bitcast_convert_type(q.scale, jnp.float8_e8m0fnu)
-  out = lax.scaled_dot(a.payload, b.payload, lhs_scale=e8m0(a),
-                       rhs_scale=e8m0(b),
-                       dimension_numbers=_dims(a.axis, b.axis),
-                       preferred_element_type=jnp.float32)
-  return out.astype(out_dtype)
-
-
-def _ffi(a, b, out_dtype, axes):
-  """The native kernel (TN operands; the transposes are XLA's)."""
-  del axes
-  return _native().gemm(_contraction_last(a), _contraction_last(b),
-                        out_dtype=out_dtype)
-
-
-FORMS: dict[str, Callable] = {
-    "wide": _wide,
-    "cpu_fp8": _cpu_fp8,
-    "cpu_mx": _cpu_mx,
-    "f32_emulation": _f32_emulation,
-    "fp8_folded": _fp8_folded,
-    "fp8_rowwise": _fp8_rowwise,
-    "bf16_dequant": _bf16_dequant,
-    "f32_dequant": _f32_dequant,
-    "mx_cudnn": _mx_cudnn,
-    "scaled_dot": lambda a, b, out_dtype, axes: scaled_dot_mx(a, b, out_dtype),
-    "ffi": _ffi,
-}
-
-
-def _form(name: str, backend: str | None) -> Callable:
-  """`FORMS` entry ``name``; with the ``xla`` backend forced, XLA ops only
-  (no native dequantize in ``cpu_mx``)."""
-  if name == "cpu_mx" and backend == "xla":
-    return functools.partial(_cpu_mx, native=False)
-  return FORMS[name]
+  if isinstance(a, QTensor) != isinstance(b, QTensor):
+    raise TypeError("gemm operands must both be QTensor or both be arrays.")
+  if isinstance(a, QTensor) and (a.axis, b.axis) != tuple(axes):
+    raise ValueError(f"operands were quantized along axes {(a.axis, b.axis)}"
+                     f" but the GEMM contracts {tuple(axes)}.")
+  platforms = PLATFORMS if targets_gpu() else ("cpu",)
+  forms = tuple((p, choose(a, b, p, gpu_arch(p), backend=backend).form)
+                for p in platforms)
+  return _branches(forms, a, b, tuple(axes), jnp.dtype(out_dtype))
 
 
 def xla_gemm(a, b, out_dtype, axes: tuple[int, int], *,
@@ -626,54 +275,7 @@ def xla_gemm(a, b, out_dtype, axes: tuple[int, int], *,
   """The ``xla`` backend's form for ``platform`` (default: the CPU reference),
   called directly, without a platform branch."""
   c = choose(a, b, platform, arch, backend="xla")
-  return _form(c.form, "xla")(a, b, out_dtype, tuple(axes))
-
-
-def gemm(a, b, *, axes: tuple[int, int], out_dtype,
-         backend: str | None = None) -> jax.Array:
-  """Product of two 2-D operands contracted over ``axes`` (one per operand).
-
-  ``a`` and ``b`` are both `QTensor` (quantized along their contraction axis)
-  or both plain arrays. The result has shape ``(free dim of a, free dim of
-  b)`` and dtype ``out_dtype``; accumulation is FP32. One branch is traced
-  per distinct choice over `PLATFORMS`; the lowering keeps only its own.
-  """
-  if isinstance(a, QTensor) != isinstance(b, QTensor):
-    raise TypeError("gemm operands must both be QTensor or both be arrays.")
-  if isinstance(a, QTensor) and (a.axis, b.axis) != tuple(axes):
-    raise ValueError(f"operands were quantized along axes {(a.axis, b.axis)}"
-                     f" but the GEMM contracts {tuple(axes)}.")
-  axes = tuple(axes)
-  if (isinstance(a, QTensor) and sharding.auto_mesh() is not None
-      and not sharding.unpartitioned_now()
-      and (_chooses_ffi(a, b, backend) or sharding.quantized_gather())):
-    return partition.gemm(a, b, axes, out_dtype, backend or "default")
-  return _dispatched(a, b, axes, out_dtype, backend)
-
-
-def _chooses_ffi(a, b, backend) -> bool:
-  return any(choose(a, b, p, gpu_arch(p), backend=backend).backend == "ffi"
-             for p in PLATFORMS)
-
-
-def _dispatched(a, b, axes, out_dtype, backend) -> jax.Array:
-  """The GEMM on the operands as they are (on one device, or on each
-  device's shards inside `qlayers.partition`)."""
-  # Lowered for CPU only where no GPU can be the target: the other branches
-  # would be traced only to be dropped.
-  platforms = PLATFORMS if targets_gpu() else ("cpu",)
-  forms = {p: choose(a, b, p, gpu_arch(p), backend=backend).form
-           for p in platforms}
-  branches: dict[str, Callable] = {}
-  for form in forms.values():
-    if form not in branches:
-      branches[form] = functools.partial(
-          lambda form, a, b: _form(form, backend)(a, b, out_dtype, axes),
-          form)
-  if len(branches) == 1:
-    return next(iter(branches.values()))(a, b)
-  return lax.platform_dependent(
-      a, b, **{p: branches[form] for p, form in forms.items()})
+  return FORMS[c.form](a, b, out_dtype, tuple(axes))
 
 
 # The partitioning rule calls the local GEMM by name (a hashable static
@@ -681,8 +283,8 @@ def _dispatched(a, b, axes, out_dtype, backend) -> jax.Array:
 for _name in ("default",) + BACKENDS:
   partition.register_local(
       _name, functools.partial(
-          lambda backend, a, b, axes, out_dtype: _dispatched(
-              a, b, axes, out_dtype, backend),
+          lambda backend, a, b, axes, out_dtype: gemm(
+              a, b, axes=axes, out_dtype=out_dtype, backend=backend),
           None if _name == "default" else _name))
 
 
@@ -696,7 +298,6 @@ REPORT_TARGETS = (("cpu", None), ("cuda", "sm_90"), ("cuda", "sm_100"),
 
 def _recipe_choices(recipe, platform: str, arch: str | None) -> dict:
   """Backend, form and reason per GEMM of a recipe on a 256x256 layer."""
-  from qlayers import scaling  # pylint: disable=g-import-not-at-top
   out = {}
   for name, gemm_recipe, axes in (("fprop", recipe.fprop, (1, 0)),
                                   ("dgrad", recipe.dgrad, (1, 1)),
@@ -707,9 +308,7 @@ def _recipe_choices(recipe, platform: str, arch: str | None) -> dict:
       continue
     def q(spec, axis):
       last = spec.fmt.packed or prefers_contraction_last(spec.granularity)
-      key = jax.random.key(0) if spec.stochastic else None
-      return jax.eval_shape(lambda: scaling.quantize(
-          jnp.zeros((256, 256)), spec, 1 if last else axis, key=key))
+      return _abstract(Operand(spec, axis, axis != 1 and last), (256, 256))
     qa, qb = q(lhs, axes[0]), q(rhs, axes[1])
     try:
       c = choose(qa, qb, platform, arch)
@@ -723,22 +322,18 @@ def report() -> dict:
   """What is available, and which backend each named recipe's GEMMs use.
 
   ``chosen`` is for the host platform and its Fprop; ``targets`` has every
-  GEMM of every recipe for each of `REPORT_TARGETS` (``"cuda sm_90"``, ...);
-  ``native_quantize`` says whether a program lowered for CPU now runs the
-  native kernels of `qlayers.native_quantize` (FP8 and MXFP8 quantize, the
-  MXFP8 GEMM's BF16 operands, delayed scaling), and if not, why.
+  GEMM of every recipe for each of `REPORT_TARGETS` (``"cuda sm_90"``, ...).
 
   Example:
     >>> import qlayers
     >>> info = qlayers.backends()
     >>> sorted(info)
-    ['available', 'chosen', 'ffi_build', 'forced', 'native_quantize', 'platform', 'targets']
+    ['available', 'chosen', 'ffi_build', 'forced', 'platform', 'targets']
     >>> info["targets"]["cuda sm_100"]["mxfp8"]["fprop"]["form"]
     'mx_cudnn'
   """
   from qlayers.recipe import available_recipes, recipe as load  # pylint: disable=g-import-not-at-top
-  native = _native()
-  ffi_ok = bool(native and native.available())
+  ffi_ok = _native.available()
   host = _host_platform()
   recipes = {name: load(name) for name in available_recipes()}
   chosen = {}
@@ -750,15 +345,10 @@ def report() -> dict:
     key = platform + (f" {arch}" if arch else "")
     targets[key] = {name: _recipe_choices(r, platform, arch)
                     for name, r in recipes.items()}
-  from qlayers import scaling  # pylint: disable=g-import-not-at-top
-  used, why = native_quantize.applies(
-      jax.ShapeDtypeStruct((256, 256), jnp.bfloat16),
-      scaling.QuantSpec(format="e4m3", granularity="tensor"))
   return {
       "platform": host,
       "available": {"xla": True, "ffi": ffi_ok},
-      "native_quantize": {"cpu": used, "why": why},
-      "ffi_build": native.build_info() if native else "qlayers._native missing",
+      "ffi_build": _native.build_info(),
       "forced": os.environ.get("QLAYERS_BACKEND"),
       "chosen": chosen,
       "targets": targets,

@@ -9,8 +9,9 @@
 
 Each operand is quantized from the high-precision tensor along the
 contraction dim of the GEMM that consumes it (a per-tensor quantized copy is
-shared between GEMMs, since its scale does not depend on the axis).
-Accumulation is FP32; Fprop/Dgrad outputs are in the compute dtype, the
+shared between GEMMs, since its scale does not depend on the axis). All of
+that, and the kernel form of each GEMM, is decided once per call by
+`qlayers.dispatch.plan`; the custom_vjp executes the plan. Accumulation is FP32; Fprop/Dgrad outputs are in the compute dtype, the
 weight gradient in the weight's dtype (FP32 masters).
 
 Delayed scaling keeps a `scaling.ScaleState` per operand role ``x``, ``w``,
@@ -24,8 +25,8 @@ it leaves as the *cotangent of ``state["g"].amax``*, which a training step
 writes back exactly (`qlayers.value_and_grad` and `qlayers.Optimizer` do).
 Held in an extended dtype whose addition is ``max`` while differentiating (as
 `qlayers.value_and_grad` does), the cotangents of several uses of one layer
-combine by max, not sum. Once per step `update_scales` writes ``amax`` into
-the history and clears it.
+combine by max, not sum. Once per step `qlayers.update_scales` writes
+``amax`` into the history and clears it.
 
 Under a mesh every amax is the amax of the whole tensor (see
 `qlayers.sharding`): XLA reduces over shards under jit, ``lax.pmax`` does it
@@ -35,34 +36,39 @@ region whose outputs get ``lax.dot_general``'s explicit-mode shardings.
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
+import contextvars
 import functools
 import math
-import os
 import warnings
+from typing import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from jax.sharding import PartitionSpec as P
 
 from qlayers import dispatch
-from qlayers import hadamard
-from qlayers import native_quantize
 from qlayers import scaling
 from qlayers import sharding
+from qlayers.dispatch import Plan
+from qlayers.operands import (  # noqa: F401  (re-exported)
+    delayed_amax, fake_quant_matmul, like, operand, to_f32)
 from qlayers.recipe import Recipe, recipe as load_recipe
-from qlayers.scaling import QuantSpec, QTensor, ScaleState
+from qlayers.scaling import ScaleState
 
 __all__ = [
     "ROLES",
     "init_state",
-    "update_scales",
+    "default_out_dtype",
+    "delayed_amax",
+    "to_f32",
+    "operand",
     "quantized_matmul",
     "quantized_dot_general",
     "dot_general",
+    "intercept",
     "fake_quant_matmul",
 ]
 
@@ -86,114 +92,8 @@ def init_state(recipe: Recipe | str, batch_shape: tuple[int, ...] = ()
           for role in ROLES}
 
 
-def update_scales(state: dict[str, ScaleState]) -> dict[str, ScaleState]:
-  """Ends a step for every role (see `scaling.update_scales`).
-
-  Call once per optimizer step (`qlayers.Optimizer` does, through
-  `qlayers.update_scales`).
-  """
-  return {role: scaling.update_scales(st) for role, st in state.items()}
-
-
 # ----------------------------------------------------------------------------
 # Helpers
-
-
-def _to_f32(v):
-  """Reads state that may be held in an extended (max-combining) dtype."""
-  if jax.dtypes.issubdtype(v.dtype, jax.dtypes.extended):
-    return lax.convert_element_type(v, jnp.float32)
-  return v
-
-
-def _like(v, dtype):
-  """``v`` (FP32) in ``dtype`` (FP32 or an extended dtype over FP32)."""
-  if v.dtype == dtype:
-    return v
-  return lax.convert_element_type(v, dtype)
-
-
-def _delayed(t, st: ScaleState, recipe: Recipe, backend=None):
-  """(amax to scale ``t`` by now, updated running amax) for one role."""
-  st = ScaleState(*map(_to_f32, st))
-  current = sharding.global_amax(native_quantize.amax(t, backend=backend), t)
-  stored = None
-  if recipe.amax_compute_algo == "max":
-    stored = native_quantize.history_max(st.amax_history, backend=backend)
-  return scaling.delayed_amax(st, current, recipe.amax_compute_algo, stored)
-
-
-def _delayed_operand(t, st: ScaleState, spec, axis, key, recipe: Recipe,
-                     backend=None, rows: bool = True, hadamard: int = 0):
-  """One delayed role's use: (`_operand_rows` of ``t``, or `_operand` of a
-  2-D ``t`` without ``rows``, the amax it was scaled by, the updated running
-  amax). One native kernel where it applies: a per-tensor copy of ``t`` as
-  it is (no transpose, Hadamard transform or shard), unstacked state."""
-  st = ScaleState(*map(_to_f32, st))
-  if (spec is not None and not hadamard
-      and not _transposes(spec, axis, backend)
-      and not sharding.varying_axes(t)
-      and native_quantize.fuses_delayed(t, spec, st.amax_history,
-                                        recipe.amax_compute_algo, backend)):
-    q, use, running = native_quantize.quantize_delayed(
-        t, spec, st.amax_history, st.amax, -1 if rows else axis,
-        backend=backend)
-    return (_as_rows(q, axis) if rows else q), use, running
-  use, running = _delayed(t, st, recipe, backend)
-  if rows:
-    return (_operand_rows(t, spec, axis, use, key, recipe, backend, hadamard),
-            use, running)
-  return _operand(t, spec, axis, use, key, recipe, backend), use, running
-
-
-def _transposes(spec: QuantSpec, axis: int, backend=None) -> bool:
-  """Packed formats, and operands for a TN-only backend, go contraction-last."""
-  return axis != 1 and (spec.fmt.packed or dispatch.prefers_contraction_last(
-      spec.granularity, backend))
-
-
-def _quantize(t, spec: QuantSpec, axis: int, amax=None, key=None,
-              backend=None) -> QTensor:
-  """Quantizes a 2-D operand along ``axis`` (transposed first if needed)."""
-  if _transposes(spec, axis, backend):
-    q = _quantize_2d(t.T, spec, 1, amax, key, backend)
-    return dataclasses.replace(q, transposed=True)
-  return _quantize_2d(t, spec, axis, amax, key, backend)
-
-
-def _quantize_2d(t, spec: QuantSpec, axis: int, amax, key, backend):
-  if key is None:  # the native kernel where it applies (CPU, per tensor)
-    return native_quantize.quantize(t, spec, axis, tensor_amax=amax,
-                                    backend=backend)
-  return scaling.quantize(t, spec, axis, tensor_amax=amax, key=key)
-
-
-def _along(q, axis: int):
-  """Operand ``q`` contracted over ``axis`` of the original 2-D layout.
-
-  A copy made in that layout is relabelled (a per-tensor scale serves any
-  axis); a transposed copy already has its contraction axis last.
-  """
-  if not isinstance(q, QTensor):
-    return q, axis
-  if q.granularity == "tensor" and not q.transposed and q.axis != axis:
-    q = dataclasses.replace(q, axis=axis)
-  return q, q.axis
-
-
-def _run(a, b, axes, out_dtype, backend):
-  (a, ca), (b, cb) = _along(a, axes[0]), _along(b, axes[1])
-  return dispatch.gemm(a, b, axes=(ca, cb), out_dtype=out_dtype,
-                       backend=backend)
-
-
-def _shares(spec_a: QuantSpec | None, spec_b: QuantSpec | None,
-            backend=None) -> bool:
-  """True when one quantized copy can serve both specs: an axis-free
-  (per-tensor) scale, in a layout the backend takes for both GEMMs."""
-  return (spec_a is not None and spec_a == spec_b
-          and spec_a.granularity == "tensor" and not spec_a.stochastic
-          and not dispatch.prefers_contraction_last("tensor", backend))
 
 
 def _keys(key, n):
@@ -202,84 +102,20 @@ def _keys(key, n):
   return tuple(jax.random.split(key, n))
 
 
-def _data_key(t):
-  """A PRNG key derived from the bits of ``t`` (for stateless callers)."""
-  bits = lax.bitcast_convert_type(jnp.sum(t.astype(jnp.float32)), jnp.uint32)
-  return jax.random.key(bits)
-
-
-def _operand(t, spec, axis, amax, key, recipe: Recipe, backend=None):
-  """Quantized copy, or ``t`` in the compute dtype when ``spec`` is None."""
-  if spec is None:
-    return t.astype(recipe.dtype)
-  if spec.stochastic and key is None:
-    key = _data_key(t)
-  if amax is None and spec.granularity == "tensor" and sharding.varying_axes(t):
-    # A shard_map shard: scale by the whole tensor's amax.
-    amax = sharding.global_amax(native_quantize.amax(t, backend=backend), t)
-  return _quantize(t, spec, axis, amax=amax,
-                   key=key if spec.stochastic else None, backend=backend)
-
-
-def _rows(t):
-  """``t (..., K)`` as ``(M, K)``."""
-  return t if t.ndim == 2 else t.reshape(-1, t.shape[-1])
-
-
-def _operand_rows(t, spec, axis, amax, key, recipe: Recipe, backend=None,
-                  hadamard: int = 0):
-  """`_operand` of ``_rows(t)`` for ``t (..., C)``, Hadamard-transformed
-  along ``axis`` of the rows first when ``hadamard`` is set.
-
-  An elementwise quantization (per tensor, in the layout given: no
-  transpose) is made of ``t`` itself and only its payload is flattened, so
-  the GEMM's reshape does not sit between the caller's ops and the
-  quantize chain (XLA's simplifier then moves it through that chain one op
-  per round). Other granularities and layouts quantize ``_rows(t)``.
-  """
-  if t.ndim == 2 or spec is None or spec.granularity != "tensor" or (
-      _transposes(spec, axis, backend) or spec.stochastic or hadamard):
-    if spec is None:
-      return _rows(t.astype(recipe.dtype))
-    return _operand(_transformed(_rows(t), hadamard, axis), spec, axis, amax,
-                    key, recipe, backend)
-  if amax is None and sharding.varying_axes(t):
-    amax = sharding.global_amax(native_quantize.amax(t, backend=backend),
-                                t)  # see `_operand`
-  return _as_rows(native_quantize.quantize(t, spec, -1, tensor_amax=amax,
-                                           backend=backend), axis)
-
-
-def _as_rows(q: QTensor, axis: int) -> QTensor:
-  """A per-tensor copy of ``t (..., C)`` as the operand ``_rows(t)``
-  contracted over ``axis``: only the payload is flattened."""
-  rows = _rows(q.payload)
-  return dataclasses.replace(q, payload=rows, axis=axis, shape=rows.shape)
-
-
-def _transformed(t, size: int, axis: int):
-  """A gradient-GEMM operand, Hadamard-transformed along its contraction
-  ``axis`` when ``size`` is set (see `qlayers.hadamard`)."""
-  return hadamard.transform(t, size, axis=axis) if size else t
-
-
 def _values(tree):
   """The primal values of a tree of `CustomVJPPrimal` (see `_qmm_fwd`)."""
   return jax.tree.map(lambda p: p.value, tree,
                       is_leaf=lambda p: isinstance(p, CustomVJPPrimal))
 
 
-_warned_uncollected = False
-
-
 def _warn_if_gradient_amax_lost(recipe: Recipe, x, w, state) -> None:
-  """Warns once when a delayed layer is differentiated but its gradient amax
-  is not (so the gradient's delayed scale could never move)."""
-  global _warned_uncollected
-  if (_warned_uncollected or not recipe.delayed
-      or not (x.perturbed or w.perturbed) or state["g"].amax.perturbed):
+  """Warns when a delayed GEMM is differentiated without its gradient amax
+  (so the gradient's delayed scale could never move). Each trace warns;
+  Python's warning filters show it once per location unless told
+  otherwise (``warnings.simplefilter("always")``)."""
+  if (not recipe.delayed or not (x.perturbed or w.perturbed)
+      or state["g"].amax.perturbed):
     return
-  _warned_uncollected = True
   warnings.warn(
       f"A layer with the delayed-scaling recipe {recipe.name!r} is being "
       "differentiated without its gradient amax (QuantGradState): the "
@@ -291,7 +127,7 @@ def _warn_if_gradient_amax_lost(recipe: Recipe, x, w, state) -> None:
 
 
 # ----------------------------------------------------------------------------
-# The custom_vjp core on x (..., K) and w (K, N)
+# The custom_vjp core on x (..., K) and w (K, N), executing a Plan
 #
 # ``dtypes`` (static) is ``(x dtype, w dtype, vma, x shape)``: the backward
 # rule returns the input gradients in the primal shapes and dtypes. ``vma``
@@ -302,108 +138,82 @@ def _warn_if_gradient_amax_lost(recipe: Recipe, x, w, state) -> None:
 # gradient role's running amax.
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _qmm(recipe, backend, out_dtype, dtypes, x, w, state, key):
-  y, new_state, _ = _qmm_forward(recipe, backend, out_dtype, x, w, state, key)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _qmm(plan: Plan, dtypes, x, w, state, key):
+  y, new_state, _ = _qmm_forward(plan, x, w, state, key)
   return y, new_state
 
 
-def _qmm_forward(recipe: Recipe, backend, out_dtype, x, w, state, key):
-  fx, fw = recipe.fprop.lhs, recipe.fprop.rhs
-  wx = recipe.wgrad.lhs
+def _qmm_forward(plan: Plan, x, w, state, key):
+  recipe, fprop = plan.recipe, plan.fprop
   kx, kw, kwx, kb = _keys(key, 4)
   ax = aw = None
   new_state = state
   if recipe.delayed:
-    qx, ax, run_x = _delayed_operand(x, state["x"], fx, 1, kx, recipe,
-                                     backend)
-    qw, aw, run_w = _delayed_operand(w, state["w"], fw, 0, kw, recipe,
-                                     backend, rows=False)
+    ax, run_x = delayed_amax(x, state["x"], recipe)
+    aw, run_w = delayed_amax(w, state["w"], recipe)
     new_state = {
-        "x": state["x"]._replace(amax=_like(run_x, state["x"].amax.dtype)),
-        "w": state["w"]._replace(amax=_like(run_w, state["w"].amax.dtype)),
+        "x": state["x"]._replace(amax=like(run_x, state["x"].amax.dtype)),
+        "w": state["w"]._replace(amax=like(run_w, state["w"].amax.dtype)),
         "g": state["g"]}
-  else:
-    qx = _operand_rows(x, fx, 1, ax, kx, recipe, backend)
-    qw = _operand(w, fw, 0, aw, kw, recipe, backend)
-  y = _run(qx, qw, (1, 0), out_dtype, backend)
+  qx = operand(x, fprop.lhs, amax=ax, key=kx, dtype=recipe.dtype)
+  qw = operand(w, fprop.rhs, amax=aw, key=kw, dtype=recipe.dtype)
+  y = dispatch.run(fprop, qx, qw)
   y = y.reshape(*x.shape[:-1], y.shape[-1])
 
-  # What Wgrad needs of x: the Fprop copy when it is axis-free, a copy
-  # quantized along M now (from the wide x, Hadamard-transformed if the
-  # recipe says so), or the wide x itself.
-  rht = recipe.wgrad.hadamard
-  if recipe.save_quantized_wgrad_input and wx is not None:
-    if _shares(fx, wx, backend) and not rht:
-      x_saved = qx
-    else:
-      x_saved = _operand_rows(x, wx, 0, ax, kwx, recipe, backend, rht)
+  # What Wgrad needs of x (see `Plan.save_x`), named so a remat policy
+  # (save_only_these_names) can keep just this.
+  if plan.save_x == "fprop":
+    x_saved = qx
+  elif plan.save_x == "wgrad":
+    x_saved = operand(x, plan.wgrad.lhs, amax=ax, key=kwx,
+                      dtype=recipe.dtype)
   else:
     x_saved = x
-  w_saved = (qw if _shares(fw, recipe.dgrad.rhs, backend)
-             and not recipe.dgrad.hadamard else w)
-  # Named, so a remat policy (save_only_these_names) can keep just this.
   x_saved = jax.tree.map(lambda t: checkpoint_name(t, WGRAD_INPUT_NAME),
                          x_saved)
+  w_saved = qw if plan.share_w else w
   g_state = state["g"] if recipe.delayed else None
-  res = (x_saved, w_saved, ax, aw, g_state, kb)
-  return y, new_state, res
+  return y, new_state, (x_saved, w_saved, ax, aw, g_state, kb)
 
 
-def _qmm_fwd(recipe, backend, out_dtype, dtypes, x, w, state, key):
-  del dtypes
+def _qmm_fwd(plan: Plan, dtypes, x, w, state, key):
   if state is not None:
-    _warn_if_gradient_amax_lost(recipe, x, w, state)
-  y, new_state, res = _qmm_forward(recipe, backend, out_dtype, x.value,
-                                   w.value, _values(state), _values(key))
+    _warn_if_gradient_amax_lost(plan.recipe, x, w, state)
+  del dtypes
+  y, new_state, res = _qmm_forward(plan, x.value, w.value,
+                                   _values(state), _values(key))
   return (y, new_state), res
 
 
-def _qmm_bwd(recipe: Recipe, backend, out_dtype, dtypes, res, cts):
-  del out_dtype
+def _qmm_bwd(plan: Plan, dtypes, res, cts):
   x_dtype, w_dtype, (x_vma, w_vma), x_shape = dtypes
   x_saved, w_saved, ax, aw, g_state, key = res
   g, _ = cts
   if isinstance(g, SymbolicZero):  # the output is not used
     return None, None, None, None
-  dg, dw_gemm = recipe.dgrad, recipe.wgrad
+  recipe, dgrad, wgrad = plan.recipe, plan.dgrad, plan.wgrad
   kd, kwg = _keys(key, 2)
-
-  ag = None
-  state_ct = None
-  # Dgrad: dx = g @ w.T, contracted over N (both Hadamard-transformed along
-  # N first if the recipe says so: (g Q.T) @ (w Q.T).T = g @ w.T).
-  rht_n = dg.hadamard
+  ag = state_ct = None
   if recipe.delayed:
-    qg, ag, run_g = _delayed_operand(g, g_state, dg.lhs, 1, kd, recipe,
-                                     backend, hadamard=rht_n)
+    ag, run_g = delayed_amax(g, g_state, recipe)
     # Only the gradient role's running amax leaves the backward pass; the
     # forward roles left through the output.
     state_ct = {"x": None, "w": None,
-                "g": ScaleState(None, _like(run_g, g_state.amax.dtype))}
-  else:
-    qg = _operand_rows(g, dg.lhs, 1, ag, kd, recipe, backend, rht_n)
-  if isinstance(w_saved, QTensor):
-    qw = w_saved
-  else:
-    qw = _operand(_transformed(w_saved, rht_n, 1), dg.rhs, 1, aw, None,
-                  recipe, backend)
-  dx = _run(qg, qw, (1, 1), dg.out_dtype or x_dtype, backend)
-  dx = dx.reshape(x_shape)
-
+                "g": ScaleState(None, like(run_g, g_state.amax.dtype))}
+  # Dgrad: dx = g @ w.T, contracted over N (both Hadamard-transformed along
+  # N first if the recipe says so: (g Q.T) @ (w Q.T).T = g @ w.T).
+  qg = operand(g, dgrad.lhs, amax=ag, key=kd, dtype=recipe.dtype)
+  qw = w_saved if plan.share_w else operand(w_saved, dgrad.rhs, amax=aw,
+                                            dtype=recipe.dtype)
+  dx = dispatch.run(dgrad, qg, qw).reshape(x_shape)
   # Wgrad: dw = x.T @ g, contracted over M (both Hadamard-transformed along
   # M first if the recipe says so: (Qx).T @ (Qg) = x.T @ g).
-  rht = dw_gemm.hadamard
-  if isinstance(x_saved, QTensor):
-    qx = x_saved
-  else:
-    qx = _operand_rows(x_saved, dw_gemm.lhs, 0, ax, None, recipe, backend,
-                       rht)
-  if _shares(dg.lhs, dw_gemm.rhs, backend) and not (rht or rht_n):
-    qg_w = qg
-  else:
-    qg_w = _operand_rows(g, dw_gemm.rhs, 0, ag, kwg, recipe, backend, rht)
-  dw = _run(qx, qg_w, (0, 0), dw_gemm.out_dtype or jnp.float32, backend)
+  qx = x_saved if plan.save_x != "wide" else operand(
+      x_saved, wgrad.lhs, amax=ax, dtype=recipe.dtype)
+  qg_w = qg if plan.share_g else operand(g, wgrad.rhs, amax=ag, key=kwg,
+                                         dtype=recipe.dtype)
+  dw = dispatch.run(wgrad, qx, qg_w)
   dx = sharding.sum_over_broadcast(dx, x_vma)
   dw = sharding.sum_over_broadcast(dw, w_vma)
   return dx.astype(x_dtype), dw.astype(w_dtype), state_ct, None
@@ -416,7 +226,7 @@ _qmm.defvjp(_qmm_fwd, _qmm_bwd, symbolic_zeros=True)
 # Public entry points
 
 
-def _default_out_dtype(recipe: Recipe, x_dtype):
+def default_out_dtype(recipe: Recipe, x_dtype):
   """The recipe's Fprop out_dtype, else ``x``'s dtype unless it is narrower
   than 16 bits (an FP8 input must not make an FP8 output), else the recipe's
   compute dtype."""
@@ -429,7 +239,7 @@ def _default_out_dtype(recipe: Recipe, x_dtype):
 def quantized_matmul(x: jax.Array, w: jax.Array, recipe: Recipe | str,
                      state: dict[str, ScaleState] | None = None, *,
                      key: jax.Array | None = None,
-                     out_dtype=None, backend: str | None = None):
+                     out_dtype=None, backend: str | None = None, site=None):
   """``x @ w`` with every GEMM of forward and backward quantized by ``recipe``.
 
   A recipe that quantizes nothing (``"bf16"``) runs the same three GEMMs on
@@ -445,7 +255,10 @@ def quantized_matmul(x: jax.Array, w: jax.Array, recipe: Recipe | str,
     key: PRNG key for stochastic rounding (derived from the data if omitted).
     out_dtype: output dtype (default: the recipe's Fprop out_dtype, else
       ``x.dtype`` when it has 16 bits or more, else the compute dtype).
-    backend: force a GEMM backend (``xla`` or ``ffi``).
+    backend: force a GEMM backend (``xla`` or ``ffi``): an input of the
+      GEMM's plan (`qlayers.dispatch.plan`).
+    site: what `intercept` is told the call comes from (a layer's
+      `qlayers.QuantGemm`); None: never intercepted.
 
   Returns:
     ``(y, new_state)``: ``y`` of shape ``(..., N)``; ``new_state`` has the
@@ -470,7 +283,7 @@ def quantized_matmul(x: jax.Array, w: jax.Array, recipe: Recipe | str,
   for name, t in (("x", x), ("w", w)):
     if not jnp.issubdtype(t.dtype, jnp.floating):
       raise TypeError(f"{name} must be floating point, got {t.dtype}.")
-  out_dtype = jnp.dtype(out_dtype or _default_out_dtype(recipe, x.dtype))
+  out_dtype = jnp.dtype(out_dtype or default_out_dtype(recipe, x.dtype))
   if recipe.delayed:
     if state is None:
       raise ValueError(f"Recipe {recipe.name!r} uses delayed scaling and "
@@ -482,55 +295,57 @@ def quantized_matmul(x: jax.Array, w: jax.Array, recipe: Recipe | str,
   if math.prod(lead) == 0 or n == 0 or w.shape[0] == 0:
     # Nothing to multiply (an empty batch): no amax to take, state unchanged.
     return jnp.zeros((*lead, n), out_dtype), state
+  if site is not None and _INTERCEPT.get() is not None:
+    return _INTERCEPT.get()(site, x, w, recipe, state, key=key,
+                            out_dtype=out_dtype, backend=backend)
   dtypes = (x.dtype, w.dtype,
             (sharding.varying_axes(x), sharding.varying_axes(w)), x.shape)
+  plan = dispatch.plan(recipe, x.shape, x.dtype, w.shape, out_dtype,
+                       backend=backend)
 
-  def run(x, w, state, key):
-    return _qmm(recipe, backend, out_dtype, dtypes, x, w, state, key)
-
-  if _traces_once(recipe, dtypes, key):
-    return _qmm_traced_once(recipe, backend, out_dtype, dtypes,
-                            _trace_settings(), x, w, state, key)
-  if sharding.explicit_axes():
-    y_spec = sharding.dot_spec(sharding.spec_of(x)[:-1],
-                               sharding.spec_of(w)[1:])
-    run = sharding.auto_region(run, (y_spec, _replicated_specs(state)))
+  if not sharding.explicit_axes():
+    return _qmm(plan, dtypes, x, w, state, key)
+  y_spec = sharding.dot_spec(sharding.spec_of(x)[:-1], sharding.spec_of(w)[1:])
+  run = sharding.auto_region(functools.partial(_qmm, plan, dtypes),
+                             (y_spec, _replicated_specs(state)))
   return run(x, w, state, key)
 
 
-def _traces_once(recipe: Recipe, dtypes, key) -> bool:
-  """Whether the GEMM is traced once per distinct signature
-  (`_qmm_traced_once`): for CPU programs only (XLA:GPU fuses the quantize
-  of an operand behind the boundary differently: the deviceless sm_90
-  MXFP8 step gained separate convert/reduce passes), outside any mesh,
-  shard_map or explicit sharding, whose context a cached trace would not
-  see, and not with stochastic rounding keyed by the data (`_data_key`: a
-  sum whose rounding would then follow the fused program's order, not the
-  caller's op-by-op one)."""
-  data_keyed = key is None and any(
-      s is not None and s.stochastic for s in recipe.specs().values())
-  return (not data_keyed and not dispatch.targets_gpu()
-          and not any(dtypes[2]) and not sharding.explicit_axes()
-          and sharding.auto_mesh() is None)
+# The function `intercept` routes quantized matmuls with a ``site`` to.
+_INTERCEPT: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
+    "qlayers_ops_intercept", default=None)
 
 
-def _trace_settings() -> tuple:
-  """What else a trace of the GEMM reads: the ``QLAYERS_*`` switches (the
-  forced backend, the native kernels, the GPU generation) and the device
-  count. Part of `_qmm_traced_once`'s cache key."""
-  return (tuple(sorted((k, v) for k, v in os.environ.items()
-                       if k.startswith("QLAYERS_"))), jax.device_count())
+@contextlib.contextmanager
+def intercept(fn: Callable) -> Iterator[None]:
+  """Inside the block, every `quantized_matmul` called with a ``site`` (the
+  `qlayers.QuantGemm` of a layer passes itself) runs
+  ``fn(site, x, w, recipe, state, *, key, out_dtype, backend)`` instead; a
+  call without ``site`` (as ``fn`` makes to run the GEMM) is not routed.
+  `qlayers.inspect` measures a model's GEMMs this way; outside the block
+  nothing changes. Blocks do not nest.
 
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
-def _qmm_traced_once(recipe, backend, out_dtype, dtypes, settings, x, w,
-                     state, key):
-  """`_qmm` behind a jit boundary: a model's layers of one shape and recipe
-  (SmolLM2's 30 blocks) share one trace of the forward and backward GEMMs,
-  their partial evaluation and transpose, and one lowered function, which
-  XLA inlines again (the optimized program is the same)."""
-  del settings  # a cache key only
-  return _qmm(recipe, backend, out_dtype, dtypes, x, w, state, key)
+  Example:
+    >>> import jax.numpy as jnp, qlayers
+    >>> from flax import nnx
+    >>> seen = []
+    >>> def fn(site, x, w, recipe, state, **kw):
+    ...   seen.append(recipe.name)
+    ...   return quantized_matmul(x, w, recipe, state, **kw)
+    >>> layer = qlayers.QuantDense(64, 8, recipe="mxfp8", rngs=nnx.Rngs(0))
+    >>> with intercept(fn):
+    ...   _ = layer(jnp.ones((2, 64)))
+    >>> seen
+    ['mxfp8']
+  """
+  if _INTERCEPT.get() is not None:
+    raise RuntimeError("qlayers.ops.intercept is already active; its blocks "
+                       "do not nest.")
+  token = _INTERCEPT.set(fn)
+  try:
+    yield
+  finally:
+    _INTERCEPT.reset(token)
 
 
 def _replicated_specs(state):
@@ -558,7 +373,7 @@ def quantized_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
                           state: dict[str, ScaleState] | None = None, *,
                           preferred_element_type=None,
                           key: jax.Array | None = None,
-                          backend: str | None = None, matmul=None):
+                          backend: str | None = None, site=None):
   """`lax.dot_general` of ``lhs`` and ``rhs``, quantized by ``recipe``.
 
   Any dimension numbers lower to the 2-D op: ``lhs``'s free dims then its
@@ -568,13 +383,12 @@ def quantized_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
   each batch entry (each entry its own GEMM with its own scales), which a
   delayed recipe's single state cannot do, so it refuses them.
 
-  ``matmul`` replaces `quantized_matmul` as the 2-D op (same signature).
+  ``site`` is passed on to `quantized_matmul` (see `intercept`).
 
   Returns:
     ``(out, new_state)`` as `quantized_matmul`.
   """
   recipe = load_recipe(recipe)
-  matmul = matmul or quantized_matmul
   (lc, rc), (lb, rb) = dimension_numbers
   lc, rc, lb, rb = map(tuple, (lc, rc, lb, rb))
   if len(lc) != len(rc) or len(lb) != len(rb):
@@ -589,7 +403,8 @@ def quantized_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
     def run(lhs, rhs, state, key):
       return quantized_dot_general(
           lhs, rhs, dimension_numbers, recipe, state,
-          preferred_element_type=out_dtype, key=key, backend=backend)
+          preferred_element_type=out_dtype, key=key, backend=backend,
+          site=site)
     run = sharding.auto_region(run, (y_spec, _replicated_specs(state)))
     return run(lhs, rhs, state, key)
   if lb:
@@ -606,7 +421,7 @@ def quantized_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
       return quantized_dot_general(a, b, inner, recipe,
                                    preferred_element_type=out_dtype,
                                    key=key, backend=backend,
-                                   matmul=matmul)[0]
+                                   site=site)[0]
     with sharding.unpartitioned():
       return jax.vmap(one, in_axes=(lb[0], rb[0]))(lhs, rhs), state
   lfree = [d for d in range(lhs.ndim) if d not in lc]
@@ -618,8 +433,9 @@ def quantized_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
   a = _permute(lhs, lfree + list(lc))
   a = a.reshape(*(lhs.shape[d] for d in lfree), k)
   b = _permute(rhs, list(rc) + rfree).reshape(k, -1)
-  y, new_state = matmul(a, b, recipe, state, key=key, out_dtype=out_dtype,
-                        backend=backend)
+  y, new_state = quantized_matmul(a, b, recipe, state, key=key,
+                                 out_dtype=out_dtype, backend=backend,
+                                 site=site)
   return y.reshape(*y.shape[:-1], *(rhs.shape[d] for d in rfree)), new_state
 
 
@@ -667,35 +483,3 @@ def dot_general(recipe: Recipe | str, *, backend: str | None = None):
 
   fn.recipe = recipe
   return fn
-
-
-def _qdq(t, spec: QuantSpec | None, axis: int, amax=None):
-  """Quantize-dequantize ``t`` (2-D) along ``axis``, in ``t``'s layout."""
-  if spec is None:
-    return t
-  d = _quantize(t, spec, axis, amax=amax).dequantize(t.dtype)
-  return d.T if _transposes(spec, axis) else d
-
-
-def fake_quant_matmul(x, w, recipe: Recipe | str, state=None):
-  """Reference Fprop: quantize-dequantize both operands, then an FP32 dot.
-
-  The casts are straight-through (identity gradient), so `jax.grad` of this
-  function is the unquantized backward of the fake-quantized forward: the
-  oracle the tests compare `quantized_matmul` against.
-  """
-  recipe = load_recipe(recipe)
-  x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
-  w = w.astype(jnp.float32)
-  fx, fw = recipe.fprop.lhs, recipe.fprop.rhs
-  ax = aw = None
-  if recipe.delayed:
-    ax, _ = _delayed(x2, state["x"], recipe)
-    aw, _ = _delayed(w, state["w"], recipe)
-
-  def ste(t, spec, axis, amax):
-    return t + lax.stop_gradient(_qdq(t, spec, axis, amax) - t)
-
-  y = jnp.dot(ste(x2, fx, 1, ax), ste(w, fw, 0, aw),
-              precision=lax.Precision.HIGHEST)
-  return y.reshape(*x.shape[:-1], w.shape[1])

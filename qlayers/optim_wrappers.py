@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from qlayers import native_quantize
+from qlayers import scaling
 from qlayers import sharding
 
 __all__ = ["MasterWeightsState", "master_weights", "CastMomentsState",
@@ -83,15 +83,14 @@ def all_finite(tree) -> jax.Array:
   The max of the leaves' `qlayers.scaling.amax` (+Inf for any Inf or NaN):
   at most two kernels per leaf on XLA:CPU, where ``all(isfinite(x))`` takes
   three and a chain of ``and``s (d512's 38 leaves: 55 kernels against 115;
-  benchmarks/RESULTS.md, "Third cut"), or one native kernel per leaf where
-  `qlayers.native_quantize` applies.
+  benchmarks/RESULTS.md, "Third cut").
   """
   leaves = [x for x in jax.tree.leaves(tree) if _floating(x) and x.size]
   if not leaves:
     return jnp.array(True)
 
   def check(leaves):
-    return functools.reduce(jnp.maximum, map(native_quantize.amax, leaves)) < jnp.inf
+    return functools.reduce(jnp.maximum, map(scaling.amax, leaves)) < jnp.inf
 
   return sharding.auto_region(check, P())(leaves)
 

@@ -1,6 +1,8 @@
 """QuantGemm, the core of every layer: NNX transforms, delayed-scaling
 state flow, and a real training loop."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -225,12 +227,38 @@ def test_stock_nnx_loop_with_update_scales_matches_qlayers_loop():
   assert np.all(sa["quant/g_amax_history"][:3] == 3.0)  # max |c|
 
 
-def test_differentiating_without_the_gradient_amax_warns():
-  m = qlayers.QuantDense(16, 8, rngs=nnx.Rngs(0), recipe=delayed())
+def test_differentiating_without_the_gradient_amax_warns_per_trace():
+  """Every trace of a layer differentiated without its gradient amax warns
+  (Python's filters decide how often it is shown), not once per process."""
   x = jnp.ones((4, 16))
-  monkey = pytest.MonkeyPatch()
-  monkey.setattr(ops, "_warned_uncollected", False)
-  with monkey.context(), pytest.warns(UserWarning,
-                                      match="qlayers.update_scales"):
-    nnx.grad(lambda m: m(x).sum())(m)
-  monkey.undo()
+  for _ in range(2):
+    m = qlayers.QuantDense(16, 8, rngs=nnx.Rngs(0), recipe=delayed())
+    with pytest.warns(UserWarning, match="qlayers.update_scales"):
+      nnx.grad(lambda m: m(x).sum())(m)
+
+
+def _stock_steps(m, ended: bool, steps: int = 2):
+  diff = nnx.DiffState(0, (nnx.Param, qlayers.QuantGradState))
+  opt = nnx.Optimizer(m, optax.sgd(0.1), wrt=nnx.Param)
+  for _ in range(steps):
+    _, grads = nnx.value_and_grad(lambda m: jnp.mean(m(jnp.ones((2, 8))) ** 2),
+                                  argnums=diff)(m)
+    opt.update(m, grads)
+    if ended:
+      qlayers.update_scales(m, grads)
+
+
+def test_eval_warns_when_no_training_step_was_ended():
+  """DiffState without qlayers.update_scales leaves every history at 0:
+  model.eval() says so; after a loop that ends its steps it is silent."""
+  m = qlayers.QuantDense(8, 4, rngs=nnx.Rngs(0), recipe=delayed())
+  _stock_steps(m, ended=False)
+  assert float(jnp.abs(m.quant.g_amax_history[...]).sum()) == 0.0
+  with pytest.warns(UserWarning, match="no training step was ended"):
+    m.eval()
+  ok = qlayers.QuantDense(8, 4, rngs=nnx.Rngs(0), recipe=delayed())
+  _stock_steps(ok, ended=True)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    ok.eval()
+  assert ok.quant.use_running_average

@@ -353,8 +353,7 @@ def test_report_says_what_each_recipe_uses():
 
 
 def _built_cuda_library():
-  for d in (os.environ.get("QLAYERS_NATIVE_DIR"),
-            _ROOT / "build" / "cuda" / "ffi"):
+  for d in (_ROOT / "build" / "cuda" / "ffi",):
     if d and (pathlib.Path(d) / "libqlayers_cuda.so").is_file():
       return pathlib.Path(d)
   return None
@@ -365,10 +364,11 @@ def _built_cuda_library():
 def test_cuda_library_registers_its_handlers_without_a_device():
   """Loading needs cuBLASLt, not a GPU; running the kernels needs one."""
   code = ("from qlayers import _native; import json; "
+          f"_native.load({str(_built_cuda_library())!r}, "
+          "gpu_without_device=True); "
           "print(json.dumps([_native.loaded('cuda'), "
           "_native.build_info()['details']['cuda']]))")
-  env = dict(os.environ, QLAYERS_NATIVE_DIR=str(_built_cuda_library()),
-             QLAYERS_NATIVE_LOAD_GPU="1", JAX_PLATFORMS="cpu")
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
   out = subprocess.run([sys.executable, "-c", code], env=env, text=True,
                        capture_output=True, timeout=300, check=True)
   targets, details = json.loads(out.stdout.strip().splitlines()[-1])

@@ -149,7 +149,7 @@ def test_delayed_state_flow(data):
   assert sqnr_db(g @ w.T, dx) > 17
   # End of step: history written, running amax cleared.
   new["g"] = new["g"]._replace(amax=dstate["g"].amax)
-  done = ops.update_scales(new)
+  done = {role: S.update_scales(st) for role, st in new.items()}
   np.testing.assert_allclose(done["x"].amax_history, [ax, 0, 0, 0], rtol=1e-6)
   np.testing.assert_allclose(done["g"].amax_history, [ag, 0, 0, 0], rtol=1e-6)
   assert float(done["w"].amax) == 0.0
@@ -175,7 +175,7 @@ def test_delayed_trajectory_by_hand():
                                  rtol=1e-6)
     else:  # a non-finite operand makes the GEMM non-finite
       assert not np.isfinite(np.asarray(y[0])).all()
-    st = ops.update_scales(st)
+    st = {role: S.update_scales(s) for role, s in st.items()}
   np.testing.assert_allclose(st["x"].amax_history, [1.0, 1.0, 1.0])
 
 
@@ -344,37 +344,23 @@ def test_recipe_dataclass_is_hashable_static_arg():
   assert hash(r) == hash(dataclasses.replace(r))
 
 
-def test_the_gemm_is_traced_once_per_signature(monkeypatch):
-  """Same-shaped GEMMs of one recipe share a trace; a QLAYERS_* switch, a
-  new shape or a data-keyed stochastic recipe traces again; the results are
-  those of the uncached op."""
-  traces = []
-  real = ops._qmm
-
-  def counted(*args):
-    traces.append(args[0].name)
-    return real(*args)
-
-  monkeypatch.setattr(ops, "_qmm", counted)
-  ops._qmm_traced_once.clear_cache()
-  x = jax.random.normal(jax.random.key(0), (8, 64))
-  w = jax.random.normal(jax.random.key(1), (64, 32))
-
-  def two(recipe, x=x):
-    return jax.jit(lambda x, w: [ops.quantized_matmul(t, w, recipe)[0]
-                                 for t in (x, 2 * x)])(x, w)
-
-  cached = two("fp8_current")
-  assert traces == ["fp8_current"]
-  two("fp8_current", x[:4])
-  assert len(traces) == 2
-  monkeypatch.setenv("QLAYERS_NATIVE_QUANTIZE", "0")
-  two("fp8_current")
-  assert len(traces) == 3
-  del traces[:]
-  two("mxfp4_rht")  # stochastic rounding keyed by the data: per call
-  assert traces == ["mxfp4_rht", "mxfp4_rht"]
-  monkeypatch.delenv("QLAYERS_NATIVE_QUANTIZE")
-  monkeypatch.setattr(ops, "_traces_once", lambda *a: False)
-  uncached = two("fp8_current")
-  chex.assert_trees_all_equal(cached, uncached)
+def test_the_plan_is_made_once_per_signature_and_reads_its_inputs(
+    monkeypatch):
+  """One plan per (recipe, shapes, dtypes, forced backend, targets): the
+  same signature gets the same plan object; a forced backend or a GPU
+  target is an input that gives another plan."""
+  from qlayers import dispatch
+  r = qlayers.recipe("fp8_current")
+  monkeypatch.delenv("QLAYERS_BACKEND", raising=False)
+  a = dispatch.plan(r, (8, 64), jnp.float32, (64, 32), jnp.float32)
+  assert dispatch.plan(r, (8, 64), jnp.float32, (64, 32), jnp.float32) is a
+  assert dict(a.fprop.choices) == {"cpu": dispatch.choose(
+      *[dispatch._abstract(o, s) for o, s in  # pylint: disable=protected-access
+        ((a.fprop.lhs, (8, 64)), (a.fprop.rhs, (64, 32)))], "cpu")}
+  assert a.share_w and a.share_g and a.save_x == "fprop"
+  forced = dispatch.plan(r, (8, 64), jnp.float32, (64, 32), jnp.float32,
+                         backend="xla")
+  assert forced is not a and forced.backend == "xla"
+  with dispatch.target_arch("sm_100"):
+    gpu = dispatch.plan(r, (8, 64), jnp.float32, (64, 32), jnp.float32)
+  assert dict(gpu.fprop.choices)["cuda"].form == "fp8_folded"

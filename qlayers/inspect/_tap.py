@@ -1,9 +1,9 @@
 """Routing a model's GEMMs through an inspection function while it traces.
 
-`QuantGemm` runs its GEMM through ``qlayers.layers.core._matmul``, which
-calls ``core._tap`` instead of `ops.quantized_matmul` when one is set.
-`tapping` sets it for the duration of a trace only, so nothing changes for
-a model that is not being inspected. `label` names every `QuantGemm` of a
+`QuantGemm` runs its GEMM through `ops.quantized_matmul` with itself as the
+``site``; `tapping` is the public hook `ops.intercept`, which routes those
+calls to an inspection function for the duration of a trace only, so
+nothing changes for a model that is not being inspected. `label` names every `QuantGemm` of a
 model (built inside that trace) by its layer's path, as a static attribute:
 NNX carries it through its own transforms (``nnx.remat``, ``nnx.scan``), so
 the tap knows which layer it runs for.
@@ -11,10 +11,9 @@ the tap knows which layer it runs for.
 
 from __future__ import annotations
 
-import contextlib
-
 from flax import nnx
 
+from qlayers import ops
 from qlayers.layers import core
 
 _ATTR = "_inspect_path"
@@ -49,15 +48,8 @@ def path_of(gemm) -> str | None:
   return getattr(gemm, _ATTR, None)
 
 
-@contextlib.contextmanager
 def tapping(fn):
   """Runs every `QuantGemm` GEMM through ``fn`` (signature of
-  `ops.quantized_matmul`, plus the `QuantGemm` first) inside the block."""
-  if core._tap is not None:
-    raise RuntimeError("qlayers.inspect is already tracing a model; its "
-                       "functions do not nest.")
-  core._tap = fn
-  try:
-    yield
-  finally:
-    core._tap = None
+  `ops.quantized_matmul`, plus the `QuantGemm` first) inside the block:
+  `ops.intercept`, whose blocks do not nest."""
+  return ops.intercept(fn)

@@ -17,7 +17,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from qlayers import ops
 from qlayers.inspect import numerics
@@ -126,7 +125,7 @@ def masked_matmul(x: jax.Array, w: jax.Array, recipe: Recipe, state,
     >>> y.shape
     (4, 8)
   """
-  out_dtype = jnp.dtype(out_dtype or ops._default_out_dtype(recipe, x.dtype))
+  out_dtype = jnp.dtype(out_dtype or ops.default_out_dtype(recipe, x.dtype))
   lead, k = x.shape[:-1], x.shape[-1]
   x2 = x.reshape(-1, k)
   y = _mm(recipe, backend, out_dtype, (x.dtype, w.dtype), x2, w, state,

@@ -12,8 +12,9 @@ g     dgrad ``g`` (N)        wgrad ``g`` (M)
 ====  =====================  =====================
 
 The functions here rebuild those quantized copies with the library's own
-functions (`ops._operand`: the same spec, axis, delayed amax, Hadamard
-transform and stochastic-rounding key rule as the op) and measure them
+functions (`ops.operand` of a `dispatch.Operand`: the same spec, axis,
+layout, delayed amax, Hadamard transform and stochastic-rounding key rule
+as the op) and measure them
 against the wide tensor: `operand_stats` (amax, scale, saturated and
 flushed fractions, SQNR), `output_sqnr` (a GEMM of the dequantized copies
 against the FP32 GEMM of the wide operands) and `history_stats` (delayed
@@ -29,6 +30,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from qlayers import dispatch
+from qlayers import hadamard
 from qlayers import ops
 from qlayers import scaling
 from qlayers.recipe import Recipe
@@ -77,8 +80,11 @@ def quantized_copy(t: jax.Array, use: Use, amax, recipe: Recipe,
   """``(operand, its quantized copy)``: the 2-D ``t`` Hadamard-transformed as
   ``use`` says, quantized exactly as `qlayers.ops` quantizes it for that GEMM
   (``use.spec`` must not be None)."""
-  t = ops._transformed(t, use.hadamard, use.axis)
-  return t, ops._operand(t, use.spec, use.axis, amax, None, recipe, backend)
+  del recipe
+  if use.hadamard:
+    t = hadamard.transform(t, use.hadamard, axis=use.axis)
+  op = dispatch.Operand.make(use.spec, use.axis, backend=backend)
+  return t, ops.operand(t, op, amax=amax)
 
 
 def _cropped(v: jax.Array, q: QTensor) -> jax.Array:
@@ -192,7 +198,7 @@ def plain_state(state):
   """Delayed state as plain FP32 constants (or None)."""
   if state is None:
     return None
-  return {role: lax.stop_gradient(ScaleState(*map(ops._to_f32, st)))
+  return {role: lax.stop_gradient(ScaleState(*map(ops.to_f32, st)))
           for role, st in state.items()}
 
 

@@ -26,14 +26,12 @@ amax it records is the whole tensor's (see `qlayers.sharding`).
 
 from __future__ import annotations
 
-import functools
+import warnings
 from typing import Iterator
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
-from qlayers import native_quantize
 from qlayers import ops
 from qlayers import scaling
 from qlayers import sharding
@@ -42,20 +40,6 @@ from qlayers.scaling import ScaleState
 from qlayers.state import QuantGradState, QuantState
 
 __all__ = ["QuantGemm", "QuantLayer", "gemms", "update_scales"]
-
-# While `qlayers.inspect` traces a model it records, it sets this to a
-# function that runs (and measures) each GEMM in place of
-# `ops.quantized_matmul`; otherwise it is None, and a model traces exactly as
-# if it did not exist.
-_tap = None
-
-
-def _matmul(gemm, x, w, recipe, state, **kwargs):
-  """`ops.quantized_matmul` for ``gemm``, or the inspection tap if one is set."""
-  if _tap is None:
-    return ops.quantized_matmul(x, w, recipe, state, **kwargs)
-  return _tap(gemm, x, w, recipe, state, **kwargs)
-
 
 class QuantGemm(nnx.Module):
   """One quantized GEMM: recipe, backend, delayed-scaling state and mode.
@@ -95,7 +79,7 @@ class QuantGemm(nnx.Module):
                use_running_average: bool = False):
     self.recipe = load_recipe(recipe)
     self.backend = backend
-    self.use_running_average = use_running_average
+    self._eval = bool(use_running_average)
     state = ops.init_state(self.recipe, tuple(batch_shape))
     # Replicated over the mesh being built under (if any), whatever the
     # layout of the Params.
@@ -109,6 +93,20 @@ class QuantGemm(nnx.Module):
   def delayed(self) -> bool:
     """Whether this GEMM keeps delayed-scaling state."""
     return self.recipe.delayed
+
+  @property
+  def use_running_average(self) -> bool:
+    """Eval mode (see the module docstring). ``model.eval()`` sets it; the
+    switch checks that this GEMM's training steps were ended (a warning
+    if it recorded amaxes but its histories never moved: see
+    `qlayers.update_scales`)."""
+    return self._eval
+
+  @use_running_average.setter
+  def use_running_average(self, value: bool) -> None:
+    if value and not self._eval:
+      _warn_if_steps_never_ended(self)
+    self._eval = bool(value)
 
   def set_view(self, use_running_average: bool | None = None):
     """Used by ``nnx.view``: sets the mode (see the module docstring)."""
@@ -136,16 +134,6 @@ class QuantGemm(nnx.Module):
       getattr(self, f"{role}_amax").set_value(
           jax.lax.stop_gradient(new_state[role].amax))
 
-  def update_scales(self) -> None:
-    """Ends a step: every role's running amax enters its history and is
-    cleared. `qlayers.update_scales` calls this on every `QuantGemm`."""
-    if not self.delayed:
-      return
-    new = ops.update_scales(self.read())
-    for role, st in new.items():
-      getattr(self, f"{role}_amax_history").set_value(st.amax_history)
-      getattr(self, f"{role}_amax").set_value(st.amax)
-
   # --------------------------------------------------------------------------
   # The GEMM
 
@@ -157,8 +145,9 @@ class QuantGemm(nnx.Module):
     output has ``out_dtype`` (see `ops.quantized_matmul` for the default)
     and, when given, the sharding ``out_sharding``.
     """
-    y, new_state = _matmul(self, x, w, self.recipe, self.read(),
-                           out_dtype=out_dtype, backend=self.backend)
+    y, new_state = ops.quantized_matmul(
+        x, w, self.recipe, self.read(), out_dtype=out_dtype,
+        backend=self.backend, site=self)
     self.write(new_state)
     return _finish(y, bias, out_sharding)
 
@@ -173,9 +162,31 @@ class QuantGemm(nnx.Module):
     y, new_state = ops.quantized_dot_general(
         lhs, rhs, dimension_numbers, self.recipe, self.read(),
         preferred_element_type=preferred_element_type, backend=self.backend,
-        matmul=functools.partial(_matmul, self))
+        site=self)
     self.write(new_state)
     return _finish(y, None, out_sharding)
+
+
+def _warn_if_steps_never_ended(gemm: QuantGemm) -> None:
+  """Warns when a delayed GEMM recorded input amaxes in training but its
+  amax history never moved: `qlayers.update_scales` was never called (the
+  stock loop's easy mistake), so its delayed scales, and the gradient's,
+  never left their first values. Only on concrete state (eagerly, as
+  ``model.eval()`` runs); under a trace nothing is known."""
+  state = gemm.read()
+  if state is None or any(isinstance(v, jax.core.Tracer)
+                          for v in jax.tree.leaves(state)):
+    return
+  x = state["x"]
+  if bool((x.amax > 0).any()) and not bool((x.amax_history != 0).any()):
+    warnings.warn(
+        f"A QuantGemm with the delayed-scaling recipe {gemm.recipe.name!r} "
+        "was trained, but its amax histories are still all 0: no training "
+        "step was ended. Call qlayers.update_scales(model, grads) after "
+        "each optimizer update (qlayers.Optimizer does it), with grads "
+        "from qlayers.value_and_grad or nnx.value_and_grad(..., argnums="
+        "nnx.DiffState(0, (nnx.Param, qlayers.QuantGradState))).",
+        stacklevel=4)
 
 
 def _finish(y, bias, out_sharding):
@@ -216,7 +227,8 @@ def update_scales(model: nnx.Module, grads: nnx.State | None = None) -> int:
   ``nnx.value_and_grad(..., argnums=nnx.DiffState(0, (nnx.Param,
   qlayers.QuantGradState)))``), then rolls every amax history one step.
   `qlayers.Optimizer.update` calls it; with another optimizer, call it once
-  per step after the update, or delayed scales never move.
+  per step after the update, or delayed scales never move (``model.eval()``
+  then warns: a trained GEMM whose histories are all 0).
 
   Returns:
     The number of `QuantGemm` modules updated.
@@ -238,47 +250,14 @@ def update_scales(model: nnx.Module, grads: nnx.State | None = None) -> int:
     True
   """
   found = list(gemms(model))
-  delayed = [(path, gemm) for path, gemm in found if gemm.delayed]
-  merges = _gradient_amaxes(grads, {path for path, _ in delayed})
-  if delayed and merges is not None:
-    _end_step_at_once(delayed, merges)
-  else:
-    if grads is not None:
-      _write_grad_state(model, grads)
-    for _, gemm in found:
-      gemm.update_scales()
+  if grads is not None:
+    _write_grad_state(model, grads)
+  for _, gemm in found:
+    for role, st in (gemm.read() or {}).items():
+      new = scaling.update_scales(st)
+      getattr(gemm, f"{role}_amax_history").set_value(new.amax_history)
+      getattr(gemm, f"{role}_amax").set_value(new.amax)
   return len(found)
-
-
-def _gradient_amaxes(grads, paths: set) -> dict | None:
-  """``{gemm path: gradient amax}`` of ``grads``, or None when one is not
-  at the path of a delayed `QuantGemm` (then the per-module route runs)."""
-  if grads is None:
-    return {}
-  out = {}
-  for path, var in nnx.to_flat_state(nnx.state(grads, QuantGradState)):
-    if path[:-1] not in paths or path[-1] != "g_amax":
-      return None
-    out[path[:-1]] = var.get_value() if isinstance(var, nnx.Variable) else var
-  return out
-
-
-def _end_step_at_once(delayed, merges: dict) -> None:
-  """`QuantGemm.update_scales` of every delayed GEMM, with the gradient
-  amaxes ``merges`` written first (by max, as `_write_grad_state` does),
-  through one `native_quantize.end_step` call: a native kernel on CPU
-  instead of one small XLA fusion per role."""
-  merged, plain = [], []
-  for path, gemm in delayed:
-    for role, st in gemm.read().items():
-      (merged if role == "g" and path in merges else plain).append(
-          (gemm, role, st, merges.get(path) if role == "g" else None))
-  roles = merged + plain
-  histories, amaxes = native_quantize.end_step(
-      [st for _, _, st, _ in roles], [m for *_, m in merged])
-  for (gemm, role, _, _), history, amax in zip(roles, histories, amaxes):
-    getattr(gemm, f"{role}_amax_history").set_value(history)
-    getattr(gemm, f"{role}_amax").set_value(amax)
 
 
 def _write_grad_state(model: nnx.Module, grads: nnx.State) -> None:

@@ -1,0 +1,246 @@
+"""The kernel forms of a quantized GEMM: the ways of writing one 2-D GEMM
+of two `QTensor` operands (or two wide arrays) that a platform turns into
+its best kernel. `qlayers.dispatch` picks one per platform from its table
+(`dispatch.TABLE`) and records it in the GEMM's plan; each form takes
+``(a, b, out_dtype, axes)`` and returns the FP32-accumulated product.
+
+The CPU forms are the numerical reference; the others only change how the
+same product is computed on a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from qlayers.scaling import QTensor
+
+__all__ = ["FORMS", "scaled_dot_mx", "contraction_last"]
+
+
+def _dims(a_axis: int, b_axis: int):
+  return (((a_axis,), (b_axis,)), ((), ()))
+
+
+def _scale_vector(q: QTensor) -> jax.Array:
+  """Row-wise scales of a 2-D operand as a vector over its free dim."""
+  if q.granularity == "tensor":
+    return q.scale
+  return jnp.squeeze(q.scale, axis=q.axis)
+
+
+def _outer_scales(a: QTensor, b: QTensor):
+  """``a``'s scales as a column and ``b``'s as a row of the output."""
+  sa, sb = _scale_vector(a), _scale_vector(b)
+  return (sa[:, None] if sa.ndim else sa), (sb[None, :] if sb.ndim else sb)
+
+
+def _dot_f32(a: jax.Array, b: jax.Array, axes: tuple[int, int],
+             **kwargs) -> jax.Array:
+  """2-D ``dot_general`` of ``a`` and ``b`` over ``axes``, FP32 accumulation.
+
+  On CPU, XLA runs a BF16 dot whose lhs contracts its first axis (the weight
+  gradient ``x.T @ g``) as an FP32 dot on upcast copies, at about half the
+  speed of its BF16 kernel (jax 0.10.2; benchmarks/RESULTS.md). Written as a
+  contraction over ``(1, M)``, the same sum gets a physical transpose of
+  ``a`` and the BF16 kernel. The barrier keeps XLA from folding a transpose
+  of the result back into the dot: that form fails at run time
+  ("Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32").
+  Only the CPU branch uses it.
+  """
+  if (axes[0] == 0 and a.ndim == b.ndim == 2 and a.dtype == jnp.bfloat16
+      and b.dtype == jnp.bfloat16):
+    a3 = a.reshape(1, *a.shape)
+    b3 = b.reshape(*b.shape[:axes[1]], 1, *b.shape[axes[1]:])
+    return lax.optimization_barrier(lax.dot_general(
+        a3, b3, (((0, 1), (axes[1], axes[1] + 1)), ((), ())),
+        preferred_element_type=jnp.float32, **kwargs))
+  return lax.dot_general(a, b, _dims(*axes),
+                         preferred_element_type=jnp.float32, **kwargs)
+
+
+def _wide(a, b, out_dtype, axes):
+  """Unquantized operands: one dot with FP32 accumulation."""
+  out = lax.dot_general(a, b, _dims(*axes), preferred_element_type=jnp.float32)
+  return out.astype(out_dtype)
+
+
+def _cpu_fp8(a, b, out_dtype, axes):
+  """CPU per-tensor / row-wise: XLA's CPU dot upcasts FP8 operands to FP32
+  and runs an FP32 GEMM; BF16 holds every FP8 value exactly and its dot with
+  FP32 accumulation runs at about twice the speed. The product of the two
+  scales is applied once, as the GPU forms do: one scale after the other
+  overflows to Inf near the FP32 range."""
+  pa, pb = a.payload.astype(jnp.bfloat16), b.payload.astype(jnp.bfloat16)
+  out = _dot_f32(pa, pb, axes)
+  sa, sb = _outer_scales(a, b)
+  return (out * (sa * sb)).astype(out_dtype)
+
+
+def _fp8_folded(a, b, out_dtype, axes):
+  """Per-tensor FP8 in the form XLA's GPU GEMM rewriter folds completely.
+
+  ``dot(fp8, fp8, preferred_element_type=out) * (sa * sb)``: cuBLASLt gets
+  the FP32 scale product as its scale operand and writes ``out`` directly;
+  Triton multiplies in its epilogue. A BF16 output is multiplied by the
+  product rounded to BF16, as the HLO says (exact for power-of-two scales).
+  Under XLA's CPU semantics that rounds twice (accumulator to BF16, then
+  the product), which differs from cuBLASLt's single rounding by at most
+  about one BF16 ulp; the CPU branch does not use this form. Other forms
+  (``(dot_f32 * sa * sb).astype(bf16)``, dequantized operands) leave an FP32
+  output and an extra pass (benchmarks/RESULTS.md, "Deviceless GPU
+  compilation").
+  """
+  s = a.scale * b.scale
+  dims = _dims(*axes)
+  pa, pb = _unmerged(a, b)
+  if jnp.dtype(out_dtype) == jnp.float32:
+    return lax.dot_general(pa, pb, dims,
+                           preferred_element_type=jnp.float32) * s
+  out = lax.dot_general(pa, pb, dims, preferred_element_type=out_dtype)
+  return out * s.astype(out_dtype)
+
+
+def _unmerged(a: QTensor, b: QTensor):
+  """The two payloads through one optimization barrier per GEMM.
+
+  XLA:GPU merges dots that share an operand (its DotMerger: the q/k/v
+  projections of one input, gate/up) into one GEMM. Each of ours has its own
+  output scales, so a merged GEMM writes FP32 or unscaled BF16 and the
+  scales take extra passes over its output (benchmarks/RESULTS.md,
+  "Deviceless GPU compilation", block program). Behind the barrier the
+  operands are distinct values and every GEMM keeps its scales; it moves no
+  data.
+  """
+  return lax.optimization_barrier((a.payload, b.payload))
+
+
+def _fp8_rowwise(a, b, out_dtype, axes):
+  """Row-wise FP8 on a GPU without the native kernel: XLA passes no vector
+  scale to cuBLASLt, so the GEMM writes ``out_dtype`` (BF16 for Fprop/Dgrad,
+  which halves the bytes of the pass the scales then take) and the scales
+  follow. Exact for power-of-two row scales; otherwise the accumulator is
+  rounded to ``out_dtype`` before the scales (one extra rounding)."""
+  sa, sb = _outer_scales(a, b)
+  dims = _dims(*axes)
+  pa, pb = _unmerged(a, b)
+  if jnp.dtype(out_dtype) == jnp.float32:
+    out = lax.dot_general(pa, pb, dims, preferred_element_type=jnp.float32)
+    return out * sa * sb
+  out = lax.dot_general(pa, pb, dims, preferred_element_type=out_dtype)
+  return out * (sa * sb).astype(out_dtype)
+
+
+def _cpu_mx(a, b, out_dtype, axes):
+  """CPU MX: an MX value (at most 4 significant bits times a power of two)
+  is exact in BF16, which has FP32's exponent range: exact BF16 copies and
+  XLA's BF16 dot with FP32 accumulation.
+
+  FP8 payloads are laid out as a plain ``(M, K) @ (K, N)`` dot (a transpose
+  of the BF16 copy where the contraction axis is elsewhere), the form the
+  CPU's dot kernel takes directly; packed FP6/FP4 go through `_dot_f32`.
+  """
+  ad, bd = a.dequantize(jnp.bfloat16), b.dequantize(jnp.bfloat16)
+  if not (a.fmt.packed or b.fmt.packed):
+    ad = ad.T if axes[0] == 0 else ad
+    bd = bd.T if axes[1] == 1 else bd
+    return lax.dot_general(ad, bd, _dims(1, 0),
+                           preferred_element_type=jnp.float32
+                           ).astype(out_dtype)
+  return _dot_f32(ad, bd, axes, precision=lax.Precision.HIGHEST
+                  ).astype(out_dtype)
+
+
+def _f32_emulation(a, b, out_dtype, axes):
+  """CPU reference for arbitrary scales: FP32 dequantize, FP32 dot."""
+  ad, bd = a.dequantize(jnp.float32), b.dequantize(jnp.float32)
+  return _dot_f32(ad, bd, axes, precision=lax.Precision.HIGHEST
+                  ).astype(out_dtype)
+
+
+def _bf16_dequant(a, b, out_dtype, axes):
+  """GPU MX without MX tensor cores: exact BF16 dequantize (XLA fuses it
+  with the quantize that made the payload) and a BF16 dot that writes
+  ``out_dtype`` directly."""
+  ad, bd = a.dequantize(jnp.bfloat16), b.dequantize(jnp.bfloat16)
+  pet = jnp.float32 if jnp.dtype(out_dtype) == jnp.float32 else out_dtype
+  return lax.dot_general(ad, bd, _dims(*axes),
+                         preferred_element_type=pet).astype(out_dtype)
+
+
+def _f32_dequant(a, b, out_dtype, axes):
+  """GPU tiles/blocks without a native kernel: FP32 dequantize and a dot at
+  default precision, which XLA runs in TF32 on NVIDIA GPUs (operands rounded
+  to 10 mantissa bits, below FP8's own 3; not bit-equal to the CPU's FP32)."""
+  ad, bd = a.dequantize(jnp.float32), b.dequantize(jnp.float32)
+  return lax.dot_general(ad, bd, _dims(*axes),
+                         preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+def contraction_last(q: QTensor) -> QTensor:
+  """The same quantized values laid out ``(free, K)``: a transpose of the
+  payload and scales, relabelled (no requantization)."""
+  if q.axis == 1:
+    return q
+  return dataclasses.replace(
+      q, payload=q.payload.T, scale=q.scale if q.scale.ndim < 2 else q.scale.T,
+      block=None if q.block is None else tuple(reversed(q.block)), axis=1,
+      shape=tuple(reversed(q.shape)), transposed=not q.transposed)
+
+
+def _mx_cudnn(a, b, out_dtype, axes):
+  """MXFP8 on sm_100: ``jax.nn.scaled_matmul`` on 3-D contraction-last
+  operands with E8M0 scales, which XLA lowers to cuDNN's block-scaled GEMM
+  (with Triton GEMMs on or off; ``lax.scaled_dot`` fails with them off)."""
+  del axes
+  qa, qb = contraction_last(a), contraction_last(b)
+  e8m0 = lambda q: lax.bitcast_convert_type(q.scale, jnp.float8_e8m0fnu)[None]  # noqa: E731
+  pet = jnp.float32 if jnp.dtype(out_dtype) == jnp.float32 else out_dtype
+  out = jax.nn.scaled_matmul(qa.payload[None], qb.payload[None], e8m0(qa),
+                             e8m0(qb), preferred_element_type=pet)[0]
+  return out[:a.shape[1 - a.axis], :b.shape[1 - b.axis]].astype(out_dtype)
+
+
+def scaled_dot_mx(a: QTensor, b: QTensor, out_dtype) -> jax.Array:
+  """MX FP8 GEMM through ``lax.scaled_dot`` (payloads + E8M0 scale arrays).
+
+  The ROCm gfx950 form (hipBLASLt MX). On NVIDIA GPUs it becomes a Triton
+  kernel that fails to compile with Triton GEMMs off, so CUDA never uses it.
+  It has no transpose rule, which is fine: it only ever runs inside our own
+  custom_vjp.
+  """
+  def e8m0(q):
+    return lax.bitcast_convert_type(q.scale, jnp.float8_e8m0fnu)
+  out = lax.scaled_dot(a.payload, b.payload, lhs_scale=e8m0(a),
+                       rhs_scale=e8m0(b),
+                       dimension_numbers=_dims(a.axis, b.axis),
+                       preferred_element_type=jnp.float32)
+  return out.astype(out_dtype)
+
+
+def _ffi(a, b, out_dtype, axes):
+  """The native kernel (TN operands; the transposes are XLA's)."""
+  del axes
+  from qlayers import _native  # pylint: disable=g-import-not-at-top
+  return _native.gemm(contraction_last(a), contraction_last(b),
+                      out_dtype=out_dtype)
+
+
+FORMS: dict[str, Callable] = {
+    "wide": _wide,
+    "cpu_fp8": _cpu_fp8,
+    "cpu_mx": _cpu_mx,
+    "f32_emulation": _f32_emulation,
+    "fp8_folded": _fp8_folded,
+    "fp8_rowwise": _fp8_rowwise,
+    "bf16_dequant": _bf16_dequant,
+    "f32_dequant": _f32_dequant,
+    "mx_cudnn": _mx_cudnn,
+    "scaled_dot": lambda a, b, out_dtype, axes: scaled_dot_mx(a, b, out_dtype),
+    "ffi": _ffi,
+}
+

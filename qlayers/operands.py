@@ -1,0 +1,136 @@
+"""How each operand of a quantized GEMM is made from its wide tensor (no
+Flax): `operand` (rows, Hadamard transform, `scaling.quantize` in the
+layout a `dispatch.Operand` says) and `delayed_amax` (the amax a delayed
+role scales by). `qlayers.ops` runs them inside the GEMM's custom_vjp;
+`qlayers.inspect` rebuilds the same copies with them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from qlayers import hadamard
+from qlayers import scaling
+from qlayers import sharding
+from qlayers.dispatch import Operand
+from qlayers.recipe import Recipe, recipe as load_recipe
+from qlayers.scaling import ScaleState
+
+__all__ = ["operand", "delayed_amax", "to_f32", "like", "fake_quant_matmul"]
+
+
+def to_f32(v):
+  """Reads state that may be held in an extended (max-combining) dtype."""
+  if jax.dtypes.issubdtype(v.dtype, jax.dtypes.extended):
+    return lax.convert_element_type(v, jnp.float32)
+  return v
+
+
+def like(v, dtype):
+  """``v`` (FP32) in ``dtype`` (FP32 or an extended dtype over FP32)."""
+  if v.dtype == dtype:
+    return v
+  return lax.convert_element_type(v, dtype)
+
+
+def delayed_amax(t, state: ScaleState, recipe: Recipe):
+  """(amax to scale ``t`` by now, updated running amax) for one delayed role
+  (`scaling.delayed_amax` of the whole tensor's amax; ``state`` may be held
+  in the max-combining dtype)."""
+  state = ScaleState(*map(to_f32, state))
+  current = sharding.global_amax(scaling.amax(t), t)
+  return scaling.delayed_amax(state, current, recipe.amax_compute_algo)
+
+
+def _rows(t):
+  """``t (..., K)`` as ``(M, K)``."""
+  return t if t.ndim == 2 else t.reshape(-1, t.shape[-1])
+
+
+def _data_key(t):
+  """A PRNG key derived from the bits of ``t`` (for stateless callers)."""
+  bits = lax.bitcast_convert_type(jnp.sum(t.astype(jnp.float32)), jnp.uint32)
+  return jax.random.key(bits)
+
+
+def operand(t: jax.Array, op: Operand, *, amax=None, key=None,
+            dtype=jnp.float32):
+  """The GEMM operand ``op`` (from a `dispatch.Plan`) made of ``t (..., C)``.
+
+  The rows ``(M, C)`` of ``t``, Hadamard-transformed and quantized with
+  `scaling.quantize` as ``op`` says (``amax``: the per-tensor amax to scale
+  by; ``key``: stochastic rounding, derived from the data when omitted), or
+  cast to ``dtype`` where ``op`` has no spec. Inside ``shard_map`` a
+  per-tensor scale is the whole tensor's.
+
+  An elementwise quantization (per tensor, in the layout given) is made of
+  ``t`` itself and only its payload is flattened, so the GEMM's reshape does
+  not sit between the caller's ops and the quantize chain.
+
+  Example:
+    >>> import jax.numpy as jnp, qlayers
+    >>> from qlayers.dispatch import Operand
+    >>> spec = qlayers.recipe("mxfp8").fprop.lhs
+    >>> operand(jnp.ones((2, 3, 64)), Operand(spec, 1)).payload.shape
+    (6, 64)
+  """
+  spec = op.spec
+  if spec is None:
+    return _rows(t.astype(dtype))
+  elementwise = (t.ndim > 2 and spec.granularity == "tensor"
+                 and not (op.tn or spec.stochastic or op.hadamard))
+  if not elementwise:
+    t = _rows(t)
+    if op.hadamard:
+      t = hadamard.transform(t, op.hadamard, axis=op.axis)
+  if amax is None and spec.granularity == "tensor" and sharding.varying_axes(t):
+    amax = sharding.global_amax(scaling.amax(t), t)
+  if elementwise:
+    q = scaling.quantize(t, spec, -1, tensor_amax=amax)
+    rows = _rows(q.payload)
+    return dataclasses.replace(q, payload=rows, axis=op.axis, shape=rows.shape)
+  if not spec.stochastic:
+    key = None
+  elif key is None:
+    key = _data_key(t)
+  if op.tn:
+    q = scaling.quantize(t.T, spec, 1, tensor_amax=amax, key=key)
+    return dataclasses.replace(q, transposed=True)
+  return scaling.quantize(t, spec, op.axis, tensor_amax=amax, key=key)
+
+
+def _qdq(t, spec, axis: int, amax=None):
+  """Quantize-dequantize ``t`` (2-D) along ``axis``, in ``t``'s layout."""
+  if spec is None:
+    return t
+  tn = axis != 1 and spec.fmt.packed
+  d = operand(t, Operand(spec, axis, tn), amax=amax).dequantize(t.dtype)
+  return d.T if tn else d
+
+
+def fake_quant_matmul(x, w, recipe: Recipe | str, state=None):
+  """Reference Fprop: quantize-dequantize both operands, then an FP32 dot.
+
+  The casts are straight-through (identity gradient), so `jax.grad` of this
+  function is the unquantized backward of the fake-quantized forward: the
+  oracle the tests compare `quantized_matmul` against.
+  """
+  recipe = load_recipe(recipe)
+  x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+  w = w.astype(jnp.float32)
+  fx, fw = recipe.fprop.lhs, recipe.fprop.rhs
+  ax = aw = None
+  if recipe.delayed:
+    ax, _ = delayed_amax(x2, state["x"], recipe)
+    aw, _ = delayed_amax(w, state["w"], recipe)
+
+  def ste(t, spec, axis, amax):
+    return t + lax.stop_gradient(_qdq(t, spec, axis, amax) - t)
+
+  y = jnp.dot(ste(x2, fx, 1, ax), ste(w, fw, 0, aw),
+              precision=lax.Precision.HIGHEST)
+  return y.reshape(*x.shape[:-1], w.shape[1])
