@@ -9,10 +9,12 @@ itself unless ``XLA_FLAGS`` already sets a device count)::
   python benchmarks/sharding.py --quick           # one recipe, two layouts
 
 Model: the GPT of ``examples/_common/gpt.py`` (d_model 256, 2 blocks, 4
-heads, d_ff 1024, vocab 256, seq 128, batch 16; BF16 GEMMs, FP32 Params),
-trained with ``qlayers.value_and_grad`` and ``qlayers.Optimizer`` (AdamW).
-Variants: ``stock`` (the model as built: ``nnx.Linear`` in BF16, the
-baseline of the ratios), ``bf16`` (every linear a qlayers layer that
+heads, d_ff 1024, vocab 256, seq 128, batch 16; BF16 GEMMs), its Params cast
+to BF16 (``--params f32``: left FP32), trained with
+``qlayers.value_and_grad`` and ``qlayers.Optimizer`` (AdamW; FP32 masters
+beside BF16 Params). Variants: ``stock`` (the model as built: ``nnx.Linear``
+in BF16, the baseline of the ratios: with BF16 Params it gathers BF16
+weights, as a BF16 FSDP run does), ``bf16`` (every linear a qlayers layer that
 quantizes nothing) and each recipe, converted by ``qlayers.quantize(model,
 recipe)`` (the embedding and the output head stay wide; ``--rules all``
 converts the head too).
@@ -21,8 +23,9 @@ Layouts on 8 devices, placed with ``examples/_common/sharding.py``: ``dp``
 (data=8), ``fsdp`` (fsdp=8), ``tp`` (data=2, model=4), ``fsdp_tp`` (fsdp=2,
 model=4). Each variant's step is compiled once; its collectives
 (``benchmarks/collectives.py``: bytes of each collective's result on one
-device, by op and dtype) are tabulated, the all-gathers also against the
-stock step's. ``--steps N`` (default 2) runs the compiled step N times and
+device, by op and dtype) are tabulated, the all-gathers also with every
+wide element counted at 2 bytes (XLA:CPU gathers BF16 Params as F32, a GPU
+as BF16) and, so counted, against the stock step's. ``--steps N`` (default 2) runs the compiled step N times and
 compares the losses with the same variant on one device (a sharded step
 adds and reduces in another order, so expect FP32 rounding, not bits).
 """
@@ -65,8 +68,14 @@ CONFIG = gpt.GPTConfig(vocab_size=256, max_len=128, d_model=256, n_layers=2,
 BATCH, SEQ = 16, 128
 
 
-def build(variant: str, rules: str):
+def build(variant: str, rules: str, params: str = "bf16"):
+  """The GPT as ``variant``; ``params="bf16"`` casts its Params to BF16 first
+  (``qlayers.Optimizer`` then keeps FP32 masters beside them)."""
   model = gpt.GPT(CONFIG, rngs=nnx.Rngs(0))
+  if params == "bf16":
+    narrow = jax.tree.map(lambda p: p.astype(jnp.bfloat16),
+                          nnx.state(model, nnx.Param))
+    nnx.update(model, narrow)
   if variant != "stock":
     qlayers.quantize(model, variant, rules=() if rules == "all" else None)
   return model, qlayers.Optimizer(model, optax.adamw(3e-4,
@@ -94,10 +103,10 @@ def compile_step(model, opt, inputs, targets):
   return compiled, state, time.perf_counter() - t0
 
 
-def run(variant, layout, rules, steps):
+def run(variant, layout, rules, steps, params="bf16"):
   """Collectives (and losses) of one variant; ``layout`` None: one device."""
   inputs, targets = batch()
-  model, opt = build(variant, rules)
+  model, opt = build(variant, rules, params)
   if layout is None:
     compiled, state, _ = compile_step(model, opt, inputs, targets)
     return {"losses": _losses(compiled, state, inputs, targets, steps)}
@@ -130,15 +139,28 @@ def _by_dtype(d: dict) -> str:
                                                        key=lambda kv: -kv[1]))
 
 
+# Bytes per element of the wide HLO types a step may gather.
+_WIDE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "pred": 1}
+
+
+def _wide_as_bf16(gathers: dict) -> int:
+  """All-gather bytes with every wide element counted at 2 bytes: what the
+  step moves where BF16 collectives exist (XLA:CPU gathers BF16 Params as
+  F32, so its bytes of a BF16 gather are twice a GPU's); 1-byte payloads
+  and scales (``u8``) as they are."""
+  return sum(v if k == "u8" else 2 * v // _WIDE_BYTES[k]
+             for k, v in gathers.items())
+
+
 def table(layout: str, rows: dict) -> list[str]:
   base = rows["stock"]["collectives"]
-  base_ag = sum(base.get("all-gather", {}).values())
+  base_ag = _wide_as_bf16(base.get("all-gather", {}))
   base_all = sum(sum(v.values()) for v in base.values())
   lines = [f"**{layout}** ({LAYOUTS[layout]}), MiB per step per device", ""]
   lines += mdtable.head(["variant", "all-gather", "all-reduce",
-                         "reduce-scatter", "other", "AG vs stock",
-                         "total vs stock", "max |Δ loss| vs 1 device"],
-                        "lllllrrr")
+                         "reduce-scatter", "other", "AG, wide as BF16",
+                         "AG vs BF16 stock", "total vs stock",
+                         "max |Δ loss| vs 1 device"], "lllllrrrr")
   for name, r in rows.items():
     c = r["collectives"]
     other = {}
@@ -146,13 +168,14 @@ def table(layout: str, rows: dict) -> list[str]:
       if op not in ("all-gather", "all-reduce", "reduce-scatter"):
         for k, v in d.items():
           other[f"{op} {k}"] = other.get(f"{op} {k}", 0) + v
-    ag = sum(c.get("all-gather", {}).values())
+    ag = _wide_as_bf16(c.get("all-gather", {}))
     total = sum(sum(v.values()) for v in c.values())
     delta = r.get("loss_delta")
     lines.append(mdtable.row(
         name, _by_dtype(c.get("all-gather", {})),
         _by_dtype(c.get("all-reduce", {})),
         _by_dtype(c.get("reduce-scatter", {})), _by_dtype(other),
+        _mib(ag) if ag else "—",
         f"{ag / base_ag:.2f}x" if base_ag else "—",
         f"{total / base_all:.2f}x" if base_all else "—",
         "—" if delta is None else f"{delta:.1e}"))
@@ -165,6 +188,9 @@ def main(argv=None):
   p.add_argument("--layouts", default=",".join(LAYOUTS))
   p.add_argument("--rules", choices=("default", "all"), default="default")
   p.add_argument("--steps", type=int, default=2)
+  p.add_argument("--params", choices=("bf16", "f32"), default="bf16",
+                 help="dtype of every variant's Params (default bf16: the "
+                 "stock baseline gathers BF16 weights)")
   p.add_argument("--quick", action="store_true")
   p.add_argument("--json", default=None)
   args = p.parse_args(argv)
@@ -179,17 +205,17 @@ def main(argv=None):
     p.error(f"needs 8 devices, JAX sees {jax.device_count()}")
   variants = ["stock", "bf16", *recipes]
   print(f"GPT d_model={CONFIG.d_model} blocks={CONFIG.n_layers} "
-        f"d_ff={CONFIG.d_ff}, batch {BATCH}x{SEQ}, on "
+        f"d_ff={CONFIG.d_ff}, {args.params} Params, batch {BATCH}x{SEQ}, on "
         f"{jax.device_count()} {jax.default_backend()} devices")
-  single = {v: run(v, None, args.rules, args.steps) for v in variants} \
-      if args.steps else {}
+  single = {v: run(v, None, args.rules, args.steps, args.params)
+            for v in variants} if args.steps else {}
   results = {"layouts": LAYOUTS, "rules": args.rules, "steps": args.steps,
-             "jax": jax.__version__, "results": {}}
+             "params": args.params, "jax": jax.__version__, "results": {}}
   out = []
   for layout in layouts:
     rows = {}
     for v in variants:
-      r = run(v, layout, args.rules, args.steps)
+      r = run(v, layout, args.rules, args.steps, args.params)
       if args.steps:
         r["single_losses"] = single[v]["losses"]
         r["loss_delta"] = float(np.max(np.abs(np.subtract(
