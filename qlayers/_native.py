@@ -377,19 +377,15 @@ _GPU_BLOCK_PAIRS = {((1, 128), (128, 128)), ((128, 128), (1, 128)),
                     ((1, 128), (1, 128))}
 
 
-def _sm(arch) -> int:
-  return int(arch[3:]) if arch and str(arch).startswith("sm_") else 0
-
-
-def supports(a, b, platform: str | None = "cpu", arch: str | None = None) -> tuple[bool, str]:
+def supports(a, b, platform: str | None = "cpu") -> tuple[bool, str]:
   """Whether :func:`gemm` can multiply these two quantized operands there.
 
   Returns ``(ok, reason)``. The kernels take 2-D operands quantized along
   their last axis (``A (M, K)``, ``B (N, K)``) with matching granularities:
   tensor x tensor (fp8), mx x mx, or tile/block x tile/block (128-wide) on
-  CPU; on ``cuda``/``rocm`` (``arch``: ``sm_90``, ``gfx950``, ... or None
-  when unknown) what that GPU library registered and its kernels run there.
-  ``platform=None`` checks only the operands (any platform).
+  CPU; on ``cuda``/``rocm`` what that GPU library registered, with its
+  formats and shapes (which GPU generation runs a kernel is
+  `qlayers.table.FFI_ARCH`). ``platform=None`` checks only the operands.
   """
   if platform == "cpu" and not available():
     return False, unavailable_reason()
@@ -434,12 +430,11 @@ def supports(a, b, platform: str | None = "cpu", arch: str | None = None) -> tup
     return False, f"{_LIBRARIES[platform][0]} not loaded for {platform} ({why})"
   if platform == "cpu":
     return True, what
-  return _gpu_supports(a, b, platform, arch, kind, what)
+  return _gpu_supports(a, b, platform, kind, what)
 
 
-def _gpu_supports(a, b, platform, arch, kind, what) -> tuple[bool, str]:
-  """The GPU kernels' own limits (architecture, formats, shapes)."""
-  where = f"{platform} {arch or '(unknown architecture)'}"
+def _gpu_supports(a, b, platform, kind, what) -> tuple[bool, str]:
+  """The GPU kernels' own limits (formats, shapes)."""
   if platform == "cuda" and any(f.endswith("fnuz") for f in (a.format, b.format)):
     return False, "CUDA has no FNUZ fp8 types"
   if {a.format, b.format} <= {"e5m2", "e5m2fnuz"}:
@@ -448,17 +443,11 @@ def _gpu_supports(a, b, platform, arch, kind, what) -> tuple[bool, str]:
     if a.format not in _GPU_MX_FORMATS or b.format not in _GPU_MX_FORMATS:
       return False, (f"the {platform} MX kernel takes e4m3/e5m2 payloads, "
                      f"got {a.format} x {b.format}")
-    need = "sm_100+" if platform == "cuda" else "gfx950"
-    if not (_sm(arch) >= 100 if platform == "cuda" else arch == "gfx950"):
-      return False, f"MX needs {need}, not {where}"
-  if kind in ("row", "blockwise"):
-    if platform != "cuda" or not 90 <= _sm(arch) < 100:
-      return False, f"the {kind} scale modes of cuBLASLt are sm_90 only, not {where}"
-    if kind == "blockwise":
-      if (a.block, b.block) not in _GPU_BLOCK_PAIRS:
-        return False, f"cuBLASLt has no {a.block} x {b.block} block-scaled pair"
-      if a.format != "e4m3" or b.format != "e4m3":
-        return False, f"cuBLASLt block scaling takes e4m3 x e4m3, got {a.format} x {b.format}"
+  if kind == "blockwise":
+    if (a.block, b.block) not in _GPU_BLOCK_PAIRS:
+      return False, f"cuBLASLt has no {a.block} x {b.block} block-scaled pair"
+    if a.format != "e4m3" or b.format != "e4m3":
+      return False, f"cuBLASLt block scaling takes e4m3 x e4m3, got {a.format} x {b.format}"
   k_multiple = _GPU_K_MULTIPLE.get((platform, kind))
   if k_multiple is None:
     return False, f"no {kind} kernel on {platform}"
@@ -472,7 +461,7 @@ def _gpu_supports(a, b, platform, arch, kind, what) -> tuple[bool, str]:
   return True, what
 
 
-def gemm(a, b, *, out_dtype, platform: str | None = None, arch: str | None = None) -> jax.Array:
+def gemm(a, b, *, out_dtype, platform: str | None = None) -> jax.Array:
   """``dequantize(a) @ dequantize(b).T`` for two supported QTensors.
 
   ``a`` is ``(M, K)`` and ``b`` is ``(N, K)``, both quantized along K; the
@@ -480,7 +469,7 @@ def gemm(a, b, *, out_dtype, platform: str | None = None, arch: str | None = Non
   operands are checked for ``platform`` (see :func:`supports`; None: the
   contract only, for a call whose platform is decided at lowering).
   """
-  ok, why = supports(a, b, platform=platform, arch=arch)
+  ok, why = supports(a, b, platform=platform)
   if not ok:
     raise ValueError(f"native gemm cannot run these operands: {why}")
   dt = jnp.dtype(out_dtype)

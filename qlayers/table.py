@@ -28,7 +28,7 @@ from qlayers.scaling import QTensor
 
 __all__ = ["TABLE", "Rule", "Choice", "choose", "select", "target_arch",
            "gpu_arch", "targets_gpu", "prefers_contraction_last", "BACKENDS",
-           "PLATFORMS"]
+           "PLATFORMS", "FFI_ARCH", "ffi_supports"]
 
 BACKENDS = ("xla", "ffi")
 # Platforms `gemm` compiles a branch for ("tpu" takes the generic rules).
@@ -272,11 +272,29 @@ def _tn_view(q: QTensor) -> _View:
                tuple(reversed(q.shape)) if flip else q.shape)
 
 
-def _ffi_supports(a, b, platform: str, arch: str | None) -> tuple[bool, str]:
-  """Whether the native kernel takes ``a`` and ``b`` on ``platform`` once
-  they are laid out contraction-last (the ffi form does that)."""
-  return _native.supports(_tn_view(a), _tn_view(b), platform=platform,
-                         arch=arch)
+# The GPU generations each native GPU kernel runs on, by operand
+# granularity: the predicates of `TABLE`'s rows. `_native.supports` checks
+# only what the library registered and its operand contract (formats,
+# shapes); where a kernel may run is decided here.
+FFI_ARCH: dict[tuple[str, str], tuple[str, Callable]] = {
+    ("cuda", "row"): ("sm_90", _HOPPER),
+    ("cuda", "blockwise"): ("sm_90", _HOPPER),
+    ("cuda", "mx"): ("sm_100+", _MX_CORES),
+    ("rocm", "mx"): ("gfx950", _GFX950),
+}
+
+
+def ffi_supports(a, b, platform: str, arch: str | None) -> tuple[bool, str]:
+  """Whether the native kernel takes ``a`` and ``b`` on ``platform`` (GPU
+  generation ``arch``, None: unknown) once they are laid out
+  contraction-last (the ffi form does that), and if not, why."""
+  ok, why = _native.supports(_tn_view(a), _tn_view(b), platform=platform)
+  gran = _granularity(a, b)
+  need = FFI_ARCH.get((platform, gran))
+  if ok and need and not need[1](arch):
+    where = f"{platform} {arch or '(unknown architecture)'}"
+    return False, f"the {gran} kernel runs on {need[0]} only, not {where}"
+  return ok, why
 
 
 def choose(a, b, platform: str, arch: str | None = None, *,
@@ -292,7 +310,7 @@ def choose(a, b, platform: str, arch: str | None = None, *,
     return Choice("xla", "wide", "unquantized operands")
   where = platform + (f" {arch}" if arch else "")
   if requested == "ffi":
-    ok, why = _ffi_supports(a, b, platform, arch)
+    ok, why = ffi_supports(a, b, platform, arch)
     if ok:
       return Choice("ffi", "ffi", "forced")
     if platform == "cpu" or _active(platform):
@@ -304,7 +322,7 @@ def choose(a, b, platform: str, arch: str | None = None, *,
     if not rule.matches(platform, arch, gran, kinds):
       continue
     if rule.backend == "ffi":
-      if requested == "xla" or not _ffi_supports(a, b, platform, arch)[0]:
+      if requested == "xla" or not ffi_supports(a, b, platform, arch)[0]:
         continue
     if requested == "xla":
       return Choice("xla", rule.form, f"forced; {rule.why}")

@@ -23,6 +23,7 @@ import qlayers
 from qlayers import _native
 from qlayers import dispatch
 from qlayers import scaling as S
+from qlayers import table
 from numerics import sqnr_db
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -119,16 +120,15 @@ def test_native_kernel_needs_its_shapes_and_architecture(fake_cuda_library):
   assert dispatch.choose(a, b, "cuda", None).form == "f32_dequant"
   odd_a, odd_b = _blockwise(100, 256, 128)
   assert dispatch.choose(odd_a, odd_b, "cuda", "sm_90").form == "f32_dequant"
-  view = dispatch._tn_view  # pylint: disable=protected-access
-  ok, why = _native.supports(view(odd_a), view(odd_b), "cuda", "sm_90")
+  ok, why = table.ffi_supports(odd_a, odd_b, "cuda", "sm_90")
   assert not ok and "multiples of 16" in why and "M=100" in why
-  ok, why = _native.supports(view(b), view(b), "cuda", "sm_90")
+  ok, why = table.ffi_supports(b, b, "cuda", "sm_90")
   assert not ok and "(128, 128) x (128, 128)" in why
   row = S.QuantSpec(format="e4m3", granularity="row")
   ra = S.quantize(jnp.ones((64, 64)), row, 1)
-  ok, why = _native.supports(ra, ra, "cuda", "sm_100")
+  ok, why = table.ffi_supports(ra, ra, "cuda", "sm_100")
   assert not ok and "sm_90 only" in why
-  ok, why = _native.supports(ra, ra, "rocm", "gfx950")
+  ok, why = table.ffi_supports(ra, ra, "rocm", "gfx950")
   assert not ok and "not loaded" in why
 
 
