@@ -20,11 +20,14 @@ reaches it, it sees the operands' shardings and `_partition` decides:
 
 A dim is kept sharded only if every shard holds whole scale blocks (MX 32,
 tiles/blocks 128) and the mesh axes divide it; otherwise it is gathered.
+An operand passed through `wire` once and given to two GEMMs (a per-tensor
+weight's Fprop and Dgrad) is gathered once for both.
 With one device or all axes manual, XLA inlines the GEMM unchanged.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -37,9 +40,10 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.experimental.custom_partitioning import ArrayMapping, SdyShardingRule
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from qlayers import formats
 from qlayers.scaling import QTensor
 
-__all__ = ["gemm"]
+__all__ = ["gemm", "wire"]
 
 
 class _Meta(NamedTuple):
@@ -67,9 +71,28 @@ class _Meta(NamedTuple):
 
 
 def _meta(q: QTensor) -> _Meta:
+  dtype = jnp.dtype(q.payload.dtype)
+  fmt = formats.get_format(q.format)
+  if dtype == jnp.uint8 and not fmt.packed:  # a `wire` copy
+    dtype = jnp.dtype(fmt.dtype)
   return _Meta(q.format, q.granularity, q.block, q.axis, tuple(q.padded_shape),
-               q.transposed, jnp.dtype(q.payload.dtype).name,
-               tuple(q.scale.shape))
+               q.transposed, dtype.name, tuple(q.scale.shape))
+
+
+def wire(q: QTensor) -> QTensor:
+  """``q`` with its payload as the bytes `gemm` sends (uint8), for `gemm`
+  only. Two GEMMs given one wired operand (Fprop's weight and the copy saved
+  for Dgrad) take the same value, which the SPMD partitioner gathers once;
+  each `gemm` call wiring the payload itself gathers it once per GEMM.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from qlayers import scaling
+    >>> q = scaling.quantize(jnp.ones((4, 8)), scaling.QuantSpec(), 0)
+    >>> wire(q).payload.dtype, _meta(wire(q)).payload_dtype
+    (dtype('uint8'), 'float8_e4m3fn')
+  """
+  return dataclasses.replace(q, payload=_wire(q.payload))
 
 
 def _wire(payload):

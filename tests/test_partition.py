@@ -106,6 +106,16 @@ def test_payloads_travel_as_their_bytes(dtype):
   np.testing.assert_array_equal(np.asarray(back).view(np.uint8), codes)
 
 
+def test_wire_keeps_the_element_type_for_the_local_gemm():
+  q = _q((64, 128), E4M3, 0)
+  wired = partition.wire(q)
+  assert wired.payload.dtype == jnp.uint8
+  assert partition._meta(wired) == partition._meta(q)
+  np.testing.assert_array_equal(
+      np.asarray(wired.payload),
+      np.asarray(q.payload).view(np.uint8))
+
+
 # ----------------------------------------------------------------------------
 # On 8 simulated devices
 
@@ -129,6 +139,13 @@ def test_row_parallel_sums_partial_products_in_fp32(results):
   # The 32 x 128 FP32 partial products and the two amaxes, nothing gathered.
   assert r["collectives"] == {"all-reduce": {"f32": 32 * 128 * 4 + 2 * 4}}, r
   assert r["max_rel"] < 1e-6  # a sum in another order
+
+
+def test_a_wired_weight_is_gathered_once_for_two_gemms(results):
+  r = multidevice.result(results, "shared_weight")
+  assert r["gathers"] == {"per_call": {"u8": 2 * 64 * 128},
+                          "wired": {"u8": 64 * 128}}, r
+  assert r["same_bits"]
 
 
 def _gemm_case(x_spec, w_spec, mesh_shape, names):
@@ -163,10 +180,44 @@ def row_parallel():
                     ("fsdp", "model"))
 
 
+def shared_weight():
+  """Fprop ``x @ w`` and Dgrad ``g @ w.T`` of one per-tensor FP8 weight."""
+  from jax.sharding import Mesh  # pylint: disable=g-import-not-at-top
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  import collectives  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(2)
+  mesh = Mesh(np.array(jax.devices()), ("fsdp",))
+  arrays = [rng.normal(size=s).astype(np.float32)
+            for s in ((32, 64), (32, 128), (64, 128))]
+
+  def f(x, g, w, wired):
+    qw = scaling.quantize(w, E4M3, 0)
+    qw = partition.wire(qw) if wired else qw
+    qx, qg = scaling.quantize(x, E4M3, 1), scaling.quantize(g, E4M3, 1)
+    y = partition.gemm(qx, qw, (1, 0), jnp.float32, "default")
+    dx = partition.gemm(qg, dataclasses.replace(qw, axis=1), (1, 1),
+                        jnp.float32, "default")
+    return y, dx
+
+  out, gathers = {}, {}
+  with jax.set_mesh(mesh):
+    args = [jax.device_put(a, NamedSharding(mesh, P("fsdp")))
+            for a in arrays]
+    for wired in (False, True):
+      compiled = jax.jit(f, static_argnums=3).lower(*args, wired).compile()
+      name = "wired" if wired else "per_call"
+      gathers[name] = collectives.summary(compiled.as_text())["all-gather"]
+      out[name] = [np.asarray(o) for o in compiled(*args)]
+  same = all(np.array_equal(a, b) for a, b in zip(out["wired"],
+                                                  out["per_call"]))
+  return {"gathers": gathers, "same_bits": bool(same)}
+
+
 if __name__ == "__main__":
   import sys  # pylint: disable=g-import-not-at-top
   sys.path.insert(0, str(multidevice.ROOT / "benchmarks"))
   case = multidevice.Cases()
   case(fsdp)
   case(row_parallel)
+  case(shared_weight)
   case.main()
