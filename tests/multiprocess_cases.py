@@ -5,8 +5,9 @@ gloo CPU collectives). Run by test_sharding_multiprocess.py::
   multiprocess_cases.py OUT CKPT_DIR                      # one process
   multiprocess_cases.py OUT CKPT_DIR PORT PROCESS_ID      # one of two
 
-Process 0 (or the single process) writes ``{"losses", "checkpoint"}`` to
-OUT: the losses of 3 steps (written first, on their own), then of 2 more
+Process 0 (or the single process) writes ``{"losses", "repeated",
+"checkpoint"}`` to OUT: the losses of 3 steps and of the same 8 steps run
+twice from one state (written first, on their own), then of 2 more
 steps after the model and optimizer were saved with `qlayers.checkpoint` and
 restored into fresh ones (or the error that stopped the checkpoint part).
 Process 1 writes the same to ``OUT.1``.
@@ -36,6 +37,8 @@ import qlayers  # noqa: E402
 import sharded_training as st  # noqa: E402
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+REPEAT_STEPS = 8
 
 
 def _global(mesh, value, spec):
@@ -73,13 +76,20 @@ def main():
   with jax.set_mesh(mesh):
     xs, ys = _global(mesh, x, P("fsdp")), _global(mesh, y, P("fsdp"))
     model, opt = _build(mesh, 0)
-    compiled, state = st.compile_step(model, opt, xs, ys)
-    losses = []
+    compiled, first = st.compile_step(model, opt, xs, ys)
+    runs = []
+    for _ in range(2):  # the same steps twice: bit for bit the same?
+      losses, state = [], first
+      for _ in range(REPEAT_STEPS):
+        loss, state = compiled(state, xs, ys)
+        losses.append(float(loss))
+      runs.append(losses)
+    state = first
     for _ in range(3):
-      loss, state = compiled(state, xs, ys)
-      losses.append(float(loss))
+      _, state = compiled(state, xs, ys)
     nnx.update((model, opt), state)
-    result["losses"] = losses
+    result["losses"] = runs[0][:3]
+    result["repeated"] = runs
     _write(out_path, result)  # in case the checkpoint part hangs
     try:
       path = ckpt_dir / "ckpt"
