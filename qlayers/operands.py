@@ -90,7 +90,7 @@ def operand(t: jax.Array, op: Operand, *, amax=None, key=None,
   if amax is None and spec.granularity == "tensor" and sharding.varying_axes(t):
     amax = sharding.global_amax(scaling.amax(t), t)
   if elementwise:
-    q = scaling.quantize(t, spec, -1, tensor_amax=amax)
+    q = scaling.quantize(t, spec, -1, amax=amax)
     rows = _rows(q.payload)
     return dataclasses.replace(q, payload=rows, axis=op.axis, shape=rows.shape)
   if not spec.stochastic:
@@ -98,9 +98,9 @@ def operand(t: jax.Array, op: Operand, *, amax=None, key=None,
   elif key is None:
     key = _data_key(t)
   if op.tn:
-    q = scaling.quantize(t.T, spec, 1, tensor_amax=amax, key=key)
+    q = scaling.quantize(t.T, spec, 1, amax=amax, key=key)
     return dataclasses.replace(q, transposed=True)
-  return scaling.quantize(t, spec, op.axis, tensor_amax=amax, key=key)
+  return scaling.quantize(t, spec, op.axis, amax=amax, key=key)
 
 
 def _qdq(t, spec, axis: int, amax=None):
