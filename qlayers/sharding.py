@@ -77,9 +77,11 @@ def explicit_axes(mesh=None) -> tuple[str, ...]:
 
 def auto_mesh():
   """The context mesh if its GEMMs can use a partitioning rule: more than one
-  device and every axis auto (not manual, not explicit)."""
+  device and no manual axis. Explicit axes count as auto: `qlayers.ops`
+  runs every GEMM core under them in an auto-axes region (`auto_region`),
+  so a plan made outside that region already sees the mesh."""
   mesh = context_mesh()
-  if mesh is None or manual_axes(mesh) or explicit_axes(mesh):
+  if mesh is None or manual_axes(mesh):
     return None
   return mesh
 

@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from qlayers import dispatch, partition, scaling
+from qlayers import partition, scaling
 from qlayers.scaling import QuantSpec
 
 import multidevice
@@ -157,7 +157,7 @@ def _gemm_case(x_spec, w_spec, mesh_shape, names):
 
   def f(x, w):
     qx, qw = scaling.quantize(x, E4M3, 1), scaling.quantize(w, E4M3, 0)
-    return dispatch.gemm(qx, qw, axes=(1, 0), out_dtype=jnp.float32)
+    return partition.gemm(qx, qw, (1, 0), jnp.float32, "default")
 
   ref = np.asarray(jax.jit(f)(x, w))
   mesh = Mesh(np.array(jax.devices()).reshape(mesh_shape), names)
