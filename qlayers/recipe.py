@@ -43,11 +43,6 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16,
 # 4x that bounds the state (16 KiB a role) and the per-step history max,
 # which reads the whole history of every role of every GEMM.
 MAX_AMAX_HISTORY_LEN = 4096
-# Tile/block lengths: powers of two (scale grids then align with the GEMM
-# kernels' K tiles: 128 for DeepSeek-V3/DeepGEMM and cuBLASLt's VEC128 /
-# BLK128x128, 32 for MX, 16 for NVFP4) up to 1024; the CPU path pads every
-# dim to a multiple of the block, so a block of 100000 asks for ~41 GB.
-BLOCK_SIZES = tuple(2 ** i for i in range(4, 11))
 # Top-level settings read only by quantized GEMMs: a file that sets one (or
 # has a [defaults] table) but quantizes nothing is refused.
 _QUANT_ONLY_KEYS = ("defaults", "scaling", "amax_history_len",
@@ -155,7 +150,7 @@ class Recipe:
 def validate(r: Recipe) -> None:
   """Raises ValueError with an actionable message if ``r`` is inconsistent
   or out of range (``amax_history_len`` up to `MAX_AMAX_HISTORY_LEN`,
-  tile/block lengths in `BLOCK_SIZES`); TypeError for a field of the wrong
+  tile/block lengths in `scaling.BLOCK_SIZES`, checked by `QuantSpec`); TypeError for a field of the wrong
   type (see `scaling.check_fields`)."""
   check_fields(r)
   where = f"recipe {r.name!r}"
@@ -207,12 +202,6 @@ def validate(r: Recipe) -> None:
           f"{where}: {gname} would multiply E5M2 by E5M2, which loses too "
           "much precision; keep one operand E4M3 (HYBRID: E5M2 for "
           "gradients only).")
-  for role, spec in r.specs().items():
-    if (spec is not None and spec.granularity in ("tile", "block")
-        and spec.block_size not in BLOCK_SIZES):
-      raise ValueError(f"{where}: {role}.block_size must be a power of two "
-                       f"from {BLOCK_SIZES[0]} to {BLOCK_SIZES[-1]} (128 is "
-                       f"DeepSeek-V3's), got {spec.block_size}.")
   if r.delayed:
     for role, spec in r.specs().items():
       if spec is not None and spec.granularity != "tensor":

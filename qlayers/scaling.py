@@ -65,10 +65,6 @@ __all__ = [
     "check_fields",
 ]
 
-# The name `qlayers.native_quantize` calls; `blocks.normalize_axis` is the
-# one to use.
-_normalize_axis = blocks.normalize_axis
-
 Granularity = Literal["tensor", "row", "tile", "block", "mx"]
 ScaleRule = Literal["te", "deepseek", "mx_floor", "mx_rceil"]
 
@@ -77,6 +73,11 @@ _DEFAULT_BLOCK = {"tile": 128, "block": 128, "mx": _MX_BLOCK}
 _DEFAULT_RULE = {"tensor": "te", "row": "te", "tile": "deepseek",
                  "block": "deepseek", "mx": "mx_rceil"}
 _MX_ELEMENT_FORMATS = ("e4m3", "e5m2", "e3m2", "e2m3", "e2m1")
+# Tile/block lengths: powers of two (scale grids then align with the GEMM
+# kernels' K tiles: 128 for DeepSeek-V3/DeepGEMM and cuBLASLt's VEC128 /
+# BLK128x128, 32 for MX, 16 for NVFP4) up to 1024; every dim is padded to a
+# multiple of the block, so a block of 100000 would ask for ~41 GB.
+BLOCK_SIZES = tuple(2 ** i for i in range(4, 11))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -86,8 +87,9 @@ class QuantSpec:
   Attributes:
     format: element format name (see `qlayers.formats.FORMATS`).
     granularity: ``tensor`` | ``row`` | ``tile`` | ``block`` | ``mx``.
-    block_size: tile/block length (default 128); MX blocks are 32, the
-      only size OCP MX v1.0 defines. Not allowed for tensor/row.
+    block_size: tile/block length (default 128), a power of two from 16 to
+      1024 (`BLOCK_SIZES`); MX blocks are 32, the only size OCP MX v1.0
+      defines. Not allowed for tensor/row.
     scale_rule: ``te`` | ``deepseek`` | ``mx_floor`` | ``mx_rceil``;
       defaults by granularity (te, te, deepseek, deepseek, mx_rceil).
     margin: TE margin (scale multiplied by ``2**margin``), ``te`` rule only.
@@ -142,8 +144,10 @@ class QuantSpec:
       raise ValueError(f"block_size must be {_MX_BLOCK} for granularity 'mx' "
                        f"(OCP MX v1.0 fixes the block size), got "
                        f"{self.block_size}.")
-    if gran in _DEFAULT_BLOCK and self.block_size <= 0:
-      raise ValueError(f"block_size must be positive, got {self.block_size}.")
+    if gran in ("tile", "block") and self.block_size not in BLOCK_SIZES:
+      raise ValueError(f"block_size must be a power of two from "
+                       f"{BLOCK_SIZES[0]} to {BLOCK_SIZES[-1]} (128 is "
+                       f"DeepSeek-V3's), got {self.block_size}.")
     if not 0 <= self.margin <= MAX_MARGIN:
       raise ValueError(f"margin must be in [0, {MAX_MARGIN}], got "
                        f"{self.margin}.")
@@ -245,8 +249,7 @@ def _cast(values, fmt: Format, key):
 
 def quantize(x: jax.Array, spec: QuantSpec, axis: int = -1, *,
              amax: jax.Array | None = None,
-             key: jax.Array | None = None,
-             tensor_amax: jax.Array | None = None) -> QTensor:
+             key: jax.Array | None = None) -> QTensor:
   """Quantizes the operand ``x`` along ``axis`` as ``spec`` says.
 
   The one quantize entry point: every GEMM operand, whatever its recipe,
@@ -267,7 +270,6 @@ def quantize(x: jax.Array, spec: QuantSpec, axis: int = -1, *,
     key: PRNG key for stochastic rounding; required when ``spec.rounding ==
       "stochastic"``. A key given rounds stochastically whatever
       ``spec.rounding`` says: pass ``None`` for round-to-nearest-even.
-    tensor_amax: the former name of ``amax``; being retired.
 
   Returns:
     A `QTensor` with ``shape == x.shape``, ``axis`` in ``[0, x.ndim)`` and:
@@ -293,11 +295,6 @@ def quantize(x: jax.Array, spec: QuantSpec, axis: int = -1, *,
     >>> qt.scale, qt.dequantize().shape
     (Array(0.00446429, dtype=float32), (4, 64))
   """
-  if tensor_amax is not None:
-    if amax is not None:
-      raise TypeError("quantize takes amax= or its former name tensor_amax=, "
-                      "not both.")
-    amax = tensor_amax
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f"quantize expects a floating-point input, got {x.dtype}.")
   fmt = spec.fmt

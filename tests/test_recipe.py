@@ -210,9 +210,11 @@ def test_tile_and_block_sizes_are_bounded(tmp_path, block):
   for gran in ("tile", "block"):
     text = (f'[defaults]\ngranularity = "{gran}"\nblock_size = {block}\n'
             + _QUANTIZED)
-    with pytest.raises(ValueError, match=rf"r\.toml: .*fprop\.x\.block_size "
+    with pytest.raises(ValueError, match=rf"r\.toml: .*fprop\.x: block_size "
                        rf"must be a power of two from 16 to 1024.*got {block}"):
       _load(tmp_path, text)
+    with pytest.raises(ValueError, match=rf"power of two .*got {block}"):
+      QuantSpec(granularity=gran, block_size=block)
   for ok in (16, 64, 128, 1024):
     r = _load(tmp_path, f'[defaults]\ngranularity = "tile"\n'
               f'block_size = {ok}\n' + _QUANTIZED)

@@ -283,18 +283,12 @@ def test_per_tensor_payload_uses_te_multiplier():
 
 
 def test_amax_keyword_scales_by_the_given_amax():
-  """amax= (a delayed or global amax) replaces max |x| bit for bit;
-  tensor_amax= is the same argument under its former name."""
+  """amax= (a delayed or global amax) replaces max |x| bit for bit."""
   x = jnp.asarray([1.0, -2.0, 3.0], jnp.bfloat16)
   spec = QuantSpec(format="e4m3")
   q = S.quantize(x, spec, amax=jnp.float32(6.0))
   assert float(q.scale) == np.float32(1) / (np.float32(448) / np.float32(6))
   assert np.asarray(q.elements()).tolist() == [72.0, -144.0, 224.0]
-  old = S.quantize(x, spec, tensor_amax=jnp.float32(6.0))
-  assert payload_codes(old).tolist() == payload_codes(q).tolist()
-  assert np.float32(old.scale) == np.float32(q.scale)
-  with pytest.raises(TypeError, match="not both"):
-    S.quantize(x, spec, amax=jnp.float32(6.0), tensor_amax=jnp.float32(6.0))
   with pytest.raises(ValueError, match="per-tensor granularity only, not "
                      "'tile'"):
     S.quantize(jnp.ones((2, 128)), QuantSpec(granularity="tile"),
