@@ -116,8 +116,7 @@ def parse_args(argv=None) -> Config:
 
 
 def loss_fn(model, inputs, targets):
-  """Next-token loss (one function object: the inspection pass compiles
-  once per model structure)."""
+  """Next-token loss."""
   return lm.next_token_loss(model(inputs), targets)
 
 

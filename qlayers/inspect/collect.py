@@ -1,6 +1,7 @@
 """`collect`: one forward and backward pass that measures every quantized GEMM.
 
-The pass runs under ``jax.jit`` on a copy of the model made inside the trace
+The pass runs under ``jax.jit`` (compiled anew for each call: nothing is
+cached on the user's function or model) on a copy of the model made inside the trace
 (``nnx.split`` outside, ``nnx.merge`` inside, nothing written back), so the
 model's state does not change. While it traces, each `QuantGemm` runs its
 GEMM through a tap (`qlayers.inspect._tap`) that
@@ -55,33 +56,23 @@ class _Site:
   backend: str | None
 
 
-# Records of the pass that is running: (site, "fwd" | "bwd", host arrays):
-# "fwd" holds (x, w, state) as the GEMM consumed them, "bwd" the gradient g.
-_records: list[tuple[_Site, str, Any]] = []
-
-
-def _put(site: _Site, kind: str, arrays) -> None:
-  _records.append((site, kind, jax.tree.map(np.asarray, arrays)))
-
-
 # ----------------------------------------------------------------------------
 # The tap and the identity that sees the output gradient
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _probe(site: _Site, y):
+def _probe(put: Callable, y):
   return y
 
 
-def _probe_fwd(site, y):
-  del site
+def _probe_fwd(put, y):
+  del put
   return y, None
 
 
-def _probe_bwd(site, res, g):
+def _probe_bwd(put, res, g):
   del res
-  jax.debug.callback(functools.partial(_put, site, "bwd"),
-                     g.reshape(-1, g.shape[-1]))
+  jax.debug.callback(put, g.reshape(-1, g.shape[-1]))
   return (g,)
 
 
@@ -89,10 +80,17 @@ _probe.defvjp(_probe_fwd, _probe_bwd)
 
 
 class _Collector:
-  """The tap of one trace: counts the calls of each layer."""
+  """The tap of one `collect` call: counts the calls of each layer and keeps
+  what the pass sends out, ``records``: ``(site, "fwd" | "bwd", host
+  arrays)``; "fwd" holds (x, w, state) as the GEMM consumed them, "bwd" the
+  gradient g."""
 
   def __init__(self):
     self.calls: dict[str, int] = {}
+    self.records: list[tuple[_Site, str, Any]] = []
+
+  def _put(self, site: _Site, kind: str, arrays) -> None:
+    self.records.append((site, kind, jax.tree.map(np.asarray, arrays)))
 
   def __call__(self, gemm: QuantGemm, x, w, recipe: Recipe, state, *,
                key=None, out_dtype=None, backend=None):
@@ -107,11 +105,11 @@ class _Collector:
     sg = jax.lax.stop_gradient
     operands = (sg(x.reshape(-1, x.shape[-1])), sg(w),
                 numerics.plain_state(state))
-    jax.debug.callback(functools.partial(_put, site, "fwd"), operands)
-    return _probe(site, y), new_state
+    jax.debug.callback(functools.partial(self._put, site, "fwd"), operands)
+    return _probe(functools.partial(self._put, site, "bwd"), y), new_state
 
 
-def _pass(graphdef, loss_fn, state, args, kwargs):
+def _pass(graphdef, loss_fn, collector, state, args, kwargs):
   model = nnx.merge(graphdef, state)
   _tap.label(model)
 
@@ -123,12 +121,9 @@ def _pass(graphdef, loss_fn, state, args, kwargs):
     return out.astype(jnp.float32)
 
   wrt = nnx.DiffState(0, (nnx.Param, QuantGradState))
-  with _tap.tapping(_Collector()):
+  with _tap.tapping(collector):
     value, _ = nnx.value_and_grad(loss, argnums=wrt)(model)
   return value
-
-
-_run = jax.jit(_pass, static_argnums=(0, 1))
 
 
 def _check(model, loss_fn):
@@ -156,8 +151,9 @@ def collect(model: nnx.Module, loss_fn: Callable[..., jax.Array], *args,
   amax-history statistics of delayed scaling. See `Report`.
 
   ``loss_fn`` returns a scalar. ``args`` and ``kwargs`` are traced (close
-  over Python settings); the pass is compiled once per model structure and
-  ``loss_fn`` (pass the same function object to reuse it). Layers that
+  over Python settings); the pass is compiled on every call (nothing is
+  cached on ``loss_fn`` or the model: a global it reads is read anew, as
+  an eager call would). Layers that
   run their GEMM outside `QuantGemm.matmul` / ``__call__`` (`QuantLogits`)
   or quantize nothing are listed in `Report.skipped`. A layer run inside a
   loop transform (``nnx.scan``, ``lax.map``) reports one iteration. The
@@ -179,14 +175,11 @@ def collect(model: nnx.Module, loss_fn: Callable[..., jax.Array], *args,
   """
   _check(model, loss_fn)
   graphdef, state = nnx.split(model)
-  _records.clear()
-  try:
-    loss = float(_run(graphdef, loss_fn, state, args, kwargs))
-    jax.effects_barrier()
-    records = list(_records)
-  finally:
-    _records.clear()
-  return _report(model, *_measure(records), loss)
+  collector = _Collector()
+  run = jax.jit(functools.partial(_pass, graphdef, loss_fn, collector))
+  loss = float(run(state, args, kwargs))
+  jax.effects_barrier()
+  return _report(model, *_measure(collector.records), loss)
 
 
 # ----------------------------------------------------------------------------

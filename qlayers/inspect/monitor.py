@@ -2,8 +2,9 @@
 
 `Monitor` runs `collect` every ``every`` steps, outside the training step:
 the step itself is never changed or recompiled (it is compiled without any
-of this, whether the monitor is on or off), and the inspection pass is
-compiled once. Each record is a plain dict of floats (`Report.scalars`)
+of this, whether the monitor is on or off); the inspection pass is
+compiled at each recorded step (`collect` caches nothing on the loss
+function or the model). Each record is a plain dict of floats (`Report.scalars`)
 handed to a callback -- a TensorBoard writer, a CSV row -- and kept for
 `Monitor.to_csv` and `Monitor.plot`.
 
@@ -33,8 +34,7 @@ class Monitor:
   """Records `collect` statistics every ``every`` steps.
 
   Args:
-    loss_fn: ``loss_fn(model, *args, **kwargs) -> scalar`` (keep one function
-      object: the inspection pass compiles once per function).
+    loss_fn: ``loss_fn(model, *args, **kwargs) -> scalar``.
     every: record at steps ``0, every, 2 * every, ...``.
     callback: called as ``callback(step, scalars)`` with the `Report.scalars`
       of each recorded step.

@@ -22,6 +22,7 @@ then measures, on the same batches:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import pathlib
 import re
@@ -252,9 +253,6 @@ def _pass(graphdef, loss_fn, paths, state, mask, batch):
   return value, nnx.as_pure(grads)
 
 
-_run = jax.jit(_pass, static_argnums=(0, 1, 2))
-
-
 @jax.jit
 def _grad_sqnr(ref, grads) -> jax.Array:
   """SQNR (dB) of ``grads`` against ``ref`` over every leaf of both."""
@@ -269,13 +267,16 @@ class _Evaluator:
   """Runs the masked pass on every batch, against the unquantized pass."""
 
   def __init__(self, graphdef, state, loss_fn, paths, batches, grads):
-    self.graphdef, self.state, self.loss_fn = graphdef, state, loss_fn
-    self.paths, self.batches, self.grads = tuple(paths), batches, grads
+    # Compiled for this `sensitivity` call only (the mask is traced: one
+    # program serves every mask); nothing is cached on ``loss_fn``.
+    self.run = jax.jit(functools.partial(_pass, graphdef, loss_fn,
+                                         tuple(paths)))
+    self.state, self.paths = state, tuple(paths)
+    self.batches, self.grads = batches, grads
     self.ref = None
 
   def _pass(self, mask, batch):
-    return _run(self.graphdef, self.loss_fn, self.paths, self.state,
-                jnp.asarray(mask, jnp.float32), batch)
+    return self.run(self.state, jnp.asarray(mask, jnp.float32), batch)
 
   def reference(self) -> float:
     """Mean loss with nothing quantized; keeps its gradients (if measured)."""
