@@ -50,6 +50,7 @@ from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from jax.sharding import PartitionSpec as P
 
 from qlayers import dispatch
+from qlayers import partition
 from qlayers import scaling
 from qlayers import sharding
 from qlayers.dispatch import Plan
@@ -158,6 +159,9 @@ def _qmm_forward(plan: Plan, x, w, state, key):
         "g": state["g"]}
   qx = operand(x, fprop.lhs, amax=ax, key=kx, dtype=recipe.dtype)
   qw = operand(w, fprop.rhs, amax=aw, key=kw, dtype=recipe.dtype)
+  if plan.share_w and fprop.partitioned and plan.dgrad.partitioned:
+    # One uint8 value for Fprop and the Dgrad residual: gathered once.
+    qw = partition.wire(qw)
   y = dispatch.run(fprop, qx, qw)
   y = y.reshape(*x.shape[:-1], y.shape[-1])
 

@@ -14,6 +14,7 @@ import pytest
 from qlayers import sharding
 
 import multidevice
+import sharded_training as st
 
 LOSS_RTOL = 1e-5
 
@@ -114,13 +115,35 @@ def test_gather_switch_is_a_context_manager(monkeypatch):
       pass
 
 
+# Bytes of each MLP kernel's FSDP-gathered block per device, at one byte per
+# element: the whole (D, H) kernel over fsdp=8; a (D, H/4) block over
+# fsdp=2 x model=4.
+KERNEL_GATHER = {"fsdp": st.D * st.H, "fsdp_tp": st.D * st.H // 4}
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "fsdp_tp"])
+def test_fsdp_gathers_a_shared_fp8_weight_once(results, layout):
+  """Per-tensor FP8: Fprop and Dgrad read one copy of the weight, wired
+  once (`partition.wire`), so each kernel's payload is gathered once, not
+  once per GEMM."""
+  got = multidevice.result(results, "train_fp8_delayed")[layout]
+  assert _gathers(got) == {"u8": 2 * KERNEL_GATHER[layout]}, got
+
+
 def test_ffi_has_the_xla_collectives(results):
   r = multidevice.result(results, "ffi")
   xla = multidevice.result(results, "train_fp8_delayed")
   for layout in ("tp", "fsdp_tp"):
     got = r["fp8_delayed"][layout]
     _close(got["losses"], r["fp8_delayed"]["single"]["losses"])
-    assert _gathers(got) == _gathers(xla[layout]), layout
+    if layout == "tp":
+      assert _gathers(got) == _gathers(xla[layout]) == {}
+    else:
+      # The native kernel takes per-tensor operands contraction-last, so
+      # Dgrad quantizes its own copy of each weight instead of sharing
+      # Fprop's (plan.share_w is False): one of the two kernels is gathered
+      # a second time, 1.5x what xla gathers.
+      assert _gathers(got) == {"u8": 3 * KERNEL_GATHER[layout]}, got
     a = sum(got["collectives"].get("all-reduce", {}).values())
     b = sum(xla[layout]["collectives"].get("all-reduce", {}).values())
     assert a == pytest.approx(b, rel=0.01), layout
