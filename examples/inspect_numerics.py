@@ -21,7 +21,7 @@ steps).
 
 Sensitivity mode (``--sensitivity RECIPE``, GPT): trains the BF16 baseline
 for ``--steps`` (exactly ``train_lm.py``'s bf16 run of ``--seed``), then
-``qlayers.inspect.sensitivity`` quantizes one layer and one role at a time
+``qlayers.inspect.sensitivity`` quantizes one layer and one GEMM at a time
 on ``--batches`` validation batches, ranks the layers and proposes rules;
 the proposal's pattern goes to ``train_lm.py --keep-wide`` for a parity run.
 Writes ``gpt_sensitivity_{recipe}.json``.
@@ -70,7 +70,7 @@ class Config:
     sensitivity: rank the GPT's layers for this recipe instead.
     batches: validation batches for ``--sensitivity``.
     max_wide: proposals keep up to this many layers wide.
-    roles: ``--sensitivity`` also measures each role of each layer alone.
+    gemms: ``--sensitivity`` also measures each GEMM of each layer alone.
     out: output folder.
     progress: show progress bars.
   """
@@ -90,7 +90,7 @@ class Config:
   sensitivity: str | None = None
   batches: int = 4
   max_wide: int = 4
-  roles: bool = True
+  gemms: bool = True
   out: str = "out/inspect"
   progress: bool = True
 
@@ -240,7 +240,7 @@ def sensitivity(cfg: Config, out: pathlib.Path) -> dict[str, Any]:
   trained = time.perf_counter() - t0
   res = qlayers.inspect.sensitivity(model, loss_fn, valid[:cfg.batches],
                                     cfg.sensitivity, max_wide=cfg.max_wide,
-                                    roles=cfg.roles)
+                                    gemms=cfg.gemms)
   seconds = time.perf_counter() - t0 - trained
   print(res.table())
   if res.proposed is not None:

@@ -6,7 +6,7 @@
   saturated and flushed fractions, SQNR, each GEMM's output SQNR, and the
   amax-history statistics of delayed scaling (a `Report`: ``table()``,
   ``to_json()``, ``plot()``). The model's state does not change.
-* `sensitivity` quantizes one layer (and one role) at a time, ranks the
+* `sensitivity` quantizes one layer (and one GEMM) at a time, ranks the
   layers by how much the loss rises and proposes `qlayers.Rule` objects that
   keep the worst ones wide (a `Sensitivity`).
 * `Monitor` records `collect`'s scalars every N training steps into a

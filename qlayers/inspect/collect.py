@@ -186,16 +186,6 @@ def collect(model: nnx.Module, loss_fn: Callable[..., jax.Array], *args,
 # Records -> statistics -> Report
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _forward_stats(recipe: Recipe, backend, x, w, state):
-  return numerics.forward_stats(x, w, recipe, state, backend)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _backward_stats(recipe: Recipe, backend, g, x, w, state):
-  return numerics.backward_stats(g, x, w, recipe, state, backend)
-
-
 def _measure(records) -> tuple[dict, dict]:
   """The operands each site recorded -> ``(sites, stats)``, both keyed by
   ``(path, use)``; ``stats[key]`` holds ``"fwd"`` (and ``"bwd"`` when the
@@ -205,6 +195,12 @@ def _measure(records) -> tuple[dict, dict]:
   forward; a loop transform runs a layer once per iteration: the last one
   is measured).
   """
+  # Compiled for this call: one program per distinct (shapes, recipe,
+  # backend) among its sites.
+  forward = jax.jit(numerics.forward_stats, static_argnames=("recipe",
+                                                             "backend"))
+  backward = jax.jit(numerics.backward_stats, static_argnames=("recipe",
+                                                               "backend"))
   sites: dict[tuple[str, int], _Site] = {}
   raw: dict[tuple[str, int], dict[str, Any]] = {}
   for site, kind, arrays in records:
@@ -217,11 +213,11 @@ def _measure(records) -> tuple[dict, dict]:
     if "fwd" not in got:
       continue
     x, w, state = got["fwd"]
-    stats[key] = {"fwd": _forward_stats(site.recipe, site.backend, x, w,
-                                        state)}
+    stats[key] = {"fwd": forward(x, w, recipe=site.recipe, state=state,
+                                 backend=site.backend)}
     if "bwd" in got:
-      stats[key]["bwd"] = _backward_stats(site.recipe, site.backend,
-                                          got["bwd"], x, w, state)
+      stats[key]["bwd"] = backward(got["bwd"], x, w, recipe=site.recipe,
+                                   state=state, backend=site.backend)
   stats = jax.tree.map(np.asarray, stats)
   return {key: sites[key] for key in stats}, stats
 

@@ -1,19 +1,20 @@
-"""`sensitivity`: which layers (and roles) a recipe hurts most; rules that
+"""`sensitivity`: which layers (and GEMMs) a recipe hurts most; rules that
 keep them wide.
 
 A copy of the model is converted to the recipe (`qlayers.quantize`), and
-every GEMM runs through `masked.masked_matmul` with a traced mask that
-quantizes any chosen set of (layer, role) and leaves the rest in the
-recipe's compute dtype (BF16 for every shipped recipe) with FP32
-accumulation, as the unquantized recipe runs them. One compilation
-then measures, on the same batches:
+every GEMM runs through `masked.masked_matmul`: the library's quantized op
+under a variant of the recipe, chosen by a traced mask, that quantizes any
+chosen set of (layer, GEMM) and leaves the rest in the recipe's compute
+dtype (BF16 for every shipped recipe) with FP32 accumulation, as the
+unquantized recipe runs them. One compilation then measures, on the same
+batches:
 
 * the unquantized model (nothing quantized) and the fully quantized one;
-* each layer quantized alone (all its roles), and each role of each layer
-  alone: the change of the loss (forward effect; the output gradient ``g``
-  does not enter the loss, so its change is zero by construction) and the
-  SQNR of the whole parameter gradient against the unquantized one (which
-  every role affects);
+* each layer quantized alone (its three GEMMs), and each GEMM (Fprop,
+  Dgrad, Wgrad) of each layer alone: the change of the loss (forward
+  effect; Dgrad and Wgrad do not enter the loss, so their change is zero by
+  construction) and the SQNR of the whole parameter gradient against the
+  unquantized one (which every GEMM affects);
 * the model quantized except the ``k`` layers whose loss rose most, for
   ``k = 1 .. max_wide``: the proposed rules, with their loss against the
   unquantized model and against quantizing everything.
@@ -41,27 +42,28 @@ from qlayers.inspect import numerics
 from qlayers.inspect.report import _grid, dump_json, jsonable
 from qlayers.layers.core import QuantGemm
 from qlayers.recipe import Recipe, recipe as load_recipe
+from qlayers.state import QuantGradState
 
 __all__ = ["sensitivity", "Sensitivity", "Candidate", "Proposal"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-  """One layer (``role="all"``) or one role of it quantized alone.
+  """One layer (``gemm="all"``) or one GEMM of it quantized alone.
 
   Attributes:
     path: the layer's module path.
-    role: ``all``, ``x``, ``w`` or ``g``.
+    gemm: ``all``, ``fprop``, ``dgrad`` or ``wgrad``.
     loss: mean loss over the batches.
     loss_delta_pct: its change against the unquantized model, in percent
-      (zero for ``g``: the output gradient does not enter the loss).
+      (zero for ``dgrad`` and ``wgrad``: they do not enter the loss).
     grad_sqnr_db: SQNR (dB) of the parameter gradient against the
       unquantized model's, over all parameters and batches (None if not
       measured).
   """
 
   path: str
-  role: str
+  gemm: str
   loss: float
   loss_delta_pct: float
   grad_sqnr_db: float | None = None
@@ -115,7 +117,7 @@ class Sensitivity:
   all_loss: float
   all_grad_sqnr_db: float | None
   layers: list[Candidate]
-  roles: list[Candidate]
+  gemms: list[Candidate]
   proposals: list[Proposal]
   proposed: Proposal | None
 
@@ -145,22 +147,21 @@ class Sensitivity:
              f"{self.wide_loss:.6g}, all quantized {self.all_loss:.6g} "
              f"({self.all_vs_wide_pct:+.3f}%, gradient SQNR "
              f"{_db(self.all_grad_sqnr_db)} dB)"]
-    roles = {(c.path, c.role): c for c in self.roles}
+    gemms = {(c.path, c.gemm): c for c in self.gemms}
     head = ["rank", "layer", f"Δ loss vs {base} (%)", "grad SQNR dB"]
-    if roles:
-      head += ["x: Δ loss %", "x: grad dB", "w: Δ loss %", "w: grad dB",
-               "g: grad dB"]
+    if gemms:
+      head += ["fprop: Δ loss %", "fprop: grad dB", "dgrad: grad dB",
+               "wgrad: grad dB"]
     rows = []
     for i, c in enumerate(self.layers):
       row = [str(i + 1), c.path, f"{c.loss_delta_pct:+.3f}",
              _db(c.grad_sqnr_db)]
-      if roles:
-        x, w, g = (roles.get((c.path, r)) for r in "xwg")
-        row += [f"{x.loss_delta_pct:+.3f}" if x else "-",
-                _db(x.grad_sqnr_db) if x else "-",
-                f"{w.loss_delta_pct:+.3f}" if w else "-",
-                _db(w.grad_sqnr_db) if w else "-",
-                _db(g.grad_sqnr_db) if g else "-"]
+      if gemms:
+        f, d, w = (gemms.get((c.path, g)) for g in masked.GEMMS)
+        row += [f"{f.loss_delta_pct:+.3f}" if f else "-",
+                _db(f.grad_sqnr_db) if f else "-",
+                _db(d.grad_sqnr_db) if d else "-",
+                _db(w.grad_sqnr_db) if w else "-"]
       rows.append(row)
     lines += _grid(head, rows)
     lines.append(f"Keeping the top k layers wide ({self.recipe} elsewhere):")
@@ -192,7 +193,7 @@ class Sensitivity:
         "all_loss": self.all_loss, "all_vs_wide_pct": self.all_vs_wide_pct,
         "all_grad_sqnr_db": self.all_grad_sqnr_db,
         "layers": [dataclasses.asdict(c) for c in self.layers],
-        "roles": [dataclasses.asdict(c) for c in self.roles],
+        "gemms": [dataclasses.asdict(c) for c in self.gemms],
         "proposals": [prop(p) for p in self.proposals],
         "proposed": None if self.proposed is None else prop(self.proposed)})
 
@@ -221,8 +222,8 @@ def _db(v) -> str:
 
 
 class _Masked:
-  """The tap: the GEMM of candidate ``i`` quantizes the roles ``mask[i]``
-  selects; every other GEMM runs the real op."""
+  """The tap: the layer of candidate ``i`` quantizes the GEMMs ``mask[i]``
+  selects; every other layer runs the real op."""
 
   def __init__(self, index: dict[str, int], mask):
     self.index, self.mask = index, mask
@@ -233,7 +234,7 @@ class _Masked:
     if i is None:
       return ops.quantized_matmul(x, w, recipe, state, key=key,
                                   out_dtype=out_dtype, backend=backend)
-    return masked.masked_matmul(x, w, recipe, state, self.mask[i],
+    return masked.masked_matmul(x, w, recipe, state, self.mask[i], key=key,
                                 out_dtype=out_dtype, backend=backend)
 
 
@@ -248,9 +249,12 @@ def _pass(graphdef, loss_fn, paths, state, mask, batch):
                       f"{type(out).__name__} {getattr(out, 'shape', '')}.")
     return out.astype(jnp.float32)
 
+  # The gradient amax of delayed recipes is differentiated (as a training
+  # step does), then dropped: only the Params' gradients are compared.
+  wrt = nnx.DiffState(0, (nnx.Param, QuantGradState))
   with _tap.tapping(_Masked({p: i for i, p in enumerate(paths)}, mask)):
-    value, grads = nnx.value_and_grad(loss)(model)
-  return value, nnx.as_pure(grads)
+    value, grads = nnx.value_and_grad(loss, argnums=wrt)(model)
+  return value, nnx.as_pure(nnx.state(grads, nnx.Param))
 
 
 @jax.jit
@@ -328,10 +332,10 @@ def _working_copy(model, recipe, rules):
 def sensitivity(model: nnx.Module, loss_fn: Callable[..., jax.Array],
                 batches: Sequence, recipe: Recipe | str, *,
                 rules: convert.Rule | Iterable[convert.Rule] | None = None,
-                roles: bool = True, grads: bool = True,
+                gemms: bool = True, grads: bool = True,
                 max_wide: int | None = None,
                 close: float = 0.5) -> Sensitivity:
-  """Quantizes one layer (and one role) at a time, ranks the layers by how
+  """Quantizes one layer (and one GEMM) at a time, ranks the layers by how
   much the loss rises, and proposes rules that keep the worst ones wide.
 
   Works on a converted copy of ``model`` (``model`` itself does not
@@ -348,7 +352,7 @@ def sensitivity(model: nnx.Module, loss_fn: Callable[..., jax.Array],
     recipe: the recipe to measure.
     rules: conversion rules (default `qlayers.convert.DEFAULT_RULES`: the
       embeddings and the output head stay wide).
-    roles: also measure each role of each layer alone (3 more passes per
+    gemms: also measure each GEMM of each layer alone (3 more passes per
       layer).
     grads: measure gradient SQNR (keeps the unquantized gradients of every
       batch in memory).
@@ -385,20 +389,20 @@ def sensitivity(model: nnx.Module, loss_fn: Callable[..., jax.Array],
   wide_loss = run.reference()
   all_loss, all_sqnr = run(np.ones((n, 3)))
 
-  def candidate(path, role, mask):
+  def candidate(path, gemm, mask):
     loss, sq = run(mask)
-    return Candidate(path, role, loss, _pct(loss, wide_loss), sq)
+    return Candidate(path, gemm, loss, _pct(loss, wide_loss), sq)
 
-  layers, role_rows = [], []
+  layers, gemm_rows = [], []
   for i, path in enumerate(paths):
     mask = np.zeros((n, 3))
     mask[i] = 1
     layers.append(candidate(path, "all", mask))
-    if roles:
-      for r, role in enumerate(masked.ROLES):
+    if gemms:
+      for j, gemm in enumerate(masked.GEMMS):
         mask = np.zeros((n, 3))
-        mask[i, r] = 1
-        role_rows.append(candidate(path, role, mask))
+        mask[i, j] = 1
+        gemm_rows.append(candidate(path, gemm, mask))
   order = sorted(range(n), key=lambda i: (-layers[i].loss_delta_pct, i))
   layers = [layers[i] for i in order]
 
@@ -423,7 +427,7 @@ def sensitivity(model: nnx.Module, loss_fn: Callable[..., jax.Array],
   return Sensitivity(
       recipe=recipe.name, compute_dtype=recipe.compute_dtype,
       batches=len(batches), wide_loss=wide_loss, all_loss=all_loss,
-      all_grad_sqnr_db=all_sqnr, layers=layers, roles=role_rows,
+      all_grad_sqnr_db=all_sqnr, layers=layers, gemms=gemm_rows,
       proposals=proposals, proposed=proposed)
 
 

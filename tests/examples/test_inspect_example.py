@@ -39,7 +39,7 @@ def test_sensitivity_mode_and_keep_wide(tmp_path):
   import train_lm
 
   res = inspect_numerics.main(["--sensitivity", "mxfp4", "--steps", "1",
-                               "--batches", "1", "--no-roles", "--max-wide",
+                               "--batches", "1", "--no-gemms", "--max-wide",
                                "1", "--out", str(tmp_path), *TINY])
   assert len(res["layers"]) == 4 and res["proposed"]["wide"]
   pattern = res["proposed"]["pattern"]
