@@ -3,18 +3,17 @@
 `value_and_grad` is a drop-in for ``nnx.value_and_grad`` on a model with
 quantized layers. It differentiates the Params (``wrt``) and, in the same
 pass, collects every layer's gradient amax (`QuantGradState`) from the
-backward rule. While differentiating, that state is held in Flax's extended
-dtype ``fm32`` (``flax.linen.fp8_ops``), whose addition is ``max``: a layer
-used several times in a step (tied weights, a loop) combines its uses by max,
-not sum. Outside the differentiated function the state is plain FP32, which
-orbax saves.
+backward rule. A layer used several times in a step (tied weights, a loop)
+combines its uses by max, not sum: each use reads the gradient amax the
+previous one passed through (`qlayers.QuantGemm.write`), so the uses form a
+chain whose backward rules take the max (`qlayers.ops`); JAX never adds
+two of them. The state stays plain FP32, which orbax saves, and
+``nnx.value_and_grad(..., argnums=nnx.DiffState(0, (nnx.Param,
+qlayers.QuantGradState)))`` combines it the same way.
 
 Like ``nnx.value_and_grad`` it compiles nothing itself: called eagerly it
 runs op by op (and reads closures and globals afresh on every call); put the
-training step under ``nnx.jit`` for speed. JAX adds ``fm32`` values only
-inside a trace, so a layer used several times in one step must be
-differentiated under ``nnx.jit`` (or ``jax.jit``); eagerly that is an error
-naming the fix.
+training step under ``nnx.jit`` for speed.
 """
 
 from __future__ import annotations
@@ -25,23 +24,10 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from flax.linen import fp8_ops
 
 from qlayers.state import QuantGradState
 
 __all__ = ["value_and_grad", "grad", "accumulate_grads"]
-
-_MAX_DTYPE = fp8_ops.fm32
-
-
-def _to_max(tree):
-  return jax.tree.map(lambda v: jax.lax.convert_element_type(v, _MAX_DTYPE),
-                      tree)
-
-
-def _from_max(tree):
-  return jax.tree.map(
-      lambda v: jax.lax.convert_element_type(v, jnp.float32), tree)
 
 
 def value_and_grad(f: Callable[..., Any], argnums: int = 0, *,
@@ -105,24 +91,14 @@ def _value_and_grad(f, argnums, has_aux, wrt, loss_scale, args, kwargs):
     *_, new_rest = nnx.split(m, wrt, QuantGradState, ...)
     return loss, (aux, nnx.as_pure(new_rest))
 
-  loss, vjp_fn, (aux, new_rest) = jax.vjp(inner, diff, _to_max(qgrad),
-                                          has_aux=True)
+  loss, vjp_fn, (aux, new_rest) = jax.vjp(inner, diff, qgrad, has_aux=True)
   seed = jnp.ones_like(loss)
   if loss_scale is not None:
     seed = seed * jnp.asarray(loss_scale, loss.dtype)
-  try:
-    g_diff, g_q = vjp_fn(seed)
-  except KeyError as e:  # JAX has no eager add for extended-dtype arrays
-    if getattr(e.args[0] if e.args else None, "__name__", "") != "EArray":
-      raise
-    raise ValueError(
-        "qlayers.value_and_grad: a quantized layer is used more than once in "
-        "this step, and its gradient amaxes combine by max only inside a "
-        "trace (JAX cannot add the max-combining dtype eagerly). Put the "
-        "step under nnx.jit (or jax.jit).") from None
+  g_diff, g_q = vjp_fn(seed)
   nnx.update(model, new_rest)
   grads = nnx.merge_state(_typed(typed[0], g_diff),
-                          _typed(typed[1], _from_max(g_q)))
+                          _typed(typed[1], g_q))
   return ((loss, aux) if has_aux else loss), grads
 
 

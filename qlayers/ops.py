@@ -23,10 +23,12 @@ max-accumulates its amax into ``amax``: the forward returns the updated
 ``x``/``w`` states; the gradient's amax is only known in the backward pass, so
 it leaves as the *cotangent of ``state["g"].amax``*, which a training step
 writes back exactly (`qlayers.value_and_grad` and `qlayers.Optimizer` do).
-Held in an extended dtype whose addition is ``max`` while differentiating (as
-`qlayers.value_and_grad` does), the cotangents of several uses of one layer
-combine by max, not sum. Once per step `qlayers.update_scales` writes
-``amax`` into the history and clears it.
+The forward passes ``state["g"]`` on unchanged, and each use of a layer
+reads the state the previous one returned (`qlayers.QuantGemm.write`): the
+backward rule returns the max of this use's amax and the later uses' (the
+cotangent of the ``g`` amax passed on), so uses combine by max, not sum, in
+plain FP32. Once per step `qlayers.update_scales` writes ``amax`` into the
+history and clears it.
 
 Under a mesh every amax is the amax of the whole tensor (see
 `qlayers.sharding`): XLA reduces over shards under jit, ``lax.pmax`` does it
@@ -55,7 +57,7 @@ from qlayers import scaling
 from qlayers import sharding
 from qlayers.dispatch import Plan
 from qlayers.operands import (  # noqa: F401  (re-exported)
-    delayed_amax, fake_quant_matmul, like, operand, to_f32)
+    delayed_amax, fake_quant_matmul, operand, to_f32)
 from qlayers.recipe import Recipe, recipe as load_recipe
 from qlayers.scaling import ScaleState
 
@@ -98,9 +100,7 @@ def init_state(recipe: Recipe | str, batch_shape: tuple[int, ...] = ()
 
 
 def _keys(key, n):
-  if key is None:
-    return (None,) * n
-  return tuple(jax.random.split(key, n))
+  return (None,) * n if key is None else tuple(jax.random.split(key, n))
 
 
 def _values(tree):
@@ -136,7 +136,8 @@ def _warn_if_gradient_amax_lost(recipe: Recipe, x, w, state) -> None:
 # empty elsewhere), which their cotangents are reduced to.
 # Symbolic zeros: the forward rule sees which inputs are differentiated,
 # and the backward rule returns None (zero) for every state leaf but the
-# gradient role's running amax.
+# gradient role's running amax (also when the output is unused: then it
+# passes on the later uses' amax).
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -153,10 +154,8 @@ def _qmm_forward(plan: Plan, x, w, state, key):
   if recipe.delayed:
     ax, run_x = delayed_amax(x, state["x"], recipe)
     aw, run_w = delayed_amax(w, state["w"], recipe)
-    new_state = {
-        "x": state["x"]._replace(amax=like(run_x, state["x"].amax.dtype)),
-        "w": state["w"]._replace(amax=like(run_w, state["w"].amax.dtype)),
-        "g": state["g"]}
+    new_state = {"x": state["x"]._replace(amax=run_x),
+                 "w": state["w"]._replace(amax=run_w), "g": state["g"]}
   qx = operand(x, fprop.lhs, amax=ax, key=kx, dtype=recipe.dtype)
   qw = operand(w, fprop.rhs, amax=aw, key=kw, dtype=recipe.dtype)
   if plan.share_w and fprop.partitioned and plan.dgrad.partitioned:
@@ -193,18 +192,22 @@ def _qmm_fwd(plan: Plan, dtypes, x, w, state, key):
 def _qmm_bwd(plan: Plan, dtypes, res, cts):
   x_dtype, w_dtype, (x_vma, w_vma), x_shape = dtypes
   x_saved, w_saved, ax, aw, g_state, key = res
-  g, _ = cts
-  if isinstance(g, SymbolicZero):  # the output is not used
-    return None, None, None, None
+  g, out_ct = cts
   recipe, dgrad, wgrad = plan.recipe, plan.dgrad, plan.wgrad
+  # The later uses' gradient amax: the cotangent of the g amax passed on.
+  later = out_ct["g"].amax if recipe.delayed else None
+  later = None if isinstance(later, SymbolicZero) else later
+  if isinstance(g, SymbolicZero):  # the output is not used
+    return None, None, _g_amax_ct(later), None
   kd, kwg = _keys(key, 2)
   ag = state_ct = None
   if recipe.delayed:
     ag, run_g = delayed_amax(g, g_state, recipe)
-    # Only the gradient role's running amax leaves the backward pass; the
-    # forward roles left through the output.
-    state_ct = {"x": None, "w": None,
-                "g": ScaleState(None, like(run_g, g_state.amax.dtype))}
+    # Only the gradient role's running amax leaves the backward pass (the
+    # forward roles left through the output), max-combined with the later
+    # uses' (a chain of uses: JAX never adds two of them).
+    state_ct = _g_amax_ct(run_g if later is None
+                          else jnp.maximum(later, run_g))
   # Dgrad: dx = g @ w.T, contracted over N (both Hadamard-transformed along
   # N first if the recipe says so: (g Q.T) @ (w Q.T).T = g @ w.T).
   qg = operand(g, dgrad.lhs, amax=ag, key=kd, dtype=recipe.dtype)
@@ -224,6 +227,12 @@ def _qmm_bwd(plan: Plan, dtypes, res, cts):
 
 
 _qmm.defvjp(_qmm_fwd, _qmm_bwd, symbolic_zeros=True)
+
+
+def _g_amax_ct(amax):
+  """The state cotangent carrying gradient amax ``amax`` (None: zero)."""
+  return None if amax is None else {"x": None, "w": None,
+                                    "g": ScaleState(None, amax)}
 
 
 # ----------------------------------------------------------------------------
@@ -268,7 +277,8 @@ def quantized_matmul(x: jax.Array, w: jax.Array, recipe: Recipe | str,
     ``(y, new_state)``: ``y`` of shape ``(..., N)``; ``new_state`` has the
     forward roles' running amax updated (``None`` for stateless recipes).
     Under differentiation the cotangent of ``state["g"].amax`` is the
-    gradient role's running amax.
+    gradient role's running amax, max-combined with the cotangent of
+    ``new_state["g"].amax`` (the uses that read ``new_state``).
 
   Example:
     >>> import jax, jax.numpy as jnp

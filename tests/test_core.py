@@ -121,6 +121,30 @@ def test_remat_matches_plain():
     assert np.array_equal(s0[k], s1[k]), k
 
 
+@pytest.mark.parametrize("mode", ["remat", "eval"])
+def test_reused_layer_combines_by_max_under_remat_and_in_eval_mode(mode):
+  """Two uses with gradient amaxes 3 and 5 give 5 (not 8) under nnx.remat,
+  and in eval mode, whose state keeps its values bit for bit."""
+  x = jax.random.normal(jax.random.key(0), (4, 16))
+  c3 = jnp.full((4, 8), 0.5).at[0, 0].set(-3.0)
+  c5 = jnp.full((4, 8), 0.25).at[1, 2].set(5.0)
+  m = qlayers.QuantDense(16, 8, rngs=nnx.Rngs(0), recipe=delayed())
+  call = nnx.remat(lambda m, x: m(x)) if mode == "remat" else (
+      lambda m, x: m(x))
+  if mode == "eval":
+    m.eval()
+  before = pure(nnx.state(m, qlayers.QuantVariable))
+  _, grads = qlayers.value_and_grad(
+      lambda m: weighted_sum(call(m, x), c3) + weighted_sum(call(m, x), c5))(m)
+  assert float(grads["quant"]["g_amax"][...]) == 5.0
+  after = pure(nnx.state(m, qlayers.QuantVariable))
+  if mode == "eval":
+    for k in before:
+      assert np.array_equal(before[k], after[k]), k
+  else:
+    assert after["quant/x_amax"] == float(jnp.max(jnp.abs(x)))
+
+
 class MLP(nnx.Module):
 
   def __init__(self, recipe, rngs):

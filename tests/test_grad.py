@@ -16,27 +16,41 @@ from helpers import (DEFAULT_FLOOR, DENSE_FLOORS, delayed, optax_rules, pure,
 from numerics import sqnr_db
 
 
-def test_layer_used_twice_combines_by_max():
-  """Two uses in one step: gradient amaxes 3 and 5 give 5 (a sum gives 8),
-  under nnx.jit; eagerly, an error that names the fix."""
+def _reused(uses):
+  """A layer and a loss using it ``uses`` times (2 or 3) in one step, with
+  output-gradient amaxes 3, 5 (and 4): a max of 5, a sum of 8 (12)."""
   m = qlayers.QuantDense(16, 8, use_bias=False, rngs=nnx.Rngs(0),
                          recipe=delayed())
-  k1, k2 = jax.random.split(jax.random.key(0))
-  x1 = jax.random.normal(k1, (4, 16))
-  x2 = 2.0 * jax.random.normal(k2, (4, 16))
-  c1 = jnp.full((4, 8), 0.5).at[0, 0].set(-3.0)  # amax of use 1's gradient
-  c2 = jnp.full((4, 8), 0.25).at[1, 2].set(5.0)  # amax of use 2's gradient
+  keys = jax.random.split(jax.random.key(0), 3)
+  xs = [s * jax.random.normal(k, (4, 16)) for s, k in zip((1., 2., 1.), keys)]
+  cs = [jnp.full((4, 8), 0.5).at[0, 0].set(-3.0),
+        jnp.full((4, 8), 0.25).at[1, 2].set(5.0),
+        jnp.full((4, 8), 0.25).at[3, 1].set(4.0)]
 
   def loss_fn(m):
-    return weighted_sum(m(x1), c1) + weighted_sum(m(x2), c2)
+    return sum(weighted_sum(m(x), c) for x, c in zip(xs[:uses], cs[:uses]))
 
-  # Called eagerly, JAX cannot add the max-combining dtype: a named error.
-  with pytest.raises(ValueError, match="used more than once.*nnx.jit"):
-    qlayers.value_and_grad(loss_fn)(nnx.clone(m))
-  _, grads = nnx.jit(lambda m: qlayers.value_and_grad(loss_fn)(m))(m)
+  x_amax = max(float(jnp.max(jnp.abs(x))) for x in xs[:uses])
+  return m, loss_fn, x_amax
+
+
+STOCK = nnx.DiffState(0, (nnx.Param, qlayers.QuantGradState))
+
+
+@pytest.mark.parametrize("how", ["eager", "jit", "stock"])
+@pytest.mark.parametrize("uses", [2, 3])
+def test_layer_used_several_times_combines_by_max(uses, how):
+  """Gradient amaxes 3 and 5 (and 4) give 5, not their sum: eagerly, under
+  nnx.jit, and with stock nnx.value_and_grad over a DiffState."""
+  m, loss_fn, x_amax = _reused(uses)
+  vg = (nnx.value_and_grad(loss_fn, argnums=STOCK) if "stock" in how
+        else qlayers.value_and_grad(loss_fn))
+  if how == "jit":
+    vg = nnx.jit(vg)
+  _, grads = vg(m)
   assert float(grads["quant"]["g_amax"][...]) == 5.0
-  x_amax = max(float(jnp.max(jnp.abs(x1))), float(jnp.max(jnp.abs(x2))))
   assert float(m.quant.x_amax[...]) == x_amax
+  assert float(m.quant.g_amax[...]) == 0.0  # passed through, unchanged
   opt = qlayers.Optimizer(m, optax.sgd(0.0))
   opt.update(m, grads)
   assert float(m.quant.g_amax_history[...][0]) == 5.0

@@ -155,6 +155,33 @@ def test_delayed_state_flow(data):
   assert float(done["w"].amax) == 0.0
 
 
+def test_gradient_amax_chains_through_uses_by_max():
+  """Uses chained through the returned state (as `QuantGemm.write` chains
+  them): the state's gradient-amax cotangent is the max over the uses
+  (3 and 5 give 5 in either order, not 8), also through a use whose output
+  is unused."""
+  r = qlayers.recipe("fp8_delayed", amax_history_len=4)
+  x, w = jnp.ones((4, 16)), jnp.full((16, 8), 0.1)
+  c3 = jnp.full((4, 8), 0.5).at[0, 0].set(-3.0)
+  c5 = jnp.full((4, 8), 0.25).at[1, 2].set(5.0)
+
+  def two(st, c1, c2):
+    y1, st = ops.quantized_matmul(x, w, r, st)
+    y2, _ = ops.quantized_matmul(x, w, r, st)
+    return jnp.sum(y1 * c1) + jnp.sum(y2 * c2)
+
+  for c1, c2 in ((c3, c5), (c5, c3), (jnp.zeros_like(c3), c5)):
+    g = jax.grad(two)(ops.init_state(r), c1, c2)
+    assert float(g["g"].amax) == 5.0
+    assert float(jnp.abs(g["g"].amax_history).sum()) == 0.0
+
+  def second_only(st):
+    _, st = ops.quantized_matmul(x, w, r, st)
+    return jnp.sum(ops.quantized_matmul(x, w, r, st)[0] * c5)
+
+  assert float(jax.grad(second_only)(ops.init_state(r))["g"].amax) == 5.0
+
+
 def test_delayed_trajectory_by_hand():
   """Op + end of step over several steps, against hand-computed scales:
   step 0 scales by its own amax, later steps by the max of the history

@@ -17,7 +17,8 @@ is quantized from that cast; the qlayers layers quantize the FP32 master).
 
 Train/eval follows NNX: ``model.eval()`` sets ``use_running_average=True``
 (as for ``nnx.BatchNorm``), and then the layer scales from its stored amax
-history and writes nothing; ``model.train()`` resumes updating it.
+history and records nothing (its state keeps its values); ``model.train()``
+resumes updating it.
 
 Under a mesh the state is replicated (placed so when built under
 ``jax.set_mesh``; `nnx.get_partition_spec` gives ``P()`` for it), and every
@@ -125,12 +126,20 @@ class QuantGemm(nnx.Module):
             for role in ops.ROLES}
 
   def write(self, new_state: dict[str, ScaleState] | None) -> None:
-    """Stores the forward roles' running amax returned by the op (nothing in
-    eval mode, or for a stateless recipe)."""
-    if not self.delayed or self.use_running_average:
+    """Stores what the op returned (nothing for a stateless recipe): the
+    forward roles' running amax (not in eval mode), and the gradient role's
+    amax, which the op passes through unchanged. Storing that one chains the
+    next use of this GEMM in the step to this one, so the backward pass hands
+    each use the later uses' gradient amax to combine by max (see
+    `qlayers.ops`), where a value read twice would have its cotangents
+    summed."""
+    if not self.delayed:
+      return
+    # set_value, not [...] =: assignment inside a trace re-traces in NNX.
+    self.g_amax.set_value(new_state["g"].amax)
+    if self.use_running_average:
       return
     for role in ("x", "w"):
-      # set_value, not [...] =: assignment inside a trace re-traces in NNX.
       getattr(self, f"{role}_amax").set_value(
           jax.lax.stop_gradient(new_state[role].amax))
 

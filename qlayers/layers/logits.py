@@ -218,18 +218,26 @@ class QuantLogits(QuantLayer, nnx.Module):
     labels = labels.reshape(batch, seq)
     mask = mask.reshape(batch, seq)
 
-    def chunk(args):
+    # Each chunk is a use of the state: the gradient amax is carried from
+    # chunk to chunk (a chain, so the backward pass combines it by max; see
+    # `QuantGemm.write`).
+    def chunk(g_amax, args):
       xc, yc, mc = args
-      logits, new_state = self._logits(xc, kernel, bias, state)
+      if state is not None:
+        st = {**state, "g": state["g"]._replace(amax=g_amax)}
+      logits, new_state = self._logits(xc, kernel, bias,
+                                       None if state is None else st)
       lse = jax.nn.logsumexp(logits, axis=-1)
       picked = _pick(logits, yc)
       total = jnp.sum((lse - picked) * mc)
       if new_state is None:
-        return total, ()
-      return total, (new_state["x"].amax, new_state["w"].amax)
+        return g_amax, (total, ())
+      return new_state["g"].amax, (total, (new_state["x"].amax,
+                                           new_state["w"].amax))
 
+    g_amax = None if state is None else state["g"].amax
     if chunk_size is None or chunk_size >= seq:
-      total, amaxes = chunk((x, labels, mask))
+      g_amax, (total, amaxes) = chunk(g_amax, (x, labels, mask))
     else:
       n = -(-seq // chunk_size)
       pad = n * chunk_size - seq
@@ -242,12 +250,14 @@ class QuantLogits(QuantLayer, nnx.Module):
         t = t.reshape(batch, n, chunk_size, *t.shape[2:])
         return jnp.moveaxis(t, 1, 0)
 
-      totals, amaxes = lax.map(jax.checkpoint(chunk, prevent_cse=False),
-                               (split(x), split(labels), split(mask)))
+      g_amax, (totals, amaxes) = lax.scan(
+          jax.checkpoint(chunk, prevent_cse=False), g_amax,
+          (split(x), split(labels), split(mask)))
       total = jnp.sum(totals)
       amaxes = tuple(jnp.max(a, axis=0) for a in amaxes)
     if state is not None:
       ax, aw = amaxes
       self.quant.write({"x": state["x"]._replace(amax=ax),
-                        "w": state["w"]._replace(amax=aw)})
+                        "w": state["w"]._replace(amax=aw),
+                        "g": state["g"]._replace(amax=g_amax)})
     return total / jnp.maximum(jnp.sum(mask), 1.0)
