@@ -7,9 +7,10 @@ their operands are cast to the recipe's compute dtype and multiplied with
 FP32 accumulation, as an unquantized recipe runs them. A recipe quantizes
 both operands of a GEMM or neither (`qlayers.recipe.validate`), so the GEMM
 is the smallest part of a layer a recipe can keep wide, and the part
-measured here. The eight variants are the branches of one ``lax.switch``
-on the mask: one compilation measures every combination
-(`qlayers.inspect.sensitivity`), and a call runs only its own branch.
+measured here. The variants (all eight, or the ``masks`` a caller uses)
+are the branches of one ``lax.switch`` on the mask: one compilation
+measures every combination (`qlayers.inspect.sensitivity`), and a call runs
+only its own branch.
 """
 
 from __future__ import annotations
@@ -23,9 +24,12 @@ from jax import lax
 from qlayers import ops
 from qlayers.recipe import GemmRecipe, Recipe
 
-__all__ = ["masked_matmul", "variant", "GEMMS"]
+__all__ = ["masked_matmul", "variant", "GEMMS", "MASKS"]
 
 GEMMS = ("fprop", "dgrad", "wgrad")
+
+# Every mask, in the order of their branches.
+MASKS = tuple(tuple(i >> g & 1 for g in range(len(GEMMS))) for i in range(8))
 
 
 def variant(recipe: Recipe, on) -> Recipe:
@@ -44,7 +48,8 @@ def variant(recipe: Recipe, on) -> Recipe:
 
 
 def masked_matmul(x: jax.Array, w: jax.Array, recipe: Recipe, state,
-                  mask: jax.Array, *, key=None, out_dtype=None, backend=None):
+                  mask: jax.Array, *, key=None, out_dtype=None, backend=None,
+                  masks=MASKS):
   """``x (..., K) @ w (K, N)`` with the GEMMs ``mask`` selects quantized.
 
   Args:
@@ -53,6 +58,8 @@ def masked_matmul(x: jax.Array, w: jax.Array, recipe: Recipe, state,
     mask: ``(3,)``: Fprop, Dgrad, Wgrad quantized by ``recipe`` where > 0,
       unquantized elsewhere (see `variant`).
     out_dtype: output dtype (default as `qlayers.ops.quantized_matmul`).
+    masks: the values ``mask`` may take (0/1 triples), one branch each; a
+      mask not among them runs the first.
 
   Returns:
     ``(y, state)``: ``y`` of shape ``(..., N)``; the state is returned as it
@@ -68,14 +75,15 @@ def masked_matmul(x: jax.Array, w: jax.Array, recipe: Recipe, state,
   """
   out_dtype = jnp.dtype(out_dtype or ops.default_out_dtype(recipe, x.dtype))
 
-  def branch(index):
-    r = variant(recipe, [bool(index >> i & 1) for i in range(len(GEMMS))])
+  def branch(on):
+    r = variant(recipe, [bool(b) for b in on])
     def run(x, w, state, key):
       return ops.quantized_matmul(x, w, r, state, key=key,
                                   out_dtype=out_dtype, backend=backend)[0]
     return run
 
-  on = (jnp.asarray(mask) > 0).astype(jnp.int32)
-  index = jnp.sum(on * jnp.array([1, 2, 4], jnp.int32))
-  y = lax.switch(index, [branch(i) for i in range(8)], x, w, state, key)
+  on = jnp.asarray(mask) > 0
+  index = sum(i * jnp.all(on == jnp.array(m, bool)).astype(jnp.int32)
+              for i, m in enumerate(masks))
+  y = lax.switch(index, [branch(m) for m in masks], x, w, state, key)
   return y, state

@@ -225,8 +225,8 @@ class _Masked:
   """The tap: the layer of candidate ``i`` quantizes the GEMMs ``mask[i]``
   selects; every other layer runs the real op."""
 
-  def __init__(self, index: dict[str, int], mask):
-    self.index, self.mask = index, mask
+  def __init__(self, index: dict[str, int], mask, masks):
+    self.index, self.mask, self.masks = index, mask, masks
 
   def __call__(self, gemm: QuantGemm, x, w, recipe, state, *, key=None,
                out_dtype=None, backend=None):
@@ -235,10 +235,11 @@ class _Masked:
       return ops.quantized_matmul(x, w, recipe, state, key=key,
                                   out_dtype=out_dtype, backend=backend)
     return masked.masked_matmul(x, w, recipe, state, self.mask[i], key=key,
-                                out_dtype=out_dtype, backend=backend)
+                                out_dtype=out_dtype, backend=backend,
+                                masks=self.masks)
 
 
-def _pass(graphdef, loss_fn, paths, state, mask, batch):
+def _pass(graphdef, loss_fn, paths, masks, state, mask, batch):
   model = nnx.merge(graphdef, state)
   _tap.label(model)
 
@@ -252,7 +253,8 @@ def _pass(graphdef, loss_fn, paths, state, mask, batch):
   # The gradient amax of delayed recipes is differentiated (as a training
   # step does), then dropped: only the Params' gradients are compared.
   wrt = nnx.DiffState(0, (nnx.Param, QuantGradState))
-  with _tap.tapping(_Masked({p: i for i, p in enumerate(paths)}, mask)):
+  index = {p: i for i, p in enumerate(paths)}
+  with _tap.tapping(_Masked(index, mask, masks)):
     value, grads = nnx.value_and_grad(loss, argnums=wrt)(model)
   return value, nnx.as_pure(nnx.state(grads, nnx.Param))
 
@@ -270,11 +272,12 @@ def _grad_sqnr(ref, grads) -> jax.Array:
 class _Evaluator:
   """Runs the masked pass on every batch, against the unquantized pass."""
 
-  def __init__(self, graphdef, state, loss_fn, paths, batches, grads):
+  def __init__(self, graphdef, state, loss_fn, paths, batches, grads,
+               masks):
     # Compiled for this `sensitivity` call only (the mask is traced: one
     # program serves every mask); nothing is cached on ``loss_fn``.
     self.run = jax.jit(functools.partial(_pass, graphdef, loss_fn,
-                                         tuple(paths)))
+                                         tuple(paths), masks))
     self.state, self.paths = state, tuple(paths)
     self.batches, self.grads = batches, grads
     self.ref = None
@@ -384,7 +387,11 @@ def sensitivity(model: nnx.Module, loss_fn: Callable[..., jax.Array],
   if not 1 <= max_wide <= n:
     raise ValueError(f"max_wide must be in [1, {n}], got {max_wide}.")
   graphdef, state = nnx.split(work)
-  run = _Evaluator(graphdef, state, loss_fn, paths, batches, grads)
+  # The masks a layer gets: none, all, and (with ``gemms``) each GEMM alone.
+  masks = ((0, 0, 0), (1, 1, 1))
+  if gemms:
+    masks += ((1, 0, 0), (0, 1, 0), (0, 0, 1))
+  run = _Evaluator(graphdef, state, loss_fn, paths, batches, grads, masks)
 
   wide_loss = run.reference()
   all_loss, all_sqnr = run(np.ones((n, 3)))
