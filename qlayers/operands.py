@@ -20,28 +20,12 @@ from qlayers.dispatch import Operand
 from qlayers.recipe import Recipe, recipe as load_recipe
 from qlayers.scaling import ScaleState
 
-__all__ = ["operand", "delayed_amax", "to_f32", "like", "fake_quant_matmul"]
-
-
-def to_f32(v):
-  """Reads state that may be held in an extended (max-combining) dtype."""
-  if jax.dtypes.issubdtype(v.dtype, jax.dtypes.extended):
-    return lax.convert_element_type(v, jnp.float32)
-  return v
-
-
-def like(v, dtype):
-  """``v`` (FP32) in ``dtype`` (FP32 or an extended dtype over FP32)."""
-  if v.dtype == dtype:
-    return v
-  return lax.convert_element_type(v, dtype)
+__all__ = ["operand", "delayed_amax", "fake_quant_matmul"]
 
 
 def delayed_amax(t, state: ScaleState, recipe: Recipe):
   """(amax to scale ``t`` by now, updated running amax) for one delayed role
-  (`scaling.delayed_amax` of the whole tensor's amax; ``state`` may be held
-  in the max-combining dtype)."""
-  state = ScaleState(*map(to_f32, state))
+  (`scaling.delayed_amax` of the whole tensor's amax)."""
   current = sharding.global_amax(scaling.amax(t), t)
   return scaling.delayed_amax(state, current, recipe.amax_compute_algo)
 

@@ -11,8 +11,9 @@ Each operand is quantized from the high-precision tensor along the
 contraction dim of the GEMM that consumes it (a per-tensor quantized copy is
 shared between GEMMs, since its scale does not depend on the axis). All of
 that, and the kernel form of each GEMM, is decided once per call by
-`qlayers.dispatch.plan`; the custom_vjp executes the plan. Accumulation is FP32; Fprop/Dgrad outputs are in the compute dtype, the
-weight gradient in the weight's dtype (FP32 masters).
+`qlayers.dispatch.plan`; the custom_vjp executes the plan. Accumulation is
+FP32; Fprop/Dgrad outputs are in the compute dtype, the weight gradient in
+the weight's dtype (FP32 masters).
 
 Delayed scaling keeps a `scaling.ScaleState` per operand role ``x``, ``w``,
 ``g``: the amax history of completed steps and ``amax``, the running max of
@@ -57,22 +58,14 @@ from qlayers import scaling
 from qlayers import sharding
 from qlayers.dispatch import Plan
 from qlayers.operands import (  # noqa: F401  (re-exported)
-    delayed_amax, fake_quant_matmul, operand, to_f32)
+    delayed_amax, fake_quant_matmul, operand)
 from qlayers.recipe import Recipe, recipe as load_recipe
 from qlayers.scaling import ScaleState
 
 __all__ = [
-    "ROLES",
-    "init_state",
-    "default_out_dtype",
-    "delayed_amax",
-    "to_f32",
-    "operand",
-    "quantized_matmul",
-    "quantized_dot_general",
-    "dot_general",
-    "intercept",
-    "fake_quant_matmul",
+    "ROLES", "init_state", "default_out_dtype", "delayed_amax", "operand",
+    "quantized_matmul", "quantized_dot_general", "dot_general", "intercept",
+    "fake_quant_matmul"
 ]
 
 
@@ -407,6 +400,9 @@ def quantized_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
   lc, rc, lb, rb = map(tuple, (lc, rc, lb, rb))
   if len(lc) != len(rc) or len(lb) != len(rb):
     raise ValueError(f"Malformed dimension_numbers {dimension_numbers}.")
+  for name, t, dims in (("lhs", lhs, lc + lb), ("rhs", rhs, rc + rb)):
+    if not all(0 <= d < t.ndim for d in dims):  # lax.dot_general's TypeError
+      raise TypeError(f"dot_general: {name} {t.shape} has no dims {dims}.")
   out_dtype = preferred_element_type or jnp.result_type(lhs, rhs)
   if sharding.explicit_axes():
     ls, rs = sharding.spec_of(lhs), sharding.spec_of(rhs)
@@ -447,9 +443,8 @@ def quantized_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
   a = _permute(lhs, lfree + list(lc))
   a = a.reshape(*(lhs.shape[d] for d in lfree), k)
   b = _permute(rhs, list(rc) + rfree).reshape(k, -1)
-  y, new_state = quantized_matmul(a, b, recipe, state, key=key,
-                                 out_dtype=out_dtype, backend=backend,
-                                 site=site)
+  y, new_state = quantized_matmul(a, b, recipe, state, key=key, site=site,
+                                 out_dtype=out_dtype, backend=backend)
   return y.reshape(*y.shape[:-1], *(rhs.shape[d] for d in rfree)), new_state
 
 
@@ -457,8 +452,8 @@ def _permute(t, order):
   return t if list(order) == list(range(t.ndim)) else jnp.transpose(t, order)
 
 
-def _shift(d, removed):
-  return d - 1 if d > removed else d
+def _shift(d, removed):  # d's index once the dim ``removed`` is gone
+  return d - (d > removed)
 
 
 def dot_general(recipe: Recipe | str, *, backend: str | None = None):

@@ -286,3 +286,15 @@ def test_eval_warns_when_no_training_step_was_ended():
     warnings.simplefilter("error")
     ok.eval()
   assert ok.quant.use_running_average
+
+
+def test_stock_linear_with_quant_gemm_refuses_a_scalar_like_lax():
+  """A stock nnx.Linear running QuantGemm as its dot_general gives the
+  TypeError lax.dot_general gives for a scalar input (was IndexError)."""
+  lin = nnx.Linear(16, 4, rngs=nnx.Rngs(0),
+                   dot_general=qlayers.QuantGemm("fp8_current"))
+  stock = nnx.Linear(16, 4, rngs=nnx.Rngs(0))
+  with pytest.raises(TypeError):
+    stock(jnp.float32(1.0))
+  with pytest.raises(TypeError, match=r"lhs \(\) has no dims"):
+    lin(jnp.float32(1.0))

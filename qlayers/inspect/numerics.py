@@ -198,7 +198,7 @@ def plain_state(state):
   """Delayed state as plain FP32 constants (or None)."""
   if state is None:
     return None
-  return {role: lax.stop_gradient(ScaleState(*map(ops.to_f32, st)))
+  return {role: lax.stop_gradient(ScaleState(*st))
           for role, st in state.items()}
 
 
