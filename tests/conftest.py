@@ -3,7 +3,7 @@
 import jax
 import pytest
 
-from numerics import sqnr_db
+from _support.numerics import sqnr_db
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")

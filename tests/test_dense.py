@@ -10,9 +10,10 @@ from flax import nnx
 import qlayers
 from qlayers import ops
 from qlayers import scaling as S
-from helpers import (DEFAULT_FLOOR, DENSE_FLOORS, delayed, optax_rules, pure,
-                     param_signature, train_step, weighted_sum)
-from numerics import sqnr_db
+from _support.helpers import (
+    DEFAULT_FLOOR, DENSE_FLOORS, delayed, optax_rules, pure, param_signature,
+    train_step, weighted_sum)
+from _support.numerics import sqnr_db
 
 
 def bf16_dot(lhs, rhs, dims, precision=None, preferred_element_type=None,
@@ -174,7 +175,7 @@ def test_dense_row_parallel_inside_shard_map(tmp_path):
   the quantization error, and the kernel gradients likewise.
   """
   import subprocess, sys, json
-  import multidevice
+  from _support import multidevice
   script = tmp_path / "row_parallel.py"
   script.write_text(ROW_PARALLEL)
   out = tmp_path / "out.json"

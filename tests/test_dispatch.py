@@ -24,7 +24,7 @@ from qlayers import _native
 from qlayers import dispatch
 from qlayers import scaling as S
 from qlayers import table
-from numerics import sqnr_db
+from _support.numerics import sqnr_db
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 _GPU_TARGETS = ("qlayers_gemm_fp8_tensor", "qlayers_gemm_mx",

@@ -8,8 +8,8 @@ from flax import nnx
 
 import qlayers
 from qlayers.layers import QuantEmbed
-from helpers import DENSE_FLOORS, param_signature
-from numerics import sqnr_db
+from _support.helpers import DENSE_FLOORS, param_signature
+from _support.numerics import sqnr_db
 
 VOCAB, D = 96, 64
 TOKENS = jnp.array([[1, 5, 7, 95], [0, 2, 7, 3]])

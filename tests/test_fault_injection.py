@@ -22,7 +22,7 @@ from flax import nnx
 
 import qlayers
 
-from helpers import pure
+from _support.helpers import pure
 
 D = 128  # 1x128 tiles and 128x128 blocks need whole tiles
 STEPS = 10

@@ -1,5 +1,5 @@
 """Element formats against ml_dtypes: every code, rounding, saturation,
-packing (also against the NumPy reference, tests/reference_numpy.py)."""
+packing (also against the NumPy reference, tests/_support/reference_numpy.py)."""
 
 import functools
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-import reference_numpy as ref
+from _support import reference_numpy as ref
 from qlayers import formats as F
 
 ALL = [F.E4M3, F.E5M2, F.E4M3FNUZ, F.E5M2FNUZ, F.E3M2, F.E2M3, F.E2M1]

@@ -11,8 +11,8 @@ from flax import nnx
 
 import qlayers
 from qlayers.layers.general import einsum_gemm_plan
-from helpers import DENSE_FLOORS, param_signature
-from numerics import sqnr_db
+from _support.helpers import DENSE_FLOORS, param_signature
+from _support.numerics import sqnr_db
 
 
 def np_normal(std, seed=0):

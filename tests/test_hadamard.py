@@ -12,7 +12,7 @@ import qlayers
 from qlayers import hadamard
 from qlayers import scaling as S
 from qlayers.recipe import GemmRecipe
-from numerics import sqnr_db
+from _support.numerics import sqnr_db
 from test_ops import M, K, N, outliers, run
 
 

@@ -16,8 +16,8 @@ import qlayers
 from qlayers import ops
 from qlayers import scaling as S
 from qlayers.inspect import masked, numerics
-from helpers import delayed, optax_rules, pure, train_step, weighted_sum
-from numerics import sqnr_db
+from _support.helpers import delayed, optax_rules, pure, train_step, weighted_sum
+from _support.numerics import sqnr_db
 
 
 def _shuffled(values, n, base=1.0, seed=0):

@@ -10,9 +10,10 @@ from flax import nnx
 import qlayers
 from qlayers import ops
 from qlayers import scaling as S
-from helpers import (DEFAULT_FLOOR, DENSE_FLOORS, delayed, optax_rules, pure,
-                     param_signature, train_step, weighted_sum)
-from numerics import sqnr_db
+from _support.helpers import (
+    DEFAULT_FLOOR, DENSE_FLOORS, delayed, optax_rules, pure, param_signature,
+    train_step, weighted_sum)
+from _support.numerics import sqnr_db
 
 
 class TiedLM(nnx.Module):

@@ -13,7 +13,7 @@ from flax import nnx
 import qlayers
 from qlayers import ops
 from qlayers import scaling as S
-from numerics import sqnr_db
+from _support.numerics import sqnr_db
 
 M, K, N = 256, 384, 320
 

@@ -20,9 +20,10 @@ import qlayers
 from qlayers import ops
 from qlayers import optim
 from qlayers import scaling as S
-from helpers import (DEFAULT_FLOOR, DENSE_FLOORS, delayed, optax_rules, pure,
-                     param_signature, train_step, weighted_sum)
-from numerics import sqnr_db
+from _support.helpers import (
+    DEFAULT_FLOOR, DENSE_FLOORS, delayed, optax_rules, pure, param_signature,
+    train_step, weighted_sum)
+from _support.numerics import sqnr_db
 from test_optim_wrappers import assert_bits_equal, bits, count_compiles
 
 

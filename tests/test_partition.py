@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 from qlayers import partition, scaling
 from qlayers.scaling import QuantSpec
 
-import multidevice
+from _support import multidevice
 
 E4M3 = QuantSpec(format="e4m3")
 MX = QuantSpec(format="e4m3", granularity="mx")

@@ -1,6 +1,6 @@
 """Scale rules (qlayers.scale_rules): TE multiplier and scale, DeepSeek-V3
 and MX scale codes, and the correctly rounded FP32 divisions under them;
-properties against the NumPy reference (tests/reference_numpy.py) over
+properties against the NumPy reference (tests/_support/reference_numpy.py) over
 random, special and boundary amaxes."""
 
 import functools
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-import reference_numpy as ref
+from _support import reference_numpy as ref
 from qlayers import formats as F
 from qlayers import scale_rules as S
 

@@ -1,6 +1,6 @@
 """quantize and QTensor: bit-exact MX vectors, layout and padding, the
 amax= of a precomputed amax, non-finite units, exact payloads; properties
-against the independent NumPy reference (tests/reference_numpy.py) over
+against the independent NumPy reference (tests/_support/reference_numpy.py) over
 random shapes, dtypes and magnitudes, with zero, subnormal, huge, NaN, Inf,
 tiny and tie blocks mixed in."""
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-import reference_numpy as ref
+from _support import reference_numpy as ref
 from qlayers import formats as F
 from qlayers import scaling as S
 from qlayers.scaling import QuantSpec

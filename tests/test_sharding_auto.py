@@ -13,15 +13,15 @@ import pytest
 
 from qlayers import sharding
 
-import multidevice
-import sharded_training as st
+from _support import multidevice
+from _support import sharded_training as st
 
 LOSS_RTOL = 1e-5
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-  return multidevice.run_once("sharding_auto_cases.py",
+  return multidevice.run_once("_support/sharding_auto_cases.py",
                               tmp_path_factory)
 
 

@@ -5,14 +5,14 @@ sharding_explicit_cases.py. Tolerances as in test_sharding_auto.py."""
 import numpy as np
 import pytest
 
-import multidevice
+from _support import multidevice
 
 LOSS_RTOL = 1e-5
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-  return multidevice.run_once("sharding_explicit_cases.py",
+  return multidevice.run_once("_support/sharding_explicit_cases.py",
                               tmp_path_factory)
 
 

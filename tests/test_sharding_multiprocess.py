@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-import multidevice
+from _support import multidevice
 
 TIMEOUT = 600
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import reference_numpy as ref
+from _support import reference_numpy as ref
 from qlayers import formats as F
 from qlayers import scaling as S
 

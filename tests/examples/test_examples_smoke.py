@@ -52,7 +52,7 @@ def test_train_lm_sharded(tmp_path):
   import subprocess
   import sys
 
-  import multidevice
+  from _support import multidevice
 
   out = tmp_path / "r.json"
   proc = subprocess.run(

@@ -20,7 +20,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import qlayers
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] /
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] /
                        "benchmarks"))
 import collectives  # noqa: E402  pylint: disable=g-import-not-at-top
 

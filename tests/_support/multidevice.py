@@ -22,7 +22,8 @@ import tempfile
 import traceback
 
 HERE = pathlib.Path(__file__).resolve().parent
-ROOT = HERE.parent
+TESTS = HERE.parent
+ROOT = TESTS.parent
 
 
 def env(devices: int) -> dict[str, str]:
@@ -41,11 +42,12 @@ def env(devices: int) -> dict[str, str]:
 
 def run(script: str, *, devices: int = 8, timeout: float = 600,
         args: tuple[str, ...] = ()) -> dict:
-  """Runs ``tests/<script>`` with ``devices`` devices; its cases' results."""
+  """Runs ``tests/<script>`` (a path below tests/) with ``devices`` devices;
+  its cases' results."""
   with tempfile.TemporaryDirectory() as tmp:
     out = pathlib.Path(tmp) / "results.json"
     proc = subprocess.run(
-        [sys.executable, str(HERE / script), str(out), *args],
+        [sys.executable, str(TESTS / script), str(out), *args],
         env=env(devices), capture_output=True, text=True, timeout=timeout,
         cwd=tmp, check=False)
     if proc.returncode or not out.exists():
@@ -76,7 +78,8 @@ def once(name: str, tmp_path_factory, fn) -> dict:
 
 def run_once(script: str, tmp_path_factory, **kwargs) -> dict:
   """`run` through `once`."""
-  return once(script, tmp_path_factory, lambda: run(script, **kwargs))
+  return once(pathlib.Path(script).stem, tmp_path_factory,
+              lambda: run(script, **kwargs))
 
 
 def free_port() -> int:

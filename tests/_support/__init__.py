@@ -1,0 +1,2 @@
+"""Shared test support: reference implementations, model helpers, and the
+multi-device / multi-process case scripts the tests run in subprocesses."""
