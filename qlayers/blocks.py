@@ -20,14 +20,11 @@ see `_max_magnitude`), so a unit holding Inf or NaN has amax +Inf.
 
 from __future__ import annotations
 
-import typing
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-if typing.TYPE_CHECKING:
-  from qlayers.scaling import QuantSpec
 
 __all__ = ["normalize_axis", "block_shape", "padded_shape", "pad_to",
            "apply_blocks", "block_amax", "amax"]
@@ -45,9 +42,10 @@ def normalize_axis(axis: int, ndim: int) -> int:
   return axis % ndim
 
 
-def block_shape(shape: tuple[int, ...], spec: QuantSpec,
+def block_shape(shape: tuple[int, ...], spec,
                 axis: int) -> tuple[int, ...] | None:
-  """Per-dim block lengths of the scale grid of ``spec`` on ``shape``.
+  """Per-dim block lengths of the scale grid of ``spec`` (a
+  `qlayers.scaling.QuantSpec`) on ``shape``.
 
   Example:
     >>> from qlayers.scaling import QuantSpec

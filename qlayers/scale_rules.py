@@ -33,7 +33,6 @@ read as zero by XLA on CPU (not worked around); elsewhere they are kept.
 from __future__ import annotations
 
 import functools
-import typing
 
 import jax
 import jax.numpy as jnp
@@ -41,8 +40,6 @@ import numpy as np
 
 from qlayers.formats import Format
 
-if typing.TYPE_CHECKING:
-  from qlayers.scaling import QuantSpec
 
 __all__ = ["MAX_MARGIN", "divide_rn", "rdivide_rn", "rdivide_rn_integer",
            "te_multiplier", "te_scale", "deepseek_scale", "mx_scale_codes",
@@ -386,8 +383,9 @@ def _e8m0_bits(c: jax.Array) -> jax.Array:
 # Jitted so that an eager `quantize` compiles the scale rule once per (grid
 # shape, spec) rather than each of its integer steps; inlined under jit.
 @functools.partial(jax.jit, static_argnums=1)
-def unit_scales(a: jax.Array, spec: QuantSpec) -> tuple[jax.Array, jax.Array]:
-  """(multiplier applied to ``x``, stored scale) per scaling unit of amax ``a``.
+def unit_scales(a: jax.Array, spec) -> tuple[jax.Array, jax.Array]:
+  """(multiplier applied to ``x``, stored scale) per scaling unit of amax ``a``
+  under ``spec`` (a `qlayers.scaling.QuantSpec`).
 
   * ``te``: multiplier ``s`` = `te_multiplier`, stored ``1 / s`` (TE's
     ``scale_inv``).
