@@ -572,3 +572,19 @@ def test_sensitivity_errors():
     qlayers.inspect.sensitivity(
         model, loss_fn, [batch], "mxfp8",
         rules=[qlayers.Rule(pattern="", recipe=None)])
+
+
+def test_masked_matmul_refuses_a_mask_it_has_no_branch_for():
+  """A mask outside ``masks`` is an error eagerly and NaN under a trace,
+  never the first branch's value."""
+  r = qlayers.recipe("mxfp8")
+  x, w = jnp.ones((4, 64)), jnp.ones((64, 8))
+  masks = ((0, 0, 0), (1, 0, 0))
+  with pytest.raises(ValueError, match="not among the masks"):
+    masked.masked_matmul(x, w, r, None, jnp.array([1.0, 1.0, 1.0]),
+                         masks=masks)
+  run = jax.jit(lambda m: masked.masked_matmul(x, w, r, None, m,
+                                               masks=masks)[0])
+  assert np.isnan(np.asarray(run(jnp.array([1.0, 1.0, 1.0])))).all()
+  y = np.asarray(run(jnp.array([1.0, 0.0, 0.0])))
+  assert np.isfinite(y).all() and (y == 64.0).all()

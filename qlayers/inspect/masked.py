@@ -59,7 +59,7 @@ def masked_matmul(x: jax.Array, w: jax.Array, recipe: Recipe, state,
       unquantized elsewhere (see `variant`).
     out_dtype: output dtype (default as `qlayers.ops.quantized_matmul`).
     masks: the values ``mask`` may take (0/1 triples), one branch each; a
-      mask not among them runs the first.
+      mask not among them is a ValueError, or under a trace a NaN output.
 
   Returns:
     ``(y, state)``: ``y`` of shape ``(..., N)``; the state is returned as it
@@ -83,7 +83,10 @@ def masked_matmul(x: jax.Array, w: jax.Array, recipe: Recipe, state,
     return run
 
   on = jnp.asarray(mask) > 0
-  index = sum(i * jnp.all(on == jnp.array(m, bool)).astype(jnp.int32)
-              for i, m in enumerate(masks))
+  hits = [jnp.all(on == jnp.array(m, bool)) for m in masks]
+  if not isinstance(on, jax.core.Tracer) and not any(bool(h) for h in hits):
+    raise ValueError(f"mask {mask} is not among the masks {masks}.")
+  index = sum(i * h.astype(jnp.int32) for i, h in enumerate(hits))
   y = lax.switch(index, [branch(m) for m in masks], x, w, state, key)
-  return y, state
+  # A traced mask outside ``masks`` gives NaN, never another branch's value.
+  return jnp.where(jnp.any(jnp.stack(hits)), y, jnp.nan).astype(y.dtype), state
