@@ -89,13 +89,18 @@ def auto_mesh():
 _local = threading.local()
 
 
+# Part of jax's tracing and compilation cache keys (see `gather_payloads`).
+_GATHER = jax.make_user_context(default_value=True)
+
+
 @contextlib.contextmanager
 def gather_payloads(enabled: bool = True):
   """Whether quantized GEMMs of the xla backend traced in this block use the
   partitioning rule that gathers quantized payloads (`qlayers.partition`;
   default: yes). With ``False`` XLA places their gathers itself (wide ones
   on CPU, where payloads are upcast before the dot); the ffi backend keeps
-  its rule. Read when a step is traced: lower or first call it inside.
+  its rule. Read when a step is traced; part of jax's cache keys (as
+  `qlayers.dispatch.target_arch`), so a jitted step retraces under it.
 
   Example:
     >>> from qlayers import sharding
@@ -108,19 +113,15 @@ def gather_payloads(enabled: bool = True):
   if not isinstance(enabled, bool):
     raise TypeError(f"gather_payloads(enabled) takes a bool, got "
                     f"{enabled!r}.")
-  previous = getattr(_local, "gather", True)
-  _local.gather = enabled
-  try:
+  with _GATHER(enabled):
     yield
-  finally:
-    _local.gather = previous
 
 
 def quantized_gather() -> bool:
   """Whether the xla backend's quantized GEMMs being traced use the
   partitioning rule that gathers quantized payloads (see
   `gather_payloads`)."""
-  return getattr(_local, "gather", True)
+  return bool(_GATHER.value)
 
 
 @contextlib.contextmanager
