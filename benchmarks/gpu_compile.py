@@ -22,7 +22,13 @@ tensor, so XLA cannot fold the backward GEMMs away) with respect to the
 kernel and the input, so Fprop, Dgrad and Wgrad are all live. ``block`` is a
 Llama-style block (RMSNorm, q/k/v/o, causal attention, SwiGLU MLP) of stock
 NNX layers converted with ``qlayers.quantize(model, recipe, rules=())`` and
-one training step with `qlayers.value_and_grad` and `qlayers.Optimizer`.
+one training step with `qlayers.value_and_grad` and `qlayers.Optimizer`,
+at the ``--block-*`` shapes; ``d2048``, ``llama3-8b`` and ``llama2-70b`` are
+that block at fixed shapes (`BLOCK_PRESETS`: the old d 2048 block; Llama-3-8B
+d 4096, 32/8 heads, SwiGLU 14336; Llama-2-70B d 8192, 64/8, 28672; seq 4096,
+batch 1, cuDNN fused attention). Each run also reports the *ideal* of every
+recipe: the BF16 program of the same run with each layer GEMM at the peak
+of the recipe's formats and no extra pass, and the fraction of it reached.
 
 Each target is compiled with XLA's Triton GEMMs on (its default: without a
 device there is no autotuning, every dot becomes a Triton fusion) and off
@@ -70,7 +76,8 @@ import mdtable  # noqa: E402
 
 RECIPES = ("bf16", "fp8_current", "fp8_delayed", "fp8_rowwise",
            "deepseek_v3", "mxfp8", "mxfp6", "mxfp4")
-PROGRAMS = ("layer", "block")
+# "block": the --block-* flags; the others: BLOCK_PRESETS.
+PROGRAMS = ("layer", "block", "d2048", "llama3-8b", "llama2-70b")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -863,10 +870,35 @@ def gemm_peak(g: Gemm, target: Target) -> tuple[float, str]:
   return target.bf16, "bf16"
 
 
+def attention_flops(comp: Computation, inst: Inst) -> float:
+  """FLOPs of a cuDNN fused attention call (``__cudnn$fmha*``), else 0.
+
+  From its score shape ``(b, h, s_q, s_kv)`` (``intermediate_tensor_shape``)
+  and head size (the query's last dim): forward two GEMMs (``4 b h s_q s_kv
+  d``), backward five (``10 ...``: the scores recomputed, dV, dP, dQ, dK);
+  a causal mask halves them (the kernel skips masked tiles).
+  """
+  target = inst.attr("custom_call_target") or ""
+  if inst.opcode != "custom-call" or not target.startswith("__cudnn$fmha"):
+    return 0.0
+  m = re.search(r'"intermediate_tensor_shape":\s*\{[^}]*?"dimensions":\s*'
+                r'\[([^\]]*)\]', inst.attrs)
+  q = comp.insts.get(inst.operands[0]) if inst.operands else None
+  if not m or q is None or not q.arrays:
+    return 0.0
+  scores = math.prod(int(x.strip().strip('"')) for x in m.group(1).split(",")
+                     if x.strip())
+  gemms = 10 if "Backward" in target else 4
+  causal = 0.5 if re.search(r'"mask_type":\s*"CAUSAL', inst.attrs) else 1.0
+  return gemms * scores * q.arrays[0].dims[-1] * causal
+
+
 def roofline(comps, target: Target) -> dict:
-  """Model step time: every kernel at max(flops/peak, bytes/bandwidth)."""
+  """Model step time: every kernel at max(flops/peak, bytes/bandwidth);
+  cuDNN fused attention at the BF16 peak (`attention_flops`)."""
   gemms = {g.name: g for _, g in find_gemms(comps)}
   total_s, gemm_s, flops, nbytes, kernels = 0.0, 0.0, 0.0, 0.0, 0
+  att_s = att_flops = 0.0
   for comp in kernel_computations(comps):
     for inst in comp.insts.values():
       if not is_kernel(inst) or inst.opcode in ("while", "conditional",
@@ -881,10 +913,82 @@ def roofline(comps, target: Target) -> dict:
         t = max(t, g.flops / (peak * 1e12))
         flops += g.flops
         gemm_s += t
+      elif (af := attention_flops(comp, inst)):
+        t = max(t, af / (target.bf16 * 1e12))
+        att_flops += af
+        att_s += t
       nbytes += b
       total_s += t
   return {"kernels": kernels, "gemm_flops": flops, "bytes": nbytes,
-          "time_us": total_s * 1e6, "gemm_time_us": gemm_s * 1e6}
+          "time_us": total_s * 1e6, "gemm_time_us": gemm_s * 1e6,
+          "attention_flops": att_flops, "attention_time_us": att_s * 1e6}
+
+
+# --------------------------------------------------------------------------
+# The ideal: the BF16 program with each quantized GEMM at its format's peak
+
+FORMAT_BITS = {"e4m3": 8, "e5m2": 8, "e3m2": 6, "e2m3": 6, "e2m1": 4}
+
+
+def format_peak(fmts, target: Target) -> tuple[float, str]:
+  """TFLOP/s of the MMA that reads operands of element formats ``fmts``
+  (a GEMM's two formats; None: wide). FP6/FP4 run on FP8 tensor cores
+  where the target has no FP4 ones (every E3M2/E2M3/E2M1 value is an E4M3
+  value)."""
+  if not fmts or any(f not in FORMAT_BITS for f in fmts):
+    return target.bf16, "bf16"
+  bits = max(FORMAT_BITS[f] for f in fmts)
+  if bits <= 4 and target.fp4:
+    return target.fp4, "fp4"
+  return target.fp8, "fp8"
+
+
+def gemm_kind(role: str) -> str | None:
+  """``Fprop``/``Dgrad``/``Wgrad`` of an attributed role (the first of
+  ambiguous candidates); None for ``other``/``attention``."""
+  kinds = [r.rsplit(" ", 1)[-1] for r in role.split(" | ")]
+  return kinds[0] if kinds[0] in _ROLE_ORDER else None
+
+
+def ideal_time_us(base: dict, formats: dict, target: Target) -> float | None:
+  """Model time of the ideal program of a recipe: the BF16 record ``base``
+  with each layer GEMM (Fprop/Dgrad/Wgrad) at the peak of the recipe's
+  formats for that GEMM (``formats``: kind -> [lhs, rhs] format names) and
+  its operands read at their width; nothing else changes (no quantize,
+  transpose or scale pass). None when ``base`` lacks per-GEMM times."""
+  gemms = base.get("gemms") or []
+  if base.get("status") != "ok" or any("time_us" not in g for g in gemms):
+    return None
+  t = base["roofline"]["time_us"]
+  for g in gemms:
+    kind = gemm_kind(g["role"])
+    fmts = formats.get(kind) if kind else None
+    if not fmts or any(f not in FORMAT_BITS for f in fmts):
+      continue  # not quantized: as in the BF16 program
+    peak, _ = format_peak(fmts, target)
+    d = g["dims"]
+    operands = d["batch"] * d["k"] * (d["m"] + d["n"])
+    bits = max(FORMAT_BITS[f] for f in fmts)
+    nbytes = operands * bits / 8 + d["batch"] * d["m"] * d["n"] * \
+        DTYPE_BYTES.get(g["out"], 4)
+    flops = 2.0 * d["batch"] * d["m"] * d["n"] * d["k"]
+    new = max(flops / (peak * 1e12), nbytes / (target.tbps * 1e12)) * 1e6
+    t += new - g["time_us"]
+  return t
+
+
+def against_ideal(rec: dict, base: dict | None) -> dict | None:
+  """``{"speedup", "ideal_speedup", "of_ideal"}`` of a record against its
+  BF16 ``base`` (same target, flag and program); None if unknown."""
+  if base is None or rec.get("status") != "ok" or \
+      base.get("status") != "ok" or "formats" not in rec:
+    return None
+  ideal = ideal_time_us(base, rec.get("formats") or {},
+                        TARGETS[rec["target"]])
+  if ideal is None:
+    return None
+  t, b = rec["roofline"]["time_us"], base["roofline"]["time_us"]
+  return {"speedup": b / t, "ideal_speedup": b / ideal, "of_ideal": ideal / t}
 
 
 # --------------------------------------------------------------------------
@@ -1031,8 +1135,10 @@ def param_by_op_name(comp: Computation, needle: str) -> str:
 
 
 def describe(comps, layers: list[LayerDims], quantized: bool,
-             cotangent_params: tuple[str, ...] = ()) -> list[dict]:
-  """One record per GEMM: attribution, kernel, dtypes, scales, passes."""
+             cotangent_params: tuple[str, ...] = (),
+             target: Target | None = None) -> list[dict]:
+  """One record per GEMM: attribution, kernel, dtypes, scales, passes, its
+  bytes and (with ``target``) its model time."""
   top = entry(comps)
   ct = [param_by_op_name(top, c) for c in cotangent_params]
   ct = [c for c in ct if c]
@@ -1065,7 +1171,12 @@ def describe(comps, layers: list[LayerDims], quantized: bool,
         "pre": [dataclasses.asdict(p) for p in pre],
         "post": [dataclasses.asdict(p) for p in post],
         "op_name": g.op_name,
+        "bytes": kernel_bytes(comp, comp.insts[g.name]),
     })
+    if target is not None:
+      peak, _ = gemm_peak(g, target)
+      out[-1]["time_us"] = 1e6 * max(out[-1]["bytes"] / (target.tbps * 1e12),
+                                     g.flops / (peak * 1e12))
     out[-1]["issues"] = issues(out[-1]) if quantized else []
   return out
 
@@ -1173,16 +1284,40 @@ def layer_program(recipe: str, tokens: int, k: int, n: int):
   return step, args, layers, ("ct",)
 
 
+# Llama-style blocks at published model shapes (``--block-preset``): d,
+# heads, KV heads (GQA), SwiGLU width, and the attention real models run.
+BLOCK_PRESETS = {
+    "d2048": {"batch": 4, "seq": 1024, "d": 2048, "heads": 16,
+              "kv_heads": 16, "ff": 5632, "attention": "materialized"},
+    "llama3-8b": {"batch": 1, "seq": 4096, "d": 4096, "heads": 32,
+                  "kv_heads": 8, "ff": 14336, "attention": "cudnn"},
+    "llama2-70b": {"batch": 1, "seq": 4096, "d": 8192, "heads": 64,
+                   "kv_heads": 8, "ff": 28672, "attention": "cudnn"},
+}
+
+
 def block_program(recipe: str, batch: int, seq: int, d: int, heads: int,
-                  ff: int):
+                  ff: int, kv_heads: int | None = None,
+                  attention: str = "materialized"):
   """(step, args, layers, cotangent param paths) for one train step of a
-  Llama-style block."""
+  Llama-style block.
+
+  ``kv_heads``: grouped-query attention (k/v project to ``kv_heads`` heads;
+  default ``heads``). ``attention``: ``materialized`` (einsum, softmax over
+  the full score matrix) or ``cudnn`` (`jax.nn.dot_product_attention` with
+  ``implementation="cudnn"``: cuDNN's fused flash attention on GPU)."""
   jax = _jax()
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
   import qlayers  # pylint: disable=g-import-not-at-top
   bf16 = jnp.bfloat16
+  kv_heads = kv_heads or heads
+  if heads % kv_heads or attention not in ("materialized", "cudnn"):
+    raise ValueError(f"block: heads {heads} must be a multiple of kv_heads "
+                     f"{kv_heads}; attention {attention!r} is materialized "
+                     "or cudnn")
+  kv_d = d // heads * kv_heads
 
   class Block(nnx.Module):
     """Pre-norm attention + SwiGLU MLP, residuals, BF16 compute."""
@@ -1191,7 +1326,8 @@ def block_program(recipe: str, batch: int, seq: int, d: int, heads: int,
       lin = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=bf16,
                                     rngs=rngs)
       self.attn_norm = nnx.RMSNorm(d, dtype=bf16, rngs=rngs)
-      self.q, self.k, self.v, self.o = (lin(d, d) for _ in range(4))
+      self.q, self.o = lin(d, d), lin(d, d)
+      self.k, self.v = lin(d, kv_d), lin(d, kv_d)
       self.mlp_norm = nnx.RMSNorm(d, dtype=bf16, rngs=rngs)
       self.gate, self.up = lin(d, ff), lin(d, ff)
       self.down = lin(ff, d)
@@ -1199,15 +1335,21 @@ def block_program(recipe: str, batch: int, seq: int, d: int, heads: int,
     def __call__(self, x):
       b, s, _ = x.shape
       h = self.attn_norm(x)
-      split = lambda t: t.reshape(b, s, heads, d // heads)
-      q, k, v = split(self.q(h)), split(self.k(h)), split(self.v(h))
+      split = lambda t, n: t.reshape(b, s, n, d // heads)
+      q = split(self.q(h), heads)
+      k, v = split(self.k(h), kv_heads), split(self.v(h), kv_heads)
       with jax.named_scope("attention"):  # its GEMMs are not quantized
-        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k,
-                            preferred_element_type=jnp.float32)
-        logits = logits / math.sqrt(d // heads)
-        mask = jnp.tril(jnp.ones((s, s), bool))
-        p = jax.nn.softmax(jnp.where(mask, logits, -1e30), axis=-1)
-        att = jnp.einsum("bhqk,bkhd->bqhd", p.astype(bf16), v)
+        if attention == "cudnn":
+          att = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                             implementation="cudnn")
+        else:
+          k, v = (jnp.repeat(t, heads // kv_heads, axis=2) for t in (k, v))
+          logits = jnp.einsum("bqhd,bkhd->bhqk", q, k,
+                              preferred_element_type=jnp.float32)
+          logits = logits / math.sqrt(d // heads)
+          mask = jnp.tril(jnp.ones((s, s), bool))
+          p = jax.nn.softmax(jnp.where(mask, logits, -1e30), axis=-1)
+          att = jnp.einsum("bhqk,bkhd->bqhd", p.astype(bf16), v)
       x = x + self.o(att.reshape(b, s, d))
       h = self.mlp_norm(x)
       return x + self.down(jax.nn.silu(self.gate(h)) * self.up(h))
@@ -1234,8 +1376,8 @@ def block_program(recipe: str, batch: int, seq: int, d: int, heads: int,
   args = (state, jax.ShapeDtypeStruct((batch, seq, d), bf16),
           jax.ShapeDtypeStruct((batch, seq, d), jnp.float32))
   t = batch * seq
-  layers = [LayerDims(n, t, d, d, shares_input="attn_norm")
-            for n in ("q", "k", "v")]
+  layers = [LayerDims(n, t, d, o, shares_input="attn_norm")
+            for n, o in (("q", d), ("k", kv_d), ("v", kv_d))]
   layers += [LayerDims("o", t, d, d)]
   layers += [LayerDims(n, t, d, ff, shares_input="mlp_norm")
              for n in ("gate", "up")]
@@ -1306,7 +1448,7 @@ def compile_one(item: dict, device, targets_dir) -> dict:
                                                 **item["layer"])
       else:
         step, args, layers, cts = block_program(item["recipe"],
-                                                **item["block"])
+                                                **item["block"])  # presets too
       lowered = jax.jit(step).lower(*_on_device(args, device))
     t1 = time.perf_counter()
     compiled = lowered.compile(compiler_options=opts)
@@ -1319,9 +1461,21 @@ def compile_one(item: dict, device, targets_dir) -> dict:
   if item.get("hlo_dir"):
     hlo_path(item).write_text(text)
   rec.update(status="ok", trace_s=t1 - t0, compile_s=t2 - t1,
-             xla_cost=xla_cost(compiled), ffi_targets=ffi_targets())
+             xla_cost=xla_cost(compiled), ffi_targets=ffi_targets(),
+             formats=recipe_formats(item["recipe"]))
   rec.update(analyse(text, item, layers, cts))
   return rec
+
+
+def recipe_formats(name: str) -> dict:
+  """``{"Fprop": [lhs, rhs], ...}``: each GEMM's operand element formats
+  under recipe ``name`` (None: kept wide), for the ideal column."""
+  import qlayers  # pylint: disable=g-import-not-at-top
+  r = qlayers.recipe(name)
+  return {kind: [None if spec is None else spec.format
+                 for spec in (g.lhs, g.rhs)]
+          for kind, g in (("Fprop", r.fprop), ("Dgrad", r.dgrad),
+                          ("Wgrad", r.wgrad))}
 
 
 def hlo_path(item: dict) -> pathlib.Path:
@@ -1334,7 +1488,7 @@ def analyse(text: str, item: dict, layers, cts) -> dict:
   """GEMM records, kernel summary and roofline of one optimized module."""
   comps = parse_module(text)
   quantized = item["recipe"] not in ("bf16", "fp16")
-  gemms = describe(comps, layers, quantized, cts)
+  gemms = describe(comps, layers, quantized, cts, TARGETS[item["target"]])
   return {"gemms": gemms, "kernels": summarize_kernels(
               [g for g in gemms if g["role"] not in ("other", "attention")]),
           "roofline": roofline(comps, TARGETS[item["target"]])}
@@ -1350,9 +1504,12 @@ def reparse(records: list[dict], hlo_dir: str) -> list[dict]:
       item = dict(rec, hlo_dir=hlo_dir)
       path = hlo_path(item)
       if path.is_file():
-        build = layer_program if rec["program"] == "layer" else block_program
-        _, _, layers, cts = build(rec["recipe"], **rec[rec["program"]])
+        if rec["program"] == "layer":
+          _, _, layers, cts = layer_program(rec["recipe"], **rec["layer"])
+        else:
+          _, _, layers, cts = block_program(rec["recipe"], **rec["block"])
         rec.update(analyse(path.read_text(), item, layers, cts))
+        rec.setdefault("formats", recipe_formats(rec["recipe"]))
     out.append(rec)
   return out
 
@@ -1423,22 +1580,29 @@ def markdown(records: list[dict]) -> str:
         out.append(mdtable.row(r["recipe"], *row))
     out += ["", f"Model prediction (roofline at {target.source}: BF16 "
             f"{target.bf16:g}, FP8 {target.fp8:g} TFLOP/s, {target.tbps:g} "
-            "TB/s); XLA cost from its HloCostAnalysis (-1: custom calls it "
-            "cannot cost).", ""]
+            "TB/s; cuDNN fused attention at the BF16 peak); XLA cost from "
+            "its HloCostAnalysis (-1: custom calls it cannot cost). Ideal: "
+            "the BF16 program with each layer GEMM at the peak of the "
+            "recipe's formats and no extra pass; of ideal = ideal time / "
+            "model time.", ""]
     out += mdtable.head(["recipe", "GEMM kernels", "kernels", "GEMM GFLOP",
                          "bytes MiB", "XLA GFLOP", "XLA MiB",
                          "model us", "model GEMM us", "vs bf16",
-                         "compile s"], "llrrrrrrrrr")
+                         "ideal vs bf16", "of ideal", "compile s"],
+                        "llrrrrrrrrrrr")
     base = next((r for r in recs if r["recipe"] == "bf16" and
                  r["status"] == "ok"), None)
     for r in recs:
       if r["status"] != "ok":
-        out.append(mdtable.row(r["recipe"], "failed", *([None] * 8),
+        out.append(mdtable.row(r["recipe"], "failed", *([None] * 10),
                                f"{r['compile_s']:.1f}"))
         continue
       rf, xc = r["roofline"], r["xla_cost"]
       ratio = (f"{base['roofline']['time_us'] / rf['time_us']:.2f}x"
                if base else "")
+      ideal = against_ideal(r, base)
+      ideal_cells = ([f"{ideal['ideal_speedup']:.2f}x",
+                      f"{ideal['of_ideal']:.2f}"] if ideal else ["", ""])
       fmt = lambda v, s: "n/a" if v is None else (
           "-1" if v < 0 else f"{v / s:.1f}")
       out.append(mdtable.row(
@@ -1446,7 +1610,7 @@ def markdown(records: list[dict]) -> str:
           f"{rf['gemm_flops'] / 1e9:.1f}", _mb(rf["bytes"]),
           fmt(xc["flops"], 1e9), fmt(xc["bytes"], 2**20),
           f"{rf['time_us']:.0f}", f"{rf['gemm_time_us']:.0f}", ratio,
-          f"{r['compile_s']:.1f}"))
+          *ideal_cells, f"{r['compile_s']:.1f}"))
     out.append("")
   return "\n".join(out)
 
@@ -1500,6 +1664,10 @@ def compare_markdown(runs: list[tuple[str, list[dict]]]) -> str:
           if base and base["status"] == "ok":
             speedup = base["roofline"]["time_us"] / r["roofline"]["time_us"]
             ratio = f"{speedup:.2f}x"
+            ideal = against_ideal(r, base)
+            if ideal and r["recipe"] != "bf16":
+              ratio += (f" ({ideal['of_ideal']:.2f} of "
+                        f"{ideal['ideal_speedup']:.2f}x)")
           cells += [r["kernels"] or "-", _issue_summary(r), ratio]
       out.append(mdtable.row(*cells))
     out.append("")
@@ -1685,6 +1853,12 @@ def main(argv=None) -> int:
   p.add_argument("--block-d", type=int, default=2048)
   p.add_argument("--block-heads", type=int, default=16)
   p.add_argument("--block-ff", type=int, default=5632)
+  p.add_argument("--block-kv-heads", type=int, default=0,
+                 help="grouped-query attention (default: --block-heads)")
+  p.add_argument("--block-attention", default="materialized",
+                 choices=("materialized", "cudnn"),
+                 help="program block's attention: einsum + softmax, or "
+                 "jax.nn.dot_product_attention(implementation='cudnn')")
   p.add_argument("--host-arch", action="store_true",
                  help="do not tell qlayers which GPU it compiles for (the "
                  "choice when the generation is unknown)")
@@ -1755,7 +1929,9 @@ def main(argv=None) -> int:
   layer = {"tokens": args.tokens, "k": args.in_features,
            "n": args.out_features}
   block = {"batch": args.block_batch, "seq": args.block_seq,
-           "d": args.block_d, "heads": args.block_heads, "ff": args.block_ff}
+           "d": args.block_d, "heads": args.block_heads, "ff": args.block_ff,
+           "kv_heads": args.block_kv_heads or args.block_heads,
+           "attention": args.block_attention}
   ffi_dir = args.ffi_dir
   if ffi_dir and not (pathlib.Path(ffi_dir) / "libqlayers_cuda.so").is_file():
     print(f"no libqlayers_cuda.so in {ffi_dir}: FFI GEMMs are not available "
@@ -1766,7 +1942,8 @@ def main(argv=None) -> int:
   for t in targets:
     for tr in tritons:
       items = [{"target": t, "triton": tr == "on", "program": prog,
-                "recipe": r, "layer": layer, "block": block,
+                "recipe": r, "layer": layer,
+                "block": BLOCK_PRESETS.get(prog, block),
                 "host_arch": args.host_arch,
                 "targets_dir": str(targets_dir), "hlo_dir": args.hlo_dir}
                for prog in programs for r in recipes]

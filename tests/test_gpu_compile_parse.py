@@ -587,3 +587,97 @@ def test_reparse_reads_kept_hlo_with_the_current_parser(tmp_path):
   assert out[0]["gemms"][0]["role"] == "dense Fprop"
   assert out[0]["roofline"]["gemm_flops"] == 2.0 * 256 * 128 * 512
   assert out[1] == missing
+
+
+# cuDNN fused attention (jax.nn.dot_product_attention, implementation
+# "cudnn"), forward and backward, causal: b 1, h 8, s 4096, head 128.
+FMHA = """
+HloModule jit_f, is_scheduled=true
+
+ENTRY %main (q: bf16[1,4096,8,128], k: bf16[1,4096,2,128]) -> bf16[1,8,4096,128] {
+  %q.1 = bf16[1,4096,8,128]{3,2,1,0} parameter(0), metadata={op_name="q"}
+  %k.1 = bf16[1,4096,2,128]{3,2,1,0} parameter(1), metadata={op_name="k"}
+  %fwd = (bf16[1,8,4096,128]{3,1,2,0}, f32[1,8,4096]{2,1,0}, u8[0]{0}) custom-call(%q.1, %k.1, %k.1), custom_call_target="__cudnn$fmhaSoftmax", backend_config={"cudnn_fmha_backend_config": {"intermediate_tensor_shape": {"element_type": "BF16", "dimensions": ["1", "8", "4096", "4096"]}, "mask_type": "CAUSAL"}}
+  %o = bf16[1,8,4096,128]{3,1,2,0} get-tuple-element(%fwd), index=0
+  %bwd = (bf16[1,8,4096,128]{3,1,2,0}, u8[0]{0}) custom-call(%q.1, %k.1, %k.1, %o), custom_call_target="__cudnn$fmhaSoftmaxBackward", backend_config={"cudnn_fmha_backend_config": {"intermediate_tensor_shape": {"element_type": "BF16", "dimensions": ["1", "8", "4096", "4096"]}, "mask_type": "NO_MASK"}}
+  ROOT %r = bf16[1,8,4096,128]{3,1,2,0} get-tuple-element(%bwd), index=0
+}
+"""
+
+
+def test_fused_attention_is_costed_by_its_flops():
+  comps = gc.parse_module(FMHA)
+  top = gc.entry(comps)
+  scores = 1 * 8 * 4096 * 4096
+  assert gc.attention_flops(top, top.insts["fwd"]) == 4 * scores * 128 * 0.5
+  assert gc.attention_flops(top, top.insts["bwd"]) == 10 * scores * 128
+  assert gc.attention_flops(top, top.insts["o"]) == 0.0
+  b200 = gc.TARGETS["b200"]
+  rf = gc.roofline(comps, b200)
+  assert rf["attention_flops"] == 12 * scores * 128
+  assert rf["attention_time_us"] == pytest.approx(
+      12 * scores * 128 / (b200.bf16 * 1e12) * 1e6)
+  assert rf["gemm_flops"] == 0
+
+
+def test_format_peak_by_element_width():
+  h200, b200 = gc.TARGETS["h200"], gc.TARGETS["b200"]
+  assert gc.format_peak(["e4m3", "e5m2"], h200) == (h200.fp8, "fp8")
+  assert gc.format_peak(["e2m1", "e2m1"], b200) == (b200.fp4, "fp4")
+  assert gc.format_peak(["e2m1", "e2m1"], h200) == (h200.fp8, "fp8")
+  assert gc.format_peak(["e3m2", "e2m1"], b200) == (b200.fp8, "fp8")
+  assert gc.format_peak([None, "e4m3"], b200) == (b200.bf16, "bf16")
+
+
+def _timed(role, m, n, k, time_us, out="bf16"):
+  return {"role": role, "dims": {"batch": 1, "m": m, "n": n, "k": k},
+          "out": out, "time_us": time_us, "kernel": "cuBLASLt", "a": "bf16",
+          "b": "bf16", "folded": None, "scales": "-", "pre": [], "post": []}
+
+
+def test_ideal_puts_each_quantized_gemm_at_its_format_peak():
+  h200 = gc.TARGETS["h200"]
+  m = n = k = 8192
+  flops = 2.0 * m * n * k
+  bf16_us = flops / (h200.bf16 * 1e12) * 1e6
+  base = {"target": "h200", "recipe": "bf16", "status": "ok",
+          "roofline": {"time_us": 3 * bf16_us + 100.0},
+          "gemms": [_timed("dense Fprop", m, n, k, bf16_us),
+                    _timed("dense Dgrad", m, n, k, bf16_us),
+                    _timed("attention", m, n, k, bf16_us)]}
+  fp8 = ["e4m3", "e4m3"]
+  formats = {"Fprop": fp8, "Dgrad": ["e5m2", "e4m3"], "Wgrad": fp8}
+  fp8_us = flops / (h200.fp8 * 1e12) * 1e6
+  ideal = gc.ideal_time_us(base, formats, h200)
+  # Fprop and Dgrad at the FP8 peak; attention and the rest unchanged.
+  assert ideal == pytest.approx(2 * fp8_us + bf16_us + 100.0)
+  wide = {"Fprop": [None, None], "Dgrad": [None, None], "Wgrad": [None, None]}
+  assert gc.ideal_time_us(base, wide, h200) == pytest.approx(
+      base["roofline"]["time_us"])
+  rec = {"target": "h200", "recipe": "fp8_current", "status": "ok",
+         "formats": formats, "roofline": {"time_us": 2 * ideal}}
+  got = gc.against_ideal(rec, base)
+  assert got["of_ideal"] == pytest.approx(0.5)
+  assert got["ideal_speedup"] == pytest.approx(
+      base["roofline"]["time_us"] / ideal)
+  assert got["speedup"] == pytest.approx(got["ideal_speedup"] / 2)
+  # Records from before per-GEMM times: no ideal rather than a wrong one.
+  old = dict(base, gemms=[{k: v for k, v in g.items() if k != "time_us"}
+                          for g in base["gemms"]])
+  assert gc.against_ideal(rec, old) is None
+
+
+def test_markdown_shows_ideal_and_fraction():
+  base = {"target": "b200", "triton": False, "program": "llama3-8b",
+          "recipe": "bf16", "status": "ok", "compile_s": 1.0,
+          "kernels": "1 cuBLASLt", "xla_cost": {"flops": -1.0, "bytes": -1.0},
+          "gemms": [_timed("dense Fprop", 4096, 4096, 4096, 8.0)],
+          "roofline": {"kernels": 2, "gemm_flops": 1e9, "bytes": 2**20,
+                       "time_us": 10.0, "gemm_time_us": 8.0}}
+  b200 = gc.TARGETS["b200"]
+  fp8_us = 2.0 * 4096**3 / (b200.fp8 * 1e12) * 1e6
+  q = dict(base, recipe="mxfp8", formats={"Fprop": ["e4m3", "e4m3"]},
+           roofline=dict(base["roofline"], time_us=2 * (2.0 + fp8_us)))
+  text = gc.markdown([base, q])
+  ideal = 2.0 + fp8_us  # compute bound at 4096^3
+  assert f"| {10.0 / ideal:.2f}x | 0.50 |" in text
