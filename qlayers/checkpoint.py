@@ -10,6 +10,9 @@ params-only loads between plain and quantized models, digests of every
 file. PRNG keys are saved as key data (orbax cannot describe key dtypes).
 Every process calls save and restore; arrays come back with the target's
 shardings. Zero-size arrays hold no data: the target keeps its own.
+
+Hugging Face safetensors checkpoints, FP8-shipped ones included, are read
+and written by `read_safetensors` / `write_safetensors` (`qlayers.safetensors`).
 """
 
 from __future__ import annotations
@@ -28,10 +31,14 @@ from qlayers import _checkpoint_checks as checks
 from qlayers._checkpoint_checks import (CheckpointCorruptError,
                                         CheckpointMismatchError)
 from qlayers.layers.core import QuantGemm, gemms
+from qlayers.safetensors import (SafetensorsError, read_config,
+                                 read_safetensors, write_safetensors)
 from qlayers.state import QuantVariable
 
 __all__ = ["Manager", "save", "restore", "read_metadata",
-           "CheckpointMismatchError", "CheckpointCorruptError"]
+           "CheckpointMismatchError", "CheckpointCorruptError",
+           "read_safetensors", "write_safetensors", "read_config",
+           "SafetensorsError"]
 
 _ITEMS = ("model", "quant", "optimizer")
 

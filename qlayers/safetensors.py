@@ -1,0 +1,377 @@
+"""Reading and writing Hugging Face safetensors checkpoints, FP8 included.
+
+The file format (huggingface/safetensors): an 8-byte little-endian header
+length ``n``, ``n`` bytes of JSON ``{name: {"dtype", "shape",
+"data_offsets": [begin, end]}, "__metadata__": {str: str}}``, then the data
+(offsets relative to its start, row-major, little-endian). A sharded
+checkpoint is a folder with ``model.safetensors.index.json``
+(``{"metadata": {"total_size"}, "weight_map": {name: file}}``) beside its
+``config.json``.
+
+FP8 checkpoints as DeepSeek-V3 and Qwen3-*-FP8 ship them: a linear weight
+``W (out, in)`` is stored ``F8_E4M3`` beside ``W_scale_inv``, one FP32 (or
+UE8M0, ``F8_E8M0``) dequantization factor per 128 x 128 block (the last
+blocks partial), and ``config.json`` has ``"quantization_config":
+{"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+"weight_block_size": [128, 128]}``; ``W ~= W_fp8 * scale_inv`` blockwise.
+
+Parsed here with numpy and json (no torch, no safetensors package).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import struct
+from typing import Callable, Mapping
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from qlayers import scaling
+from qlayers.scaling import QTensor, QuantSpec
+
+__all__ = ["read_safetensors", "read_config", "write_safetensors",
+           "SafetensorsError", "DTYPES", "SCALE_SUFFIX"]
+
+SCALE_SUFFIX = "_scale_inv"
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+CONFIG = "config.json"
+
+DTYPES = {
+    "BOOL": np.dtype(np.bool_), "U8": np.dtype(np.uint8),
+    "I8": np.dtype(np.int8), "U16": np.dtype("<u2"), "I16": np.dtype("<i2"),
+    "U32": np.dtype("<u4"), "I32": np.dtype("<i4"), "U64": np.dtype("<u8"),
+    "I64": np.dtype("<i8"), "F16": np.dtype("<f2"),
+    "BF16": np.dtype(ml_dtypes.bfloat16), "F32": np.dtype("<f4"),
+    "F64": np.dtype("<f8"), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
+}
+_NAMES = {v: k for k, v in DTYPES.items()}
+_FP8 = DTYPES["F8_E4M3"]
+_E8M0 = DTYPES["F8_E8M0"]
+
+
+class SafetensorsError(ValueError):
+  """A safetensors checkpoint that cannot be read as asked (the message
+  names the file and tensor)."""
+
+
+# ----------------------------------------------------------------------------
+# Files
+
+
+def _read_file(path: pathlib.Path) -> dict[str, np.ndarray]:
+  """Every tensor of one ``.safetensors`` file, checked against its size."""
+  size = path.stat().st_size
+  with open(path, "rb") as f:
+    head = f.read(8)
+    if len(head) < 8:
+      raise SafetensorsError(f"{path}: truncated file ({size} bytes, no "
+                             "header length).")
+    (n,) = struct.unpack("<Q", head)
+    if 8 + n > size:
+      raise SafetensorsError(f"{path}: truncated file: header of {n} bytes "
+                             f"but the file has {size}.")
+    try:
+      header = json.loads(f.read(n))
+    except ValueError as e:
+      raise SafetensorsError(f"{path}: the header is not JSON ({e}).") from e
+  data = np.memmap(path, np.uint8, "r", offset=8 + n) if size > 8 + n else (
+      np.zeros(0, np.uint8))
+  out = {}
+  for name, info in header.items():
+    if name == "__metadata__":
+      continue
+    dtype = DTYPES.get(info.get("dtype"))
+    if dtype is None:
+      raise SafetensorsError(f"{path}: tensor {name!r} has unknown dtype "
+                             f"{info.get('dtype')!r} (known: {sorted(DTYPES)}).")
+    shape = tuple(int(d) for d in info["shape"])
+    begin, end = (int(o) for o in info["data_offsets"])
+    want = math.prod(shape) * dtype.itemsize
+    if end - begin != want:
+      raise SafetensorsError(f"{path}: tensor {name!r} {info['dtype']} "
+                             f"{shape} needs {want} bytes, its offsets give "
+                             f"{end - begin}.")
+    if end > data.size:
+      raise SafetensorsError(f"{path}: truncated file: tensor {name!r} ends "
+                             f"at byte {end} of the data, which has "
+                             f"{data.size}.")
+    out[name] = np.array(data[begin:end]).view(dtype).reshape(shape)
+  return out
+
+
+def _files(path: pathlib.Path) -> list[pathlib.Path]:
+  if path.is_file():
+    return [path]
+  if (path / INDEX).is_file():
+    index = json.loads((path / INDEX).read_text())
+    names = sorted(set(index.get("weight_map", {}).values()))
+    missing = [n for n in names if not (path / n).is_file()]
+    if missing:
+      raise SafetensorsError(f"{path / INDEX} names shards that are "
+                             f"missing: {missing}.")
+    return [path / n for n in names]
+  if (path / SINGLE).is_file():
+    return [path / SINGLE]
+  raise FileNotFoundError(f"{path}: no {SINGLE} or {INDEX} (nor a "
+                          ".safetensors file at that path).")
+
+
+def read_config(path: str | os.PathLike) -> dict:
+  """``config.json`` of the checkpoint at ``path`` (a folder, or a file in
+  it); ``{}`` if there is none."""
+  path = pathlib.Path(path)
+  folder = path if path.is_dir() else path.parent
+  f = folder / CONFIG
+  return json.loads(f.read_text()) if f.is_file() else {}
+
+
+def _block(config: Mapping) -> tuple[int, int]:
+  q = config.get("quantization_config") or {}
+  block = tuple(q.get("weight_block_size") or (128, 128))
+  if len(block) != 2:
+    raise SafetensorsError(f"quantization_config.weight_block_size must be "
+                           f"[rows, cols], got {list(block)}.")
+  return block
+
+
+# ----------------------------------------------------------------------------
+# Reading
+
+
+def _scale_grid(name, w, s, block, where) -> np.ndarray:
+  """The FP32 scale grid of FP8 weight ``name``, checked."""
+  want = tuple(-(-n // b) for n, b in zip(w.shape, block))
+  if s.dtype not in (DTYPES["F32"], _E8M0):
+    raise SafetensorsError(f"{where}: {name}{SCALE_SUFFIX} has dtype "
+                           f"{_NAMES.get(s.dtype, s.dtype)}; FP8 block "
+                           "scales are F32 or F8_E8M0.")
+  if s.shape != want:
+    raise SafetensorsError(
+        f"{where}: {name}{SCALE_SUFFIX} has shape {s.shape}; weight {name} "
+        f"{w.shape} in {block[0]}x{block[1]} blocks needs {want}.")
+  return s.astype(np.float32)  # E8M0 decodes exactly (powers of two)
+
+
+def _dequantize(w: np.ndarray, s: np.ndarray, block) -> np.ndarray:
+  full = np.repeat(np.repeat(s, block[0], 0), block[1], 1)
+  return w.astype(np.float32) * full[:w.shape[0], :w.shape[1]]
+
+
+def _qtensor(w: np.ndarray, s: np.ndarray, block) -> QTensor:
+  padded = tuple(g * b for g, b in zip(s.shape, block))
+  payload = np.zeros(padded, _FP8)
+  payload[:w.shape[0], :w.shape[1]] = w
+  return QTensor(jnp.asarray(payload), jnp.asarray(s), "e4m3", "block",
+                 tuple(block), 1, tuple(w.shape))
+
+
+def read_safetensors(path: str | os.PathLike, quantized: bool = False
+                     ) -> dict[str, np.ndarray | QTensor]:
+  """Reads a safetensors checkpoint: one file, or a folder (one
+  ``model.safetensors`` or shards with ``model.safetensors.index.json``).
+
+  An ``F8_E4M3`` weight ``W`` with ``W_scale_inv`` (block sizes from
+  ``config.json``'s ``quantization_config.weight_block_size``, default
+  128 x 128; scales ``F32`` or ``F8_E8M0``) comes back under ``W``:
+  dequantized exactly to FP32 (each element ``fp8 * scale`` rounded once),
+  or with ``quantized=True`` as a `qlayers.scaling.QTensor` (payload padded
+  with zeros to whole blocks, FP32 scales, granularity ``"block"``,
+  ``axis=1``, ``shape`` the stored ``(out, in)``). Everything else comes
+  back as stored (numpy arrays; BF16 as ``ml_dtypes.bfloat16``).
+
+  Raises:
+    SafetensorsError: an FP8 weight without its scale (or a scale without
+      its weight), a scale of the wrong shape or dtype, an unknown dtype, a
+      truncated file.
+
+  Example:
+    >>> import tempfile, numpy as np
+    >>> d = tempfile.mkdtemp()
+    >>> w = np.linspace(-1, 1, 200 * 130, dtype=np.float32).reshape(200, 130)
+    >>> _ = write_safetensors(d, {"proj.weight": w, "norm.weight": w[0]})
+    >>> got = read_safetensors(d)
+    >>> got["proj.weight"].dtype, float(abs(got["proj.weight"] - w).max()) < 1 / 16
+    (dtype('float32'), True)
+    >>> read_safetensors(d, quantized=True)["proj.weight"].payload.shape
+    (256, 256)
+  """
+  path = pathlib.Path(path)
+  block = _block(read_config(path))
+  raw, where = {}, {}
+  for f in _files(path):
+    for name, t in _read_file(f).items():
+      raw[name], where[name] = t, f
+  out = {}
+  for name, t in raw.items():
+    if name.endswith(SCALE_SUFFIX):
+      if name[:-len(SCALE_SUFFIX)] not in raw:
+        raise SafetensorsError(f"{where[name]}: {name} has no weight "
+                               f"{name[:-len(SCALE_SUFFIX)]!r}.")
+      continue
+    scale = raw.get(name + SCALE_SUFFIX)
+    if t.dtype != _FP8:
+      if scale is not None:
+        raise SafetensorsError(f"{where[name]}: {name} has a {SCALE_SUFFIX} "
+                               f"but is {_NAMES[t.dtype]}, not F8_E4M3.")
+      out[name] = t
+      continue
+    if scale is None:
+      raise SafetensorsError(
+          f"{where[name]}: FP8 weight {name} has no {name}{SCALE_SUFFIX}; "
+          "without it the weight is off by its block scales.")
+    if t.ndim != 2:
+      raise SafetensorsError(f"{where[name]}: FP8 weight {name} has shape "
+                             f"{t.shape}; block scales need a 2-D weight.")
+    s = _scale_grid(name, t, scale, block, where[name])
+    out[name] = _qtensor(t, s, block) if quantized else _dequantize(t, s,
+                                                                    block)
+  return out
+
+
+# ----------------------------------------------------------------------------
+# Writing
+
+
+def _default_fp8(name: str, x) -> bool:
+  low = name.lower()
+  return (np.ndim(x) == 2 and name.endswith(".weight")
+          and np.issubdtype(np.asarray(x).dtype, np.floating)
+          and not any(k in low for k in ("embed", "norm", "lm_head")))
+
+
+def _fp8_pair(name, t, block, scale_format) -> dict[str, np.ndarray]:
+  """``{name: F8_E4M3 payload, name_scale_inv: scales}`` of a wide array
+  or a block `QTensor`."""
+  if not isinstance(t, QTensor):
+    if block[0] != block[1]:
+      raise ValueError(f"fp8_block must be square, got {block}.")
+    spec = QuantSpec(format="e4m3", granularity="block",
+                     block_size=block[0], pow2=scale_format == "ue8m0")
+    t = scaling.quantize(jnp.asarray(t, jnp.float32), spec, axis=1)
+  if (t.format != "e4m3" or t.granularity != "block" or t.ndim != 2
+      or tuple(t.block) != tuple(block) or t.transposed):
+    raise ValueError(f"{name}: only 2-D E4M3 QTensors in {block} blocks can "
+                     f"be written; got {t.format} {t.granularity} "
+                     f"{t.block} of shape {t.shape}.")
+  payload = np.asarray(t.payload)[:t.shape[0], :t.shape[1]]
+  scale = np.asarray(t.scale, np.float32)
+  if scale_format == "ue8m0":
+    m, _ = np.frexp(scale)
+    if not np.all(m == 0.5):
+      raise ValueError(f"{name}: scale_format='ue8m0' needs power-of-two "
+                       "scales; these are not.")
+    scale = scale.astype(_E8M0)
+  return {name: payload, name + SCALE_SUFFIX: scale}
+
+
+def _write_file(path: pathlib.Path, tensors: Mapping[str, np.ndarray]):
+  header, offset = {"__metadata__": {"format": "pt"}}, 0
+  for name, t in tensors.items():
+    header[name] = {"dtype": _NAMES[t.dtype], "shape": list(t.shape),
+                    "data_offsets": [offset, offset + t.nbytes]}
+    offset += t.nbytes
+  text = json.dumps(header, separators=(",", ":")).encode()
+  text += b" " * (-len(text) % 8)
+  with open(path, "wb") as f:
+    f.write(struct.pack("<Q", len(text)))
+    f.write(text)
+    for t in tensors.values():
+      f.write(np.ascontiguousarray(t).tobytes())
+
+
+def _shards(groups: list[dict], max_bytes: int | None) -> list[dict]:
+  """Groups (a weight with its scale) packed into shards of at most
+  ``max_bytes`` (a group larger than that gets a shard of its own)."""
+  shards, size = [{}], 0
+  for g in groups:
+    n = sum(t.nbytes for t in g.values())
+    if max_bytes is not None and shards[-1] and size + n > max_bytes:
+      shards.append({})
+      size = 0
+    shards[-1].update(g)
+    size += n
+  return shards
+
+
+def write_safetensors(path: str | os.PathLike,
+                      tensors: Mapping[str, object],
+                      fp8_block: tuple[int, int] | None = (128, 128), *,
+                      config: Mapping | None = None,
+                      scale_format: str = "float32",
+                      fp8_filter: Callable[[str, object], bool] | None = None,
+                      max_shard_bytes: int | None = None) -> pathlib.Path:
+  """Writes ``tensors`` as a Hugging Face checkpoint folder ``path``, with
+  FP8 weights as DeepSeek-V3 / Qwen3-FP8 ship them; returns ``path``.
+
+  A `QTensor` (2-D E4M3 in ``fp8_block`` blocks, as `read_safetensors`
+  gives) is written as its payload and ``_scale_inv``. A wide array for
+  which ``fp8_filter(name, array)`` is true (default: 2-D floating
+  ``*.weight`` without ``embed``, ``norm`` or ``lm_head`` in its name) is
+  quantized to E4M3 in ``fp8_block`` blocks (``scale = max(amax, 1e-4) /
+  448``, or a power of two rounded up with ``scale_format="ue8m0"``, then
+  stored as ``F8_E8M0``); ``fp8_block=None`` quantizes nothing. Weights are
+  in PyTorch's ``(out, in)`` order; everything else is written as given.
+
+  Writes ``model.safetensors``, or with ``max_shard_bytes`` the shards
+  ``model-0000i-of-0000n.safetensors`` and ``model.safetensors.index.json``
+  (a weight and its scale in one shard), and ``config.json``: ``config``
+  with the ``quantization_config`` when any weight is FP8.
+
+  Example:
+    >>> import tempfile, numpy as np
+    >>> d = write_safetensors(tempfile.mkdtemp(),
+    ...                       {"mlp.weight": np.ones((256, 128), np.float32)})
+    >>> read_config(d)["quantization_config"]["weight_block_size"]
+    [128, 128]
+  """
+  if scale_format not in ("float32", "ue8m0"):
+    raise ValueError(f"scale_format must be 'float32' or 'ue8m0', got "
+                     f"{scale_format!r}.")
+  keep = fp8_filter or _default_fp8
+  groups, fp8 = [], False
+  for name, t in tensors.items():
+    if name.endswith(SCALE_SUFFIX):
+      raise ValueError(f"{name}: names ending in {SCALE_SUFFIX} are written "
+                       "with their weight; pass the weight (or a QTensor).")
+    if isinstance(t, QTensor) or (fp8_block is not None and keep(name, t)):
+      if fp8_block is None:
+        raise ValueError(f"{name} is a QTensor but fp8_block is None.")
+      groups.append(_fp8_pair(name, t, tuple(fp8_block), scale_format))
+      fp8 = True
+    else:
+      t = np.asarray(t)
+      if t.dtype not in _NAMES:
+        raise ValueError(f"{name}: dtype {t.dtype} has no safetensors name.")
+      groups.append({name: t})
+  path = pathlib.Path(path)
+  path.mkdir(parents=True, exist_ok=True)
+  shards = _shards(groups, max_shard_bytes)
+  if len(shards) == 1:
+    _write_file(path / SINGLE, shards[0])
+  else:
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+      fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+      _write_file(path / fname, shard)
+      weight_map.update({n: fname for n in shard})
+      total += sum(t.nbytes for t in shard.values())
+    (path / INDEX).write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map},
+        indent=2))
+  config = dict(config or {})
+  if fp8:
+    q = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+         "weight_block_size": list(fp8_block)}
+    if scale_format == "ue8m0":
+      q["scale_fmt"] = "ue8m0"
+    config["quantization_config"] = q
+  (path / CONFIG).write_text(json.dumps(config, indent=2))
+  return path
