@@ -9,6 +9,10 @@
 * `sensitivity` quantizes one layer (and one GEMM) at a time, ranks the
   layers by how much the loss rises and proposes `qlayers.Rule` objects that
   keep the worst ones wide (a `Sensitivity`).
+* `noise_fallback` (opt-in) keeps wide the layers whose weight-gradient
+  quantization noise exceeds a stated fraction of the gradient's norm
+  (`collect` measures it); `save_rules` / `load_rules` carry rules from a
+  measuring step to a training step.
 * `Monitor` records `collect`'s scalars every N training steps into a
   callback, outside the training step; `plot_amax_history` draws the stored
   amax histories of delayed-scaling layers.
@@ -21,9 +25,12 @@ so they describe what the GEMM consumed.
 from qlayers.inspect.collect import collect
 from qlayers.inspect.monitor import Monitor, plot_amax_history
 from qlayers.inspect.report import Output, Report, Row
+from qlayers.inspect.rules import SQRT3_RULE, gradient_noise, load_rules
+from qlayers.inspect.rules import noise_fallback, save_rules
 from qlayers.inspect.sensitivity import Candidate, Proposal, Sensitivity
 from qlayers.inspect.sensitivity import sensitivity
 
 __all__ = ["collect", "Report", "Row", "Output", "sensitivity",
            "Sensitivity", "Candidate", "Proposal", "Monitor",
-           "plot_amax_history"]
+           "plot_amax_history", "noise_fallback", "gradient_noise",
+           "SQRT3_RULE", "save_rules", "load_rules"]
