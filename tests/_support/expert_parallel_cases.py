@@ -1,0 +1,119 @@
+"""Cases for tests/test_expert_parallel.py, run on 8 simulated CPU devices
+(see multidevice.py): expert-parallel dispatch/combine against one device,
+and the all_to_all bytes of the compiled programs."""
+
+import functools
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, PartitionSpec as P
+
+from qlayers import expert_parallel as ep
+from qlayers import scaling
+import multidevice
+
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+sys.path.insert(0, str(multidevice.ROOT / "benchmarks"))
+import collectives  # noqa: E402  pylint: disable=g-import-not-at-top
+
+cases = multidevice.Cases()
+G, N, K, D, F = 8, 64, 2, 128, 32
+
+
+def _mesh():
+  return jax.make_mesh((8,), ("expert",), axis_types=(AxisType.Auto,))
+
+
+def _inputs(dtype=jnp.float32):
+  kx, kw, ki, kg = jax.random.split(jax.random.key(0), 4)
+  x = jax.random.normal(kx, (N, D), dtype)
+  w = jax.random.normal(kw, (G, D, F), dtype) / 8
+  # Skewed routing: experts 0 and 1 get most copies (and expert 7 none).
+  ids = jnp.stack([jax.random.randint(ki, (N,), 0, 3),
+                   jax.random.randint(kg, (N,), 3, 7)], axis=1)
+  gates = jax.nn.softmax(jax.random.normal(kg, (N, K)), axis=-1)
+  return x, w, ids.astype(jnp.int32), gates
+
+
+def _experts(w, xs, sizes, out=jnp.float32):
+  return jax.lax.ragged_dot(xs, w, sizes, preferred_element_type=out)
+
+
+def _loss(mesh, transport=None, capacity=None, out=jnp.float32):
+  def loss(w, x, ids, gates):
+    fn = functools.partial(_experts, out=out)
+    y = ep.run(fn, w, x, ids, gates, n_experts=G, mesh=mesh,
+               transport=transport, capacity=capacity)
+    return jnp.sum(y * jnp.cos(jnp.arange(F, dtype=jnp.float32))[None, :])
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+
+
+@cases
+def matches_single_device():
+  x, w, ids, gates = _inputs()
+  one, (dw1, dx1) = _loss(None)(w, x, ids, gates)
+  eight, (dw8, dx8) = _loss(_mesh())(w, x, ids, gates)
+  err = lambda a, b: float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+  return {"loss": [float(one), float(eight)], "dw": err(dw8, dw1),
+          "dx": err(dx8, dx1)}
+
+
+@cases
+def capacity_drops_copies():
+  # With the capacity of the fullest (source, destination) pair nothing is
+  # dropped; one less drops copies, whose tokens then lose that expert.
+  x, w, ids, gates = _inputs()
+  mesh = _mesh()
+  per_pair = np.zeros((8, 8), int)
+  for t, e in np.ndindex(N, K):
+    per_pair[t // (N // 8), int(ids[t, e]) // (G // 8)] += 1
+  fullest = int(per_pair.max())
+  outs = [np.asarray(jax.jit(lambda *a, c=c: ep.run(
+      _experts, *a, n_experts=G, mesh=mesh, capacity=c))(w, x, ids, gates))
+          for c in (None, fullest, fullest - 1)]
+  changed = [int(np.sum(np.abs(o - outs[0]).max(axis=1) > 1e-4))
+             for o in outs[1:]]
+  return {"fullest": fullest, "changed": changed}
+
+
+@cases
+def quantized_transport():
+  x, w, ids, gates = _inputs(jnp.bfloat16)
+  mesh = _mesh()
+  out = {}
+  for name in ("bf16", "fp8_current", "mxfp8"):
+    step = _loss(mesh, transport=name, out=jnp.bfloat16)
+    step = step.lower(w, x, ids, gates).compile()
+    text = step.as_text()
+    _, (dw, dx) = step(w, x, ids, gates)
+    a2a = collectives.summary(text).get("all-to-all", {})
+    out[name] = {"step_bytes": sum(a2a.values()), "by_dtype": a2a,
+                 "finite": bool(jnp.isfinite(dw).all() & jnp.isfinite(dx).all())}
+    # The tokens' rows arrive as the single-device run quantizes and
+    # dequantizes them (a row's units never span devices).
+    spec = ep.transport_spec(name)
+    xq = x if spec is None else scaling.quantize(x, spec).dequantize(x.dtype)
+    y = jax.jit(lambda *a, name=name: ep.run(
+        _experts, *a, n_experts=G, mesh=mesh, transport=name))(
+            w, x, ids, gates)
+    y1 = jax.jit(lambda *a: ep.run(_experts, *a, n_experts=G))(
+        w, xq, ids, gates)
+    out[name]["vs_one_device"] = float(jnp.max(jnp.abs(y - y1)))
+
+    def fwd(x, ids, name=name):  # the dispatch all_to_all alone
+      def body(x, ids):
+        return ep.dispatch(x, ids, n_experts=G, axis_name="expert",
+                           transport=name)[0]
+      return jax.shard_map(body, mesh=mesh, in_specs=(P("expert"),) * 2,
+                           out_specs=P("expert"))(x, ids)
+    text = jax.jit(fwd).lower(x, ids).compile().as_text()
+    out[name]["dispatch_bytes"] = collectives.total_bytes(text, "all-to-all")
+  return out
+
+
+if __name__ == "__main__":
+  cases.main()
