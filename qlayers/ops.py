@@ -492,3 +492,4 @@ def dot_general(recipe: Recipe | str, *, backend: str | None = None):
 
   fn.recipe = recipe
   return fn
+from qlayers.ragged import quantized_ragged_dot, ragged_dot  # noqa: E402,F401

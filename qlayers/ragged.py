@@ -1,0 +1,213 @@
+"""The quantized grouped GEMM of a mixture of experts: ``lax.ragged_dot``.
+
+``y = ragged_dot(x [M, K], w [G, K, N], group_sizes [G])``: the rows of ``x``
+are sorted by expert, the first ``group_sizes[0]`` go through ``w[0]``, the
+next ``group_sizes[1]`` through ``w[1]``, and so on; rows past the last group
+give 0. Each expert's three GEMMs are exactly those of `ops.quantized_matmul`
+on its own tokens:
+
+* Fprop ``y_e = x_e @ w[e]``, Dgrad ``dx_e = g_e @ w[e].T``, Wgrad
+  ``dw[e] = x_e.T @ g_e``, each operand quantized from the wide tensor along
+  the GEMM's contraction dim as the recipe says;
+* scales per expert: a weight's (per tensor, per row, 128x128 blocks, MX
+  along K) are its expert's own; an activation's or gradient's per-tensor
+  scale is the amax of that expert's tokens, its rows/tiles/MX blocks along
+  K are per token anyway;
+* Wgrad's operands are blocked along the tokens of one expert: each group is
+  copied to the top of a zero buffer first, so a scaling block (tile, MX)
+  never crosses a group boundary (the padding is inside the op);
+* delayed scaling keeps one amax history per expert and role (state with a
+  leading ``G`` axis, `init_state`).
+
+So the result is bit-identical to a loop over experts of
+``ops.dot_general(recipe)`` on each expert's slice of tokens (forward and
+both gradients), which the tests check for every recipe; stochastically
+rounded gradients draw their noise per expert buffer, so they are equal in
+distribution, not in bits.
+
+How it runs: the groups are gathered into per-expert buffers ``[G, M, K]``
+(row ``r`` of expert ``e`` is token ``start[e] + r``, zero past the group)
+and `ops.quantized_matmul` is mapped over the experts with ``jax.vmap``; the
+result is gathered back to token order. That is G times the activation
+bytes and FLOPs: the same masked dense form XLA's CPU backend gives
+``lax.ragged_dot`` itself, but not a native grouped kernel (see
+``benchmarks/RESULTS.md`` for what XLA:GPU makes of it).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from qlayers import ops
+from qlayers import sharding
+from qlayers.recipe import Recipe, recipe as load_recipe
+from qlayers.scaling import ScaleState
+
+__all__ = ["init_state", "quantized_ragged_dot", "ragged_dot"]
+
+
+def init_state(recipe: Recipe | str, num_groups: int
+               ) -> dict[str, ScaleState] | None:
+  """Fresh delayed-scaling state with one amax history per expert (a leading
+  ``num_groups`` axis), or None for a stateless recipe.
+
+  Example:
+    >>> s = init_state("fp8_delayed", 4)
+    >>> s["w"].amax_history.shape, s["g"].amax.shape
+    ((4, 1024), (4,))
+  """
+  return ops.init_state(recipe, (num_groups,))
+
+
+def _layout(group_sizes: jax.Array, m: int):
+  """``(starts, sizes)`` of the groups, clipped to the ``m`` rows."""
+  sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+  ends = jnp.minimum(jnp.cumsum(sizes), m)
+  starts = jnp.minimum(ends - sizes, m)
+  return starts, ends - starts
+
+
+def to_groups(t: jax.Array, starts: jax.Array, sizes: jax.Array) -> jax.Array:
+  """``t [M, C]`` as per-group buffers ``[G, M, C]``: group ``e``'s rows at
+  the top of buffer ``e``, zeros below (the padding that keeps every scaling
+  block inside one group)."""
+  m = t.shape[0]
+  r = jnp.arange(m, dtype=jnp.int32)
+  valid = r[None, :] < sizes[:, None]
+  idx = jnp.where(valid, starts[:, None] + r[None, :], 0)
+  return jnp.where(valid[..., None], t[idx], jnp.zeros((), t.dtype))
+
+
+def from_groups(b: jax.Array, starts: jax.Array, sizes: jax.Array
+                ) -> jax.Array:
+  """The inverse of `to_groups`: buffers ``[G, M, C]`` back to ``[M, C]`` in
+  token order; rows that belong to no group are 0."""
+  g, m = b.shape[:2]
+  i = jnp.arange(m, dtype=jnp.int32)
+  ends = starts + sizes
+  gid = jnp.clip(jnp.searchsorted(ends, i, side="right"), 0, g - 1)
+  valid = i < ends[-1]
+  pos = jnp.where(valid, i - starts[gid], 0)
+  return jnp.where(valid[:, None], b[gid, pos], jnp.zeros((), b.dtype))
+
+
+def _check(lhs, rhs, group_sizes, recipe: Recipe, state):
+  if lhs.ndim != 2 or rhs.ndim != 3:
+    raise ValueError(f"ragged_dot expects lhs [m, k] and rhs [g, k, n]; got "
+                     f"{lhs.shape} and {rhs.shape}.")
+  if lhs.shape[1] != rhs.shape[1]:
+    raise ValueError(f"ragged_dot: lhs has k={lhs.shape[1]}, rhs "
+                     f"{rhs.shape} has k={rhs.shape[1]}.")
+  if jnp.shape(group_sizes) != rhs.shape[:1] or not jnp.issubdtype(
+      jnp.result_type(group_sizes), jnp.integer):
+    raise ValueError(f"ragged_dot: group_sizes must be integers of shape "
+                     f"({rhs.shape[0]},) (one per group of rhs {rhs.shape}); "
+                     f"got {jnp.shape(group_sizes)} "
+                     f"{jnp.result_type(group_sizes)}.")
+  if not recipe.delayed:
+    return
+  if state is None:
+    raise ValueError(f"Recipe {recipe.name!r} uses delayed scaling and needs "
+                     "`state`, one amax history per expert (see "
+                     "qlayers.ragged.init_state).")
+  g = rhs.shape[0]
+  for role, st in state.items():
+    if st.amax.shape != (g,):
+      raise ValueError(
+          f"Delayed-scaling state {role!r} has amax of shape {st.amax.shape}; "
+          f"a grouped GEMM of {g} experts keeps one per expert, ({g},) (see "
+          "qlayers.ragged.init_state).")
+
+
+def quantized_ragged_dot(lhs: jax.Array, rhs: jax.Array,
+                         group_sizes: jax.Array, recipe: Recipe | str,
+                         state: dict[str, ScaleState] | None = None, *,
+                         key: jax.Array | None = None, out_dtype=None,
+                         backend: str | None = None):
+  """``lax.ragged_dot(lhs, rhs, group_sizes)`` with every GEMM quantized.
+
+  Args:
+    lhs: tokens ``[M, K]``, sorted by group.
+    rhs: stacked expert weights ``[G, K, N]``.
+    group_sizes: ``[G]`` integers, the number of rows of each group.
+    recipe: a `Recipe` or a recipe name.
+    state: delayed-scaling state with one history per expert (`init_state`);
+      required for delayed recipes, ignored otherwise.
+    key: PRNG key for stochastic rounding (split per expert; derived from
+      each expert's data if omitted).
+    out_dtype: output dtype (as `ops.quantized_matmul`).
+    backend: force a GEMM backend (``xla``; see `ops.quantized_matmul`).
+
+  Returns:
+    ``(y [M, N], new_state)``: as `ops.quantized_matmul`, per expert (the
+    gradient amax leaves as the cotangent of ``state["g"].amax``, ``[G]``).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> x, w = jnp.ones((5, 64)), jnp.ones((3, 64, 32))
+    >>> y, _ = quantized_ragged_dot(x, w, jnp.array([2, 0, 3]), "mxfp8")
+    >>> y.shape, float(y[0, 0])
+    ((5, 32), 64.0)
+  """
+  recipe = load_recipe(recipe)
+  _check(lhs, rhs, group_sizes, recipe, state)
+  if not recipe.delayed:
+    state = None
+  out_dtype = jnp.dtype(out_dtype or ops.default_out_dtype(recipe, lhs.dtype))
+  m, g = lhs.shape[0], rhs.shape[0]
+  if m == 0 or g == 0 or rhs.shape[2] == 0 or lhs.shape[1] == 0:
+    return jnp.zeros((m, rhs.shape[2]), out_dtype), state
+  starts, sizes = _layout(jnp.asarray(group_sizes), m)
+  keys = None if key is None else jax.random.split(key, g)
+
+  def one(x, w, st, k):
+    return ops.quantized_matmul(x, w, recipe, st, key=k, out_dtype=out_dtype,
+                                backend=backend)
+
+  # The partitioning rule has no batching rule: under a mesh each expert's
+  # GEMM is left to XLA's partitioner (as ops' batched dot_general does).
+  with sharding.unpartitioned():
+    y, new_state = jax.vmap(one)(to_groups(lhs, starts, sizes), rhs, state,
+                                 keys)
+  return from_groups(y, starts, sizes), new_state
+
+
+def ragged_dot(recipe: Recipe | str, *, backend: str | None = None):
+  """A stateless `lax.ragged_dot`-compatible callable quantized by ``recipe``.
+
+  ``fn(lhs [m, k], rhs [g, k, n], group_sizes [g], precision=None,
+  preferred_element_type=None, group_offset=None)``, every GEMM quantized
+  per expert as `quantized_ragged_dot` does. Delayed-scaling recipes need
+  state per expert, so they are refused here: use `qlayers.QuantExperts` or
+  `qlayers.layers.QuantRaggedDot` (a stateful callable of this signature).
+  ``precision`` is ignored (the recipe sets operand precision);
+  ``group_offset`` (a shard of the groups) is refused: pass the local
+  groups' sizes and weights instead.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> rd = ragged_dot("fp8_current")
+    >>> rd(jnp.ones((6, 16)), jnp.ones((2, 16, 8)), jnp.array([4, 2])).shape
+    (6, 8)
+  """
+  recipe = load_recipe(recipe)
+  if recipe.delayed:
+    raise ValueError(
+        f"Recipe {recipe.name!r} uses delayed scaling, which needs per-expert "
+        "state; use qlayers.QuantExperts or qlayers.layers.QuantRaggedDot "
+        "instead of a stateless ragged_dot.")
+
+  def fn(lhs, rhs, group_sizes, precision=None, preferred_element_type=None,
+         group_offset=None):
+    del precision  # the recipe decides operand precision
+    if group_offset is not None:
+      raise NotImplementedError(
+          "qlayers ragged_dot does not take group_offset (a shard of the "
+          "groups); pass the local groups' rhs and group_sizes.")
+    out_dtype = preferred_element_type or jnp.result_type(lhs, rhs)
+    return quantized_ragged_dot(lhs, rhs, group_sizes, recipe,
+                                out_dtype=out_dtype, backend=backend)[0]
+
+  fn.recipe = recipe
+  return fn

@@ -1,0 +1,175 @@
+"""The quantized grouped GEMM (`qlayers.ops.ragged_dot`): bit-identical to a
+loop over experts of the dense op, for every recipe, forward and both
+gradients; delayed scaling per expert; refusals."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import qlayers
+from qlayers import ops
+from qlayers import ragged
+
+M, K, N = 40, 64, 64
+# An empty group, and sizes that are not multiples of any scaling block.
+SIZES = (9, 0, 31)
+STARTS = np.concatenate([[0], np.cumsum(SIZES)])
+DN = (((1,), (0,)), ((), ()))
+
+
+def _data(seed=0):
+  rng = np.random.default_rng(seed)
+  x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((len(SIZES), K, N)) * 0.1, jnp.float32)
+  ct = jnp.asarray(rng.standard_normal((M, N)), jnp.float32)
+  return x, w, ct
+
+
+def _nearest(r):
+  """``r`` with round-to-nearest everywhere (stochastic rounding draws its
+  noise per buffer, so only the deterministic GEMMs compare in bits)."""
+  def fix(spec):
+    if spec is None or spec.rounding != "stochastic":
+      return spec
+    return dataclasses.replace(spec, rounding="nearest")
+  gemms = {name: dataclasses.replace(getattr(r, name),
+                                     lhs=fix(getattr(r, name).lhs),
+                                     rhs=fix(getattr(r, name).rhs))
+           for name in ("fprop", "dgrad", "wgrad")}
+  return dataclasses.replace(r, name=r.name + "_nearest", sr_key="data",
+                             **gemms)
+
+
+def _stochastic(r):
+  return any(s is not None and s.rounding == "stochastic"
+             for g in (r.fprop, r.dgrad, r.wgrad) for s in (g.lhs, g.rhs))
+
+
+def _ragged_fn(r):
+  rd = ops.ragged_dot(r)
+  def f(x, w, ct):
+    y = rd(x, w, jnp.array(SIZES, jnp.int32),
+           preferred_element_type=jnp.float32)
+    return y, jnp.sum(y * ct)
+  return f
+
+
+def _loop_fn(r):
+  dg = ops.dot_general(r)
+  def f(x, w, ct):
+    ys = [dg(x[a:b], w[e], DN, preferred_element_type=jnp.float32)
+          for e, (a, b) in enumerate(zip(STARTS[:-1], STARTS[1:]))]
+    y = jnp.concatenate(ys)
+    return y, jnp.sum(y * ct)
+  return f
+
+
+def _run(f, x, w, ct):
+  """``(y, dx, dw)`` of ``f``, jitted."""
+  def go(x, w, ct):
+    (_, y), (dx, dw) = jax.value_and_grad(
+        lambda x, w: f(x, w, ct)[::-1], (0, 1), has_aux=True)(x, w)
+    return y, dx, dw
+  return jax.jit(go)(x, w, ct)
+
+
+STATELESS = [n for n in qlayers.available_recipes()
+             if not qlayers.recipe(n).delayed]
+
+
+@pytest.mark.parametrize("name", STATELESS)
+def test_bit_identical_to_loop_over_experts(name):
+  r = qlayers.recipe(name)
+  if _stochastic(r):
+    r = _nearest(r)
+  x, w, ct = _data()
+  got = _run(_ragged_fn(r), x, w, ct)
+  want = _run(_loop_fn(r), x, w, ct)
+  for what, a, b in zip(("y", "dx", "dw"), got, want):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b),
+                                  err_msg=f"{name}: {what}")
+  # The empty expert gets no gradient.
+  assert not np.asarray(got[2][1]).any()
+
+
+def test_stochastic_recipes_stay_accurate(sqnr):
+  """Stochastic rounding draws per-expert-buffer noise: not the loop's bits,
+  but the same accuracy against FP32."""
+  x, w, ct = _data(1)
+  def wide(x, w, ct):
+    y = jax.lax.ragged_dot(x, w, jnp.array(SIZES, jnp.int32),
+                           precision=jax.lax.Precision.HIGHEST)
+    return y, jnp.sum(y * ct)
+  ref = _run(wide, x, w, ct)
+  for name in [n for n in STATELESS if _stochastic(qlayers.recipe(n))]:
+    got = _run(_ragged_fn(qlayers.recipe(name)), x, w, ct)
+    for what, a, b in zip(("y", "dx", "dw"), got, ref):
+      assert sqnr(b, a) > 8, (name, what, sqnr(b, a))
+
+
+def test_delayed_keeps_one_history_per_expert():
+  r = qlayers.recipe("fp8_delayed")
+  x, w, ct = _data(2)
+  w = w * jnp.array([1.0, 2.0, 4.0])[:, None, None]
+  state = ragged.init_state(r, len(SIZES))
+  gs = jnp.array(SIZES, jnp.int32)
+
+  def loss(x, w, state):
+    y, new = ops.quantized_ragged_dot(x, w, gs, r, state,
+                                      out_dtype=jnp.float32)
+    return jnp.sum(y * ct), (y, new)
+
+  (_, (y, new)), (dx, dw, dstate) = jax.jit(jax.value_and_grad(
+      loss, (0, 1, 2), has_aux=True))(x, w, state)
+  amax_w = jnp.max(jnp.abs(w), axis=(1, 2))
+  np.testing.assert_array_equal(new["w"].amax, amax_w)
+  want_x = [float(jnp.max(jnp.abs(x[a:b]))) if b > a else 0.0
+            for a, b in zip(STARTS[:-1], STARTS[1:])]
+  np.testing.assert_array_equal(new["x"].amax, want_x)
+  want_g = [float(jnp.max(jnp.abs(ct[a:b]))) if b > a else 0.0
+            for a, b in zip(STARTS[:-1], STARTS[1:])]
+  np.testing.assert_array_equal(dstate["g"].amax, want_g)
+  # Against the dense op on each expert's tokens, with that expert's state.
+  e, (a, b) = 2, STARTS[2:4]
+  st = jax.tree.map(lambda t: t[e], state)
+  def one(xe, we, st):
+    ye, _ = ops.quantized_matmul(xe, we, r, st, out_dtype=jnp.float32)
+    return jnp.sum(ye * ct[a:b]), ye
+  (_, ye), (dxe, dwe, _) = jax.jit(jax.value_and_grad(
+      one, (0, 1, 2), has_aux=True))(x[a:b], w[e], st)
+  np.testing.assert_array_equal(y[a:b], ye)
+  np.testing.assert_array_equal(dx[a:b], dxe)
+  np.testing.assert_array_equal(dw[e], dwe)
+
+
+def test_rows_past_the_groups_are_zero():
+  x, w, _ = _data()
+  gs = jnp.array([3, 0, 10], jnp.int32)
+  y = jax.jit(ops.ragged_dot("mxfp8"))(x, w, gs)
+  want = jax.lax.ragged_dot(x, w, gs)
+  assert not np.asarray(y[13:]).any()
+  assert np.asarray(y[:13]).all() and not np.asarray(want[13:]).any()
+
+
+def test_refusals():
+  x, w, _ = _data()
+  gs = jnp.array(SIZES, jnp.int32)
+  with pytest.raises(ValueError, match="per-expert state; use "
+                     "qlayers.QuantExperts"):
+    ops.ragged_dot("fp8_delayed")
+  with pytest.raises(ValueError, match=r"needs `state`, one amax history per "
+                     "expert"):
+    ops.quantized_ragged_dot(x, w, gs, "fp8_delayed")
+  with pytest.raises(ValueError, match=r"keeps one per expert, \(3,\)"):
+    ops.quantized_ragged_dot(x, w, gs, "fp8_delayed",
+                             ops.init_state("fp8_delayed"))
+  with pytest.raises(NotImplementedError, match="group_offset"):
+    ops.ragged_dot("mxfp8")(x, w, gs, group_offset=jnp.array([0]))
+  with pytest.raises(ValueError, match=r"lhs \[m, k\] and rhs \[g, k, n\]"):
+    ops.ragged_dot("mxfp8")(x, w[0], gs)
+  with pytest.raises(ValueError, match=r"group_sizes must be integers of "
+                     r"shape \(3,\)"):
+    ops.ragged_dot("mxfp8")(x, w, jnp.array([1.0, 2.0, 3.0]))
