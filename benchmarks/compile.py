@@ -9,6 +9,8 @@ Usage (from the repository root)::
   python benchmarks/compile.py --model smollm2 --blocks 4     # a shorter stack
   python benchmarks/compile.py --model smollm2 --repeat 3     # medians
   python benchmarks/compile.py --quick                        # ~1 min smoke run
+  .venv-gpu/bin/python benchmarks/compile.py run --model gpt-d256 \
+      --target h200 --variants stock,qlayers/fp8_delayed --repeat 2
   python benchmarks/compile.py breakdown --recipe fp8_current # what adds HLO
   python benchmarks/compile.py report gpt.json                # tables again
 
@@ -18,6 +20,9 @@ Models (``--model``, ``--blocks N`` changes the number of blocks):
   layers: LayerNorm, separate Q/K/V/O with biases, GELU MLP, untied head),
   8 blocks, d_model 64, 4 heads, d_ff 256, seq 128, batch 8, vocab 256, BF16
   GEMMs.
+* ``gpt-d256``: the same transformer at d_model 256, 4 heads, d_ff 1024 (8
+  blocks, seq 128, batch 8, vocab 256): the model of the GPU-target compile
+  times.
 * ``gpt-d64-fused``: the GPT of ``examples/_common/gpt.py`` at the same size
   (fused QKV, RMSNorm, no biases: 6 Params per block instead of 16).
 * ``d512``: the transformer of ``benchmarks/models.py`` with its default
@@ -57,7 +62,11 @@ in-process) so that no trace, lowering or compilation cache is shared. The
 step is written functionally (``nnx.split`` once, ``nnx.merge`` inside,
 ``jax.jit``), which is what ``nnx.jit`` does, so the phases can be timed
 apart: trace (``jax.jit(step).trace``), lower (``.lower()``) and compile
-(``.compile()``), wall and process CPU time (all threads). Sizes: jaxpr
+(``.compile()``), wall and CPU time (all threads, and child processes
+such as XLA:GPU's ptxas). ``--target h200|b200`` compiles the step for that
+GPU without one (run with ``.venv-gpu/bin/python``; the device comes from
+``gpu_compile.py``'s target configs). On a shared box the CPU time is the
+steadier figure: the wall time grows with the load. Sizes: jaxpr
 equations (nested ones included), StableHLO lines, and of the optimized HLO
 (``compiled.as_text()``): instructions, lines and fusions. Nothing is run.
 Compile times on a shared machine drift by tens of percent between runs;
@@ -75,6 +84,7 @@ and HLO instructions by the function that emitted them and by primitive.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -164,6 +174,12 @@ def _gpt(blocks: int):
   return gpt.GPT(cfg, rngs=nnx.Rngs(0))
 
 
+def _d256_config(blocks: int) -> models.TransformerConfig:
+  return models.TransformerConfig(d_model=256, n_heads=4, d_ff=1024,
+                                  n_layers=blocks, seq_len=128, batch=8,
+                                  vocab=256)
+
+
 def _d512_config(blocks: int) -> models.TransformerConfig:
   return models.TransformerConfig(n_layers=blocks)
 
@@ -188,6 +204,12 @@ MODELS: dict[str, ModelSpec] = {
         lambda n: models.build_model(_d64_config(n), seed=0),
         lambda: models.make_batch(_d64_config(8), seed=0), models.loss_fn,
         lambda: models.make_tx(_d64_config(8))),
+    "gpt-d256": ModelSpec(
+        "gpt-d256", 8, "benchmarks/models.py TransformerLM, d_model 256, 4 "
+        "heads, d_ff 1024, vocab 256, BF16 GEMMs, batch 8 x 128",
+        lambda n: models.build_model(_d256_config(n), seed=0),
+        lambda: models.make_batch(_d256_config(8), seed=0), models.loss_fn,
+        lambda: models.make_tx(_d256_config(8))),
     "gpt-d64-fused": ModelSpec(
         "gpt-d64-fused", 8, "examples/_common/gpt.py GPT (fused QKV, RMSNorm, "
         "no biases), d_model 64, 4 heads, d_ff 256, vocab 256, BF16 GEMMs, "
@@ -388,23 +410,55 @@ def hlo_stats(text: str) -> dict[str, Any]:
 # Measuring one variant
 
 
+def _cpu_s() -> float:
+  """CPU seconds of this process (all threads) and its finished children
+  (XLA:GPU runs ptxas as a child process)."""
+  import resource
+  kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+  return time.process_time() + kids.ru_utime + kids.ru_stime
+
+
 def _timed(fn):
-  c0, t0 = time.process_time(), time.perf_counter()
+  c0, t0 = _cpu_s(), time.perf_counter()
   out = fn()
-  return out, time.perf_counter() - t0, time.process_time() - c0
+  return out, time.perf_counter() - t0, _cpu_s() - c0
+
+
+def _gpu_target(target: str, targets_dir: str | None):
+  """(device, arch) of a deviceless GPU target (``gpu_compile.TARGETS``)."""
+  import gpu_compile  # needs jax with its CUDA plugin (.venv-gpu)
+  spec = gpu_compile.TARGETS[target]
+  folder = pathlib.Path(targets_dir or gpu_compile._targets_dir())  # noqa: SLF001
+  return gpu_compile.gpu_device(spec, folder), spec.arch
 
 
 def measure(model_name: str, variant: str, *, blocks: int | None = None,
-            rules: str = "all") -> dict[str, Any]:
-  """Builds, traces, lowers and compiles one variant; never runs it."""
-  res: dict[str, Any] = {"model": model_name, "variant": variant}
+            rules: str = "all", target: str = "cpu",
+            targets_dir: str | None = None) -> dict[str, Any]:
+  """Builds, traces, lowers and compiles one variant; never runs it.
+
+  ``target`` ``h200``/``b200``: compiled for that GPU without one (the
+  inputs placed on a device of its deviceless topology, qlayers told the
+  architecture with `qlayers.dispatch.target_arch`)."""
+  res: dict[str, Any] = {"model": model_name, "variant": variant,
+                         "target": target}
   (step, state, batch, info), res["build_s"], _ = _timed(
       lambda: build_step(model_name, variant, blocks=blocks, rules=rules))
   res.update(info)
   jitted = jax.jit(step)
-  traced, res["trace_s"], res["trace_cpu_s"] = _timed(
-      lambda: jitted.trace(state, batch))
-  lowered, res["lower_s"], res["lower_cpu_s"] = _timed(traced.lower)
+  arch = contextlib.nullcontext()
+  if target != "cpu":
+    from qlayers import dispatch
+    device, name = _gpu_target(target, targets_dir)
+    where = jax.sharding.SingleDeviceSharding(device)
+    state, batch = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where),
+        (state, batch))
+    arch = dispatch.target_arch(name)
+  with arch:
+    traced, res["trace_s"], res["trace_cpu_s"] = _timed(
+        lambda: jitted.trace(state, batch))
+    lowered, res["lower_s"], res["lower_cpu_s"] = _timed(traced.lower)
   compiled, res["compile_s"], res["compile_cpu_s"] = _timed(lowered.compile)
   js = jaxpr_stats(traced.jaxpr)
   res.update(jaxpr_top=js["top"], jaxpr_eqns=js["total"],
@@ -417,16 +471,22 @@ def measure(model_name: str, variant: str, *, blocks: int | None = None,
 
 
 def _measure_isolated(model_name: str, variant: str, *, blocks, rules,
-                      timeout: float) -> dict[str, Any]:
+                      timeout: float, target: str = "cpu",
+                      targets_dir: str | None = None) -> dict[str, Any]:
   """`measure` in a fresh interpreter (no shared caches)."""
   cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "measure",
-         "--model", model_name, "--variant", variant, "--rules", rules]
+         "--model", model_name, "--variant", variant, "--rules", rules,
+         "--target", target]
+  if targets_dir:
+    cmd += ["--targets-dir", targets_dir]
   if blocks is not None:
     cmd += ["--blocks", str(blocks)]
   t0 = time.perf_counter()
   try:
     proc = subprocess.run(cmd, capture_output=True, text=True,
-                          timeout=timeout, check=False)
+                          timeout=timeout, check=False,
+                          env=dict(os.environ,
+                                   JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1"))
   except subprocess.TimeoutExpired:
     return {"model": model_name, "variant": variant,
             "error": f"timed out after {timeout:.0f} s"}
@@ -452,7 +512,9 @@ def render(results: list[dict[str, Any]], header: dict[str, Any]) -> str:
   """A header of facts and one Markdown table."""
   lines = [
       f"### Train-step compile cost: {header['model']} "
-      f"({header['blocks']} blocks)", "",
+      f"({header['blocks']} blocks)"
+      + (f", deviceless {header['target']}"
+         if header.get("target", "cpu") != "cpu" else ""), "",
       f"- date: {header['started']}; wall {header['wall_s']:.0f} s; "
       f"qlayers commit {header['commit']}",
       f"- machine: {header['machine']}",
@@ -566,6 +628,7 @@ def _run(args: argparse.Namespace) -> int:
   t_start = time.perf_counter()
   header = {
       "model": args.model, "blocks": args.blocks or spec.blocks,
+      "target": args.target,
       "describe": spec.describe, "started": datetime.datetime.now(
           datetime.timezone.utc).isoformat(timespec="seconds"),
       "machine": _machine(), "versions": _versions(), "commit": _commit(),
@@ -617,10 +680,12 @@ def _measure_one(args: argparse.Namespace, name: str) -> dict[str, Any]:
   """One variant measured once (isolated unless ``--no-isolate``)."""
   if args.isolate:
     r = _measure_isolated(args.model, name, blocks=args.blocks,
-                          rules=args.rules, timeout=args.timeout)
+                          rules=args.rules, timeout=args.timeout,
+                          target=args.target, targets_dir=args.targets_dir)
   else:
     try:
-      r = measure(args.model, name, blocks=args.blocks, rules=args.rules)
+      r = measure(args.model, name, blocks=args.blocks, rules=args.rules,
+                  target=args.target, targets_dir=args.targets_dir)
     except Exception as e:  # noqa: BLE001 - reported, others go on
       r = {"model": args.model, "variant": name,
            "error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
@@ -641,7 +706,8 @@ def _report_cmd(args: argparse.Namespace) -> int:
 
 def _measure_cmd(args: argparse.Namespace) -> int:
   res = measure(args.model, args.variant, blocks=args.blocks,
-                rules=args.rules)
+                rules=args.rules, target=args.target,
+                targets_dir=args.targets_dir)
   print(_RESULT + json.dumps(res), flush=True)
   return 0
 
@@ -653,6 +719,12 @@ def _add_common(p: argparse.ArgumentParser) -> None:
   p.add_argument("--rules", choices=("all", "default"), default="all",
                  help="all: quantize(model, r, rules=()) (every linear); "
                  "default: qlayers' default rules (head kept wide)")
+  p.add_argument("--target", choices=("cpu", "h200", "b200"), default="cpu",
+                 help="compile for this device: the host CPU, or an NVIDIA "
+                 "GPU without one (deviceless; run with .venv-gpu's python)")
+  p.add_argument("--targets-dir", default=None,
+                 help="folder with the GPU target configs (default: "
+                 "gpu_compile.py's shared gpu-targets)")
 
 
 def _parser() -> argparse.ArgumentParser:

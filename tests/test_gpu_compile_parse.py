@@ -681,3 +681,14 @@ def test_markdown_shows_ideal_and_fraction():
   text = gc.markdown([base, q])
   ideal = 2.0 + fp8_us  # compute bound at 4096^3
   assert f"| {10.0 / ideal:.2f}x | 0.50 |" in text
+
+
+def test_compile_cpu_time_counts_child_processes():
+  # XLA:GPU runs ptxas as a child process: benchmarks/compile.py's CPU time
+  # must include it, or a GPU-target compile looks cheaper than it is.
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import compile as cb  # noqa: E402  (benchmarks/compile.py)
+  spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass"
+  _, wall, cpu = cb._timed(lambda: subprocess.run([sys.executable, "-c", spin],
+                                                  check=True))
+  assert cpu >= 0.3 and wall >= 0.3
