@@ -32,6 +32,11 @@ from qlayers.layers import QuantLinearGeneral
 from qlayers.layers import QuantLogits
 from qlayers.layers.core import update_scales
 from qlayers.optim import Optimizer
+from qlayers.layers.frozen import freeze
+from qlayers.layers.frozen import FrozenKernel
+from qlayers.layers.frozen import FrozenWeight
+from qlayers.lora import add_lora
+from qlayers.lora import merge_lora
 from qlayers.recipe import available_recipes
 from qlayers.recipe import Recipe
 from qlayers.recipe import recipe
@@ -59,5 +64,7 @@ __all__ = [
     # Where the GEMMs run.
     "backends",
     # Submodules.
+    # Fine-tuning: frozen quantized base weights and LoRA adapters beside them.
+    "freeze", "FrozenKernel", "FrozenWeight", "add_lora", "merge_lora",
     "checkpoint", "formats", "scaling", "ops", "inspect",
 ]

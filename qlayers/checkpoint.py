@@ -12,7 +12,8 @@ Every process calls save and restore; arrays come back with the target's
 shardings. Zero-size arrays hold no data: the target keeps its own.
 
 Hugging Face safetensors checkpoints, FP8-shipped ones included, are read
-and written by `read_safetensors` / `write_safetensors` (`qlayers.safetensors`).
+and written by `read_safetensors` / `write_safetensors` (`qlayers.safetensors`);
+LoRA adapters alone by `save_adapters` / `load_adapters` (`qlayers.lora`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from qlayers import _checkpoint_checks as checks
 from qlayers._checkpoint_checks import (CheckpointCorruptError,
                                         CheckpointMismatchError)
 from qlayers.layers.core import QuantGemm, gemms
+from qlayers.lora import load_adapters, save_adapters
 from qlayers.safetensors import (SafetensorsError, read_config,
                                  read_safetensors, write_safetensors)
 from qlayers.state import QuantVariable
@@ -38,7 +40,7 @@ from qlayers.state import QuantVariable
 __all__ = ["Manager", "save", "restore", "read_metadata",
            "CheckpointMismatchError", "CheckpointCorruptError",
            "read_safetensors", "write_safetensors", "read_config",
-           "SafetensorsError"]
+           "SafetensorsError", "save_adapters", "load_adapters"]
 
 _ITEMS = ("model", "quant", "optimizer")
 

@@ -32,6 +32,7 @@ from flax import nnx
 
 from qlayers import dispatch, swap
 from qlayers.heads import output_heads
+from qlayers.layers.frozen import freeze
 from qlayers.recipe import Recipe, recipe as load_recipe
 
 __all__ = ["Rule", "DEFAULT_KEEP_WIDE", "KEEP_HEAD_WIDE", "DEFAULT_RULES",
@@ -312,7 +313,8 @@ _TABLE_NAME = re.compile(r"emb|pos|wpe|wte|table|cache", re.IGNORECASE)
 def quantize(model: nnx.Module, recipe: Recipe | str | None,
              rules: Rule | Iterable[Rule] | None = None, *,
              example_input=None, backend: str | None = None,
-             strict: bool = False, inplace: bool = True) -> ConversionReport:
+             strict: bool = False, inplace: bool = True,
+             frozen: bool = False) -> ConversionReport:
   """Swaps the linear layers of ``model`` for quantized drop-ins, in place.
 
   Each ``nnx.Linear`` / ``nnx.LinearGeneral`` / ``nnx.Einsum`` (see the module
@@ -348,6 +350,10 @@ def quantize(model: nnx.Module, recipe: Recipe | str | None,
       layer (the built-in `DEFAULT_RULES` are exempt).
     inplace: convert ``model`` itself (default) or a copy (``nnx.clone``,
       which has its own Params); the report's ``model`` is the result.
+    frozen: then hold the kernel of every QuantDense / QuantLinearGeneral
+      of the model as quantized payload + scales
+      (`qlayers.freeze`: no master, gradient or optimizer state), for LoRA
+      fine-tuning (`qlayers.add_lora`).
 
   Returns:
     A `ConversionReport`.
@@ -411,6 +417,8 @@ def quantize(model: nnx.Module, recipe: Recipe | str | None,
         None if rule is None else _rule_name(rule), _aliases(site)))
   report.skipped.extend(Skipped(*s) for s in swap.unconverted_matmuls(
       model, _TABLE_NAME))
+  if frozen:
+    freeze(model)
   return report
 
 

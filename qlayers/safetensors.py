@@ -35,7 +35,8 @@ from qlayers import scaling
 from qlayers.scaling import QTensor, QuantSpec
 
 __all__ = ["read_safetensors", "read_config", "write_safetensors",
-           "SafetensorsError", "DTYPES", "SCALE_SUFFIX"]
+           "read_file", "write_file", "SafetensorsError", "DTYPES",
+           "SCALE_SUFFIX"]
 
 SCALE_SUFFIX = "_scale_inv"
 INDEX = "model.safetensors.index.json"
@@ -66,8 +67,10 @@ class SafetensorsError(ValueError):
 # Files
 
 
-def _read_file(path: pathlib.Path) -> dict[str, np.ndarray]:
-  """Every tensor of one ``.safetensors`` file, checked against its size."""
+def read_file(path: str | os.PathLike) -> dict[str, np.ndarray]:
+  """Every tensor of one ``.safetensors`` file as stored (no FP8 handling),
+  checked against the file's size; see `write_file` for an example."""
+  path = pathlib.Path(path)
   size = path.stat().st_size
   with open(path, "rb") as f:
     head = f.read(8)
@@ -207,7 +210,7 @@ def read_safetensors(path: str | os.PathLike, quantized: bool = False
   block = _block(read_config(path))
   raw, where = {}, {}
   for f in _files(path):
-    for name, t in _read_file(f).items():
+    for name, t in read_file(f).items():
       raw[name], where[name] = t, f
   out = {}
   for name, t in raw.items():
@@ -272,7 +275,18 @@ def _fp8_pair(name, t, block, scale_format) -> dict[str, np.ndarray]:
   return {name: payload, name + SCALE_SUFFIX: scale}
 
 
-def _write_file(path: pathlib.Path, tensors: Mapping[str, np.ndarray]):
+def write_file(path: str | os.PathLike,
+               tensors: Mapping[str, np.ndarray]) -> None:
+  """Writes numpy ``tensors`` as they are to the ``.safetensors`` file
+  ``path`` (the header padded to 8 bytes, as the reference writer does).
+
+  Example:
+    >>> import tempfile, numpy as np
+    >>> f = tempfile.mkdtemp() + "/t.safetensors"
+    >>> write_file(f, {"a": np.arange(3, dtype=np.int32)})
+    >>> read_file(f)["a"]
+    array([0, 1, 2], dtype=int32)
+  """
   header, offset = {"__metadata__": {"format": "pt"}}, 0
   for name, t in tensors.items():
     header[name] = {"dtype": _NAMES[t.dtype], "shape": list(t.shape),
@@ -355,12 +369,12 @@ def write_safetensors(path: str | os.PathLike,
   path.mkdir(parents=True, exist_ok=True)
   shards = _shards(groups, max_shard_bytes)
   if len(shards) == 1:
-    _write_file(path / SINGLE, shards[0])
+    write_file(path / SINGLE, shards[0])
   else:
     weight_map, total = {}, 0
     for i, shard in enumerate(shards):
       fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-      _write_file(path / fname, shard)
+      write_file(path / fname, shard)
       weight_map.update({n: fname for n in shard})
       total += sum(t.nbytes for t in shard.values())
     (path / INDEX).write_text(json.dumps(

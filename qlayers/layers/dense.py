@@ -97,7 +97,9 @@ class QuantDense(QuantLayer, nnx.Linear):
     # stored value (the promoted copy is not used).
     inputs, _, bias = self.promote_dtype((inputs, kernel, bias),
                                          dtype=self.dtype)
-    return self.quant.matmul(
+    y = self.quant.matmul(
         inputs, kernel, bias=bias,
         out_dtype=self.preferred_element_type or inputs.dtype,
         out_sharding=out_sharding)
+    lora = getattr(self, "lora", None)  # an adapter (see qlayers.add_lora)
+    return y if lora is None else y + lora(inputs).astype(y.dtype)

@@ -1,0 +1,202 @@
+"""Frozen quantized base weights: a layer's kernel held as payload + scales.
+
+For fine-tuning on quantized weights (LoRA beside a frozen base), a
+`qlayers.QuantDense` / `qlayers.QuantLinearGeneral` can hold its kernel as a
+`FrozenKernel` instead of an FP32 ``nnx.Param``: the quantized payload and
+its scales as `FrozenWeight` Variables (never Params, so ``nnx.grad``,
+``nnx.Optimizer`` and `qlayers.Optimizer` give them no gradient, master or
+moments), about 1 byte per weight in FP8 and 0.53 in MXFP4 against 4 for the
+FP32 master (16 with Adam's moments).
+
+``layer.kernel[...]`` still reads the kernel (dequantized, stop-gradient, in
+the kernel's shape), so the layers run unchanged: the base GEMM quantizes it
+in the recipe's format, which, when the kernel is stored in the recipe's own
+weight format (`freeze`'s default), gives back the stored payload values.
+Biases and norms stay as they are. `freeze` converts a model's layers;
+`FrozenKernel.from_qtensor` takes a kernel straight from an FP8 checkpoint
+(`qlayers.checkpoint.read_safetensors(..., quantized=True)`).
+
+Stored layout: the 2-D ``(N, K)`` kernel (PyTorch's ``(out, in)``,
+quantized along ``K``: FP4 payloads pack along it), as Hugging Face
+checkpoints store weights.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from qlayers import scaling
+from qlayers.layers.dense import QuantDense
+from qlayers.layers.general import QuantLinearGeneral
+from qlayers.scaling import QTensor, QuantSpec
+
+__all__ = ["FrozenWeight", "FrozenKernel", "freeze", "frozen_kernels",
+           "CHECKPOINT_SPEC"]
+
+# The weight format of FP8-shipped checkpoints (DeepSeek-V3, Qwen3-FP8).
+CHECKPOINT_SPEC = QuantSpec(format="e4m3", granularity="block",
+                            block_size=128, scale_rule="deepseek")
+
+
+class FrozenWeight(nnx.Variable):
+  """Payload or scales of a frozen quantized weight: never a Param, so it
+  gets no gradient and no optimizer state; checkpoints carry it."""
+
+
+class FrozenKernel(nnx.Module):
+  """A kernel of shape ``shape`` held as a `QTensor` of its 2-D ``(N, K)``
+  transpose (``K``: the first ``n_in`` dims of ``shape``).
+
+  Attributes:
+    payload, scale: `FrozenWeight` Variables (the QTensor's arrays).
+    spec: the `QuantSpec` it was quantized with (`requantize` uses it).
+    shape: the kernel's shape; ``dtype``: the dtype ``[...]`` returns.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from qlayers.scaling import QuantSpec
+    >>> k = FrozenKernel.quantize(jnp.ones((64, 32)),
+    ...                           QuantSpec(format="e2m1", granularity="mx"))
+    >>> k.payload.shape, k.scale.shape, k.shape, k.bytes_per_weight
+    ((32, 32), (32, 2), (64, 32), 0.53125)
+    >>> float(k[...].sum())
+    2048.0
+  """
+
+  def __init__(self, qt: QTensor, spec: QuantSpec, shape, *, n_in: int = 1,
+               dtype=jnp.float32):
+    if qt.ndim != 2 or qt.axis != 1 or qt.transposed:
+      raise ValueError(f"FrozenKernel takes a 2-D (N, K) QTensor quantized "
+                       f"along axis 1; got shape {qt.shape}, axis {qt.axis}.")
+    shape = tuple(shape)
+    k, n = math.prod(shape[:n_in]), math.prod(shape[n_in:])
+    if qt.shape != (n, k):
+      raise ValueError(f"A kernel of shape {shape} ({n_in} input dims) needs "
+                       f"an (N, K) = {(n, k)} QTensor, got {qt.shape}.")
+    self.payload = FrozenWeight(qt.payload)
+    self.scale = FrozenWeight(qt.scale)
+    self.spec = spec
+    self.shape = shape
+    self.n_in = n_in
+    self.dtype = jnp.dtype(dtype)
+    self._layout = (qt.format, qt.granularity, qt.block)
+
+  @classmethod
+  def quantize(cls, kernel: jax.Array, spec: QuantSpec, *,
+               n_in: int = 1) -> FrozenKernel:
+    """``kernel`` (``n_in`` leading input dims) quantized as ``spec`` says,
+    along its input (contraction) dims."""
+    k = math.prod(kernel.shape[:n_in])
+    qt = scaling.quantize(kernel.reshape(k, -1).T.astype(jnp.float32), spec,
+                          axis=1)
+    return cls(qt, spec, kernel.shape, n_in=n_in, dtype=kernel.dtype)
+
+  @classmethod
+  def from_qtensor(cls, qt: QTensor, shape=None, *, n_in: int = 1,
+                   spec: QuantSpec = CHECKPOINT_SPEC,
+                   dtype=jnp.float32) -> FrozenKernel:
+    """A kernel from an ``(out, in)`` QTensor as `read_safetensors` gives
+    one (``shape``: the kernel's, default ``(in, out)``); its payload is
+    kept as it is (an FP8 checkpoint loads without requantizing)."""
+    shape = (qt.shape[1], qt.shape[0]) if shape is None else shape
+    return cls(qt, spec, shape, n_in=n_in, dtype=dtype)
+
+  def qtensor(self) -> QTensor:
+    """The stored `QTensor` (``(N, K)``, axis 1)."""
+    n_in, shape = self.n_in, self.shape
+    k, n = math.prod(shape[:n_in]), math.prod(shape[n_in:])
+    return QTensor(self.payload[...], self.scale[...], *self._layout, 1,
+                   (n, k))
+
+  def dequantize(self, dtype=None) -> jax.Array:
+    """The kernel, in its shape, in ``dtype`` (default: ``self.dtype``)."""
+    w = self.qtensor().dequantize(jnp.float32).T.reshape(self.shape)
+    return w.astype(dtype or self.dtype)
+
+  def __getitem__(self, index) -> jax.Array:
+    """``kernel[...]`` as a Param reads: the dequantized kernel, constant
+    (stop-gradient)."""
+    return jax.lax.stop_gradient(self.dequantize())[index]
+
+  def requantize(self, kernel: jax.Array) -> None:
+    """Stores ``kernel`` (same shape) quantized with ``spec``, in place."""
+    if tuple(kernel.shape) != self.shape:
+      raise ValueError(f"requantize: kernel shape {kernel.shape}, expected "
+                       f"{self.shape}.")
+    new = FrozenKernel.quantize(kernel, self.spec, n_in=self.n_in)
+    self.payload.set_value(new.payload[...])
+    self.scale.set_value(new.scale[...])
+    self._layout = new._layout
+
+  @property
+  def nbytes(self) -> int:
+    return self.payload[...].nbytes + self.scale[...].nbytes
+
+  @property
+  def bytes_per_weight(self) -> float:
+    """Stored bytes (payload + scales) per kernel element."""
+    return self.nbytes / math.prod(self.shape)
+
+
+def _n_in(layer) -> int:
+  if isinstance(layer, QuantLinearGeneral):
+    return len(layer.in_features)
+  return 1
+
+
+def frozen_kernels(model: nnx.Module) -> Iterator[tuple[tuple, nnx.Module]]:
+  """Every layer of ``model`` whose kernel is a `FrozenKernel`, with its
+  path."""
+  for path, node in nnx.iter_graph(model):
+    if isinstance(getattr(node, "kernel", None), FrozenKernel) and not (
+        isinstance(node, FrozenKernel)):
+      yield path, node
+
+
+def freeze(model: nnx.Module, *, spec: QuantSpec | None = None) -> int:
+  """Replaces the kernel Param of every `qlayers.QuantDense` and
+  `qlayers.QuantLinearGeneral` in ``model`` by a `FrozenKernel`, in place;
+  returns how many.
+
+  Args:
+    model: a model with qlayers layers (`qlayers.quantize` makes them).
+    spec: how to store the kernels; default: each layer's recipe's Fprop
+      weight spec, so its base GEMM runs on the stored payload values.
+
+  Raises:
+    ValueError: a layer's recipe quantizes no weight (``"bf16"``) and no
+      ``spec`` was given (the message names the layer).
+
+  Example:
+    >>> from flax import nnx
+    >>> import qlayers
+    >>> layer = qlayers.QuantDense(64, 32, recipe="mxfp4", rngs=nnx.Rngs(0))
+    >>> qlayers.freeze(layer)
+    1
+    >>> nnx.state(layer, nnx.Param)["kernel"]
+    Traceback (most recent call last):
+    ...
+    KeyError: 'kernel'
+    >>> layer.kernel.payload.dtype, layer.kernel.bytes_per_weight
+    (dtype('uint8'), 0.53125)
+  """
+  todo = []
+  for path, node in nnx.iter_graph(model):
+    if not isinstance(node, (QuantDense, QuantLinearGeneral)) or not (
+        isinstance(node.kernel, nnx.Param)):
+      continue
+    s = spec or node.recipe.fprop.rhs
+    if s is None:
+      where = "/".join(map(str, path)) or type(node).__name__
+      raise ValueError(f"{where}: recipe {node.recipe.name!r} quantizes no "
+                       "weight; pass freeze(..., spec=QuantSpec(...)).")
+    todo.append((node, s))
+  for node, s in todo:
+    node.kernel = FrozenKernel.quantize(node.kernel[...], s,
+                                        n_in=_n_in(node))
+  return len(todo)

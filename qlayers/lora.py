@@ -1,0 +1,164 @@
+"""LoRA adapters beside (frozen) quantized base weights.
+
+`add_lora` puts an ``nnx.LoRA`` (``nnx.LoRAParam`` ``lora_a (in, r)``,
+``lora_b (r, out)``, BF16 by default) at ``layer.lora`` of each
+`qlayers.QuantDense`, whose output then adds ``x @ lora_a @ lora_b`` (the
+state names of ``nnx.LoRALinear``). The base GEMM stays quantized; the
+adapter GEMMs run in the adapters' dtype. Train the adapters only with
+``wrt=nnx.LoRAParam`` (`qlayers.value_and_grad`, `qlayers.Optimizer`, or
+``nnx.DiffState(0, nnx.LoRAParam)``); with `qlayers.freeze` the base has no
+Param at all.
+
+`save_adapters` / `load_adapters` keep only the adapters (one safetensors
+file); `merge_lora` folds them into the base (requantizing a frozen kernel
+in its own format) for export with `qlayers.checkpoint.write_safetensors`.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from typing import Callable, Iterator
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from qlayers import safetensors
+from qlayers.layers.dense import QuantDense
+from qlayers.layers.frozen import FrozenKernel
+
+__all__ = ["add_lora", "lora_layers", "merge_lora", "save_adapters",
+           "load_adapters"]
+
+
+def _path(path) -> str:
+  return ".".join(map(str, path))
+
+
+def lora_layers(model: nnx.Module) -> Iterator[tuple[tuple, QuantDense]]:
+  """Every `qlayers.QuantDense` of ``model`` with an adapter, with its path."""
+  for path, node in nnx.iter_graph(model):
+    if isinstance(node, QuantDense) and getattr(node, "lora", None) is not None:
+      yield path, node
+
+
+def add_lora(model: nnx.Module, rank: int, *, rngs: nnx.Rngs,
+             param_dtype=jnp.bfloat16, dtype=None,
+             where: Callable[[str], bool] | None = None) -> int:
+  """Adds an ``nnx.LoRA`` adapter of rank ``rank`` at ``.lora`` of every
+  `qlayers.QuantDense` in ``model`` (those whose dotted path ``where``
+  accepts), in place; returns how many.
+
+  ``lora_a`` is initialised by ``nnx.LoRA`` (He uniform) and ``lora_b`` to
+  zero, so the model's outputs do not change until it trains. ``dtype``: the
+  adapter GEMMs' dtype (default ``param_dtype``).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import qlayers
+    >>> layer = qlayers.QuantDense(64, 32, recipe="fp8_current",
+    ...                            rngs=nnx.Rngs(0))
+    >>> _ = qlayers.freeze(layer)
+    >>> qlayers.add_lora(layer, 4, rngs=nnx.Rngs(1))
+    1
+    >>> {k: v.shape for k, v in nnx.to_flat_state(
+    ...     nnx.state(layer, nnx.LoRAParam))}
+    {('lora', 'lora_a'): (64, 4), ('lora', 'lora_b'): (4, 32)}
+  """
+  if rank < 1:
+    raise ValueError(f"rank must be >= 1, got {rank}.")
+  todo = [n for p, n in nnx.iter_graph(model) if isinstance(n, QuantDense)
+          and getattr(n, "lora", None) is None
+          and (where is None or where(_path(p)))]
+  for node in todo:
+    node.lora = nnx.LoRA(node.in_features, rank, node.out_features,
+                         dtype=dtype or param_dtype, param_dtype=param_dtype,
+                         rngs=rngs)
+  return len(todo)
+
+
+def merge_lora(model: nnx.Module) -> int:
+  """Folds each adapter into its layer's kernel and removes it, in place:
+  ``kernel + lora_a @ lora_b`` (in FP32), a frozen kernel requantized in
+  its own format (`qlayers.FrozenKernel.requantize`); returns how many.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import qlayers
+    >>> layer = qlayers.QuantDense(64, 32, rngs=nnx.Rngs(0))
+    >>> _ = qlayers.add_lora(layer, 4, rngs=nnx.Rngs(1))
+    >>> qlayers.merge_lora(layer), hasattr(layer, "lora")
+    (1, False)
+  """
+  found = list(lora_layers(model))
+  for _, node in found:
+    lora = node.lora
+    delta = (lora.lora_a[...].astype(jnp.float32)
+             @ lora.lora_b[...].astype(jnp.float32))
+    if isinstance(node.kernel, FrozenKernel):
+      node.kernel.requantize(node.kernel.dequantize(jnp.float32) + delta)
+    else:
+      kernel = node.kernel[...]
+      node.kernel[...] = (kernel.astype(jnp.float32) + delta).astype(
+          kernel.dtype)
+    del node.lora
+  return len(found)
+
+
+def _adapters(model) -> dict[str, nnx.Variable]:
+  return {_path(p): v for p, v in nnx.to_flat_state(
+      nnx.state(model, nnx.LoRAParam))}
+
+
+def save_adapters(path: str | os.PathLike, model: nnx.Module
+                  ) -> pathlib.Path:
+  """Writes only the ``nnx.LoRAParam`` values of ``model`` to the
+  safetensors file ``path`` (names: dotted module paths), exactly.
+
+  Example:
+    >>> import tempfile
+    >>> from flax import nnx
+    >>> import qlayers
+    >>> layer = qlayers.QuantDense(64, 32, rngs=nnx.Rngs(0))
+    >>> _ = qlayers.add_lora(layer, 4, rngs=nnx.Rngs(1))
+    >>> f = save_adapters(tempfile.mkdtemp() + "/lora.safetensors", layer)
+    >>> sorted(load_adapters(f, layer))
+    ['lora.lora_a', 'lora.lora_b']
+  """
+  tensors = {name: np.asarray(v.get_value())
+             for name, v in _adapters(model).items()}
+  if not tensors:
+    raise ValueError("The model has no nnx.LoRAParam to save (see "
+                     "qlayers.add_lora).")
+  path = pathlib.Path(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  safetensors.write_file(path, tensors)
+  return path
+
+
+def load_adapters(path: str | os.PathLike, model: nnx.Module) -> list[str]:
+  """Loads the adapters `save_adapters` wrote into ``model`` (same names,
+  shapes and dtypes, else ValueError listing the differences, and nothing
+  changes); returns their names."""
+  saved = safetensors.read_file(pathlib.Path(path))
+  target = _adapters(model)
+  bad = sorted(set(saved) ^ set(target))
+  bad = [f"{n}: only in {'the file' if n in saved else 'the model'}"
+         for n in bad]
+  for name in sorted(set(saved) & set(target)):
+    want = target[name].get_value()
+    got = saved[name]
+    if got.shape != want.shape or got.dtype != want.dtype:
+      bad.append(f"{name}: file {got.dtype}{list(got.shape)}, model "
+                 f"{want.dtype}{list(want.shape)}")
+  if bad:
+    raise ValueError(f"{path}: adapters do not match the model: "
+                     + "; ".join(bad) + ".")
+  state = nnx.state(model, nnx.LoRAParam)
+  for p, var in nnx.to_flat_state(state):
+    var.set_value(jnp.asarray(saved[_path(p)]))
+  nnx.update(model, state)
+  return sorted(target)

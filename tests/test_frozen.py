@@ -1,0 +1,146 @@
+"""Frozen quantized base weights: qlayers.freeze, FrozenKernel,
+quantize(..., frozen=True)."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import qlayers
+from qlayers import checkpoint, scaling
+from qlayers.layers.frozen import CHECKPOINT_SPEC
+
+
+def _bits(x):
+  x = np.asarray(x)
+  return x.view(np.uint8 if x.dtype.itemsize == 1 else np.uint32)
+
+
+X = jax.random.normal(jax.random.key(1), (4, 64), jnp.float32)
+
+
+@nnx.jit
+def apply(model, x):
+  return model(x)
+
+
+@pytest.mark.parametrize("recipe, bytes_per_weight", [
+    ("fp8_current", 1 + 4 / (64 * 32)), ("mxfp8", 1 + 1 / 32),
+    ("mxfp4", 0.5 + 1 / 32)])
+def test_freeze_stores_payload_and_scales_only(recipe, bytes_per_weight):
+  layer = qlayers.QuantDense(64, 32, recipe=recipe, rngs=nnx.Rngs(0))
+  layer.bias[...] = jnp.arange(32, dtype=jnp.float32)
+  before = apply(layer, X)
+  assert qlayers.freeze(layer) == 1
+  params = nnx.state(layer, nnx.Param)
+  assert list(params) == ["bias"]  # no master kernel
+  np.testing.assert_array_equal(layer.bias[...], np.arange(32))
+  frozen = nnx.state(layer, qlayers.FrozenWeight)["kernel"]
+  assert sorted(frozen) == ["payload", "scale"]
+  assert layer.kernel.bytes_per_weight == bytes_per_weight
+  assert layer.kernel.bytes_per_weight <= 0.55 * 2  # BF16: 2 bytes
+  # The base GEMM runs on the stored payload: the MX recipes quantize the
+  # dequantized kernel back to the same codes, so the output is the
+  # unfrozen layer's bit for bit; per-tensor FP8 rescales within an ulp.
+  after = apply(layer, X)
+  if recipe.startswith("mx"):
+    np.testing.assert_array_equal(_bits(after), _bits(before))
+  else:
+    np.testing.assert_allclose(after, before, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("recipe", ["fp8_current", "mxfp8", "mxfp4",
+                                    "fp8_delayed"])
+def test_recipe_format_requantizes_to_the_stored_values(recipe):
+  layer = qlayers.QuantDense(64, 32, recipe=recipe, rngs=nnx.Rngs(0))
+  qlayers.freeze(layer)
+  deq = layer.kernel.dequantize()
+  spec = layer.recipe.fprop.rhs
+  again = scaling.quantize(deq.T, spec, axis=1).dequantize()
+  np.testing.assert_array_equal(_bits(again.T), _bits(deq))
+
+
+def test_no_gradient_and_no_optimizer_state_for_the_base(optax_promotion):
+  layer = qlayers.QuantDense(64, 32, recipe="fp8_delayed", rngs=nnx.Rngs(0))
+  qlayers.freeze(layer)
+  payload = np.asarray(layer.kernel.payload[...]).copy()
+  opt = qlayers.Optimizer(layer, optax.adam(1e-2))
+
+  @nnx.jit
+  def step(layer, opt, x):
+    loss = lambda m: jnp.mean(m(x) ** 2)
+    _, grads = qlayers.value_and_grad(loss)(layer)
+    opt.update(layer, grads)
+    return grads
+
+  grads = step(layer, opt, X)
+  assert list(nnx.state(grads, nnx.Param)) == ["bias"]
+  shapes = {np.shape(x) for x in jax.tree.leaves(nnx.state(opt.opt_state))}
+  assert (64, 32) not in shapes and (32, 64) not in shapes
+  np.testing.assert_array_equal(_bits(layer.kernel.payload[...]),
+                                payload.view(np.uint8))
+
+
+def test_quantize_frozen_and_linear_general():
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.up = nnx.Linear(64, 128, rngs=rngs)
+      self.proj = nnx.LinearGeneral(128, (4, 32), rngs=rngs)
+
+    def __call__(self, x):
+      return self.proj(nnx.relu(self.up(x)))
+
+  net = Net(nnx.Rngs(0))
+  wide = apply(net, X)
+  qlayers.quantize(net, "mxfp8", frozen=True)
+  assert isinstance(net.up.kernel, qlayers.FrozenKernel)
+  assert net.proj.kernel.shape == (128, 4, 32)
+  assert net.proj.kernel.payload.shape == (128, 128)  # (N, K)
+  assert sorted(nnx.state(net, nnx.Param)) == ["proj", "up"]  # biases
+  assert all(list(v) == ["bias"] for v in nnx.state(net, nnx.Param).values())
+  y = apply(net, X)
+  assert y.shape == (4, 4, 32)
+  assert float(jnp.abs(y - wide).max()) < 0.1 * float(jnp.abs(wide).max())
+
+
+def test_kernel_straight_from_an_fp8_checkpoint(tmp_path):
+  w = np.asarray(jax.random.normal(jax.random.key(2), (192, 256)) * 0.1,
+                 np.float32)  # (out, in) as HF stores it
+  checkpoint.write_safetensors(tmp_path, {"proj.weight": w})
+  raw = checkpoint.read_safetensors(tmp_path, quantized=True)["proj.weight"]
+  layer = qlayers.QuantDense(256, 192, recipe="fp8_current", use_bias=False,
+                             rngs=nnx.Rngs(0))
+  layer.kernel = qlayers.FrozenKernel.from_qtensor(raw)
+  assert layer.kernel.spec == CHECKPOINT_SPEC
+  np.testing.assert_array_equal(_bits(layer.kernel.payload[...]),
+                                _bits(raw.payload))
+  deq = checkpoint.read_safetensors(tmp_path)["proj.weight"]
+  np.testing.assert_array_equal(_bits(layer.kernel[...]), _bits(deq.T))
+  wide = qlayers.QuantDense(256, 192, recipe="fp8_current", use_bias=False,
+                            rngs=nnx.Rngs(0))
+  wide.kernel[...] = jnp.asarray(deq.T)
+  x = jnp.ones((2, 256), jnp.float32)
+  np.testing.assert_array_equal(_bits(apply(layer, x)), _bits(apply(wide, x)))
+
+
+def test_freeze_errors_and_checkpoint_round_trip(tmp_path):
+  layer = qlayers.QuantDense(64, 32, recipe="bf16", rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="recipe 'bf16' quantizes no weight"):
+    qlayers.freeze(layer)
+  assert qlayers.freeze(layer, spec=CHECKPOINT_SPEC) == 1
+  layer = qlayers.QuantDense(64, 32, recipe="mxfp8", rngs=nnx.Rngs(0))
+  qlayers.freeze(layer)
+  with pytest.raises(ValueError, match=r"kernel shape \(3, 3\), expected"):
+    layer.kernel.requantize(jnp.ones((3, 3)))
+  d = checkpoint.save(tmp_path / "c", layer)
+  other = qlayers.QuantDense(64, 32, recipe="mxfp8", rngs=nnx.Rngs(5))
+  qlayers.freeze(other)
+  checkpoint.restore(d, other)
+  assert other.kernel.payload.dtype == ml_dtypes.float8_e4m3fn
+  np.testing.assert_array_equal(_bits(other.kernel.payload[...]),
+                                _bits(layer.kernel.payload[...]))
+  np.testing.assert_array_equal(other.kernel.scale[...],
+                                layer.kernel.scale[...])

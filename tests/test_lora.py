@@ -1,0 +1,126 @@
+"""LoRA adapters beside frozen quantized base weights: add_lora, training
+LoRAParams only, adapter checkpoints, merge_lora + requantize + export."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import qlayers
+from qlayers import checkpoint, safetensors
+from qlayers.layers.frozen import CHECKPOINT_SPEC, FrozenKernel
+
+
+class Net(nnx.Module):
+  def __init__(self, recipe, rngs):
+    self.up = qlayers.QuantDense(64, 128, recipe=recipe, rngs=rngs)
+    self.norm = nnx.RMSNorm(128, rngs=rngs)
+    self.down = qlayers.QuantDense(128, 32, recipe=recipe, rngs=rngs)
+
+  def __call__(self, x):
+    return self.down(self.norm(nnx.relu(self.up(x))))
+
+
+def _net(recipe="fp8_delayed"):
+  net = Net(recipe, nnx.Rngs(0))
+  qlayers.freeze(net)
+  assert qlayers.add_lora(net, 4, rngs=nnx.Rngs(1)) == 2
+  return net
+
+
+def _bits(x):
+  x = np.asarray(x)
+  return x.view(f"u{x.dtype.itemsize}")
+
+
+X = jax.random.normal(jax.random.key(1), (8, 64), jnp.float32)
+Y = jax.random.normal(jax.random.key(2), (8, 32), jnp.float32)
+
+
+@nnx.jit
+def train_step(net, opt, x, y):
+  loss_fn = lambda m: jnp.mean((m(x) - y) ** 2)
+  loss, grads = qlayers.value_and_grad(loss_fn, wrt=nnx.LoRAParam)(net)
+  opt.update(net, grads)
+  return loss, grads
+
+
+def test_lora_only_training(optax_promotion):
+  net = _net()
+  assert net.up.lora.lora_a.dtype == jnp.bfloat16
+  frozen = {p: np.asarray(v.get_value()).copy() for p, v in
+            nnx.to_flat_state(nnx.state(net, qlayers.FrozenWeight))}
+  # Biases and the norm's scale: Params, but not trained.
+  others = {p: np.array(v.get_value()) for p, v in nnx.to_flat_state(
+      nnx.state(net, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))))}
+  opt = qlayers.Optimizer(net, optax.adam(3e-2), wrt=nnx.LoRAParam)
+  losses = []
+  for _ in range(6):
+    loss, grads = train_step(net, opt, X, Y)
+    losses.append(float(loss))
+  # Gradients reach only the adapters (and the gradient amax state).
+  assert {p[-1] for p, _ in nnx.to_flat_state(nnx.state(grads, nnx.Param))
+          } == {"lora_a", "lora_b"}
+  assert losses[-1] < 0.9 * losses[0], losses
+  for p, v in nnx.to_flat_state(nnx.state(net, qlayers.FrozenWeight)):
+    np.testing.assert_array_equal(_bits(v.get_value()), _bits(frozen[p]))
+  assert len(others) == 3
+  for p, v in nnx.to_flat_state(nnx.state(
+      net, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))):
+    np.testing.assert_array_equal(v.get_value(), others[p])
+  assert float(jnp.abs(net.up.lora.lora_b[...]).max()) > 0  # it moved
+
+
+def test_adapter_checkpoint_round_trip(tmp_path):
+  net = _net("mxfp8")
+  for _, layer in qlayers.lora.lora_layers(net):
+    layer.lora.lora_b[...] = jax.random.normal(
+        jax.random.key(3), layer.lora.lora_b.shape, jnp.bfloat16)
+  f = checkpoint.save_adapters(tmp_path / "adapters.safetensors", net)
+  assert sorted(safetensors.read_file(f)) == [
+      "down.lora.lora_a", "down.lora.lora_b", "up.lora.lora_a",
+      "up.lora.lora_b"]
+  other = Net("mxfp8", nnx.Rngs(0))
+  qlayers.freeze(other)
+  qlayers.add_lora(other, 4, rngs=nnx.Rngs(7))
+  assert checkpoint.load_adapters(f, other)[0] == "down.lora.lora_a"
+  for (p, a), (_, b) in zip(
+      nnx.to_flat_state(nnx.state(net, nnx.LoRAParam)),
+      nnx.to_flat_state(nnx.state(other, nnx.LoRAParam))):
+    assert a.dtype == b.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(_bits(a.get_value()), _bits(b.get_value()))
+  wrong = Net("mxfp8", nnx.Rngs(0))
+  qlayers.add_lora(wrong, 2, rngs=nnx.Rngs(7))
+  with pytest.raises(ValueError, match=r"up.lora.lora_a: file bfloat16\[64, "
+                                       r"4\], model bfloat16\[64, 2\]"):
+    checkpoint.load_adapters(f, wrong)
+
+
+def test_merge_requantizes_and_exports(tmp_path):
+  w = np.asarray(jax.random.normal(jax.random.key(4), (160, 256)) * 0.1,
+                 np.float32)  # (out, in)
+  checkpoint.write_safetensors(tmp_path / "base", {"proj.weight": w})
+  layer = qlayers.QuantDense(256, 160, recipe="fp8_current", use_bias=False,
+                             rngs=nnx.Rngs(0))
+  layer.kernel = FrozenKernel.from_qtensor(
+      checkpoint.read_safetensors(tmp_path / "base", quantized=True)[
+          "proj.weight"])
+  qlayers.add_lora(layer, 8, rngs=nnx.Rngs(1))
+  layer.lora.lora_b[...] = jax.random.normal(jax.random.key(5), (8, 160),
+                                             jnp.bfloat16)
+  base = layer.kernel.dequantize()
+  a = layer.lora.lora_a[...].astype(jnp.float32)
+  b = layer.lora.lora_b[...].astype(jnp.float32)
+  want = FrozenKernel.quantize(base + a @ b, CHECKPOINT_SPEC)
+  assert qlayers.merge_lora(layer) == 1
+  assert not hasattr(layer, "lora")
+  np.testing.assert_array_equal(_bits(layer.kernel.payload[...]),
+                                _bits(want.payload[...]))
+  np.testing.assert_array_equal(layer.kernel.scale[...], want.scale[...])
+  # Shipped back in the FP8 layout, and read back exactly.
+  checkpoint.write_safetensors(tmp_path / "merged",
+                               {"proj.weight": layer.kernel.qtensor()})
+  got = checkpoint.read_safetensors(tmp_path / "merged")["proj.weight"]
+  np.testing.assert_array_equal(got, np.asarray(want.dequantize()).T)
