@@ -27,16 +27,17 @@ from qlayers.grad import value_and_grad
 from qlayers.layers import QuantAttentionProj
 from qlayers.layers import QuantDense
 from qlayers.layers import QuantEinsum
+from qlayers.layers import QuantExperts
 from qlayers.layers import QuantGemm
 from qlayers.layers import QuantLinearGeneral
 from qlayers.layers import QuantLogits
 from qlayers.layers.core import update_scales
-from qlayers.optim import Optimizer
 from qlayers.layers.frozen import freeze
 from qlayers.layers.frozen import FrozenKernel
 from qlayers.layers.frozen import FrozenWeight
 from qlayers.lora import add_lora
 from qlayers.lora import merge_lora
+from qlayers.optim import Optimizer
 from qlayers.recipe import available_recipes
 from qlayers.recipe import Recipe
 from qlayers.recipe import recipe
@@ -52,6 +53,8 @@ __all__ = [
     # Layers, and the quantized GEMM they all run.
     "QuantDense", "QuantLinearGeneral", "QuantEinsum", "QuantAttentionProj",
     "QuantLogits", "QuantGemm",
+    # Mixture of experts: stacked expert kernels (grouped GEMM, ragged_dot).
+    "QuantExperts",
     # Converting an existing model.
     "quantize", "dequantize_model", "Rule",
     # Recipes.
@@ -61,10 +64,10 @@ __all__ = [
     "remat_policy",
     # Quantization state (never nnx.Param): all of it, and the gradient part.
     "QuantVariable", "QuantGradState",
+    # Fine-tuning: frozen quantized base weights and LoRA adapters beside them.
+    "freeze", "FrozenKernel", "FrozenWeight", "add_lora", "merge_lora",
     # Where the GEMMs run.
     "backends",
     # Submodules.
-    # Fine-tuning: frozen quantized base weights and LoRA adapters beside them.
-    "freeze", "FrozenKernel", "FrozenWeight", "add_lora", "merge_lora",
     "checkpoint", "formats", "scaling", "ops", "inspect",
 ]

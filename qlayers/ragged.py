@@ -44,7 +44,7 @@ from qlayers import sharding
 from qlayers.recipe import Recipe, recipe as load_recipe
 from qlayers.scaling import ScaleState
 
-__all__ = ["init_state", "quantized_ragged_dot", "ragged_dot"]
+__all__ = ["init_state", "quantized_ragged_dot", "ragged_dot", "group_ids"]
 
 
 def init_state(recipe: Recipe | str, num_groups: int
@@ -79,16 +79,35 @@ def to_groups(t: jax.Array, starts: jax.Array, sizes: jax.Array) -> jax.Array:
   return jnp.where(valid[..., None], t[idx], jnp.zeros((), t.dtype))
 
 
+def group_ids(group_sizes: jax.Array, m: int):
+  """``(gid [m], valid [m])``: the group of each of ``m`` sorted rows, and
+  whether the row belongs to a group at all (rows past the last do not).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> gid, valid = group_ids(jnp.array([2, 0, 1]), 4)
+    >>> gid.tolist(), valid.tolist()
+    ([0, 0, 2, 2], [True, True, True, False])
+  """
+  starts, sizes = _layout(jnp.asarray(group_sizes), m)
+  return _ids(starts, sizes, m)
+
+
+def _ids(starts, sizes, m):
+  i = jnp.arange(m, dtype=jnp.int32)
+  ends = starts + sizes
+  gid = jnp.clip(jnp.searchsorted(ends, i, side="right"), 0,
+                 sizes.shape[0] - 1).astype(jnp.int32)
+  return gid, i < ends[-1]
+
+
 def from_groups(b: jax.Array, starts: jax.Array, sizes: jax.Array
                 ) -> jax.Array:
   """The inverse of `to_groups`: buffers ``[G, M, C]`` back to ``[M, C]`` in
   token order; rows that belong to no group are 0."""
-  g, m = b.shape[:2]
-  i = jnp.arange(m, dtype=jnp.int32)
-  ends = starts + sizes
-  gid = jnp.clip(jnp.searchsorted(ends, i, side="right"), 0, g - 1)
-  valid = i < ends[-1]
-  pos = jnp.where(valid, i - starts[gid], 0)
+  m = b.shape[1]
+  gid, valid = _ids(starts, sizes, m)
+  pos = jnp.where(valid, jnp.arange(m, dtype=jnp.int32) - starts[gid], 0)
   return jnp.where(valid[:, None], b[gid, pos], jnp.zeros((), b.dtype))
 
 

@@ -1,0 +1,98 @@
+"""QuantExperts and QuantRaggedDot: Params of a stock MoE's stacked experts,
+the grouped GEMM of `qlayers.ops.ragged_dot`, per-expert delayed state
+through a training step, eval mode."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import qlayers
+from qlayers import ops
+from qlayers.layers import QuantRaggedDot
+
+SIZES = jnp.array([3, 0, 4, 1], jnp.int32)
+
+
+class StockExperts(nnx.Module):
+  """Stacked experts the usual way, the grouped GEMM an attribute."""
+
+  def __init__(self, e, k, n, rngs):
+    self.kernel = nnx.Param(jax.random.normal(rngs.params(), (e, k, n)) * 0.1)
+    self.ragged_dot = jax.lax.ragged_dot
+
+  def __call__(self, x, group_sizes):
+    return self.ragged_dot(x, self.kernel[...], group_sizes)
+
+
+def _x(m=8, k=32, seed=0):
+  return jax.random.normal(jax.random.key(seed), (m, k))
+
+
+def test_params_and_output_match_the_op():
+  layer = qlayers.QuantExperts(4, 32, 16, use_bias=True, recipe="fp8_current",
+                               bias_init=nnx.initializers.ones_init(),
+                               rngs=nnx.Rngs(0))
+  shapes = jax.tree.map(jnp.shape, nnx.state(layer, nnx.Param))
+  assert shapes["kernel"].get_value() == (4, 32, 16)
+  assert shapes["bias"].get_value() == (4, 16)
+  x = _x()
+  layer.bias[...] = jnp.arange(4.0)[:, None] * jnp.ones((4, 16))
+  y = layer(x, jnp.array([3, 0, 4, 0], jnp.int32))
+  want = ops.ragged_dot("fp8_current")(x, layer.kernel[...],
+                                       jnp.array([3, 0, 4, 0], jnp.int32))
+  bias = jnp.array([0.0] * 3 + [2.0] * 4 + [0.0])[:, None]
+  np.testing.assert_array_equal(y, want + bias)
+  assert not np.asarray(y[7]).any()  # past the groups: 0, no bias
+
+
+def test_delayed_state_per_expert_through_a_training_step():
+  layer = qlayers.QuantExperts(4, 32, 16, recipe="fp8_delayed",
+                               rngs=nnx.Rngs(0))
+  assert layer.quant.x_amax_history.shape == (4, 1024)
+  x = _x()
+  loss = lambda m, x: jnp.sum(m(x, SIZES) * 3.0)  # noqa: E731
+  _, grads = nnx.jit(qlayers.value_and_grad(loss))(layer, x)
+  qlayers.update_scales(layer, grads)
+  starts = np.concatenate([[0], np.cumsum(SIZES)])
+  want_x = [float(jnp.max(jnp.abs(x[a:b]))) if b > a else 0.0
+            for a, b in zip(starts[:-1], starts[1:])]
+  np.testing.assert_array_equal(layer.quant.x_amax_history[:, 0], want_x)
+  np.testing.assert_array_equal(
+      layer.quant.w_amax_history[:, 0],
+      jnp.max(jnp.abs(layer.kernel[...]), axis=(1, 2)))
+  np.testing.assert_array_equal(layer.quant.g_amax_history[:, 0],
+                                [3.0, 0.0, 3.0, 3.0])
+  assert not np.asarray(layer.quant.x_amax[...]).any()  # cleared
+
+
+def test_eval_mode_writes_no_state():
+  layer = qlayers.QuantExperts(4, 32, 16, recipe="fp8_delayed",
+                               rngs=nnx.Rngs(0))
+  layer.eval()
+  layer(_x(), SIZES)
+  assert not np.asarray(layer.quant.x_amax[...]).any()
+  layer.train()
+  layer(_x(), SIZES)
+  assert np.asarray(layer.quant.x_amax[...])[0] > 0
+
+
+def test_quant_ragged_dot_injected_into_a_stock_module():
+  stock = StockExperts(4, 32, 16, nnx.Rngs(0))
+  x = _x()
+  want = ops.ragged_dot("fp8_current")(x, stock.kernel[...], SIZES)
+  stock.ragged_dot = nnx.data(QuantRaggedDot("fp8_current", num_groups=4))
+  np.testing.assert_array_equal(stock(x, SIZES), want)
+
+
+def test_refusals():
+  layer = qlayers.QuantExperts(4, 32, 16, recipe="fp8_current",
+                               rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"tokens of shape \(m, 32\)"):
+    layer(jnp.ones((2, 3, 32)), SIZES)
+  rd = QuantRaggedDot("fp8_delayed", num_groups=4)
+  with pytest.raises(ValueError, match="state for 4 experts"):
+    rd(_x(), jnp.ones((2, 32, 16)), SIZES[:2])
+  with pytest.raises(NotImplementedError, match="group_offset"):
+    rd(_x(), jnp.ones((4, 32, 16)), SIZES, group_offset=jnp.array([0]))
