@@ -1,0 +1,93 @@
+"""Loading Hugging Face tensors (`qlayers.checkpoint.read_safetensors`) into
+a model, FP8 weights as frozen quantized kernels.
+
+Hugging Face names are the model's business, so the caller maps them:
+``names`` takes a Variable's dotted path in the model (``"blocks.0.mlp.
+up_proj.kernel"``) to a tensor name (``"model.layers.0.mlp.up_proj.
+weight"``). Linear weights are stored ``(out, in)``, kernels are ``(in,
+out)``: a 2-D tensor loaded into a 2-D ``kernel`` is transposed (reshape
+others, e.g. ``LinearGeneral`` kernels, into the tensors first).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import jax.numpy as jnp
+from flax import nnx
+
+from qlayers.layers.frozen import FrozenKernel
+from qlayers.scaling import QTensor
+
+__all__ = ["load_tensors"]
+
+
+def _modules(model) -> dict[str, nnx.Module]:
+  return {".".join(map(str, p)): m for p, m in nnx.iter_graph(model)
+          if isinstance(m, nnx.Module)}
+
+
+def load_tensors(model: nnx.Module, tensors: Mapping[str, object],
+                 names: Mapping[str, str], *, frozen: bool = True) -> int:
+  """Sets the Variables of ``model`` named by ``names`` (model path ->
+  tensor name) from ``tensors``, in place; returns how many.
+
+  A `QTensor` (an FP8 weight read with ``quantized=True``) loaded into a
+  ``kernel`` becomes a `qlayers.FrozenKernel` holding its payload and scales
+  as they are (``frozen=True``: no FP32 master), or the exactly dequantized
+  weight (``frozen=False``). Everything else is converted to the Variable's
+  dtype; shapes must match (after the kernel transpose). Every name is
+  checked before anything changes.
+
+  Example:
+    >>> import tempfile, numpy as np
+    >>> from flax import nnx
+    >>> import qlayers
+    >>> from qlayers import checkpoint
+    >>> d = checkpoint.write_safetensors(tempfile.mkdtemp(), {
+    ...     "fc.weight": np.ones((128, 256), np.float32),
+    ...     "fc.bias": np.zeros(128, np.float32)})
+    >>> layer = qlayers.QuantDense(256, 128, rngs=nnx.Rngs(0))
+    >>> load_tensors(layer, checkpoint.read_safetensors(d, quantized=True),
+    ...              {"kernel": "fc.weight", "bias": "fc.bias"})
+    2
+    >>> type(layer.kernel).__name__, float(layer.kernel[...].mean())
+    ('FrozenKernel', 1.0)
+  """
+  modules = _modules(model)
+  todo, bad = [], []
+  for path, name in names.items():
+    owner, _, attr = path.rpartition(".")
+    module = modules.get(owner)
+    var = getattr(module, attr, None) if module is not None else None
+    if name not in tensors:
+      bad.append(f"{path}: no tensor {name!r}")
+      continue
+    if not isinstance(var, (nnx.Variable, FrozenKernel)):
+      bad.append(f"{path}: no such Variable in the model")
+      continue
+    t = tensors[name]
+    kernel = attr == "kernel" and len(var.shape) == 2 and len(t.shape) == 2
+    shape = tuple(t.shape)[::-1] if kernel else tuple(t.shape)
+    if shape != tuple(var.shape):
+      bad.append(f"{path}: model {tuple(var.shape)}, tensor {name!r} "
+                 f"{tuple(t.shape)}" + (" (transposed)" if kernel else ""))
+      continue
+    todo.append((module, attr, var, t, kernel))
+  if bad:
+    raise ValueError("load_tensors: " + "; ".join(bad) + ".")
+  for module, attr, var, t, kernel in todo:
+    if isinstance(t, QTensor) and kernel and frozen:
+      setattr(module, attr, FrozenKernel.from_qtensor(t, dtype=_dtype(var)))
+      continue
+    x = t.dequantize() if isinstance(t, QTensor) else jnp.asarray(t)
+    x = x.T if kernel else x
+    if isinstance(var, FrozenKernel):
+      var.requantize(x.astype(jnp.float32))
+    else:
+      var.set_value(jnp.asarray(x, _dtype(var)))
+  return len(todo)
+
+
+def _dtype(var):
+  return var.dtype if isinstance(var, FrozenKernel) else var.get_value().dtype

@@ -1,0 +1,70 @@
+"""qlayers.hf.load_tensors: Hugging Face tensors into a model, FP8 weights
+as frozen kernels."""
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+import qlayers
+from qlayers import checkpoint
+from qlayers.hf import load_tensors
+
+
+class Block(nnx.Module):
+  def __init__(self, rngs):
+    self.norm = nnx.RMSNorm(256, rngs=rngs)
+    self.proj = qlayers.QuantDense(256, 128, recipe="fp8_current",
+                                   use_bias=False, rngs=rngs)
+
+
+NAMES = {"norm.scale": "model.norm.weight",
+         "proj.kernel": "model.proj.weight"}
+
+
+@pytest.fixture
+def tensors(tmp_path):
+  rng = np.random.default_rng(0)
+  w = (rng.standard_normal((128, 256)) * 0.1).astype(np.float32)
+  norm = (1 + rng.standard_normal(256) * 0.1).astype(ml_dtypes.bfloat16)
+  checkpoint.write_safetensors(tmp_path, {"model.proj.weight": w,
+                                          "model.norm.weight": norm})
+  return tmp_path
+
+
+def test_fp8_weights_load_frozen_or_exact(tensors):
+  q = checkpoint.read_safetensors(tensors, quantized=True)
+  deq = checkpoint.read_safetensors(tensors)
+  frozen = Block(nnx.Rngs(0))
+  assert load_tensors(frozen, q, NAMES) == 2
+  assert isinstance(frozen.proj.kernel, qlayers.FrozenKernel)
+  assert "kernel" not in nnx.state(frozen.proj, nnx.Param)
+  np.testing.assert_array_equal(
+      np.asarray(frozen.proj.kernel.payload[...]).view(np.uint8),
+      np.asarray(q["model.proj.weight"].payload).view(np.uint8))
+  wide = Block(nnx.Rngs(1))
+  load_tensors(wide, q, NAMES, frozen=False)
+  np.testing.assert_array_equal(wide.proj.kernel[...],
+                                deq["model.proj.weight"].T)
+  np.testing.assert_array_equal(frozen.proj.kernel[...], wide.proj.kernel[...])
+  assert wide.norm.scale.dtype == jnp.float32  # the model's dtype
+  np.testing.assert_array_equal(wide.norm.scale[...], deq[
+      "model.norm.weight"].astype(np.float32))
+
+
+def test_load_errors_change_nothing(tensors):
+  q = checkpoint.read_safetensors(tensors, quantized=True)
+  block = Block(nnx.Rngs(0))
+  before = np.asarray(block.norm.scale[...]).copy()
+  bad = {**NAMES, "proj.bias": "model.proj.bias", "norm.scale": "model.x"}
+  with pytest.raises(ValueError, match=r"norm.scale: no tensor 'model.x'; "
+                                       r"proj.bias: no tensor"):
+    load_tensors(block, q, bad)
+  small = Block(nnx.Rngs(0))
+  small.proj = qlayers.QuantDense(128, 128, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"proj.kernel: model \(128, 128\), "
+                     r"tensor 'model.proj.weight' \(128, 256\) \(transposed\)"):
+    load_tensors(small, q, NAMES)
+  np.testing.assert_array_equal(block.norm.scale[...], before)
+  assert isinstance(block.proj.kernel, nnx.Param)
