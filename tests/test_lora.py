@@ -47,7 +47,7 @@ def train_step(net, opt, x, y):
   return loss, grads
 
 
-def test_lora_only_training(optax_promotion):
+def test_lora_only_training(optax_promotion, tmp_path):
   net = _net()
   assert net.up.lora.lora_a.dtype == jnp.bfloat16
   frozen = {p: np.asarray(v.get_value()).copy() for p, v in
@@ -71,6 +71,15 @@ def test_lora_only_training(optax_promotion):
       net, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))):
     np.testing.assert_array_equal(v.get_value(), others[p])
   assert float(jnp.abs(net.up.lora.lora_b[...]).max()) > 0  # it moved
+  # The whole training state (frozen base, adapters, their optimizer) goes
+  # through an orbax checkpoint too.
+  d = checkpoint.save(tmp_path / "c", net, optimizer=opt)
+  net2 = _net()
+  opt2 = qlayers.Optimizer(net2, optax.adam(3e-2), wrt=nnx.LoRAParam)
+  assert checkpoint.restore(d, net2, optimizer=opt2)["restored"] == "full"
+  for a, b in zip(jax.tree.leaves(nnx.state((net, opt))),
+                  jax.tree.leaves(nnx.state((net2, opt2)))):
+    np.testing.assert_array_equal(_bits(a), _bits(b))
 
 
 def test_adapter_checkpoint_round_trip(tmp_path):
