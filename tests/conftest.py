@@ -16,6 +16,7 @@ def pytest_configure(config):
       "ignore::DeprecationWarning:orbax.*",
       "ignore::DeprecationWarning:tensorstore.*",
       "ignore::DeprecationWarning:google.protobuf.*",
+      "ignore::DeprecationWarning:tunix.*",
       "ignore:.*jax.tree_util.register_keypaths.*:DeprecationWarning",
   ):
     config.addinivalue_line("filterwarnings", pattern)

@@ -1,0 +1,215 @@
+"""qlayers.integrations.tunix: Tunix models converted, Tunix's trainer with
+delayed scaling. Skipped when google-tunix is not installed
+(``pip install --no-deps -r examples/requirements-tunix.txt``)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+pytest.importorskip("tunix", reason="google-tunix is not installed "
+                    "(pip install --no-deps -r examples/requirements-tunix.txt)")
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import qlayers
+from qlayers.integrations import tunix as qtunix
+from tunix.models.qwen3 import model as qwen3
+from tunix.sft import peft_trainer, utils
+
+# Tunix builds its Params with Flax's deprecated `sharding=` metadata and
+# reads JAX's deprecated pxla.thread_resources; its step optax.global_norm.
+pytestmark = [
+    pytest.mark.filterwarnings(
+        "ignore:optax.global_norm is deprecated:DeprecationWarning"),
+    pytest.mark.filterwarnings(
+        "ignore:'sharding' is deprecated:DeprecationWarning"),
+    pytest.mark.filterwarnings(
+        "ignore:jax.interpreters.pxla.thread_resources:DeprecationWarning")]
+
+EQUATIONS = (("BTD,DNH->BTNH", (32, 2, 16)), ("BTNH,NHD->BTD", (2, 16, 32)))
+
+
+def _tunix_einsum(eq, shape, seed=0):
+  return qwen3.Einsum(eq, shape, rngs=nnx.Rngs(seed), sharding=(None,) * 3,
+                      dtype=jnp.float32, param_dtype=jnp.float32)
+
+
+def _input(eq, seed=1):
+  shape = {"BTD": (2, 3, 32), "BTNH": (2, 3, 2, 16)}[eq.split(",")[0]]
+  return jax.random.normal(jax.random.key(seed), shape)
+
+
+@pytest.mark.parametrize("eq,shape", EQUATIONS)
+def test_einsum_is_qlayers_einsum_on_tunix_w(eq, shape):
+  layer = _tunix_einsum(eq, shape)
+  q = qtunix.QuantTunixEinsum.from_tunix(layer, "fp8_current")
+  assert q.w is layer.w and q.kernel_shape == shape
+  ref = qlayers.QuantEinsum(eq.lower(), shape, recipe="fp8_current",
+                            rngs=nnx.Rngs(0))
+  ref.kernel.set_value(layer.w[...])
+  x = _input(eq)
+  np.testing.assert_array_equal(q(x), ref(x))  # same GEMM, same bits
+  wide = layer(x)
+  err = jnp.linalg.norm(wide - q(x)) / jnp.linalg.norm(wide)
+  assert 0 < err < 0.1  # quantized, and close
+
+
+@pytest.mark.parametrize("eq,shape", EQUATIONS)
+def test_lora_starts_at_zero_and_adds_x_a_b(eq, shape):
+  q = qtunix.QuantTunixEinsum.from_tunix(_tunix_einsum(eq, shape),
+                                         "fp8_current")
+  x = _input(eq)
+  before = q(x)
+  assert qtunix.add_lora(q, 4, rngs=nnx.Rngs(2)) == 1
+  np.testing.assert_array_equal(q(x), before)  # lora_b starts at zero
+  q.lora_b.set_value(jax.random.normal(jax.random.key(3), q.lora_b.shape))
+  k = q.lora_a.shape[:-1]
+  delta = (q.lora_a[...].reshape(-1, 4) @ q.lora_b[...].reshape(4, -1))
+  expect = before + jnp.einsum(eq, x, delta.reshape(shape))
+  assert q.lora_a.shape == (*k, 4) and isinstance(q.lora_a, nnx.LoRAParam)
+  np.testing.assert_allclose(q(x), expect, rtol=1e-5, atol=1e-5)
+
+
+def _qwen3(seed=0):
+  cfg = qwen3.ModelConfig(
+      num_layers=1, vocab_size=64, embed_dim=32, hidden_dim=64, num_heads=2,
+      head_dim=16, num_kv_heads=1, rope_theta=10_000, norm_eps=1e-6,
+      use_tied_embedding=False)
+  model = qwen3.Qwen3(cfg, rngs=nnx.Rngs(seed))
+  # Tunix initialises the MLP kernels to zero (checkpoints overwrite them).
+  key = jax.random.key(seed + 1)
+  for _, m in nnx.iter_graph(model):
+    if isinstance(m, nnx.Linear):
+      key, sub = jax.random.split(key)
+      m.kernel.set_value(jax.random.normal(sub, m.kernel.shape)
+                         * m.in_features ** -0.5)
+  return model
+
+
+def test_quantize_converts_attention_einsums_and_mlps():
+  model = _qwen3()
+  report = qtunix.quantize(model, "fp8_delayed")
+  paths = {c.path: c.new_type for c in report.converted}
+  assert paths == {
+      **{f"layers/0/attn/{p}_proj": "QuantTunixEinsum" for p in "qkvo"},
+      **{f"layers/0/mlp/{p}_proj": "QuantDense"
+         for p in ("gate", "up", "down")}}
+  assert [k.path for k in report.kept_wide] == ["lm_head"]
+  assert not report.skipped and not report.already_quantized
+  q = model.layers[0].attn.q_proj
+  assert isinstance(q, qtunix.QuantTunixEinsum) and q.recipe.name == (
+      "fp8_delayed")
+  assert "Einsum -> QuantTunixEinsum" in str(report)
+
+
+@pytest.fixture
+def tunix_numpy():
+  """Tunix's models broadcast by rank (its RMSNorm) and optax.adam mixes
+  float and int32: run them under NumPy's standard rules."""
+  with jax.numpy_rank_promotion("allow"), jax.numpy_dtype_promotion(
+      "standard"):
+    yield
+
+
+def _loss(model, x):
+  return jnp.mean((model(x) - 0.5 * x) ** 2)
+
+
+def _trainer(cls, model, steps, **config):
+  trainer = cls(model, optax.sgd(0.1), peft_trainer.TrainingConfig(
+      eval_every_n_steps=100, max_steps=steps, pbar_description=None,
+      **config))
+  return trainer.with_loss_fn(_loss)
+
+
+def _batches(n):
+  return [{"x": jax.random.normal(jax.random.key(i), (4, 16)) * (i + 1)}
+          for i in range(n)]
+
+
+def test_stock_trainer_never_ends_a_delayed_step():
+  """The failure the hook fixes: Tunix's own step loses the gradient amax
+  and never rolls the histories."""
+  model = qlayers.QuantDense(16, 16, recipe="fp8_delayed", rngs=nnx.Rngs(0))
+  with pytest.warns(UserWarning, match="without its gradient amax"):
+    _trainer(peft_trainer.PeftTrainer, model, 3).train(_batches(3))
+  assert not np.any(model.quant.x_amax_history[...])
+  assert not np.any(model.quant.g_amax_history[...])
+
+
+def test_trainer_steps_equal_the_qlayers_loop():
+  """Each step of `PeftTrainer` is `qlayers.value_and_grad`, the optimizer
+  update, then `qlayers.update_scales`; eval records nothing."""
+  batches = _batches(3)
+  model = qlayers.QuantDense(16, 16, recipe="fp8_delayed", rngs=nnx.Rngs(0))
+  trainer = _trainer(qtunix.PeftTrainer, model, 3)
+  # A 6x eval batch (amax above every training batch's): recorded, it would
+  # show in the first history entry.
+  trainer.train(batches, eval_ds=[{"x": batches[0]["x"] * 6.0}])
+
+  ref = qlayers.QuantDense(16, 16, recipe="fp8_delayed", rngs=nnx.Rngs(0))
+  opt = nnx.Optimizer(ref, optax.sgd(0.1), wrt=nnx.Param)
+
+  @nnx.jit
+  def step(ref, opt, x):
+    _, grads = qlayers.value_and_grad(_loss)(ref, x)
+    amaxes, grads = nnx.split_state(grads, qlayers.QuantGradState, ...)
+    opt.update(ref, grads)
+    qlayers.update_scales(ref, amaxes)
+
+  for b in batches:
+    step(ref, opt, b["x"])
+  got, want = nnx.state(model), nnx.state(ref)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
+               got, want)
+  hist = model.quant.x_amax_history[...]
+  amax = [float(jnp.max(jnp.abs(b["x"]))) for b in batches]
+  np.testing.assert_allclose(hist[:3], amax[::-1], rtol=1e-6)
+  assert np.all(model.quant.g_amax_history[:3] > 0)
+  assert not np.any(hist[3:])
+
+
+def _tokens(n_batches=1):
+  rng = np.random.default_rng(0)
+  return [{"input_tokens": jnp.asarray(rng.integers(1, 64, (4, 16)),
+                                       jnp.int32)} for _ in range(n_batches)]
+
+
+def _model_inputs(batch):
+  mask = jnp.ones_like(batch["input_tokens"], dtype=jnp.bool_)
+  return dict(input_tokens=batch["input_tokens"], input_mask=mask,
+              positions=utils.build_positions_from_mask(mask),
+              attention_mask=utils.make_causal_attn_mask(mask))
+
+
+# LoRA under delayed scaling differentiates LoRAParams and the gradient
+# amaxes together; full-weight SFT under delayed scaling is the loop above.
+@pytest.mark.parametrize("recipe,lora", [("fp8_delayed", True),
+                                         ("fp8_current", False)],
+                         ids=["lora-fp8_delayed", "sft-fp8_current"])
+def test_qwen3_trains_with_tunix(recipe, lora, tunix_numpy):
+  del tunix_numpy
+  model = _qwen3()
+  qtunix.quantize(model, recipe)
+  if lora:
+    assert qtunix.add_lora(model, 4, rngs=nnx.Rngs(5)) == 4
+  base = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
+  frozen = nnx.clone(nnx.state(model, base))
+  trainer = qtunix.PeftTrainer(
+      model, optax.adam(3e-2 if lora else 1e-2),
+      peft_trainer.TrainingConfig(eval_every_n_steps=100, max_steps=6,
+                                  pbar_description=None))
+  trainer = trainer.with_gen_model_input_fn(_model_inputs)
+  trainer.train(_tokens() * 6)
+  losses = trainer.metrics_logger.get_metric_history("", "loss", "train")
+  assert len(losses) == 6 and np.all(np.isfinite(losses))
+  assert losses[-1] < 0.9 * losses[0], losses
+  changed = jax.tree.map(lambda a, b: bool(np.any(a != b)),
+                         nnx.state(model, base), frozen)
+  assert any(jax.tree.leaves(changed)) == (not lora)  # LoRA: base frozen
+  q = model.layers[0].attn.q_proj.quant
+  if recipe == "fp8_delayed":
+    assert np.all(q.x_amax_history[:6] > 0) and np.all(
+        q.g_amax_history[:6] > 0)
