@@ -45,6 +45,7 @@ __all__ = [
     "pack",
     "unpack",
     "packed_size",
+    "rounding_key",
 ]
 
 
@@ -215,6 +216,24 @@ def round_to_format(x: jax.Array, fmt: Format | str, *,
     u = jax.random.uniform(key, x.shape, jnp.float32)
     r = jnp.floor(x / ulp + u) * ulp
   return saturate(r, fmt)
+
+
+def rounding_key(seed: jax.Array, step: jax.Array) -> jax.Array:
+  """The stochastic-rounding key of call ``step`` of a GEMM seeded ``seed``.
+
+  Derived from the two counters alone (never from the data), so every
+  layout of the operands draws the same bits: with JAX's partitionable
+  threefry (``jax_threefry_partitionable``, the default), the uniform
+  numbers of a sharded operand are those of the same operand on one device.
+
+  Example:
+    >>> k = rounding_key(jnp.uint32(3), jnp.uint32(0))
+    >>> bool((jax.random.key_data(k) == jax.random.key_data(
+    ...     rounding_key(jnp.uint32(3), jnp.uint32(0)))).all())
+    True
+  """
+  key = jax.random.fold_in(jax.random.key(0), seed)
+  return jax.random.fold_in(key, step)
 
 
 def cast(x: jax.Array, fmt: Format | str, *,

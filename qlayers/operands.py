@@ -71,7 +71,8 @@ def operand(t: jax.Array, op: Operand, *, amax=None, key=None,
     t = _rows(t)
     if op.hadamard:
       t = hadamard.transform(t, op.hadamard, axis=op.axis)
-  if amax is None and spec.granularity == "tensor" and sharding.varying_axes(t):
+  per_tensor = spec.granularity == "tensor" or spec.scale_rule == "nvfp4"
+  if amax is None and per_tensor and sharding.varying_axes(t):
     amax = sharding.global_amax(scaling.amax(t), t)
   if elementwise:
     q = scaling.quantize(t, spec, -1, amax=amax)

@@ -46,7 +46,8 @@ MAX_AMAX_HISTORY_LEN = 4096
 # Top-level settings read only by quantized GEMMs: a file that sets one (or
 # has a [defaults] table) but quantizes nothing is refused.
 _QUANT_ONLY_KEYS = ("defaults", "scaling", "amax_history_len",
-                    "amax_compute_algo", "save_quantized_wgrad_input")
+                    "amax_compute_algo", "save_quantized_wgrad_input",
+                    "sr_key")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -97,6 +98,12 @@ class Recipe:
     save_quantized_wgrad_input: keep the Wgrad input ``x`` quantized (FP8)
       between forward and backward instead of in ``compute_dtype``.
     loss_scaling: ``none`` or ``dynamic`` (FP16 needs it).
+    sr_key: where the stochastic-rounding key of a layer's GEMM comes
+      from when none is passed: ``data`` (derived from the bits of the
+      operand: the default, and what recipes before it did) or ``step``
+      (a counter in the GEMM's state, `qlayers.QuantGemm`, advanced by each
+      training call: the same bits however the operands are laid out or
+      sharded). Only for recipes that round stochastically.
 
   Example:
     >>> import qlayers
@@ -116,6 +123,7 @@ class Recipe:
   compute_dtype: str = "bfloat16"
   save_quantized_wgrad_input: bool = False
   loss_scaling: Literal["none", "dynamic"] = "none"
+  sr_key: Literal["data", "step"] = "data"
 
   def __post_init__(self):
     validate(self)
@@ -209,6 +217,10 @@ def validate(r: Recipe) -> None:
             f"{where}: delayed scaling keeps one scale per tensor, but "
             f"{role} uses granularity {spec.granularity!r}; use "
             "scaling='current' for row/tile/block/mx.")
+  if r.sr_key == "step" and not r.stochastic:
+    raise ValueError(f"{where}: sr_key='step' keys stochastic rounding, but "
+                     "no operand rounds stochastically; set rounding = "
+                     "\"stochastic\" on one, or drop sr_key.")
   if r.compute_dtype == "float16" and r.loss_scaling != "dynamic":
     raise ValueError(f"{where}: float16 compute needs loss_scaling='dynamic' "
                      "(gradients underflow otherwise).")

@@ -19,6 +19,8 @@ Rules (``amax`` = max |x| over the unit, see `qlayers.blocks`):
 * ``mx_floor``: OCP MX v1.0 sec. 6.3: ``2**(floor(log2 amax) - emax_elem)``.
 * ``mx_rceil``: ``2**ceil(log2(amax / max))`` (the exponent of ``amax / max``
   rounded up when its mantissa is non-zero; the rule of TE/cuBLAS).
+* ``nvfp4``: two levels, E4M3 block scales under a per-tensor FP32 scale
+  (`nvfp4_scales`: Transformer Engine's NVFP4 quantizer, arXiv 2509.25149).
   Both MX rules read exponents off the bits, give code 0 (2**-127) to an
   all-zero block and the NaN code 0xFF to a block holding Inf or NaN.
 
@@ -38,12 +40,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qlayers import formats
 from qlayers.formats import Format
 
 
 __all__ = ["MAX_MARGIN", "divide_rn", "rdivide_rn", "rdivide_rn_integer",
            "te_multiplier", "te_scale", "deepseek_scale", "mx_scale_codes",
-           "e8m0_decode", "unit_scales"]
+           "e8m0_decode", "unit_scales", "nvfp4_encode_scale", "nvfp4_scales"]
 
 # DeepSeek-V3's floor on the amax of a tile/block before dividing by max.
 _DEEPSEEK_AMAX_FLOOR = 1e-4
@@ -413,3 +416,70 @@ def unit_scales(a: jax.Array, spec) -> tuple[jax.Array, jax.Array]:
   # 255 wraps around (uint32) and is replaced.
   mult = _from_bits(_e8m0_bits(254 - codes.astype(jnp.uint32)))
   return jnp.where(codes == 255, 0.0, mult), codes
+
+
+# NVFP4: the per-tensor encode scale maps the tensor's amax to the largest
+# E4M3 block scale times the largest E2M1 element.
+NVFP4_RANGE = 448.0 * 6.0
+_F32_SIXTH = np.float32(1.0 / 6.0)
+
+
+def nvfp4_encode_scale(tensor_amax: jax.Array) -> jax.Array:
+  """NVFP4's per-tensor (second-level) FP32 encode scale ``S_enc``.
+
+  ``S_enc = min(448 * 6 / amax, FLT_MAX)`` (one correctly rounded FP32
+  division), and 1 where ``amax`` is 0 or ``S_enc`` is 0 (an infinite
+  amax): Transformer Engine's ``compute_global_encode_scaling_factor_FP4``
+  (transformer_engine/common/cast/nvfp4/core_nvfp4.cuh); the paper's
+  (arXiv 2509.25149, appendix B) ``s_enc = 6 * 448 / amax_x``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> nvfp4_encode_scale(jnp.array([2688.0, 0.0]))
+    Array([1., 1.], dtype=float32)
+  """
+  a = jnp.asarray(tensor_amax, jnp.float32)
+  s = jnp.minimum(rdivide_rn(NVFP4_RANGE, a), _F32_MAX)
+  return jnp.where((a == 0) | (s == 0), 1.0, s)
+
+
+@jax.jit
+def nvfp4_scales(block_amax: jax.Array, tensor_amax: jax.Array
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(multiplier applied to ``x``, stored FP32 scale, E4M3 block scale) per
+  16-element block of amax ``block_amax`` in a tensor of amax ``tensor_amax``.
+
+  Transformer Engine's NVFP4 quantizer, step by step (core_nvfp4.cuh):
+
+  * ``S_enc`` = `nvfp4_encode_scale` (tensor amax), ``S_dec = 1 / S_enc``;
+  * block decode scale ``e4m3(block_amax * (S_enc * fl(1/6)))``, a
+    saturating round-to-nearest-even cast (``compute_decoding_scaling_factor``;
+    the paper writes ``e4m3(amax_b / 6 * s_enc)``, which can differ by one
+    FP32 rounding before the cast: TE's order is followed);
+  * block encode multiplier ``min(1 / (float(e4m3) * S_dec), FLT_MAX)``
+    (``compute_scaling_coefficient<float>``; the paper's ``s_enc,b``), and
+    the payload is ``e2m1(x * multiplier)`` (RNE or stochastic, saturating).
+
+  The stored scale is the dequantization factor ``float(e4m3) * S_dec`` in
+  FP32: the per-tensor decode factor is folded into each block's scale (a
+  native GEMM applies it once to the output instead; the products differ
+  by FP32 rounding only). A block, or tensor, whose amax is not finite gets
+  a NaN scale (and multiplier 0), so its GEMMs are non-finite.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> mult, scale, e4m3 = nvfp4_scales(jnp.array([6.0, 3.0]),
+    ...                                  jnp.float32(6.0))
+    >>> e4m3.tolist(), scale.tolist(), mult.tolist()
+    ([448.0, 224.0], [1.0, 0.5], [1.0, 2.0])
+  """
+  s_enc = nvfp4_encode_scale(tensor_amax)
+  s_dec = rdivide_rn(1.0, s_enc)
+  block = block_amax.astype(jnp.float32) * (s_enc * _F32_SIXTH)
+  e4m3 = formats.saturate(block, formats.E4M3).astype(jnp.float8_e4m3fn)
+  e4m3 = e4m3.astype(jnp.float32)
+  scale = e4m3 * s_dec
+  mult = jnp.minimum(rdivide_rn(1.0, scale), _F32_MAX)
+  finite = jnp.isfinite(block_amax) & jnp.isfinite(tensor_amax)
+  return (jnp.where(finite, mult, 0.0), jnp.where(finite, scale, jnp.nan),
+          jnp.where(finite, e4m3, jnp.nan))

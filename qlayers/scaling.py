@@ -66,13 +66,16 @@ __all__ = [
 ]
 
 Granularity = Literal["tensor", "row", "tile", "block", "mx"]
-ScaleRule = Literal["te", "deepseek", "mx_floor", "mx_rceil"]
+ScaleRule = Literal["te", "deepseek", "mx_floor", "mx_rceil", "nvfp4"]
 
 _MX_BLOCK = 32
 _DEFAULT_BLOCK = {"tile": 128, "block": 128, "mx": _MX_BLOCK}
 _DEFAULT_RULE = {"tensor": "te", "row": "te", "tile": "deepseek",
                  "block": "deepseek", "mx": "mx_rceil"}
 _MX_ELEMENT_FORMATS = ("e4m3", "e5m2", "e3m2", "e2m3", "e2m1")
+# NVFP4 (arXiv 2509.25149; TE NVFP4BlockScaling): E2M1 elements, 16 along K
+# per E4M3 block scale (1 x 16 tiles, or 16 x 16 blocks for weights).
+_NVFP4_BLOCK = 16
 # Tile/block lengths: powers of two (scale grids then align with the GEMM
 # kernels' K tiles: 128 for DeepSeek-V3/DeepGEMM and cuBLASLt's VEC128 /
 # BLK128x128, 32 for MX, 16 for NVFP4) up to 1024; every dim is padded to a
@@ -87,11 +90,14 @@ class QuantSpec:
   Attributes:
     format: element format name (see `qlayers.formats.FORMATS`).
     granularity: ``tensor`` | ``row`` | ``tile`` | ``block`` | ``mx``.
-    block_size: tile/block length (default 128), a power of two from 16 to
-      1024 (`BLOCK_SIZES`); MX blocks are 32, the only size OCP MX v1.0
-      defines. Not allowed for tensor/row.
-    scale_rule: ``te`` | ``deepseek`` | ``mx_floor`` | ``mx_rceil``;
-      defaults by granularity (te, te, deepseek, deepseek, mx_rceil).
+    block_size: tile/block length (default 128; 16 for ``nvfp4``), a power
+      of two from 16 to 1024 (`BLOCK_SIZES`); MX blocks are 32, the only size
+      OCP MX v1.0 defines, and NVFP4 blocks 16. Not allowed for tensor/row.
+    scale_rule: ``te`` | ``deepseek`` | ``mx_floor`` | ``mx_rceil`` |
+      ``nvfp4``; defaults by granularity (te, te, deepseek, deepseek,
+      mx_rceil). ``nvfp4`` (E2M1 with ``tile`` or ``block`` granularity):
+      E4M3 scales per 1 x 16 tile or 16 x 16 block under a per-tensor FP32
+      scale (`qlayers.scale_rules.nvfp4_scales`).
     margin: TE margin (scale multiplied by ``2**margin``), ``te`` rule only.
     pow2: power-of-two scales (``te`` and ``deepseek`` rules).
     rounding: ``nearest`` (RNE) or ``stochastic``.
@@ -119,8 +125,10 @@ class QuantSpec:
     if fmt is formats.E8M0:
       raise ValueError("E8M0 is a scale format, not an element format.")
     gran = self.granularity
+    nvfp4 = self.scale_rule == "nvfp4"
     if self.block_size is None:
-      object.__setattr__(self, "block_size", _DEFAULT_BLOCK.get(gran))
+      object.__setattr__(self, "block_size", _NVFP4_BLOCK if nvfp4 and gran
+                         in _DEFAULT_BLOCK else _DEFAULT_BLOCK.get(gran))
     elif gran not in _DEFAULT_BLOCK:
       raise ValueError(f"block_size applies to tile/block/mx granularity, not "
                        f"{gran!r}; drop it.")
@@ -130,14 +138,25 @@ class QuantSpec:
     if (gran == "mx") != rule.startswith("mx_"):
       raise ValueError(
           f"scale_rule {rule!r} does not fit granularity {gran!r}: MX "
-          "granularity takes mx_floor/mx_rceil, the others te/deepseek.")
+          "granularity takes mx_floor/mx_rceil, the others te/deepseek "
+          "(nvfp4: tile/block).")
     if gran == "mx" and fmt.name not in _MX_ELEMENT_FORMATS:
       raise ValueError(f"{fmt.name} is not an OCP MX element format; use one "
                        f"of {_MX_ELEMENT_FORMATS}.")
-    if fmt.packed and gran != "mx":
+    if nvfp4:
+      if gran not in ("tile", "block") or fmt.name != "e2m1":
+        raise ValueError(
+            f"scale_rule 'nvfp4' takes format 'e2m1' with granularity 'tile' "
+            f"(1 x 16) or 'block' (16 x 16), got {fmt.name} with {gran!r}.")
+      if self.block_size != _NVFP4_BLOCK:
+        raise ValueError(f"block_size must be {_NVFP4_BLOCK} for scale_rule "
+                         f"'nvfp4' (NVFP4's block), got {self.block_size}.")
+      if self.pow2:
+        raise ValueError("NVFP4 block scales are E4M3; drop pow2.")
+    if fmt.packed and gran != "mx" and not nvfp4:
       raise ValueError(
           f"{fmt.name} has {fmt.bits} bits and needs block scales: use "
-          "granularity='mx'.")
+          "granularity='mx' (or scale_rule='nvfp4' for E2M1).")
     if gran == "mx" and self.block_size != _MX_BLOCK:
       # OCP MX v1.0: every concrete MX-compliant format (MXFP8/6/4, MXINT8)
       # has block size k = 32, and the MX GEMM kernels take nothing else.
@@ -261,12 +280,13 @@ def quantize(x: jax.Array, spec: QuantSpec, axis: int = -1, *,
     axis: the axis quantized along: the contraction axis of the GEMM that
       consumes ``x``. FP6/FP4 payloads are packed along the last axis, so
       they need ``axis=-1`` (transpose first).
-    amax: per-tensor granularity only: a precomputed whole-tensor amax (FP32
-      scalar) to compute the scale from, instead of ``max |x|`` (current
-      scaling, the default): the amax of a delayed-scaling history
-      (`delayed_amax`), or under a mesh the global amax of a tensor of which
-      ``x`` is the local shard. A non-finite amax gives a NaN scale, so the
-      operand, and any GEMM of it, is non-finite.
+    amax: per-tensor granularity (and the per-tensor level of ``nvfp4``)
+      only: a precomputed whole-tensor amax (FP32 scalar) to compute the
+      scale from, instead of ``max |x|`` (current scaling, the default): the
+      amax of a delayed-scaling history (`delayed_amax`), or under a mesh the
+      global amax of a tensor of which ``x`` is the local shard. A
+      non-finite amax gives a NaN scale, so the operand, and any GEMM of it,
+      is non-finite.
     key: PRNG key for stochastic rounding; required when ``spec.rounding ==
       "stochastic"``. A key given rounds stochastically whatever
       ``spec.rounding`` says: pass ``None`` for round-to-nearest-even.
@@ -318,15 +338,23 @@ def quantize(x: jax.Array, spec: QuantSpec, axis: int = -1, *,
     return QTensor(payload, scale, fmt.name, spec.granularity, None, axis,
                    tuple(x.shape))
 
-  if amax is not None:
+  nvfp4 = spec.scale_rule == "nvfp4"
+  if amax is not None and not nvfp4:
     raise ValueError(
-        f"amax= applies to per-tensor granularity only, not "
-        f"{spec.granularity!r}: each block is scaled by its own amax.")
+        f"amax= applies to per-tensor granularity (and scale_rule 'nvfp4') "
+        f"only, not {spec.granularity!r}: each block is scaled by its own "
+        "amax.")
   padded = blocks.padded_shape(x.shape, block)
   xp = blocks.pad_to(xf, padded)
   block_amax = blocks.block_amax(blocks.pad_to(x, padded),
                                  block).astype(jnp.float32)
-  mult, scale = scale_rules.unit_scales(block_amax, spec)
+  if nvfp4:
+    # The tensor's amax is the largest block amax (padding adds zeros).
+    tensor_amax = jnp.max(block_amax) if amax is None else amax
+    mult, scale, _ = scale_rules.nvfp4_scales(
+        block_amax, jnp.asarray(tensor_amax, jnp.float32))
+  else:
+    mult, scale = scale_rules.unit_scales(block_amax, spec)
   payload = _cast(blocks.apply_blocks(xp, mult, block, jnp.multiply), fmt,
                   key)
   return QTensor(payload, scale, fmt.name, spec.granularity, block, axis,
@@ -344,6 +372,9 @@ def bytes_per_element(spec: QuantSpec | None, compute_bytes: int = 2) -> float:
     return float(compute_bytes)
   fmt = spec.fmt
   b = fmt.bits / 8
+  if spec.scale_rule == "nvfp4":  # E4M3 block scales (+ one FP32 scalar)
+    return b + 1 / (spec.block_size * (spec.block_size
+                                       if spec.granularity == "block" else 1))
   if spec.granularity == "mx":
     return b + 1 / spec.block_size
   if spec.granularity in ("tile",):

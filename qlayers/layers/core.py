@@ -27,12 +27,15 @@ amax it records is the whole tensor's (see `qlayers.sharding`).
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Iterator
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
+from qlayers import formats
 from qlayers import ops
 from qlayers import scaling
 from qlayers import sharding
@@ -89,6 +92,14 @@ class QuantGemm(nnx.Module):
       setattr(self, f"{role}_amax_history", QuantState(st.amax_history))
       kind = QuantGradState if role == "g" else QuantState
       setattr(self, f"{role}_amax", kind(st.amax))
+    if self.recipe.sr_key == "step":
+      # Stochastic rounding keyed by (seed, call counter): Recipe.sr_key.
+      # Stacked layers get seeds 0, 1, ...;
+      # `qlayers.recipe_rules.seed_rounding` gives each GEMM its own.
+      seeds = jnp.arange(math.prod(batch_shape),
+                         dtype=jnp.uint32).reshape(tuple(batch_shape))
+      self.sr_seed = QuantState(sharding.replicated(seeds))
+      self.sr_step = QuantState(sharding.replicated(jnp.zeros_like(seeds)))
 
   @property
   def delayed(self) -> bool:
@@ -143,6 +154,17 @@ class QuantGemm(nnx.Module):
       getattr(self, f"{role}_amax").set_value(
           jax.lax.stop_gradient(new_state[role].amax))
 
+  def rounding_key(self) -> jax.Array | None:
+    """This call's stochastic-rounding key (``sr_key = "step"``; None
+    otherwise): `formats.rounding_key` of ``sr_seed`` and ``sr_step``, which
+    a training call advances by one."""
+    if self.recipe.sr_key != "step":
+      return None
+    step = self.sr_step[...]
+    if not self.use_running_average:
+      self.sr_step.set_value(step + jnp.uint32(1))
+    return formats.rounding_key(self.sr_seed[...], step)
+
   # --------------------------------------------------------------------------
   # The GEMM
 
@@ -156,7 +178,7 @@ class QuantGemm(nnx.Module):
     """
     y, new_state = ops.quantized_matmul(
         x, w, self.recipe, self.read(), out_dtype=out_dtype,
-        backend=self.backend, site=self)
+        key=self.rounding_key(), backend=self.backend, site=self)
     self.write(new_state)
     return _finish(y, bias, out_sharding)
 
@@ -171,7 +193,7 @@ class QuantGemm(nnx.Module):
     y, new_state = ops.quantized_dot_general(
         lhs, rhs, dimension_numbers, self.recipe, self.read(),
         preferred_element_type=preferred_element_type, backend=self.backend,
-        site=self)
+        key=self.rounding_key(), site=self)
     self.write(new_state)
     return _finish(y, None, out_sharding)
 

@@ -20,6 +20,13 @@ Written from the specifications, not from qlayers' code:
   and RCEIL (``2**ceil(log2(amax / max))``, the rule of TE and cuBLAS), both
   evaluated here in exact arithmetic (float64 frexp), exponents clamped to
   [-127, 127], zero blocks code 0, Inf/NaN blocks code 0xFF.
+* NVFP4: Transformer Engine's NVFP4 quantizer
+  (transformer_engine/common/cast/nvfp4/core_nvfp4.cuh): per-tensor encode
+  scale ``S_enc = min(448 * 6 / amax, FLT_MAX)`` (1 for a zero or infinite
+  amax), ``S_dec = 1 / S_enc``; per block of 16 the E4M3 decode scale
+  ``e4m3(block_amax * (S_enc * fl(1/6)))`` (saturating, RNE) and the
+  multiplier ``min(1 / (e4m3 * S_dec), FLT_MAX)``; payload
+  ``e2m1(x * multiplier)``; stored FP32 scale ``e4m3 * S_dec``.
 * Packing: E2M1 two codes per byte (element 2i in the low nibble), FP6 four
   codes per three bytes (the 24-bit little-endian word
   ``v0 | v1 << 6 | v2 << 12 | v3 << 18``).
@@ -133,6 +140,25 @@ def mx_codes(amax, fmt: str, rule: str) -> np.ndarray:
   return code.astype(np.uint8)
 
 
+def nvfp4(amax, tensor_amax):
+  """(multiplier, stored FP32 scale, E4M3 block scale) per block, FP32."""
+  a = np.float32(tensor_amax)
+  b = np.asarray(amax, np.float32)
+  with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+    s_enc = np.minimum(np.float32(448.0 * 6.0) / a, F32_MAX)
+    if a == 0 or s_enc == 0:
+      s_enc = np.float32(1)
+    s_dec = np.float32(1) / s_enc
+    block = (b * (s_enc * np.float32(1 / 6))).astype(np.float32)
+    e4m3 = decode(cast_codes(block, "e4m3"), "e4m3").astype(np.float32)
+    scale = (e4m3 * s_dec).astype(np.float32)
+    mult = np.minimum(np.float32(1) / scale, F32_MAX).astype(np.float32)
+  finite = np.isfinite(b) & np.isfinite(a)
+  return (np.where(finite, mult, np.float32(0)),
+          np.where(finite, scale, np.float32(np.nan)),
+          np.where(finite, e4m3, np.float32(np.nan)))
+
+
 # ----------------------------------------------------------------------------
 # Quantize / dequantize
 
@@ -179,15 +205,20 @@ def quantize(x, fmt: str, granularity: str = "tensor", axis: int = -1, *,
   axis %= x.ndim
   rule = rule or {"tensor": "te", "row": "te", "tile": "deepseek",
                   "block": "deepseek", "mx": "mx_rceil"}[granularity]
-  block_size = block_size or {"mx": 32}.get(granularity, 128)
+  block_size = block_size or (16 if rule == "nvfp4" else
+                              {"mx": 32}.get(granularity, 128))
   unit = _units(x.shape, granularity, axis, block_size)
   xp, g = _grid(x, unit)
   unit_axes = tuple(range(1, 2 * x.ndim, 2))
   with np.errstate(invalid="ignore"):
     amax = np.max(np.abs(g), axis=unit_axes, keepdims=True)  # NaN propagates
-  if tensor_amax is not None:
+  if tensor_amax is not None and rule != "nvfp4":
     amax = np.full_like(amax, np.float32(tensor_amax))
-  if rule == "te":
+  if rule == "nvfp4":  # tensor_amax: the second level's (default: max |x|)
+    with np.errstate(invalid="ignore"):
+      t = np.max(np.abs(xp)) if tensor_amax is None else tensor_amax
+    mult, scale, _ = nvfp4(amax, t)
+  elif rule == "te":
     mult, scale = te(amax, fmt, margin, pow2)
     scale = flush(scale, ftz)
   elif rule == "deepseek":
@@ -210,7 +241,7 @@ def quantize(x, fmt: str, granularity: str = "tensor", axis: int = -1, *,
 def dequantize(codes, scale, fmt: str, shape, granularity: str, axis=-1,
                block_size=None, ftz: bool = False):
   """FP32 ``decode(codes) * scale`` (one FP32 multiply), cropped to
-  ``shape``."""
+  ``shape`` (NVFP4: FP32 scales, ``block_size=16``)."""
   codes = np.asarray(codes, np.uint8)
   values = decode(codes, fmt).astype(np.float32)
   if granularity == "mx":
