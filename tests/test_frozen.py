@@ -131,6 +131,15 @@ def test_freeze_errors_and_checkpoint_round_trip(tmp_path):
   with pytest.raises(ValueError, match="recipe 'bf16' quantizes no weight"):
     qlayers.freeze(layer)
   assert qlayers.freeze(layer, spec=CHECKPOINT_SPEC) == 1
+  @nnx.split_rngs(splits=3)
+  @nnx.vmap(in_axes=(0,), out_axes=0)
+  def stacked(rngs):
+    return qlayers.QuantDense(64, 32, recipe="mxfp8", rngs=rngs)
+
+  stack = stacked(nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"kernel \(3, 64, 32\) is not \(in, "
+                                       r"out\) = \(64, 32\)"):
+    qlayers.freeze(stack)
   layer = qlayers.QuantDense(64, 32, recipe="mxfp8", rngs=nnx.Rngs(0))
   qlayers.freeze(layer)
   with pytest.raises(ValueError, match=r"kernel shape \(3, 3\), expected"):

@@ -143,10 +143,17 @@ class FrozenKernel(nnx.Module):
     return self.nbytes / math.prod(self.shape)
 
 
-def _n_in(layer) -> int:
-  if isinstance(layer, QuantLinearGeneral):
-    return len(layer.in_features)
-  return 1
+def _n_in(layer, where: str) -> int:
+  """The number of input dims of ``layer``'s kernel; ValueError for a
+  kernel of another shape (a stack of layers made under ``nnx.vmap``)."""
+  ins, outs = layer.in_features, layer.out_features
+  ins = ins if isinstance(ins, tuple) else (ins,)
+  outs = outs if isinstance(outs, tuple) else (outs,)
+  if tuple(layer.kernel.shape) != ins + outs:
+    raise ValueError(
+        f"{where}: kernel {tuple(layer.kernel.shape)} is not (in, out) = "
+        f"{ins + outs} (a stack of layers?); freeze takes single layers.")
+  return len(ins)
 
 
 def frozen_kernels(model: nnx.Module) -> Iterator[tuple[tuple, nnx.Module]]:
@@ -191,12 +198,11 @@ def freeze(model: nnx.Module, *, spec: QuantSpec | None = None) -> int:
         isinstance(node.kernel, nnx.Param)):
       continue
     s = spec or node.recipe.fprop.rhs
+    where = "/".join(map(str, path)) or type(node).__name__
     if s is None:
-      where = "/".join(map(str, path)) or type(node).__name__
       raise ValueError(f"{where}: recipe {node.recipe.name!r} quantizes no "
                        "weight; pass freeze(..., spec=QuantSpec(...)).")
-    todo.append((node, s))
-  for node, s in todo:
-    node.kernel = FrozenKernel.quantize(node.kernel[...], s,
-                                        n_in=_n_in(node))
+    todo.append((node, s, _n_in(node, where)))
+  for node, s, n_in in todo:
+    node.kernel = FrozenKernel.quantize(node.kernel[...], s, n_in=n_in)
   return len(todo)
