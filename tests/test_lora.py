@@ -133,3 +133,24 @@ def test_merge_requantizes_and_exports(tmp_path):
                                {"proj.weight": layer.kernel.qtensor()})
   got = checkpoint.read_safetensors(tmp_path / "merged")["proj.weight"]
   np.testing.assert_array_equal(got, np.asarray(want.dequantize()).T)
+
+
+def test_stock_nnx_loop_trains_the_adapters_only(optax_promotion):
+  net = _net("fp8_current")
+  payload = np.asarray(net.up.kernel.payload[...]).copy()
+  opt = nnx.Optimizer(net, optax.sgd(0.5), wrt=nnx.LoRAParam)
+
+  @nnx.jit
+  def step(net, opt):
+    loss_fn = lambda m: jnp.mean((m(X) - Y) ** 2)
+    loss, grads = nnx.value_and_grad(
+        loss_fn, argnums=nnx.DiffState(0, nnx.LoRAParam))(net)
+    opt.update(net, grads)
+    return loss
+
+  first = step(net, opt)
+  for _ in range(3):
+    last = step(net, opt)
+  assert float(last) < float(first)
+  np.testing.assert_array_equal(_bits(net.up.kernel.payload[...]),
+                                _bits(payload))
