@@ -170,6 +170,18 @@ def _abstract(op: Operand, shape: tuple[int, int]):
   return dataclasses.replace(q, transposed=op.tn)
 
 
+def _pow2(a: QuantSpec | None, b: QuantSpec | None) -> bool:
+  """Both operands have tile/block scales that are powers of two (UE8M0):
+  the table's ``pow2`` rows apply."""
+  return all(s is not None and s.pow2 and s.granularity in ("tile", "block")
+             for s in (a, b))
+
+
+def _local_name(requested: str | None, pow2: bool) -> str:
+  """The registered local GEMM of `qlayers.partition` for a plan's GEMM."""
+  return (requested or "default") + ("_pow2" if pow2 else "")
+
+
 def _shares(a: QuantSpec | None, b: QuantSpec | None, requested) -> bool:
   """One quantized copy serves both specs: an axis-free (per-tensor) scale,
   in a layout the backend takes for both GEMMs."""
@@ -192,12 +204,13 @@ def _plan(recipe: Recipe, requested, targets, lowered, mesh: bool,
 
   def gemm(lhs, rhs, shapes, out):
     a, b = _abstract(lhs, shapes[0]), _abstract(rhs, shapes[1])
-    every = {p: choose(a, b, p, arch, backend=requested)
+    pow2 = _pow2(lhs.spec, rhs.spec)
+    every = {p: choose(a, b, p, arch, backend=requested, pow2=pow2)
              for p, arch in targets}
     partitioned = isinstance(a, QTensor) and mesh and (
         gather or any(c.backend == "ffi" for c in every.values()))
     return Gemm(lhs, rhs, tuple((p, every[p]) for p in lowered),
-                partitioned, requested or "default", jnp.dtype(out))
+                partitioned, _local_name(requested, pow2), jnp.dtype(out))
 
   save_x = "wide"
   if recipe.save_quantized_wgrad_input and w.lhs is not None:
@@ -250,12 +263,13 @@ def _branches(forms, a, b, axes, out_dtype) -> jax.Array:
 
 
 def gemm(a, b, *, axes: tuple[int, int], out_dtype,
-         backend: str | None = None) -> jax.Array:
+         backend: str | None = None, pow2: bool = False) -> jax.Array:
   """Product of two given 2-D operands contracted over ``axes``.
 
   ``a`` and ``b`` are both `QTensor` (quantized along their contraction axis)
   or both plain arrays; the form is chosen per platform from `TABLE` (one
-  branch traced per distinct choice). The GEMMs of a quantized matmul run
+  branch traced per distinct choice; ``pow2``: their tile/block scales are
+  powers of two, see `choose`). The GEMMs of a quantized matmul run
   through their `Plan` instead (`run`); this is the same choice for
   operands made elsewhere, and the local GEMM of `qlayers.partition`.
   """
@@ -265,8 +279,8 @@ def gemm(a, b, *, axes: tuple[int, int], out_dtype,
     raise ValueError(f"operands were quantized along axes {(a.axis, b.axis)}"
                      f" but the GEMM contracts {tuple(axes)}.")
   platforms = PLATFORMS if targets_gpu() else ("cpu",)
-  forms = tuple((p, choose(a, b, p, gpu_arch(p), backend=backend).form)
-                for p in platforms)
+  forms = tuple((p, choose(a, b, p, gpu_arch(p), backend=backend,
+                          pow2=pow2).form) for p in platforms)
   return _branches(forms, a, b, tuple(axes), jnp.dtype(out_dtype))
 
 
@@ -279,13 +293,16 @@ def xla_gemm(a, b, out_dtype, axes: tuple[int, int], *,
 
 
 # The partitioning rule calls the local GEMM by name (a hashable static
-# argument): the forced backend, or "default" for the table's choice.
+# argument): the forced backend, or "default" for the table's choice, and
+# "_pow2" where the operands' tile/block scales are powers of two.
 for _name in ("default",) + BACKENDS:
-  partition.register_local(
-      _name, functools.partial(
-          lambda backend, a, b, axes, out_dtype: gemm(
-              a, b, axes=axes, out_dtype=out_dtype, backend=backend),
-          None if _name == "default" else _name))
+  for _pow in (False, True):
+    partition.register_local(
+        _local_name(_name, _pow), functools.partial(
+            lambda backend, pow2, a, b, axes, out_dtype: gemm(
+                a, b, axes=axes, out_dtype=out_dtype, backend=backend,
+                pow2=pow2),
+            None if _name == "default" else _name, _pow))
 
 
 # ----------------------------------------------------------------------------
@@ -311,7 +328,7 @@ def _recipe_choices(recipe, platform: str, arch: str | None) -> dict:
       return _abstract(Operand(spec, axis, axis != 1 and last), (256, 256))
     qa, qb = q(lhs, axes[0]), q(rhs, axes[1])
     try:
-      c = choose(qa, qb, platform, arch)
+      c = choose(qa, qb, platform, arch, pow2=_pow2(lhs, rhs))
       out[name] = {"backend": c.backend, "form": c.form, "why": c.why}
     except ValueError as e:  # a forced backend that cannot run it
       out[name] = {"backend": "error", "form": "", "why": str(e)}

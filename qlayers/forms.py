@@ -19,7 +19,8 @@ from jax import lax
 
 from qlayers.scaling import QTensor
 
-__all__ = ["FORMS", "scaled_dot_mx", "contraction_last"]
+__all__ = ["FORMS", "scaled_dot_mx", "contraction_last", "as_mx",
+           "to_fnuz"]
 
 
 def _dims(a_axis: int, b_axis: int):
@@ -135,6 +136,35 @@ def _fp8_rowwise(a, b, out_dtype, axes):
   return out * (sa * sb).astype(out_dtype)
 
 
+_FNUZ = {"e4m3": jnp.float8_e4m3fnuz, "e5m2": jnp.float8_e5m2fnuz}
+
+
+def to_fnuz(q: QTensor) -> QTensor:
+  """The same values in gfx942's FP8 types (MI300 has no OCP FP8): each
+  E4M3/E5M2 payload value halved into E4M3FNUZ/E5M2FNUZ, whose exponent
+  bias is one more (exact: all values, the sign of zero aside), and the
+  scale doubled (exact). FNUZ operands pass unchanged.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from qlayers.scaling import QuantSpec, quantize
+    >>> q = to_fnuz(quantize(jnp.array([[448.0, -1.0]]), QuantSpec(), 1))
+    >>> q.format, q.payload.dtype, q.dequantize().tolist()
+    ('e4m3fnuz', dtype(float8_e4m3fnuz), [[448.0, -1.0]])
+  """
+  if q.format not in _FNUZ:
+    return q
+  payload = (q.payload.astype(jnp.float32) * 0.5).astype(_FNUZ[q.format])
+  return dataclasses.replace(q, payload=payload, scale=q.scale * 2,
+                             format=q.format + "fnuz")
+
+
+def _fnuz(form: Callable) -> Callable:
+  """``form`` on FNUZ copies of FP8 operands (`to_fnuz`): gfx942."""
+  return lambda a, b, out_dtype, axes: form(to_fnuz(a), to_fnuz(b),
+                                            out_dtype, axes)
+
+
 def _cpu_mx(a, b, out_dtype, axes):
   """CPU MX: an MX value (at most 4 significant bits times a power of two)
   is exact in BF16, which has FP32's exponent range: exact BF16 copies and
@@ -192,17 +222,72 @@ def contraction_last(q: QTensor) -> QTensor:
       shape=tuple(reversed(q.shape)), transposed=not q.transposed)
 
 
+def _e4m3_payload(q: QTensor) -> jax.Array:
+  """The FP8 payload of an MX operand: packed FP6/FP4 codes widened to E4M3,
+  exactly (every E2M1, E2M3 and E3M2 value is an E4M3 value)."""
+  if not q.fmt.packed:
+    return q.payload
+  return q.elements(jnp.float32).astype(jnp.float8_e4m3fn)
+
+
 def _mx_cudnn(a, b, out_dtype, axes):
-  """MXFP8 on sm_100: ``jax.nn.scaled_matmul`` on 3-D contraction-last
+  """MX on sm_100: ``jax.nn.scaled_matmul`` on 3-D contraction-last
   operands with E8M0 scales, which XLA lowers to cuDNN's block-scaled GEMM
-  (with Triton GEMMs on or off; ``lax.scaled_dot`` fails with them off)."""
+  (with Triton GEMMs on or off; ``lax.scaled_dot`` fails with them off).
+  FP6/FP4 payloads are widened to E4M3 first (`_e4m3_payload`): the pinned
+  XLA sends no MXFP4 to cuDNN and cannot compile FP6 operands."""
   del axes
   qa, qb = contraction_last(a), contraction_last(b)
   e8m0 = lambda q: lax.bitcast_convert_type(q.scale, jnp.float8_e8m0fnu)[None]  # noqa: E731
   pet = jnp.float32 if jnp.dtype(out_dtype) == jnp.float32 else out_dtype
-  out = jax.nn.scaled_matmul(qa.payload[None], qb.payload[None], e8m0(qa),
-                             e8m0(qb), preferred_element_type=pet)[0]
+  out = jax.nn.scaled_matmul(_e4m3_payload(qa)[None], _e4m3_payload(qb)[None],
+                             e8m0(qa), e8m0(qb), preferred_element_type=pet)[0]
   return out[:a.shape[1 - a.axis], :b.shape[1 - b.axis]].astype(out_dtype)
+
+
+def as_mx(q: QTensor) -> QTensor:
+  """A tile/block FP8 operand whose scales are powers of two, as the MX
+  operand of the same values: contraction-last, the same payload, and each
+  scale's E8M0 code (its FP32 exponent field; NaN gives 0xFF) repeated for
+  every 32 elements of its tile along K and every row of its block.
+  ``as_mx(q).dequantize()`` is ``contraction_last(q).dequantize()`` bit for
+  bit; the payload keeps its padding (K to whole tiles).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from qlayers.scaling import QuantSpec, quantize
+    >>> spec = QuantSpec(granularity="block", scale_rule="deepseek", pow2=True)
+    >>> m = as_mx(quantize(jnp.ones((128, 8)), spec, 0))
+    >>> m.granularity, m.payload.shape, m.scale.shape, int(m.scale[0, 0])
+    ('mx', (128, 128), (128, 4), 120)
+  """
+  if q.granularity not in ("tile", "block") or q.fmt.bits != 8:
+    raise ValueError(f"as_mx takes FP8 tile/block operands, got "
+                     f"{q.granularity} {q.format}.")
+  q = contraction_last(q)
+  rows, cols = q.block
+  if cols % 32:
+    raise ValueError(f"as_mx needs tiles/blocks of whole 32-element MX blocks "
+                     f"along K, got {q.block}.")
+  bits = lax.bitcast_convert_type(q.scale.astype(jnp.float32), jnp.uint32)
+  codes = ((bits >> 23) & 0xFF).astype(jnp.uint8)
+  codes = jnp.repeat(jnp.repeat(codes, rows, axis=0), cols // 32, axis=1)
+  return dataclasses.replace(q, scale=codes[:q.payload.shape[0]],
+                             granularity="mx", block=(1, 32))
+
+
+def _ue8m0_cudnn(a, b, out_dtype, axes):
+  """DeepSeek-V3 tiles/blocks with power-of-two scales on sm_100: as MXFP8
+  operands (`as_mx`) of cuDNN's block-scaled GEMM."""
+  del axes
+  return _mx_cudnn(as_mx(a), as_mx(b), out_dtype, (1, 1))
+
+
+def _ue8m0_scaled_dot(a, b, out_dtype, axes):
+  """The same on gfx950: MXFP8 operands of ``lax.scaled_dot``."""
+  del axes
+  out = scaled_dot_mx(as_mx(a), as_mx(b), out_dtype)
+  return out[:a.shape[1 - a.axis], :b.shape[1 - b.axis]]
 
 
 def scaled_dot_mx(a: QTensor, b: QTensor, out_dtype) -> jax.Array:
@@ -237,9 +322,13 @@ FORMS: dict[str, Callable] = {
     "f32_emulation": _f32_emulation,
     "fp8_folded": _fp8_folded,
     "fp8_rowwise": _fp8_rowwise,
+    "fp8_fnuz_folded": _fnuz(_fp8_folded),
+    "fp8_fnuz_rowwise": _fnuz(_fp8_rowwise),
     "bf16_dequant": _bf16_dequant,
     "f32_dequant": _f32_dequant,
     "mx_cudnn": _mx_cudnn,
+    "ue8m0_cudnn": _ue8m0_cudnn,
+    "ue8m0_scaled_dot": _ue8m0_scaled_dot,
     "scaled_dot": lambda a, b, out_dtype, axes: scaled_dot_mx(a, b, out_dtype),
     "ffi": _ffi,
 }

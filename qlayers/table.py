@@ -147,7 +147,9 @@ class Rule:
   ``arch`` is a predicate on the GPU architecture (None when unknown);
   ``granularity`` and ``kinds`` list what the operands may be (``kinds``:
   the element formats of both operands must be among them). An ``ffi`` row
-  applies only when the native kernel supports the operands there.
+  applies only when the native kernel supports the operands there; a
+  ``pow2`` row only when both operands' tile/block scales are powers of two
+  (UE8M0, `QuantSpec.pow2`), which the traced scales cannot tell.
   """
 
   platform: str  # "cpu" | "cuda" | "rocm" | "*"
@@ -159,17 +161,19 @@ class Rule:
   why: str
   arch_ok: Callable[[str | None], bool] = dataclasses.field(
       default=lambda arch: True, compare=False, repr=False)
+  pow2: bool = False
 
-  def matches(self, platform, arch, granularity, kinds) -> bool:
+  def matches(self, platform, arch, granularity, kinds, pow2=False) -> bool:
     return (self.platform in (platform, "*") and self.arch_ok(arch)
             and granularity in self.granularity
-            and set(kinds) <= set(self.kinds))
+            and set(kinds) <= set(self.kinds) and (pow2 or not self.pow2))
 
 
 _ANY = ("fp8", "fp6", "fp4")
 _HOPPER = lambda arch: 90 <= _sm(arch) < 100  # noqa: E731
 _MX_CORES = lambda arch: _sm(arch) >= 100  # noqa: E731
 _GFX950 = lambda arch: arch == "gfx950"  # noqa: E731
+_GFX942 = lambda arch: arch == "gfx942"  # noqa: E731
 
 TABLE: tuple[Rule, ...] = (
     # --- CPU: the numerical reference (benchmarks/RESULTS.md for speed).
@@ -199,7 +203,27 @@ TABLE: tuple[Rule, ...] = (
     Rule("cuda", "sm_100+", ("mx",), ("fp8",), "xla", "mx_cudnn",
          "jax.nn.scaled_matmul -> cuDNN block-scaled MXFP8 GEMM",
          arch_ok=_MX_CORES),
-    # --- AMD (not compiled here: no ROCm toolchain on the build machine).
+    Rule("cuda", "sm_100+", ("mx",), _ANY, "xla", "mx_cudnn",
+         "FP6/FP4 payloads widened exactly to E4M3 (every E2M1, E2M3 and "
+         "E3M2 value is one) + cuDNN MXFP8 block-scaled GEMM, at the FP8 "
+         "(= FP6) MMA rate: the pinned XLA (jaxlib 0.10.2) takes no MXFP4 "
+         "into cuDNN (FP4 with E8M0 scales becomes a BF16 dequantize + "
+         "cuBLAS BF16 GEMM) and fails to compile FP6 operands of "
+         "jax.nn.scaled_matmul ('Invalid bitcast i6 to i8')",
+         arch_ok=_MX_CORES),
+    Rule("cuda", "sm_100+", ("blockwise",), ("fp8",), "xla", "ue8m0_cudnn",
+         "UE8M0 tiles/blocks as MXFP8 (a 1x128 tile scale is four equal "
+         "32-element E8M0 scales, a 128x128 block's repeats per row) + cuDNN "
+         "block-scaled GEMM: bit-identical to the emulation",
+         arch_ok=_MX_CORES, pow2=True),
+    # --- AMD (lowered here, not compiled: no ROCm toolchain on this host).
+    Rule("rocm", "gfx942", ("tensor",), ("fp8",), "xla", "fp8_fnuz_folded",
+         "FNUZ FP8 dot_general (gfx942 has no OCP FP8: payloads halved "
+         "exactly into E4M3FNUZ/E5M2FNUZ, scales doubled) with the scales on "
+         "its output: XLA rewrites it to hipBLASLt FP8", arch_ok=_GFX942),
+    Rule("rocm", "gfx942", ("row",), ("fp8",), "xla", "fp8_fnuz_rowwise",
+         "FNUZ FP8 dot_general with BF16 output and the vector scales after "
+         "it (gfx942 has no OCP FP8)", arch_ok=_GFX942),
     Rule("rocm", "any", ("tensor",), ("fp8",), "xla", "fp8_folded",
          "FP8 dot_general with the scales on its output: XLA rewrites it to "
          "hipBLASLt FP8"),
@@ -208,6 +232,10 @@ TABLE: tuple[Rule, ...] = (
     Rule("rocm", "gfx950", ("mx",), ("fp8",), "xla", "scaled_dot",
          "lax.scaled_dot -> hipBLASLt MX GEMM (gfx950, ROCm >= 7)",
          arch_ok=_GFX950),
+    Rule("rocm", "gfx950", ("blockwise",), ("fp8",), "xla",
+         "ue8m0_scaled_dot", "UE8M0 tiles/blocks as MXFP8 operands of "
+         "lax.scaled_dot -> hipBLASLt MX GEMM (gfx950, ROCm >= 7)",
+         arch_ok=_GFX950, pow2=True),
     # --- Any other platform, and what is left on the GPUs.
     Rule("*", "any", ("tensor",), ("fp8",), "xla", "fp8_folded",
          "FP8 dot_general with both scales folded into its output"),
@@ -298,10 +326,12 @@ def ffi_supports(a, b, platform: str, arch: str | None) -> tuple[bool, str]:
 
 
 def choose(a, b, platform: str, arch: str | None = None, *,
-           backend: str | None = None) -> Choice:
+           backend: str | None = None, pow2: bool = False) -> Choice:
   """The `Choice` for a GEMM of ``a`` and ``b`` lowered for ``platform``.
 
-  ``arch`` is the GPU architecture (see `gpu_arch`; None: unknown). A forced
+  ``arch`` is the GPU architecture (see `gpu_arch`; None: unknown);
+  ``pow2``: both operands' tile/block scales are powers of two (the specs
+  say so; the traced scales cannot). A forced
   ``ffi`` that cannot run there raises ValueError on a platform this process
   may lower for (`_active`), and falls back to the table elsewhere.
   """
@@ -319,7 +349,7 @@ def choose(a, b, platform: str, arch: str | None = None, *,
   gran = _granularity(a, b)
   kinds = (_kind(a), _kind(b))
   for rule in TABLE:
-    if not rule.matches(platform, arch, gran, kinds):
+    if not rule.matches(platform, arch, gran, kinds, pow2):
       continue
     if rule.backend == "ffi":
       if requested == "xla" or not ffi_supports(a, b, platform, arch)[0]:

@@ -56,24 +56,31 @@ def _same(form):
 EXPECTED = {
     "cpu": {"bf16": _same("wide"), "fp8_current": _same("cpu_fp8"),
             "fp8_delayed": _same("cpu_fp8"), "fp8_rowwise": _same("cpu_fp8"),
-            "deepseek_v3": _same("f32_emulation"), "mxfp8": _same("cpu_mx"),
+            "deepseek_v3": _same("f32_emulation"),
+            "deepseek_v3_ue8m0": _same("f32_emulation"), "mxfp8": _same("cpu_mx"),
             "mxfp6": _same("cpu_mx"), "mxfp4": _same("cpu_mx")},
     "cuda sm_90": {"bf16": _same("wide"), "fp8_current": _same("fp8_folded"),
                    "fp8_delayed": _same("fp8_folded"),
                    "fp8_rowwise": _same("fp8_rowwise"),
                    "deepseek_v3": _same("f32_dequant"),
+                   "deepseek_v3_ue8m0": _same("f32_dequant"),
                    "mxfp8": _same("bf16_dequant"),
                    "mxfp6": _same("bf16_dequant"),
                    "mxfp4": _same("bf16_dequant")},
     "cuda sm_100": {"fp8_current": _same("fp8_folded"),
                     "fp8_rowwise": _same("fp8_rowwise"),
                     "deepseek_v3": _same("f32_dequant"),
-                    "mxfp8": _same("mx_cudnn"), "mxfp6": _same("bf16_dequant"),
-                    "mxfp4": _same("bf16_dequant")},
-    "rocm gfx942": {"fp8_current": _same("fp8_folded"),
+                    "deepseek_v3_ue8m0": _same("ue8m0_cudnn"),
+                    "mxfp8": _same("mx_cudnn"), "mxfp6": _same("mx_cudnn"),
+                    "mxfp4": _same("mx_cudnn")},
+    "rocm gfx942": {"fp8_current": _same("fp8_fnuz_folded"),
+                    "fp8_rowwise": _same("fp8_fnuz_rowwise"),
+                    "deepseek_v3_ue8m0": _same("f32_dequant"),
                     "mxfp8": _same("bf16_dequant")},
     "rocm gfx950": {"fp8_current": _same("fp8_folded"),
+                    "fp8_rowwise": _same("fp8_rowwise"),
                     "mxfp8": _same("scaled_dot"),
+                    "deepseek_v3_ue8m0": _same("ue8m0_scaled_dot"),
                     "mxfp4": _same("bf16_dequant")},
 }
 
@@ -95,6 +102,9 @@ def test_table_picks_the_native_kernel_where_it_is_the_only_route(
   monkeypatch.delenv("QLAYERS_BACKEND", raising=False)
   hopper, blackwell = _forms("cuda sm_90"), _forms("cuda sm_100")
   assert hopper["deepseek_v3"] == _same("ffi")
+  # UE8M0 scales: cuBLASLt blockwise on sm_90, cuDNN MXFP8 on sm_100.
+  assert hopper["deepseek_v3_ue8m0"] == _same("ffi")
+  assert blackwell["deepseek_v3_ue8m0"] == _same("ue8m0_cudnn")
   assert hopper["fp8_rowwise"] == _same("ffi")
   # Where XLA has a native route it keeps it; the sm_90 modes are sm_90 only.
   assert hopper["fp8_current"] == _same("fp8_folded")
