@@ -10,6 +10,7 @@ stock layer           quantized drop-in          condition
 ``nnx.Linear``        `QuantDense`               default ``dot_general``
 ``nnx.LinearGeneral`` `QuantLinearGeneral`       no ``batch_axis``
 ``nnx.Einsum``        `QuantEinsum`              equation is one GEMM
+``ragged_dot`` attr   `QuantRaggedDot`           stacked kernel [E, K, N]
 ====================  =========================  ==========================
 
 The Q/K/V and output projections of ``nnx.MultiHeadAttention`` are
@@ -30,7 +31,7 @@ from typing import Iterable
 
 from flax import nnx
 
-from qlayers import dispatch, swap
+from qlayers import dispatch, swap, swap_experts
 from qlayers.heads import output_heads
 from qlayers.layers.frozen import freeze
 from qlayers.recipe import Recipe, recipe as load_recipe
@@ -273,9 +274,10 @@ def _decide(site, rule, r, head, backend, report):
   be swapped for recipe ``r``; otherwise records why not and returns None."""
   layer, kind = site.layer, type(site.layer).__name__
   name = None if rule is None else _rule_name(rule)
-  if swap.is_quantized(layer):
+  if swap.is_quantized(layer) or swap_experts.is_quantized(layer):
+    done = getattr(layer, "quant", None) or layer.ragged_dot
     report.already_quantized.append(Skipped(
-        site.path, kind, f"already quantized ({layer.recipe.name})"))
+        site.path, kind, f"already quantized ({done.recipe.name})"))
     return None
   if isinstance(layer, nnx.Embed) and (rule is None or rule.recipe is None):
     if head:  # a tied output head: listed; embeddings are silent otherwise
@@ -285,8 +287,9 @@ def _decide(site, rule, r, head, backend, report):
     report.kept_wide.append(KeptWide(site.path, kind, name, head))
     return None
   try:
-    shape = swap.check(layer, r)
-    why = swap.immutable_ref(site)
+    moe = swap_experts.is_experts(layer)
+    shape = (swap_experts.check if moe else swap.check)(layer, r)
+    why = None if moe else swap.immutable_ref(site)
     if why:
       raise swap.Skip(why)
   except swap.Skip as e:
@@ -396,12 +399,19 @@ def quantize(model: nnx.Module, recipe: Recipe | str | None,
     heads, report.head = output_heads(
         model, [s.layer for s in sites], {id(s.layer): s.path for s in sites},
         example_input)
+  # MoE experts holding their grouped GEMM (`qlayers.swap_experts`); the
+  # routers beside them stay wide unless a rule decides them.
+  experts = swap_experts.sites(model)
+  routers = swap_experts.routers(sites, experts + [
+      s for s in sites if swap_experts.is_experts_layer(s.layer)])
   plan, used = [], set()
-  for site in sites:
+  for site in sites + experts:
     head = heads.get(id(site.layer), "")
     rule = next((r for r in rules if r.matches(site.path, head)), None)
     used.add(id(rule))
     r = default if rule is None else resolved[id(rule)]
+    if rule is None and id(site.layer) in routers:
+      r, head = None, routers[id(site.layer)]
     plan.append(_decide(site, rule, r, head, backend, report))
   # The built-in rules are a safety net, not something the user asked for:
   # a model without an embedding or head must not read as a rule mistake.
@@ -410,13 +420,17 @@ def quantize(model: nnx.Module, recipe: Recipe | str | None,
   if strict and report.unmatched_rules:
     raise _strict_error(report.unmatched_rules, model)
   for site, r, b, shape, rule in filter(None, plan):
-    swap.replace(site, swap.quantized(site.layer, r, b))
+    if swap_experts.is_experts(site.layer):
+      swap_experts.quantize(site.layer, r, b)
+      new = "QuantRaggedDot at .ragged_dot"
+    else:
+      new = swap.QUANT_OF[type(site.layer)].__name__
+      swap.replace(site, swap.quantized(site.layer, r, b))
     report.converted.append(Converted(
-        site.path, type(site.layer).__name__, swap.QUANT_OF[type(
-            site.layer)].__name__, shape, r.name,
+        site.path, type(site.layer).__name__, new, shape, r.name,
         None if rule is None else _rule_name(rule), _aliases(site)))
   report.skipped.extend(Skipped(*s) for s in swap.unconverted_matmuls(
-      model, _TABLE_NAME))
+      model, _TABLE_NAME, {id(s.layer) for s in experts}))
   if frozen:
     freeze(model)
   return report
@@ -473,4 +487,11 @@ def dequantize_model(model: nnx.Module, *,
     report.converted.append(Converted(
         site.path, type(layer).__name__, swap.STOCK_OF[type(layer)].__name__,
         swap.dims(layer), layer.recipe.name, None, _aliases(site)))
+  for site in filter(lambda s: swap_experts.is_quantized(s.layer),
+                     swap_experts.sites(model)):
+    name = site.layer.ragged_dot.recipe.name
+    swap_experts.dequantize(site.layer)
+    report.converted.append(Converted(
+        site.path, type(site.layer).__name__, "jax.lax.ragged_dot at "
+        ".ragged_dot", swap_experts.dims(site.layer), name))
   return report

@@ -235,14 +235,17 @@ _NOT_MATMUL = (nnx.BatchNorm, nnx.LayerNorm, nnx.RMSNorm, nnx.GroupNorm,
                nnx.InstanceNorm, nnx.Embed, QuantGemm, QuantLayer, *STOCK)
 
 
-def unconverted_matmuls(model, table_name) -> list[tuple[str, str, str]]:
+def unconverted_matmuls(model, table_name, experts=()
+                        ) -> list[tuple[str, str, str]]:
   """``(path, type, why)`` of modules that own a matmul weight (a Param of
   rank >= 2, not named like a lookup table) but are no layer `quantize`
   converts, so they are not passed over silently. Normalisation layers are
-  not listed (stacked under ``nnx.vmap`` their scales have rank 2)."""
+  not listed (stacked under ``nnx.vmap`` their scales have rank 2), nor the
+  modules in ``experts`` (ids of the experts modules `quantize` decided)."""
   out = []
   for path, node in nnx.iter_graph(model):
-    if not isinstance(node, nnx.Module) or isinstance(node, _NOT_MATMUL):
+    if (not isinstance(node, nnx.Module) or isinstance(node, _NOT_MATMUL)
+        or id(node) in experts):
       continue
     weights = [(k, v) for k, v in vars(node).items()
                if isinstance(v, nnx.Param) and np.ndim(v.get_value()) >= 2
@@ -251,7 +254,14 @@ def unconverted_matmuls(model, table_name) -> list[tuple[str, str, str]]:
       continue
     name, var = weights[0]
     shape = tuple(np.shape(var.get_value()))
-    if isinstance(node, nnx.Conv):
+    if len(shape) == 3 and not isinstance(node, nnx.Conv):
+      why = (f"not converted: stacked expert weights {name!r} {shape} used "
+             "by its own code (jax.lax.ragged_dot or an einsum), which "
+             "qlayers does not rewrite: hold the grouped GEMM as "
+             "self.ragged_dot = jax.lax.ragged_dot (quantize then swaps it "
+             "for a qlayers.layers.QuantRaggedDot) or build the experts "
+             "from qlayers.QuantExperts")
+    elif isinstance(node, nnx.Conv):
       why = ("not converted: a convolution (qlayers quantizes the GEMMs of "
              "nnx.Linear, nnx.LinearGeneral and nnx.Einsum)")
     else:

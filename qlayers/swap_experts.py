@@ -1,0 +1,123 @@
+"""Finding the stacked experts of a mixture-of-experts model and quantizing
+their grouped GEMM in place (the MoE part of `qlayers.quantize`).
+
+qlayers swaps layers, never code: a module that calls ``jax.lax.ragged_dot``
+from its own ``__call__`` cannot be reached. What it can reach is the way
+``nnx.Linear`` takes ``dot_general``: an *experts module* holds its grouped
+GEMM as an attribute, ``self.ragged_dot = jax.lax.ragged_dot``, next to a
+stacked kernel ``nnx.Param [E, K, N]`` (``kernel``, or its only rank-3
+Param). `quantize` sets that attribute to a `QuantRaggedDot` (recipe,
+backend, one delayed-scaling history per expert) and leaves the module, its
+Params and its code as they were; `dequantize` puts ``jax.lax.ragged_dot``
+back. The router of such experts (a linear layer beside them with ``E``
+outputs) is kept wide. Stacked expert weights used any other way are
+reported with what to do (`swap.unconverted_matmuls`).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from flax import nnx
+
+from qlayers import swap
+from qlayers.layers.core import QuantLayer
+from qlayers.layers.experts import QuantExperts, QuantRaggedDot
+from qlayers.recipe import Recipe
+
+__all__ = ["is_experts", "is_experts_layer", "is_quantized", "sites", "check", "quantize",
+           "dequantize", "dims", "routers"]
+
+ATTR = "ragged_dot"  # the attribute holding an experts module's grouped GEMM
+
+
+def is_experts(m) -> bool:
+  """An experts module: it holds its grouped GEMM at ``ragged_dot``."""
+  return (isinstance(m, nnx.Module) and not isinstance(m, QuantLayer)
+          and ATTR in vars(m) and callable(vars(m)[ATTR]))
+
+
+def is_experts_layer(m) -> bool:
+  """A layer of experts whose router is kept wide too: a `QuantExperts`, or
+  an ``nnx.Einsum`` batched over its kernel's leading (expert) dim, such as
+  ``"ecd,edf->ecf"`` (which `quantize` reports as not one GEMM)."""
+  if isinstance(m, QuantExperts):
+    return True
+  if not isinstance(m, nnx.Einsum) or len(m.kernel_shape) != 3:
+    return False
+  ins, _, out = m.einsum_str.replace(" ", "").partition("->")
+  lhs, _, rhs = ins.partition(",")
+  return bool(rhs) and rhs[0] in lhs and rhs[0] in out
+
+
+def is_quantized(m) -> bool:
+  return is_experts(m) and isinstance(vars(m)[ATTR], QuantRaggedDot)
+
+
+def sites(model: nnx.Module) -> list[swap.Site]:
+  """Every experts module of ``model``, with its path and references."""
+  return swap.sites(model, is_experts)
+
+
+def _kernel(m) -> tuple[str, tuple[int, ...]] | None:
+  """``(name, shape)`` of the stacked kernel: ``kernel`` if it is a rank-3
+  Param, else the only rank-3 Param, else None."""
+  stacked = {k: tuple(np.shape(v.get_value())) for k, v in vars(m).items()
+             if isinstance(v, nnx.Param) and np.ndim(v.get_value()) == 3}
+  if "kernel" in stacked:
+    return "kernel", stacked["kernel"]
+  return next(iter(stacked.items())) if len(stacked) == 1 else None
+
+
+def check(m, recipe: Recipe) -> tuple[int, int]:
+  """``(K, N)`` if experts module ``m`` can take ``recipe``, else raises
+  `swap.Skip`."""
+  if vars(m)[ATTR] is not jax.lax.ragged_dot:
+    raise swap.Skip(f"a custom {ATTR} is injected; replacing it would drop "
+                    "it")
+  found = _kernel(m)
+  if found is None:
+    raise swap.Skip(f"holds {ATTR} but no single stacked kernel nnx.Param "
+                    "[E, K, N] (name it 'kernel')")
+  _, (_, k, n) = found
+  block, gran = swap._min_block(recipe)  # pylint: disable=protected-access
+  if min(k, n) < block:
+    raise swap.Skip(f"K={k}, N={n}: smaller than one {block}-element {gran} "
+                    f"scaling block of recipe {recipe.name!r}")
+  return k, n
+
+
+def dims(m) -> tuple[int, int]:
+  """``(K, N)`` of an experts module's stacked kernel."""
+  return _kernel(m)[1][1:]
+
+
+def quantize(m, recipe: Recipe, backend: str | None) -> None:
+  """Puts a `QuantRaggedDot` for ``recipe`` at ``m.ragged_dot``."""
+  experts = _kernel(m)[1][0]
+  setattr(m, ATTR, nnx.data(QuantRaggedDot(recipe, num_groups=experts,
+                                           backend=backend)))
+
+
+def dequantize(m) -> None:
+  """Puts ``jax.lax.ragged_dot`` back (the state is dropped)."""
+  setattr(m, ATTR, nnx.static(jax.lax.ragged_dot))
+
+
+def routers(linear: list[swap.Site], experts: list[swap.Site]
+            ) -> dict[int, str]:
+  """``{id(layer): why}`` for the routers of ``experts``: a linear layer
+  with ``E`` outputs under the module that holds an experts module."""
+  out = {}
+  for e in experts:
+    found = _kernel(e.layer)
+    if found is None:
+      continue
+    num, parent = found[1][0], e.path.rpartition("/")[0]
+    for s in linear:
+      if (s.path.startswith(parent + "/" if parent else "")
+          and isinstance(s.layer, (nnx.Linear, nnx.LinearGeneral))
+          and swap.dims(s.layer)[1] == num):
+        out.setdefault(id(s.layer), f"router of the {num} experts at "
+                       f"{e.path} (kept wide)")
+  return out

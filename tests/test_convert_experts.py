@@ -1,0 +1,128 @@
+"""qlayers.quantize on mixture-of-experts blocks: experts holding their
+grouped GEMM get a QuantRaggedDot, routers stay wide, stacked weights it
+cannot reach are reported with what to do; dequantize_model undoes it."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import qlayers
+from qlayers import ops
+from qlayers.layers import QuantRaggedDot
+
+E, D, H = 4, 64, 128
+SIZES = jnp.array([3, 0, 4, 1], jnp.int32)
+
+
+class Experts(nnx.Module):
+  """Stacked experts written the usual way, the grouped GEMM an attribute."""
+
+  def __init__(self, k, n, rngs):
+    self.kernel = nnx.Param(jax.random.normal(rngs.params(), (E, k, n)) * 0.1)
+    self.ragged_dot = jax.lax.ragged_dot
+
+  def __call__(self, x, group_sizes):
+    return self.ragged_dot(x, self.kernel[...], group_sizes)
+
+
+class RawExperts(nnx.Module):
+  """Stacked experts that call jax.lax.ragged_dot from their own code."""
+
+  def __init__(self, rngs):
+    self.w1 = nnx.Param(jnp.zeros((E, D, D)))
+
+  def __call__(self, x, group_sizes):
+    return jax.lax.ragged_dot(x, self.w1[...], group_sizes)
+
+
+class MoE(nnx.Module):
+
+  def __init__(self, rngs):
+    self.router = nnx.Linear(D, E, rngs=rngs)
+    self.up = Experts(D, H, rngs)
+    self.down = Experts(H, D, rngs)
+    self.raw = RawExperts(rngs)
+
+  def __call__(self, x):  # tokens already sorted by expert
+    return self.down(nnx.relu(self.up(x, SIZES)), SIZES)
+
+
+def _kinds(report):
+  return ({c.path: c.new_type for c in report.converted},
+          {k.path: k.why for k in report.kept_wide},
+          {s.path: s.reason for s in report.skipped})
+
+
+def test_experts_converted_router_kept_wide_raw_reported():
+  moe = MoE(nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (8, D))
+  rd = ops.ragged_dot("fp8_current")
+  want = jax.jit(lambda x, up, down: rd(nnx.relu(rd(x, up, SIZES)), down,
+                                        SIZES))(x, moe.up.kernel[...],
+                                                moe.down.kernel[...])
+  kernel = moe.up.kernel
+  converted, kept, skipped = _kinds(qlayers.quantize(moe, "fp8_current"))
+  assert converted == {"up": "QuantRaggedDot at .ragged_dot",
+                       "down": "QuantRaggedDot at .ragged_dot"}
+  assert kept == {"router": "router of the 4 experts at down (kept wide)"}
+  assert "stacked expert weights 'w1' (4, 64, 64)" in skipped["raw"]
+  assert "self.ragged_dot = jax.lax.ragged_dot" in skipped["raw"]
+  assert type(moe.router) is nnx.Linear  # pylint: disable=unidiomatic-typecheck
+  assert moe.up.kernel is kernel  # the same Param, in the same module
+  np.testing.assert_array_equal(nnx.jit(lambda m, x: m(x))(moe, x), want)
+  again = qlayers.quantize(moe, "fp8_current")
+  assert {s.path for s in again.already_quantized} == {"up", "down"}
+  back = qlayers.dequantize_model(moe)
+  assert {c.path for c in back.converted} == {"up", "down"}
+  assert moe.up.ragged_dot is jax.lax.ragged_dot
+  assert not nnx.state(moe, qlayers.QuantVariable)
+
+
+def test_delayed_experts_train_with_per_expert_state():
+  moe = MoE(nnx.Rngs(0))
+  qlayers.quantize(moe, "fp8_delayed")
+  assert isinstance(moe.up.ragged_dot, QuantRaggedDot)
+  x = jax.random.normal(jax.random.key(1), (8, D))
+  _, grads = nnx.jit(qlayers.value_and_grad(
+      lambda m, x: jnp.sum(m(x) ** 2)))(moe, x)
+  qlayers.update_scales(moe, grads)
+  hist = moe.up.ragged_dot.x_amax_history[:, 0]
+  assert hist.shape == (E,)
+  assert float(hist[0]) == float(jnp.max(jnp.abs(x[:3])))
+  assert float(hist[1]) == 0.0  # the empty expert saw nothing
+  assert (np.asarray(moe.down.ragged_dot.g_amax_history[:, 0]) > 0).sum() == 3
+
+
+def test_rules_decide_experts_and_routers():
+  moe = MoE(nnx.Rngs(0))
+  report = qlayers.quantize(moe, "fp8_current", [
+      qlayers.Rule(pattern="^down$", recipe=None),
+      qlayers.Rule(pattern="router", recipe="fp8_current")])
+  converted, kept, _ = _kinds(report)
+  assert set(converted) == {"up", "router"} and set(kept) == {"down"}
+
+
+def test_what_cannot_be_converted_is_reported():
+  moe = MoE(nnx.Rngs(0))
+  moe.down.ragged_dot = jax.numpy.matmul  # a custom grouped GEMM
+  report = qlayers.quantize(moe, "mxfp8")
+  _, _, skipped = _kinds(report)
+  assert skipped["down"] == ("a custom ragged_dot is injected; replacing it "
+                             "would drop it")
+  small = MoE(nnx.Rngs(0))
+  small.up = Experts(16, H, nnx.Rngs(0))
+  _, _, skipped = _kinds(qlayers.quantize(small, "mxfp8"))
+  assert skipped["up"].startswith("K=16, N=128: smaller than one 32-element "
+                                  "mx scaling block")
+
+
+def test_router_of_einsum_experts_kept_wide():
+  class EinsumMoE(nnx.Module):
+    def __init__(self, rngs):
+      self.router = nnx.Linear(D, E, rngs=rngs)
+      self.up = nnx.Einsum("ecd,edf->ecf", (E, D, H), rngs=rngs)
+  converted, kept, skipped = _kinds(qlayers.quantize(EinsumMoE(nnx.Rngs(0)),
+                                                     "fp8_current"))
+  assert not converted and set(kept) == {"router"}
+  assert "batch dims" in skipped["up"]
