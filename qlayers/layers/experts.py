@@ -59,10 +59,11 @@ class QuantRaggedDot(QuantGemm):
   def ragged(self, x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
              out_dtype=None) -> jax.Array:
     """``lax.ragged_dot(x [m, k], w [g, k, n], group_sizes)``, quantized
-    (``w`` is quantized from the value given: pass the FP32 master)."""
-    if w.ndim == 3 and w.shape[0] != self.num_groups:
-      raise ValueError(f"QuantRaggedDot keeps state for {self.num_groups} "
-                       f"experts but got weights of shape {w.shape}.")
+    (``w`` is quantized from the value given: pass the FP32 master).
+
+    ``w`` may hold a shard of the experts (inside ``shard_map``, with this
+    module's state sharded alike): a delayed recipe's state must have one
+    entry per expert of ``w``."""
     y, new_state = ragged.quantized_ragged_dot(
         x, w, group_sizes, self.recipe, self.read(), out_dtype=out_dtype,
         backend=self.backend)
