@@ -6,12 +6,15 @@
 #   2. checks that jax sees the GPU (exit 2 if not);
 #   3. builds the native cuBLASLt kernels (ffi/build_cuda.sh) when nvcc is
 #      there, for the attached GPU's architecture only;
-#   4. runs benchmarks/gpu.py: GEMMs, the layer and the train step, inside
-#      its 8-minute budget (hard stop a little after it).
+#   4. runs benchmarks/gpu.py: GEMMs, the layer, a small train step and one
+#      train step of the Llama-3-8B block, every shipped recipe (nvfp4 and
+#      deepseek_v3_ue8m0 included once they exist), inside its 8-minute
+#      budget (hard stop a little after it).
 #
 #   bash benchmarks/gpu.sh                # on the GPU machine
 #   bash benchmarks/gpu.sh --cpu-smoke    # tiny sizes on CPU, every path
 #   bash benchmarks/gpu.sh --parts gemm --out /tmp/gpu
+#   bash benchmarks/gpu.sh --parts env,block      # the 8B block alone
 #
 # Offline machines: point pip at a wheelhouse (PIP_FIND_LINKS=/wheels
 # PIP_NO_INDEX=1) or pass a ready interpreter as $PYTHON.

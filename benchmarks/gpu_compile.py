@@ -1298,14 +1298,16 @@ BLOCK_PRESETS = {
 
 def block_program(recipe: str, batch: int, seq: int, d: int, heads: int,
                   ff: int, kv_heads: int | None = None,
-                  attention: str = "materialized"):
+                  attention: str = "materialized", abstract: bool = True):
   """(step, args, layers, cotangent param paths) for one train step of a
   Llama-style block.
 
   ``kv_heads``: grouped-query attention (k/v project to ``kv_heads`` heads;
   default ``heads``). ``attention``: ``materialized`` (einsum, softmax over
   the full score matrix) or ``cudnn`` (`jax.nn.dot_product_attention` with
-  ``implementation="cudnn"``: cuDNN's fused flash attention on GPU)."""
+  ``implementation="cudnn"``: cuDNN's fused flash attention on GPU).
+  ``abstract=False``: the state is a real initialized model and optimizer
+  (to run the step; the inputs stay shapes)."""
   jax = _jax()
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
@@ -1360,7 +1362,7 @@ def block_program(recipe: str, batch: int, seq: int, d: int, heads: int,
     opt = qlayers.Optimizer(model, optax.adamw(1e-4))
     return model, opt
 
-  graphdef, state = nnx.split(nnx.eval_shape(build))
+  graphdef, state = nnx.split(nnx.eval_shape(build) if abstract else build())
 
   def step(state, x, target):
     model, opt = nnx.merge(graphdef, state)
@@ -1915,7 +1917,8 @@ def main(argv=None) -> int:
     return 0
   targets = _csv(args.targets, TARGETS, "target")
   tritons = _csv(args.triton, ("on", "off"), "--triton value")
-  recipes = _csv(args.recipes, RECIPES + ("fp16", "mxfp4_rht"), "recipe")
+  recipes = _csv(args.recipes, RECIPES + ("fp16", "mxfp4_rht",
+                                            "deepseek_v3_ue8m0"), "recipe")
   programs = _csv(args.programs, PROGRAMS, "program")
   targets_dir = pathlib.Path(args.targets_dir)
   for t in targets:
