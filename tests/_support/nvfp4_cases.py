@@ -1,0 +1,51 @@
+"""Cases of test_nvfp4_sharded.py, run on 8 simulated devices (see
+multidevice.py): NVFP4 operands with stochastic rounding keyed by the step
+are the same bits on one device and sharded, as is the per-tensor scale."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import qlayers
+from qlayers import formats, operands
+from qlayers.dispatch import Operand
+
+import multidevice
+
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+case = multidevice.Cases()
+
+
+def _bits(q):
+  return {"payload": np.asarray(q.payload).tolist(),
+          "scale": np.asarray(q.scale).view(np.uint32).tolist()}
+
+
+@case
+def sr_operand_layouts():
+  """Wgrad's g (SR, 16-point RHT, 1 x 16 tiles along the tokens) of a
+  (256, 64) gradient: single device, rows over 8 devices, 2 x 4 both dims."""
+  spec = qlayers.recipe("nvfp4").wgrad.rhs
+  op = Operand(spec, 0, True, 16)
+  g = jax.random.normal(jax.random.key(0), (256, 64)) * jnp.exp2(
+      jnp.arange(256, dtype=jnp.float32)[:, None] % 7)
+  key = formats.rounding_key(jnp.uint32(7), jnp.uint32(3))
+  make = jax.jit(lambda g, key: operands.operand(g, op, key=key))
+  # The older rule: a key derived from the operand's bits (their FP32 sum).
+  by_data = jax.jit(lambda g: operands.operand(g, op))
+  out = {"single": _bits(make(g, key)), "single_data": _bits(by_data(g))}
+  for name, shape, spec_ in (("rows", (8,), P("d")),
+                             ("both", (2, 4), P("a", "b"))):
+    names = ("d",) if len(shape) == 1 else ("a", "b")
+    mesh = jax.make_mesh(shape, names)
+    gs = jax.device_put(g, NamedSharding(mesh, spec_))
+    out[name] = _bits(make(gs, key))
+    out[name + "_data"] = _bits(by_data(gs))
+  return out
+
+
+if __name__ == "__main__":
+  case.main()
