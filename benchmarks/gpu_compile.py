@@ -75,7 +75,8 @@ if str(_HERE) not in sys.path:
 import mdtable  # noqa: E402
 
 RECIPES = ("bf16", "fp8_current", "fp8_delayed", "fp8_rowwise",
-           "deepseek_v3", "mxfp8", "mxfp6", "mxfp4")
+           "deepseek_v3", "deepseek_v3_ue8m0", "mxfp8", "mxfp6", "mxfp4",
+           "nvfp4")
 # "block": the --block-* flags; the others: BLOCK_PRESETS.
 PROGRAMS = ("layer", "block", "d2048", "llama3-8b", "llama2-70b")
 
