@@ -91,10 +91,14 @@ def read_file(path: str | os.PathLike) -> dict[str, np.ndarray]:
   for name, info in header.items():
     if name == "__metadata__":
       continue
-    dtype = DTYPES.get(info.get("dtype"))
+    if not isinstance(info, dict) or not {"dtype", "shape",
+                                          "data_offsets"} <= set(info):
+      raise SafetensorsError(f"{path}: tensor {name!r} lacks dtype, shape "
+                             f"or data_offsets in the header: {info!r}.")
+    dtype = DTYPES.get(info["dtype"])
     if dtype is None:
       raise SafetensorsError(f"{path}: tensor {name!r} has unknown dtype "
-                             f"{info.get('dtype')!r} (known: {sorted(DTYPES)}).")
+                             f"{info['dtype']!r} (known: {sorted(DTYPES)}).")
     shape = tuple(int(d) for d in info["shape"])
     begin, end = (int(o) for o in info["data_offsets"])
     want = math.prod(shape) * dtype.itemsize
@@ -200,8 +204,8 @@ def read_safetensors(path: str | os.PathLike, quantized: bool = False
     >>> d = tempfile.mkdtemp()
     >>> w = np.linspace(-1, 1, 200 * 130, dtype=np.float32).reshape(200, 130)
     >>> _ = write_safetensors(d, {"proj.weight": w, "norm.weight": w[0]})
-    >>> got = read_safetensors(d)
-    >>> got["proj.weight"].dtype, float(abs(got["proj.weight"] - w).max()) < 1 / 16
+    >>> got = read_safetensors(d)["proj.weight"]
+    >>> got.dtype, float(abs(got - w).max()) < 1 / 16
     (dtype('float32'), True)
     >>> read_safetensors(d, quantized=True)["proj.weight"].payload.shape
     (256, 256)

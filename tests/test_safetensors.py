@@ -270,6 +270,10 @@ def test_errors_name_the_problem(tmp_path):
   (path / "model.safetensors").write_bytes(data.replace(b'"F32"', b'"F99"'))
   with pytest.raises(checkpoint.SafetensorsError, match="unknown dtype 'F99'"):
     checkpoint.read_safetensors(path)
+  (path / "model.safetensors").write_bytes(data.replace(b'"shape"',
+                                                        b'"shapf"'))
+  with pytest.raises(checkpoint.SafetensorsError, match="lacks dtype, shape"):
+    checkpoint.read_safetensors(path)
   (path / "model.safetensors").write_bytes(data[:-3])
   with pytest.raises(checkpoint.SafetensorsError, match="truncated file"):
     checkpoint.read_safetensors(path)
