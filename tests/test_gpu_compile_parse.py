@@ -692,3 +692,20 @@ def test_compile_cpu_time_counts_child_processes():
   _, wall, cpu = cb._timed(lambda: subprocess.run([sys.executable, "-c", spin],
                                                   check=True))
   assert cpu >= 0.3 and wall >= 0.3
+
+
+def test_block_presets_are_llama_shapes_with_gqa():
+  p8, p70 = gc.BLOCK_PRESETS["llama3-8b"], gc.BLOCK_PRESETS["llama2-70b"]
+  assert (p8["d"], p8["heads"], p8["kv_heads"], p8["ff"]) == (4096, 32, 8,
+                                                             14336)
+  assert (p70["d"], p70["heads"], p70["kv_heads"], p70["ff"]) == (8192, 64, 8,
+                                                                 28672)
+  assert p8["attention"] == p70["attention"] == "cudnn"
+  _, (state, x, _), layers, _ = gc.block_program(
+      "bf16", batch=1, seq=8, d=64, heads=4, kv_heads=2, ff=96)
+  dims = {ly.name: (ly.tokens, ly.k, ly.n) for ly in layers}
+  assert dims["k"] == dims["v"] == (8, 64, 32)  # 2 KV heads of 16
+  assert dims["q"] == dims["o"] == (8, 64, 64)
+  assert state[0]["k"]["kernel"].shape == (64, 32) and x.shape == (1, 8, 64)
+  with pytest.raises(ValueError, match="multiple of kv_heads"):
+    gc.block_program("bf16", batch=1, seq=8, d=64, heads=4, kv_heads=3, ff=96)
