@@ -341,9 +341,9 @@ def quantize(x: jax.Array, spec: QuantSpec, axis: int = -1, *,
   nvfp4 = spec.scale_rule == "nvfp4"
   if amax is not None and not nvfp4:
     raise ValueError(
-        f"amax= applies to per-tensor granularity (and scale_rule 'nvfp4') "
-        f"only, not {spec.granularity!r}: each block is scaled by its own "
-        "amax.")
+        f"amax= applies to per-tensor granularity only, not "
+        f"{spec.granularity!r} (and to scale_rule 'nvfp4', whose second "
+        "level is per tensor): each block is scaled by its own amax.")
   padded = blocks.padded_shape(x.shape, block)
   xp = blocks.pad_to(xf, padded)
   block_amax = blocks.block_amax(blocks.pad_to(x, padded),
