@@ -424,8 +424,9 @@ def quantize(model: nnx.Module, recipe: Recipe | str | None,
       swap_experts.quantize(site.layer, r, b)
       new = "QuantRaggedDot at .ragged_dot"
     else:
-      new = swap.QUANT_OF[type(site.layer)].__name__
-      swap.replace(site, swap.quantized(site.layer, r, b))
+      q = swap.quantized(site.layer, r, b)
+      new = type(q).__name__
+      swap.replace(site, q)
     report.converted.append(Converted(
         site.path, type(site.layer).__name__, new, shape, r.name,
         None if rule is None else _rule_name(rule), _aliases(site)))

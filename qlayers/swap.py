@@ -26,6 +26,8 @@ from flax import nnx
 from qlayers.layers.core import QuantGemm, QuantLayer
 from qlayers.layers.dense import QuantDense
 from qlayers.layers.embed import QuantEmbed
+from qlayers.layers.experts import (QuantExpertsEinsum, QuantRaggedDot,
+                                    expert_einsum)
 from qlayers.layers.general import (QuantEinsum, QuantLinearGeneral,
                                     einsum_gemm_plan)
 from qlayers.recipe import Recipe
@@ -33,7 +35,8 @@ from qlayers.recipe import Recipe
 STOCK = (nnx.Linear, nnx.LinearGeneral, nnx.Einsum)
 QUANT_OF = {nnx.Linear: QuantDense, nnx.LinearGeneral: QuantLinearGeneral,
             nnx.Einsum: QuantEinsum, nnx.Embed: QuantEmbed}
-STOCK_OF = {q: s for s, q in QUANT_OF.items()}
+STOCK_OF = {q: s for s, q in QUANT_OF.items()} | {
+    QuantExpertsEinsum: nnx.Einsum}
 QUANT_ATTRS = ("quant",)  # what a drop-in adds to the stock layer
 
 
@@ -119,13 +122,29 @@ def dims(layer) -> tuple[int, int]:
     return layer.in_features, layer.out_features
   if isinstance(layer, nnx.LinearGeneral):
     return math.prod(layer.in_features), math.prod(layer.out_features)
+  eq, shape = layer.einsum_str, layer.kernel_shape
+  if experts_einsum(layer):  # one GEMM per expert: its (K, N)
+    eq, shape = eq.replace(expert_einsum(eq), ""), shape[1:]
   try:
-    _, rhs, _, contracted, free = einsum_gemm_plan(layer.einsum_str)
+    _, rhs, _, contracted, free = einsum_gemm_plan(eq)
   except ValueError:
     return 0, 0
-  size = dict(zip(rhs, layer.kernel_shape))
+  size = dict(zip(rhs, shape))
   return (math.prod(size[c] for c in contracted),
           math.prod(size[c] for c in free))
+
+
+def experts_einsum(layer) -> bool:
+  """An ``nnx.Einsum`` batched over its kernel's leading index, the experts
+  (`qlayers.layers.experts.expert_einsum`): it becomes a
+  `QuantExpertsEinsum`."""
+  if not isinstance(layer, nnx.Einsum) or layer.einsum_op is not jnp.einsum:
+    return False
+  try:
+    expert_einsum(layer.einsum_str)
+  except ValueError:
+    return False
+  return True
 
 
 def one_gemm(layer) -> int:
@@ -169,7 +188,8 @@ def check(layer, recipe: Recipe) -> tuple[int, int]:
     base = next(t for t in QUANT_OF if isinstance(layer, t))
     raise Skip(f"a subclass of nnx.{base.__name__}, whose behaviour the "
                "drop-in would not keep")
-  one_gemm(layer)
+  if not experts_einsum(layer):
+    one_gemm(layer)
   k, n = dims(layer)
   block, gran = _min_block(recipe)
   if min(k, n) < block:
@@ -205,6 +225,12 @@ def _twin(cls, layer, **quant) -> nnx.Module:
 
 def quantized(layer, recipe: Recipe, backend: str | None) -> nnx.Module:
   """The drop-in of stock ``layer``, holding its Variables."""
+  if experts_einsum(layer):
+    new = adopt(_twin(QuantExpertsEinsum, layer, recipe=recipe,
+                      backend=backend), layer)
+    new.quant = QuantRaggedDot(recipe, num_groups=layer.kernel_shape[0],
+                               backend=backend)
+    return new
   new = adopt(_twin(QUANT_OF[type(layer)], layer, recipe=recipe,
                     backend=backend), layer)
   w = weight(layer)

@@ -117,12 +117,19 @@ def test_what_cannot_be_converted_is_reported():
                                   "mx scaling block")
 
 
-def test_router_of_einsum_experts_kept_wide():
+def test_einsum_experts_converted_router_kept_wide():
   class EinsumMoE(nnx.Module):
     def __init__(self, rngs):
       self.router = nnx.Linear(D, E, rngs=rngs)
       self.up = nnx.Einsum("ecd,edf->ecf", (E, D, H), rngs=rngs)
-  converted, kept, skipped = _kinds(qlayers.quantize(EinsumMoE(nnx.Rngs(0)),
-                                                     "fp8_current"))
-  assert not converted and set(kept) == {"router"}
-  assert "batch dims" in skipped["up"]
+      self.mix = nnx.Einsum("ecd,fde->ecf", (H, D, E), rngs=rngs)
+  moe = EinsumMoE(nnx.Rngs(0))
+  kernel = moe.up.kernel
+  converted, kept, skipped = _kinds(qlayers.quantize(moe, "fp8_delayed"))
+  assert converted == {"up": "QuantExpertsEinsum"} and set(kept) == {"router"}
+  assert "batch dims" in skipped["mix"]
+  assert moe.up.kernel is kernel
+  assert moe.up.quant.x_amax_history.shape == (E, 1024)
+  back = qlayers.dequantize_model(moe)
+  assert [c.new_type for c in back.converted] == ["Einsum"]
+  assert type(moe.up) is nnx.Einsum  # pylint: disable=unidiomatic-typecheck

@@ -11,6 +11,7 @@ from flax import nnx
 import qlayers
 from qlayers import ops
 from qlayers.layers import QuantRaggedDot
+from qlayers.layers.experts import QuantExpertsEinsum
 
 SIZES = jnp.array([3, 0, 4, 1], jnp.int32)
 
@@ -97,3 +98,43 @@ def test_refusals():
     rd(_x(), jnp.ones((2, 32, 16)), SIZES[:2])
   with pytest.raises(NotImplementedError, match="group_offset"):
     rd(_x(), jnp.ones((4, 32, 16)), SIZES, group_offset=jnp.array([0]))
+
+
+def test_expert_einsum_is_a_loop_over_experts():
+  """Capacity buffers after a one-hot dispatch: each expert its own GEMM
+  with its own scales, bit for bit, forward and both gradients."""
+  layer = QuantExpertsEinsum("ecd,edf->ecf", (3, 32, 16), recipe="mxfp8",
+                             rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (3, 5, 32))
+  x = x * jnp.array([1.0, 0.0, 30.0])[:, None, None]  # an idle expert
+
+  def loop(x, w):
+    dg = ops.dot_general("mxfp8")
+    return sum(jnp.sum(dg(x[e], w[e], (((1,), (0,)), ((), ()))) ** 2)
+               for e in range(3))
+
+  ours = nnx.jit(nnx.value_and_grad(lambda m, x: jnp.sum(m(x) ** 2),
+                                    argnums=(0, 1)))
+  value, (grads, dx) = ours(layer, x)
+  want, (dx_want, dw_want) = jax.jit(jax.value_and_grad(loop, (0, 1)))(
+      x, layer.kernel[...])
+  np.testing.assert_array_equal(value, want)
+  np.testing.assert_array_equal(dx, dx_want)
+  np.testing.assert_array_equal(grads["kernel"].get_value(), dw_want)
+  assert not np.asarray(dw_want[1]).any()
+
+
+def test_expert_einsum_delayed_state_per_expert():
+  layer = QuantExpertsEinsum("ecd,edf->ecf", (3, 32, 16), recipe="fp8_delayed",
+                             rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (3, 5, 32))
+  x = x * jnp.array([1.0, 2.0, 4.0])[:, None, None]
+  _, grads = nnx.jit(qlayers.value_and_grad(
+      lambda m, x: jnp.sum(m(x)) * 3.0))(layer, x)
+  qlayers.update_scales(layer, grads)
+  np.testing.assert_array_equal(layer.quant.x_amax_history[:, 0],
+                                jnp.max(jnp.abs(x), axis=(1, 2)))
+  np.testing.assert_array_equal(layer.quant.g_amax_history[:, 0], [3.0] * 3)
+  with pytest.raises(ValueError, match="not batched over the kernel's "
+                     "leading"):
+    QuantExpertsEinsum("cd,edf->cef", (3, 32, 16), rngs=nnx.Rngs(0))

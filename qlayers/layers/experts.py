@@ -1,10 +1,13 @@
 """The experts of a mixture of experts, quantized: `QuantExperts` (a layer of
-stacked expert kernels) and `QuantRaggedDot` (a stateful
-``lax.ragged_dot``-compatible callable, as `QuantGemm` is for
+stacked expert kernels, tokens sorted by expert), `QuantExpertsEinsum` (an
+``nnx.Einsum`` batched over experts, e.g. ``"ecd,edf->ecf"`` after a
+one-hot dispatch into per-expert capacity buffers) and `QuantRaggedDot` (a
+stateful ``lax.ragged_dot``-compatible callable, as `QuantGemm` is for
 ``lax.dot_general``).
 
-Both run `qlayers.ops.quantized_ragged_dot`: every expert's three GEMMs
-quantized with its own scales, and for a delayed-scaling recipe one amax
+All run every expert's three GEMMs quantized with its own scales
+(`qlayers.ops.quantized_ragged_dot`, or `ops.quantized_dot_general` per
+expert), and for a delayed-scaling recipe one amax
 history per expert and role (the `QuantGemm` state with a leading axis of
 ``num_groups``), which `qlayers.update_scales`, `qlayers.value_and_grad`
 and `qlayers.Optimizer` handle like any other layer's.
@@ -16,11 +19,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from qlayers import ops
 from qlayers import ragged
+from qlayers import sharding
 from qlayers.layers.core import QuantGemm, QuantLayer
+from qlayers.layers.general import einsum_gemm_plan
 from qlayers.recipe import Recipe
 
-__all__ = ["QuantExperts", "QuantRaggedDot", "default_kernel_init"]
+__all__ = ["QuantExperts", "QuantExpertsEinsum", "QuantRaggedDot",
+           "default_kernel_init", "expert_einsum"]
 
 default_kernel_init = nnx.initializers.variance_scaling(
     1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1,
@@ -83,6 +90,122 @@ class QuantRaggedDot(QuantGemm):
     return self.ragged(lhs, rhs, group_sizes,
                        out_dtype=preferred_element_type
                        or jnp.result_type(lhs, rhs))
+
+
+  def dot_general(self, lhs: jax.Array, rhs: jax.Array, dimension_numbers,
+                  precision=None, preferred_element_type=None,
+                  out_sharding=None) -> jax.Array:
+    """`lax.dot_general` batched over one dim, the experts: each batch entry
+    is its own quantized GEMM with its expert's scales and state (what
+    ``jnp.einsum(..., _dot_general=rd.dot_general)`` passes for
+    ``"ecd,edf->ecf"``)."""
+    del precision
+    (lc, rc), (lb, rb) = dimension_numbers
+    if len(lb) != 1:
+      raise ValueError(f"QuantRaggedDot.dot_general maps one batch dim (the "
+                       f"experts); got batch dims {lb}, {rb}.")
+    inner = tuple(tuple(d - (d > b) for d in dims)
+                  for dims, b in ((lc, lb[0]), (rc, rb[0])))
+    out = preferred_element_type or jnp.result_type(lhs, rhs)
+
+    def one(a, b, st):
+      return ops.quantized_dot_general(
+          a, b, (inner, ((), ())), self.recipe, st,
+          preferred_element_type=out, backend=self.backend)
+
+    state = self.read()
+    if state is not None and state["x"].amax.shape != (rhs.shape[rb[0]],):
+      raise ValueError(
+          f"QuantRaggedDot keeps state of shape {state['x'].amax.shape}, one "
+          f"per expert, but the GEMM has {rhs.shape[rb[0]]} experts.")
+    with sharding.unpartitioned():
+      y, new_state = jax.vmap(one, in_axes=(lb[0], rb[0], 0))(lhs, rhs, state)
+    self.write(new_state)
+    if out_sharding is not None:
+      y = jax.sharding.reshard(y, out_sharding)
+    return y
+
+
+def expert_einsum(einsum_str: str) -> str:
+  """The expert index of an ``Einsum`` batched over its kernel's leading
+  index (in the input, the kernel and the output), each expert one GEMM:
+  ``"ecd,edf->ecf"`` -> ``"e"``. Raises ValueError saying why not.
+
+  Example:
+    >>> expert_einsum("ecd,edf->ecf")
+    'e'
+  """
+  eq = einsum_str.replace(" ", "")
+  ins, _, out = eq.partition("->")
+  lhs, _, rhs = ins.partition(",")
+  e = rhs[:1]
+  if not e or e not in lhs or e not in out or "." in eq:
+    raise ValueError(f"Einsum {einsum_str!r} is not batched over the "
+                     "kernel's leading (expert) index.")
+  drop = lambda t: t.replace(e, "")  # noqa: E731
+  einsum_gemm_plan(f"{drop(lhs)},{drop(rhs)}->{drop(out)}")
+  return e
+
+
+class QuantExpertsEinsum(QuantLayer, nnx.Einsum):
+  """``nnx.Einsum`` batched over experts, every expert's GEMMs quantized.
+
+  The equation is batched over the kernel's leading index, the experts
+  (``"ecd,edf->ecf"``: per-expert capacity buffers after a one-hot
+  dispatch), and is one GEMM per expert (see `expert_einsum`). Same
+  constructor, Params, names and shapes as ``nnx.Einsum``; each expert's
+  GEMMs get their own scales and, for a delayed recipe, their own amax
+  history (the `QuantRaggedDot` at ``quant``). The kernel is quantized after
+  ``nnx.Einsum``'s dtype promotion (from the master in the default FP32).
+
+  Args:
+    einsum_str: the equation.
+    kernel_shape: ``(E, ...)``.
+    bias_shape: as ``nnx.Einsum``.
+    recipe: the quantization recipe (default ``"fp8_delayed"``).
+    backend: force a GEMM backend (see `QuantGemm`).
+    **kwargs: everything else ``nnx.Einsum`` takes.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> layer = QuantExpertsEinsum("ecd,edf->ecf", (4, 64, 32),
+    ...                            recipe="fp8_current", rngs=nnx.Rngs(0))
+    >>> layer(jnp.ones((4, 8, 64))).shape
+    (4, 8, 32)
+  """
+
+  def __init__(self, einsum_str: str, kernel_shape, bias_shape=None, *,
+               recipe: Recipe | str = "fp8_delayed",
+               backend: str | None = None, **kwargs):
+    expert_einsum(einsum_str)
+    super().__init__(einsum_str, kernel_shape, bias_shape, **kwargs)
+    self.quant = QuantRaggedDot(recipe, num_groups=kernel_shape[0],
+                                backend=backend)
+
+  def __call__(self, inputs: jax.Array, einsum_str: str | None = None,
+               out_sharding=None) -> jax.Array:
+    """Applies the equation, quantized per expert."""
+    eq = (einsum_str or self.einsum_str).replace(" ", "")
+    e = expert_einsum(eq)
+    inputs, kernel, bias = self.promote_dtype(
+        (inputs, self.kernel[...],
+         self.bias[...] if self.bias is not None else None), dtype=self.dtype)
+    (lhs, rhs), out = eq.split("->")[0].split(","), eq.split("->")[1]
+    summed = [c for c in rhs if c in lhs and c not in out]
+    dn = (([lhs.index(c) for c in summed], [rhs.index(c) for c in summed]),
+          ((lhs.index(e),), (0,)))
+    y = self.quant.dot_general(
+        inputs, kernel, dn, preferred_element_type=self.preferred_element_type,
+        out_sharding=None)
+    made = [e] + [c for c in lhs + rhs if c != e and c not in summed]
+    y = jnp.transpose(y, [made.index(c) for c in out])
+    if bias is not None:
+      y = y + jnp.reshape(bias, self._infer_broadcasted_bias_shape(
+          eq, inputs, kernel))
+    if out_sharding is not None:
+      y = jax.sharding.reshard(y, out_sharding)
+    return y
 
 
 class QuantExperts(QuantLayer, nnx.Module):
