@@ -401,7 +401,7 @@ def test_unconvertible_general_layers_are_skipped_with_reasons():
 
   class Net(nnx.Module):
     def __init__(self):
-      self.batched = nnx.Einsum("bd,bdh->bh", (2, 64, 64), rngs=rngs)
+      self.batched = nnx.Einsum("bd,hbd->bh", (64, 2, 64), rngs=rngs)
       self.grouped = nnx.LinearGeneral(64, 64, batch_axis={0: 2}, rngs=rngs)
       self.custom = nnx.Linear(
           64, 64, dot_general=lambda *a, **k: jax.lax.dot_general(*a, **k),
