@@ -213,11 +213,15 @@ def test_every_recipe(name):
       (p, role) for p in ("a", "b") for role in ("x", "w", "g")]
   assert [(o.path, o.gemm) for o in rep.outputs] == [
       (p, g) for p in ("a", "b") for g in ("fprop", "dgrad", "wgrad")]
-  floor = {"mxfp4": 10.0, "mxfp4_rht": 10.0, "mxfp6": 15.0}.get(name, 20.0)
+  floor = {"mxfp4": 10.0, "mxfp4_rht": 10.0, "mxfp4_mlperf": 10.0,
+           "nvfp4": 10.0, "mxfp6": 15.0}.get(name, 20.0)
+  # NVFP4's E4M3 block scale may round below amax / 6: then the block's
+  # largest element clips to 6 (as in Transformer Engine), under 1 in 16.
+  clipped = 1 / 16 if name == "nvfp4" else 0.0
   for row in rep.rows:
     assert len(row.gemms) == 2
     assert floor < row.sqnr_db < 60, (row.path, row.role, row.sqnr_db)
-    assert row.saturated == 0.0
+    assert row.saturated <= clipped, (row.path, row.role, row.saturated)
     assert (row.history is not None) == r.delayed
   for o in rep.outputs:
     assert floor - 6 < o.sqnr_db < 60, (o.path, o.gemm, o.sqnr_db)
