@@ -115,7 +115,13 @@ def test_kernel_straight_from_an_fp8_checkpoint(tmp_path):
                              rngs=nnx.Rngs(0))
   layer.kernel = qlayers.FrozenKernel.from_qtensor(raw)
   assert layer.kernel.spec == CHECKPOINT_SPEC
+  # Stored without the padding to whole 128 x 128 blocks (256 x 256).
+  assert raw.payload.shape == (256, 256)
+  assert layer.kernel.payload.shape == (192, 256)
+  assert layer.kernel.bytes_per_weight == 1 + 4 * 2 * 2 / (192 * 256)
   np.testing.assert_array_equal(_bits(layer.kernel.payload[...]),
+                                _bits(raw.payload[:192]))
+  np.testing.assert_array_equal(_bits(layer.kernel.qtensor().payload),
                                 _bits(raw.payload))
   deq = checkpoint.read_safetensors(tmp_path)["proj.weight"]
   np.testing.assert_array_equal(_bits(layer.kernel[...]), _bits(deq.T))

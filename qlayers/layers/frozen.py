@@ -18,7 +18,8 @@ Biases and norms stay as they are. `freeze` converts a model's layers;
 
 Stored layout: the 2-D ``(N, K)`` kernel (PyTorch's ``(out, in)``,
 quantized along ``K``: FP4 payloads pack along it), as Hugging Face
-checkpoints store weights.
+checkpoints store weights; an FP8 payload without the zero padding to whole
+blocks (a 576 x 192 kernel in 128 x 128 blocks would store 640 x 256).
 """
 
 from __future__ import annotations
@@ -78,8 +79,12 @@ class FrozenKernel(nnx.Module):
     if qt.shape != (n, k):
       raise ValueError(f"A kernel of shape {shape} ({n_in} input dims) needs "
                        f"an (N, K) = {(n, k)} QTensor, got {qt.shape}.")
-    self.payload = FrozenWeight(qt.payload)
+    payload = qt.payload
+    if qt.block is not None and not qt.fmt.packed:
+      payload = payload[:n, :k]  # the rest is zero padding: not stored
+    self.payload = FrozenWeight(payload)
     self.scale = FrozenWeight(qt.scale)
+    self._padded = tuple(qt.payload.shape)
     self.spec = spec
     self.shape = shape
     self.n_in = n_in
@@ -110,8 +115,11 @@ class FrozenKernel(nnx.Module):
     """The stored `QTensor` (``(N, K)``, axis 1)."""
     n_in, shape = self.n_in, self.shape
     k, n = math.prod(shape[:n_in]), math.prod(shape[n_in:])
-    return QTensor(self.payload[...], self.scale[...], *self._layout, 1,
-                   (n, k))
+    payload = self.payload[...]
+    if payload.shape != self._padded:  # zero padding to whole blocks
+      payload = jnp.pad(payload, [(0, p - s) for p, s in
+                                  zip(self._padded, payload.shape)])
+    return QTensor(payload, self.scale[...], *self._layout, 1, (n, k))
 
   def dequantize(self, dtype=None) -> jax.Array:
     """The kernel, in its shape, in ``dtype`` (default: ``self.dtype``)."""
@@ -131,7 +139,7 @@ class FrozenKernel(nnx.Module):
     new = FrozenKernel.quantize(kernel, self.spec, n_in=self.n_in)
     self.payload.set_value(new.payload[...])
     self.scale.set_value(new.scale[...])
-    self._layout = new._layout
+    self._layout, self._padded = new._layout, new._padded
 
   @property
   def nbytes(self) -> int:
