@@ -62,6 +62,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from qlayers import scaling
+from qlayers import sharding
 from qlayers.recipe import Recipe, recipe as load_recipe
 from qlayers.scaling import QuantSpec
 
@@ -272,9 +273,34 @@ def combine(ys: jax.Array, route: Route, gates: jax.Array, *,
   return jnp.einsum("nkd,nk->nd", out, gates.astype(jnp.float32))
 
 
+def _with_local_scales(fn: Callable, axis: str) -> Callable:
+  """``fn`` with its forward and backward traced under
+  ``sharding.local_scales(axis)`` (a device's experts are its own tensors).
+
+  A context is left by the time JAX traces the backward pass, so the
+  backward is the vjp the forward made, called back inside the context."""
+
+  @jax.custom_vjp
+  def f(*args):
+    with sharding.local_scales(axis):
+      return fn(*args)
+
+  def f_fwd(*args):
+    with sharding.local_scales(axis):
+      return jax.vjp(fn, *args)
+
+  def f_bwd(vjp, ct):
+    with sharding.local_scales(axis):
+      return vjp(ct)
+
+  f.defvjp(f_fwd, f_bwd)
+  return f
+
+
 def run(fn: Callable, params, x: jax.Array, expert_ids: jax.Array,
         gates: jax.Array, *, n_experts: int, mesh=None, axis: str = "expert",
-        capacity: int | None = None, transport=None, param_specs=None):
+        capacity: int | None = None, transport=None, param_specs=None,
+        updates: bool = False):
   """An MoE layer's experts, expert-parallel over ``mesh``'s ``axis``.
 
   ``fn(params, xs, group_sizes) -> ys`` runs the local experts on their
@@ -284,10 +310,16 @@ def run(fn: Callable, params, x: jax.Array, expert_ids: jax.Array,
   (expert) dim unless ``param_specs`` (a pytree of ``PartitionSpec``) says
   otherwise; other mesh axes stay automatic inside. Without a mesh (or
   with one device on ``axis``) it is `dispatch`, ``fn``, `combine` on one
-  device.
+  device. The experts' amaxes are their own device's (`qlayers.sharding.
+  local_scales`): per-expert scales, as on one device.
+
+  With ``updates=True``, ``fn`` returns ``(ys, params')``: the parameters
+  after the call (an NNX module's state whose delayed-scaling amaxes the
+  call updated), sharded as ``params``.
 
   Returns:
-    float32 ``[n, d_out]``, the gate-weighted sum of each token's experts.
+    float32 ``[n, d_out]``, the gate-weighted sum of each token's experts
+    (and ``params'`` with ``updates=True``).
 
   Example: see the module docstring.
   """
@@ -297,7 +329,10 @@ def run(fn: Callable, params, x: jax.Array, expert_ids: jax.Array,
   if size == 1:
     xs, sizes, route = dispatch(x, expert_ids, n_experts=n_experts,
                                 capacity=capacity)
-    return combine(fn(params, xs, sizes), route, gates)
+    out = fn(params, xs, sizes)
+    ys, new_params = out if updates else (out, None)
+    y = combine(ys, route, gates)
+    return (y, new_params) if updates else y
   if x.shape[0] % size:
     raise ValueError(f"{x.shape[0]} tokens do not split over the {size} "
                      f"devices of mesh axis {axis!r}.")
@@ -306,12 +341,16 @@ def run(fn: Callable, params, x: jax.Array, expert_ids: jax.Array,
     xs, sizes, route = dispatch(x, expert_ids, n_experts=n_experts,
                                 axis_name=axis, capacity=capacity,
                                 transport=transport)
-    return combine(fn(params, xs, sizes), route, gates, axis_name=axis,
-                   transport=transport)
+    out = _with_local_scales(fn, axis)(params, xs, sizes)
+    ys, new_params = out if updates else (out, None)
+    y = combine(ys, route, gates, axis_name=axis, transport=transport)
+    return (y, new_params) if updates else y
 
   if param_specs is None:
     param_specs = jax.tree.map(lambda _: P(axis), params)
   tokens = P(axis)
-  return jax.shard_map(body, mesh=mesh, axis_names={axis},
-                       in_specs=(param_specs, tokens, tokens, tokens),
-                       out_specs=tokens)(params, x, expert_ids, gates)
+  return jax.shard_map(
+      body, mesh=mesh, axis_names={axis},
+      in_specs=(param_specs, tokens, tokens, tokens),
+      out_specs=(tokens, param_specs) if updates else tokens,
+  )(params, x, expert_ids, gates)

@@ -38,7 +38,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 __all__ = ["context_mesh", "auto_mesh", "manual_axes", "explicit_axes",
            "quantized_gather", "gather_payloads", "auto_region", "global_amax",
            "sum_over_broadcast", "varying_axes", "replicated", "spec_of",
-           "dot_spec", "unpartitioned", "unpartitioned_now"]
+           "dot_spec", "unpartitioned", "unpartitioned_now", "local_scales",
+           "local_scale_axes"]
 
 
 def context_mesh():
@@ -201,11 +202,38 @@ def varying_axes(x) -> tuple[str, ...]:
   return tuple(sorted(mat.varying)) if mat is not None else ()
 
 
+# Manual axes whose shards are different tensors (see `local_scales`).
+_LOCAL = jax.make_user_context(default_value=())
+
+
+@contextlib.contextmanager
+def local_scales(*axes: str):
+  """Amaxes traced in this block are not reduced over the manual ``axes``:
+  each device's shard along them is a tensor of its own (expert
+  parallelism: the experts a device holds and the tokens sent to them), so
+  its scales are its own. `qlayers.expert_parallel` runs the experts so.
+
+  Example:
+    >>> from qlayers import sharding
+    >>> with sharding.local_scales("expert"):
+    ...   sharding.local_scale_axes()
+    ('expert',)
+  """
+  with _LOCAL(tuple(_LOCAL.value) + tuple(axes)):
+    yield
+
+
+def local_scale_axes() -> tuple[str, ...]:
+  """The axes of the enclosing `local_scales` blocks."""
+  return tuple(_LOCAL.value)
+
+
 def global_amax(a, t):
   """``a``, the amax of ``t``'s local values, made the amax of the whole
   tensor: under ``shard_map``, the max over the axes ``t`` varies over (each
-  device holds one shard). Elsewhere (no manual axes) ``a`` unchanged."""
-  axes = varying_axes(t)
+  device holds one shard) but those of `local_scales`. Elsewhere (no manual
+  axes) ``a`` unchanged."""
+  axes = tuple(x for x in varying_axes(t) if x not in _LOCAL.value)
   return lax.pmax(a, axes) if axes else a
 
 

@@ -82,3 +82,23 @@ def test_quantized_dispatch_bytes_and_values(cases):
     assert r[name]["dispatch_bytes"] <= 0.55 * bf16["dispatch_bytes"]
   assert r["mxfp8"]["by_dtype"]["u8"] == 16384 + 512 + 4096 + 128
   assert r["fp8_current"]["step_bytes"] <= 0.77 * bf16["step_bytes"]
+
+
+def test_local_scales_keep_each_devices_amax(cases):
+  r = multidevice.result(cases, "local_scales_keep_amax_per_device")
+  assert r["global"] == [7.0] * 8
+  assert r["local"] == [float(i) for i in range(8)]
+
+
+def test_moe_gpt_expert_parallel_step_matches_one_device(cases):
+  """The example MoE GPT, one step on 8 devices (experts over ``expert``)
+  against one: loss, every gradient (the per-expert gradient amaxes of
+  fp8_delayed included: their backward runs under local_scales too) and
+  the per-expert amax histories."""
+  r = multidevice.result(cases, "moe_gpt_matches_single_device")
+  for name in ("bf16", "fp8_delayed"):
+    one, eight = r[name]["loss"]
+    assert abs(one - eight) <= 1e-5 * abs(one), name
+    assert r[name]["grad_rel"] <= 0.01, name  # BF16 reduction order
+  assert r["fp8_delayed"]["histories"] == 4  # x: qkv, out, up, down
+  assert r["fp8_delayed"]["hist_rel"] == 0.0

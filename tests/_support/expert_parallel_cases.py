@@ -12,12 +12,14 @@ from jax.sharding import AxisType, PartitionSpec as P
 
 from qlayers import expert_parallel as ep
 from qlayers import scaling
+from qlayers import sharding
 import multidevice
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 sys.path.insert(0, str(multidevice.ROOT / "benchmarks"))
+sys.path.insert(0, str(multidevice.ROOT / "examples"))
 import collectives  # noqa: E402  pylint: disable=g-import-not-at-top
 
 cases = multidevice.Cases()
@@ -112,6 +114,67 @@ def quantized_transport():
                            out_specs=P("expert"))(x, ids)
     text = jax.jit(fwd).lower(x, ids).compile().as_text()
     out[name]["dispatch_bytes"] = collectives.total_bytes(text, "all-to-all")
+  return out
+
+
+@cases
+def local_scales_keep_amax_per_device():
+  mesh = _mesh()
+  x = jnp.arange(8.0)[:, None] * jnp.ones((1, 4))
+
+  def amax(x, local):
+    def body(x):
+      a = jnp.max(jnp.abs(x))
+      if not local:
+        return sharding.global_amax(a, x)[None]
+      with sharding.local_scales("expert"):
+        return sharding.global_amax(a, x)[None]
+    return jax.shard_map(body, mesh=mesh, in_specs=P("expert"),
+                         out_specs=P("expert"))(x)
+  return {"global": amax(x, False).tolist(), "local": amax(x, True).tolist()}
+
+
+def _moe_step(recipe, mesh):
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  import qlayers  # pylint: disable=g-import-not-at-top
+  from _common import moe  # pylint: disable=g-import-not-at-top
+  config = moe.MoEConfig(vocab_size=32, max_len=8, d_model=32, n_layers=1,
+                         n_heads=2, d_ff=64, dtype=jnp.bfloat16)
+  model = moe.MoEGPT(config, rngs=nnx.Rngs(0))
+  if recipe:
+    qlayers.quantize(model, recipe)
+  tokens = jax.random.randint(jax.random.key(1), (8, 9), 0, 32)
+
+  @nnx.jit
+  def step(model, tokens):
+    (loss, _), grads = qlayers.value_and_grad(moe.loss_fn, has_aux=True)(
+        model, tokens[:, :-1], tokens[:, 1:])
+    qlayers.update_scales(model)
+    return loss, grads
+
+  if mesh is None:
+    loss, grads = step(model, tokens)
+  else:
+    with jax.set_mesh(mesh):
+      loss, grads = step(model, tokens)
+  hist = [np.asarray(v[...]).tolist() for path, v in nnx.iter_graph(model)
+          if isinstance(v, nnx.Variable) and path[-1] == "x_amax_history"]
+  return float(loss), grads, hist
+
+
+@cases
+def moe_gpt_matches_single_device():
+  out = {}
+  for recipe in (None, "fp8_delayed"):
+    l1, g1, h1 = _moe_step(recipe, None)
+    l8, g8, h8 = _moe_step(recipe, _mesh())
+    rel = [float(jnp.linalg.norm(a - b) / jnp.linalg.norm(a))
+           for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g8))]
+    hist = [float(np.max(np.abs(np.array(a) - np.array(b)))
+                  / np.max(np.abs(np.array(a))))
+            for a, b in zip(h1, h8)]
+    out[recipe or "bf16"] = {"loss": [l1, l8], "grad_rel": max(rel),
+                             "histories": len(h1), "hist_rel": max(hist or [0])}
   return out
 
 
