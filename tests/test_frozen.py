@@ -53,9 +53,9 @@ def test_freeze_stores_payload_and_scales_only(recipe, bytes_per_weight):
 
 
 @pytest.mark.parametrize("recipe", ["fp8_current", "mxfp8", "mxfp4",
-                                    "fp8_delayed"])
+                                    "fp8_delayed", "deepseek_v3"])
 def test_recipe_format_requantizes_to_the_stored_values(recipe):
-  layer = qlayers.QuantDense(64, 32, recipe=recipe, rngs=nnx.Rngs(0))
+  layer = qlayers.QuantDense(256, 192, recipe=recipe, rngs=nnx.Rngs(0))
   qlayers.freeze(layer)
   deq = layer.kernel.dequantize()
   spec = layer.recipe.fprop.rhs
