@@ -198,3 +198,16 @@ def test_companion_rules_and_seeds():
   assert seed_rounding(model) == 3
   seeds = {int(layer.quant.sr_seed[...]) for layer in model.layers}
   assert len(seeds) == 3
+
+
+def test_checkpoint_carries_the_rounding_counter(tmp_path):
+  # A resumed run continues the same stochastic-rounding stream.
+  model = qlayers.QuantDense(32, 32, rngs=nnx.Rngs(0), recipe="nvfp4")
+  model.quant.sr_step.set_value(jnp.uint32(41))
+  model.quant.sr_seed.set_value(jnp.uint32(7))
+  qlayers.checkpoint.save(tmp_path / "ck", model)
+  fresh = qlayers.QuantDense(32, 32, rngs=nnx.Rngs(1), recipe="nvfp4")
+  assert qlayers.checkpoint.restore(tmp_path / "ck", fresh)["restored"] == \
+      "full"
+  assert (int(fresh.quant.sr_step[...]), int(fresh.quant.sr_seed[...])) == (
+      41, 7)
