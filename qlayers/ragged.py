@@ -153,8 +153,8 @@ def quantized_ragged_dot(lhs: jax.Array, rhs: jax.Array,
     recipe: a `Recipe` or a recipe name.
     state: delayed-scaling state with one history per expert (`init_state`);
       required for delayed recipes, ignored otherwise.
-    key: PRNG key for stochastic rounding (split per expert; derived from
-      each expert's data if omitted).
+    key: PRNG key for stochastic rounding (split per expert), or one key
+      per expert ``[G]``; derived from each expert's data if omitted.
     out_dtype: output dtype (as `ops.quantized_matmul`).
     backend: force a GEMM backend (``xla``; see `ops.quantized_matmul`).
 
@@ -178,7 +178,8 @@ def quantized_ragged_dot(lhs: jax.Array, rhs: jax.Array,
   if m == 0 or g == 0 or rhs.shape[2] == 0 or lhs.shape[1] == 0:
     return jnp.zeros((m, rhs.shape[2]), out_dtype), state
   starts, sizes = _layout(jnp.asarray(group_sizes), m)
-  keys = None if key is None else jax.random.split(key, g)
+  keys = key if key is None or jnp.shape(key) == (g,) else jax.random.split(
+      key, g)
 
   def one(x, w, st, k):
     return ops.quantized_matmul(x, w, recipe, st, key=k, out_dtype=out_dtype,

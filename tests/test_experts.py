@@ -138,3 +138,17 @@ def test_expert_einsum_delayed_state_per_expert():
   with pytest.raises(ValueError, match="not batched over the kernel's "
                      "leading"):
     QuantExpertsEinsum("cd,edf->cef", (3, 32, 16), rngs=nnx.Rngs(0))
+
+
+def test_step_keyed_rounding_per_expert():
+  """``sr_key = "step"`` (nvfp4): each expert's rounding key comes from its
+  own (seed, step) counter, which every training call advances, not from
+  the data: the same batch twice rounds the gradients differently."""
+  layer = qlayers.QuantExperts(3, 32, 32, recipe="nvfp4", rngs=nnx.Rngs(0))
+  grad = nnx.jit(nnx.grad(lambda m, x: jnp.sum(m(x, SIZES[:3]) ** 2),
+                          argnums=(0, 1)))
+  x = _x(7, 32)
+  (_, dx1), (_, dx2) = grad(layer, x), grad(layer, x)
+  np.testing.assert_array_equal(layer.quant.sr_seed[...], [0, 1, 2])
+  np.testing.assert_array_equal(layer.quant.sr_step[...], [2, 2, 2])
+  assert not np.array_equal(dx1, dx2)

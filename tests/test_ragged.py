@@ -104,10 +104,9 @@ def test_stochastic_recipes_stay_accurate(sqnr):
                            precision=jax.lax.Precision.HIGHEST)
     return y, jnp.sum(y * ct)
   ref = _run(wide, x, w, ct)
-  for name in [n for n in STATELESS if _stochastic(qlayers.recipe(n))]:
-    got = _run(_ragged_fn(qlayers.recipe(name)), x, w, ct)
-    for what, a, b in zip(("y", "dx", "dw"), got, ref):
-      assert sqnr(b, a) > 8, (name, what, sqnr(b, a))
+  got = _run(_ragged_fn(qlayers.recipe("mxfp4")), x, w, ct)
+  for what, a, b in zip(("y", "dx", "dw"), got, ref):
+    assert sqnr(b, a) > 8, (what, sqnr(b, a))
 
 
 def test_delayed_keeps_one_history_per_expert():

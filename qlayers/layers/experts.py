@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from qlayers import formats
 from qlayers import ops
 from qlayers import ragged
 from qlayers import sharding
@@ -63,6 +64,16 @@ class QuantRaggedDot(QuantGemm):
                      use_running_average=use_running_average)
     self.num_groups = num_groups
 
+  def rounding_key(self) -> jax.Array | None:
+    """One stochastic-rounding key per expert (``sr_key = "step"``; None
+    otherwise): `QuantGemm.rounding_key` of each expert's seed."""
+    if self.recipe.sr_key != "step":
+      return None
+    step = self.sr_step[...]
+    if not self.use_running_average:
+      self.sr_step.set_value(step + jnp.uint32(1))
+    return jax.vmap(formats.rounding_key)(self.sr_seed[...], step)
+
   def ragged(self, x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
              out_dtype=None) -> jax.Array:
     """``lax.ragged_dot(x [m, k], w [g, k, n], group_sizes)``, quantized
@@ -73,7 +84,7 @@ class QuantRaggedDot(QuantGemm):
     entry per expert of ``w``."""
     y, new_state = ragged.quantized_ragged_dot(
         x, w, group_sizes, self.recipe, self.read(), out_dtype=out_dtype,
-        backend=self.backend)
+        key=self.rounding_key(), backend=self.backend)
     self.write(new_state)
     return y
 
@@ -108,9 +119,9 @@ class QuantRaggedDot(QuantGemm):
                   for dims, b in ((lc, lb[0]), (rc, rb[0])))
     out = preferred_element_type or jnp.result_type(lhs, rhs)
 
-    def one(a, b, st):
+    def one(a, b, st, key):
       return ops.quantized_dot_general(
-          a, b, (inner, ((), ())), self.recipe, st,
+          a, b, (inner, ((), ())), self.recipe, st, key=key,
           preferred_element_type=out, backend=self.backend)
 
     state = self.read()
@@ -119,7 +130,8 @@ class QuantRaggedDot(QuantGemm):
           f"QuantRaggedDot keeps state of shape {state['x'].amax.shape}, one "
           f"per expert, but the GEMM has {rhs.shape[rb[0]]} experts.")
     with sharding.unpartitioned():
-      y, new_state = jax.vmap(one, in_axes=(lb[0], rb[0], 0))(lhs, rhs, state)
+      y, new_state = jax.vmap(one, in_axes=(lb[0], rb[0], 0, 0))(
+          lhs, rhs, state, self.rounding_key())
     self.write(new_state)
     if out_sharding is not None:
       y = jax.sharding.reshard(y, out_sharding)
