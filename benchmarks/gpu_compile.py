@@ -14,6 +14,8 @@ Setup and use (from the repository root)::
   .venv-gpu/bin/python benchmarks/gpu_compile.py       # every target/recipe
   .venv-gpu/bin/python benchmarks/gpu_compile.py --targets b200 \\
       --recipes bf16,mxfp8 --programs layer --tokens 1024 --json out.json
+  .venv-gpu/bin/python benchmarks/gpu_compile.py --triton off --ffi-dir '' \\
+      --programs llama3-8b,llama2-70b --recipes bf16,fp8_current,mxfp8
 
 Programs: ``layer`` is one `qlayers.QuantDense` (``--in-features`` x
 ``--out-features``, ``--tokens`` rows, BF16 compute) forward and backward,
@@ -78,7 +80,7 @@ RECIPES = ("bf16", "fp8_current", "fp8_delayed", "fp8_rowwise",
            "deepseek_v3", "deepseek_v3_ue8m0", "mxfp8", "mxfp6", "mxfp4",
            "nvfp4")
 # "block": the --block-* flags; the others: BLOCK_PRESETS.
-PROGRAMS = ("layer", "block", "d2048", "llama3-8b", "llama2-70b")
+PROGRAMS = ("layer", "block", "d2048", "llama3-8b", "llama2-70b", "moe")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1449,6 +1451,9 @@ def compile_one(item: dict, device, targets_dir) -> dict:
       if item["program"] == "layer":
         step, args, layers, cts = layer_program(item["recipe"],
                                                 **item["layer"])
+      elif item["program"] == "moe":  # grouped GEMMs: moe_programs.py
+        import moe_programs  # pylint: disable=g-import-not-at-top
+        step, args, layers, cts = moe_programs.moe_program(item["recipe"])
       else:
         step, args, layers, cts = block_program(item["recipe"],
                                                 **item["block"])  # presets too
