@@ -216,6 +216,11 @@ TABLE: tuple[Rule, ...] = (
          "32-element E8M0 scales, a 128x128 block's repeats per row) + cuDNN "
          "block-scaled GEMM: bit-identical to the emulation",
          arch_ok=_MX_CORES, pow2=True),
+    Rule("cuda", "sm_100+", ("blockwise",), ("fp4",), "xla", "f32_dequant",
+         "FP32 dequantize + TF32 dot: cuDNN's NVFP4 GEMM (E2M1 x E2M1, E4M3 "
+         "scales per 16, which jax.nn.scaled_matmul reaches on sm_100) needs "
+         "the E4M3 block scales and the per-tensor scale apart, and an NVFP4 "
+         "QTensor holds their FP32 product", arch_ok=_MX_CORES),
     # --- AMD (lowered here, not compiled: no ROCm toolchain on this host).
     Rule("rocm", "gfx942", ("tensor",), ("fp8",), "xla", "fp8_fnuz_folded",
          "FNUZ FP8 dot_general (gfx942 has no OCP FP8: payloads halved "

@@ -71,6 +71,7 @@ EXPECTED = {
                     "fp8_rowwise": _same("fp8_rowwise"),
                     "deepseek_v3": _same("f32_dequant"),
                     "deepseek_v3_ue8m0": _same("ue8m0_cudnn"),
+                    "nvfp4": _same("f32_dequant"),
                     "mxfp8": _same("mx_cudnn"), "mxfp6": _same("mx_cudnn"),
                     "mxfp4": _same("mx_cudnn")},
     "rocm gfx942": {"fp8_current": _same("fp8_fnuz_folded"),
@@ -105,6 +106,8 @@ def test_table_picks_the_native_kernel_where_it_is_the_only_route(
   # UE8M0 scales: cuBLASLt blockwise on sm_90, cuDNN MXFP8 on sm_100.
   assert hopper["deepseek_v3_ue8m0"] == _same("ffi")
   assert blackwell["deepseek_v3_ue8m0"] == _same("ue8m0_cudnn")
+  why = qlayers.backends()["targets"]["cuda sm_100"]["nvfp4"]["fprop"]["why"]
+  assert "NVFP4 GEMM" in why
   assert hopper["fp8_rowwise"] == _same("ffi")
   # Where XLA has a native route it keeps it; the sm_90 modes are sm_90 only.
   assert hopper["fp8_current"] == _same("fp8_folded")
