@@ -26,8 +26,8 @@ from flax import nnx
 from qlayers.layers.core import QuantGemm, QuantLayer
 from qlayers.layers.dense import QuantDense
 from qlayers.layers.embed import QuantEmbed
-from qlayers.layers.experts import (QuantExpertsEinsum, QuantRaggedDot,
-                                    expert_einsum)
+from qlayers.layers.experts import (QuantExperts, QuantExpertsEinsum,
+                                    QuantRaggedDot, expert_einsum)
 from qlayers.layers.general import (QuantEinsum, QuantLinearGeneral,
                                     einsum_gemm_plan)
 from qlayers.recipe import Recipe
@@ -122,6 +122,8 @@ def dims(layer) -> tuple[int, int]:
     return layer.in_features, layer.out_features
   if isinstance(layer, nnx.LinearGeneral):
     return math.prod(layer.in_features), math.prod(layer.out_features)
+  if isinstance(layer, QuantExperts):
+    return layer.in_features, layer.out_features
   eq, shape = layer.einsum_str, layer.kernel_shape
   if experts_einsum(layer):  # one GEMM per expert: its (K, N)
     eq, shape = eq.replace(expert_einsum(eq), ""), shape[1:]

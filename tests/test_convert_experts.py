@@ -133,3 +133,15 @@ def test_einsum_experts_converted_router_kept_wide():
   back = qlayers.dequantize_model(moe)
   assert [c.new_type for c in back.converted] == ["Einsum"]
   assert type(moe.up) is nnx.Einsum  # pylint: disable=unidiomatic-typecheck
+
+
+def test_model_built_with_quant_experts():
+  class Built(nnx.Module):
+    def __init__(self, rngs):
+      self.router = nnx.Linear(D, E, rngs=rngs)
+      self.up = qlayers.QuantExperts(E, D, H, recipe="mxfp8", rngs=rngs)
+  report = qlayers.quantize(Built(nnx.Rngs(0)), "fp8_current")
+  assert [(s.path, s.reason) for s in report.already_quantized] == [
+      ("up", "already quantized (mxfp8)")]
+  assert [k.path for k in report.kept_wide] == ["router"]
+  assert not report.converted and not report.skipped
