@@ -9,6 +9,8 @@
                                                            # one table from both
   XLA_FLAGS=--xla_force_host_platform_device_count=8 \
       python examples/train_lm.py --mesh data=2,fsdp=4     # sharded, 8 devices
+  python examples/train_lm.py --recipes mxfp4,mxfp4+wide --keep-wide auto \
+      --seeds 0,1,2                  # keep wide what inspect.sensitivity proposes
 
 Every run builds the same GPT (``_common/gpt.py``) from the same seed, so all
 recipes start from identical weights and see the same batches in the same
@@ -61,7 +63,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 import qlayers
-from _common import cli, gpt, lm, shakespeare, sharding, training
+from _common import cli, gpt, keep_wide, lm, shakespeare, sharding, training
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 BASELINE_NAMES = {"bfloat16": "bf16", "float32": "fp32"}
@@ -98,12 +100,22 @@ class Config:
     mesh: shard over a device mesh, ``AXIS=SIZE,...`` with axes ``data``,
       ``fsdp``, ``model`` (sizes multiplying to the device count); empty:
       one device.
-    keep_wide: a regex of module paths (``re.search``) that every recipe run
-      keeps unquantized besides the embedding and the head (e.g. a
-      ``qlayers.inspect.sensitivity`` proposal); those runs are named
-      ``RECIPE+wide`` and held to ``RECIPE``'s tolerance. Every recipe
-      runs wide unless ``recipes`` names a ``+wide`` run itself: then only
-      those do (``--recipes mxfp4,mxfp4+wide`` trains both).
+    keep_wide: what every recipe run keeps unquantized besides the
+      embedding and the head (``_common/keep_wide.py``): a regex of module
+      paths (``re.search``), ``@PATH`` (a rules file, or a
+      ``qlayers.inspect.sensitivity`` JSON: its proposal), ``auto`` (the
+      rules ``sensitivity`` proposes for each recipe, measured here) or
+      ``noise=FRACTION`` (``qlayers.inspect.noise_fallback``: the layers
+      whose weight-gradient noise exceeds FRACTION of its norm, measured
+      here); those runs are named ``RECIPE+wide`` and held to ``RECIPE``'s
+      tolerance. Every recipe runs wide unless ``recipes`` names a
+      ``+wide`` run itself: then only those do (``--recipes
+      mxfp4,mxfp4+wide`` trains both).
+    calib_seed, calib_steps, calib_batches: for ``auto`` and ``noise``: the
+      baseline of this seed is trained this many steps, then measured on
+      this many further training batches.
+    baseline_run: train the baseline (``--no-baseline-run``: only the recipes, for
+      a ``--json`` file that ``--merge`` combines with one that has it).
   """
 
   recipes: tuple[str, ...] = ("fp8_delayed",)
@@ -135,6 +147,10 @@ class Config:
   merge: tuple[str, ...] = ()
   mesh: str = ""
   keep_wide: str | None = None
+  calib_seed: int = 0
+  calib_steps: int = 100
+  calib_batches: int = 2
+  baseline_run: bool = True
 
   @property
   def baseline(self) -> str:
@@ -154,7 +170,7 @@ class Config:
     is (then the names are taken as they are)."""
     explicit = any(r.endswith(WIDE) for r in self.recipes)
     wide = WIDE if self.keep_wide and not explicit else ""
-    return (self.baseline,) + tuple(
+    return (self.baseline,) * self.baseline_run + tuple(
         r if r.endswith(WIDE) else r + wide for r in self.recipes
         if r != self.baseline)
 
@@ -197,11 +213,17 @@ def parse_args(argv=None) -> Config:
   if any(r.endswith(WIDE) for r in args["recipes"]) and not args["keep_wide"]:
     p.error(f"--recipes: a {WIDE} run needs --keep-wide (the layers it keeps "
             "wide)")
+  if args["keep_wide"]:
+    try:
+      keep_wide.check(args["keep_wide"])
+    except ValueError as e:
+      p.error(f"--keep-wide: {e}")
   named = tuple(r.removesuffix(WIDE) for r in args["recipes"])
   cli.check(p, {**args, "recipes": named}, at_least={
       "steps": 1, "batch_size": 1, "seq_len": 1, "d_model": 2, "layers": 1,
       "heads": 1, "d_ff": 0, "warmup": -1, "eval_every": 1,
-      "eval_batches": 1, "sample_tokens": 0})
+      "eval_batches": 1, "sample_tokens": 0, "calib_steps": 0,
+      "calib_batches": 1})
   try:
     parse_tolerances(args["tolerances"])
   except ValueError as e:
@@ -229,19 +251,21 @@ def gpt_config(cfg: Config) -> gpt.GPTConfig:
       d_ff=cfg.d_ff or 4 * cfg.d_model, dtype=DTYPES[cfg.dtype])
 
 
-def build_model(cfg: Config, run: str, seed: int):
+def build_model(cfg: Config, run: str, seed: int, rules=None):
   """The GPT for ``seed``, its linears quantized unless ``run`` is the
-  baseline. Returns ``(model, conversion report or None)``."""
+  baseline; a ``RECIPE+wide`` run is converted with ``rules`` (default: those
+  of a regex or file ``--keep-wide``). Returns ``(model, conversion report
+  or None)``."""
   model = gpt.GPT(gpt_config(cfg), rngs=nnx.Rngs(seed))
   if run == cfg.baseline:
     return model, None
   if not run.endswith(WIDE):
     return model, qlayers.quantize(model, run)
-  if not cfg.keep_wide:
-    raise ValueError(f"run {run!r} needs --keep-wide (the layers it keeps "
-                     "wide)")
-  rules = (qlayers.Rule(pattern=cfg.keep_wide, recipe=None),
-           *qlayers.convert.DEFAULT_RULES)
+  if rules is None:
+    if not cfg.keep_wide or keep_wide.measured(cfg.keep_wide):
+      raise ValueError(f"run {run!r} needs --keep-wide (the layers it keeps "
+                       "wide) or rules measured for it")
+    rules = keep_wide.fixed_rules(cfg.keep_wide)
   return model, qlayers.quantize(model, run.removesuffix(WIDE), rules,
                                  strict=True)
 
@@ -297,7 +321,7 @@ class Run:
 
 
 def train_run(cfg: Config, run: str, seed: int, data, tx, *,
-              verbose: bool) -> Run:
+              verbose: bool, rules=None) -> Run:
   """Trains one model; ``data`` holds the token arrays and validation set.
 
   Pass the same ``tx`` to every run: it is part of the optimizer's static
@@ -305,12 +329,13 @@ def train_run(cfg: Config, run: str, seed: int, data, tx, *,
   """
   mesh = sharding.make_mesh(cfg.mesh) if cfg.mesh else None
   with jax.set_mesh(mesh) if mesh else contextlib.nullcontext():
-    return _train_run(cfg, run, seed, data, tx, verbose=verbose, mesh=mesh)
+    return _train_run(cfg, run, seed, data, tx, verbose=verbose, mesh=mesh,
+                      rules=rules)
 
 
 def _train_run(cfg: Config, run: str, seed: int, data, tx, *, verbose: bool,
-               mesh) -> Run:
-  model, report = build_model(cfg, run, seed)
+               mesh, rules=None) -> Run:
+  model, report = build_model(cfg, run, seed, rules)
   if report is not None and verbose:
     tqdm.write(str(report))
   optimizer = qlayers.Optimizer(model, tx)
@@ -548,7 +573,8 @@ def environment() -> dict[str, str]:
 # (``keep_wide`` only changes runs whose names say so: ``RECIPE+wide``.)
 _NOT_TRAINING = ("recipes", "seeds", "prompt", "sample_tokens", "temperature",
                  "tolerance", "tolerances", "out", "json", "progress",
-                 "merge", "mesh", "keep_wide")
+                 "merge", "mesh", "keep_wide", "calib_seed", "calib_steps",
+                 "calib_batches", "baseline_run")
 
 
 def merge_runs(cfg: Config) -> tuple[Config, dict[str, Any],
@@ -608,6 +634,7 @@ def merge_runs(cfg: Config) -> tuple[Config, dict[str, Any],
     sources.append({"path": str(path), "environment": data.get("environment"),
                     "total_s": data.get("total_s"),
                     "keep_wide": file_cfg.get("keep_wide"),
+                    "keep_wide_rules": data.get("keep_wide_rules"),
                     "runs": [[r.recipe, r.seed] for r in file_runs],
                     "reproduced": reproduced, "differing": differing})
 
@@ -615,7 +642,7 @@ def merge_runs(cfg: Config) -> tuple[Config, dict[str, Any],
             for k, v in settings.items()}
   recipes = list(dict.fromkeys(r for r, _ in found))
   merged = dataclasses.replace(
-      cfg, **tuples, recipes=tuple(recipes),
+      cfg, **tuples, recipes=tuple(recipes), baseline_run=True,
       seeds=tuple(sorted({s for _, s in found})))
   base_seeds = {s for r, s in found if r == merged.baseline}
   missing = sorted((r, s) for r, s in found if s not in base_seeds)
@@ -647,13 +674,45 @@ def train_all(cfg: Config):
   tx = make_tx(cfg)
   runs: dict[str, list[Run]] = {}
   start = time.perf_counter()
+  wide = wide_rules(cfg, data, tx)
   for seed_index, seed in enumerate(cfg.seeds):
     for name in cfg.runs:
       runs.setdefault(name, []).append(
-          train_run(cfg, name, seed, data, tx, verbose=seed_index == 0))
+          train_run(cfg, name, seed, data, tx, verbose=seed_index == 0,
+                    rules=wide.get(name)))
   model = {**dataclasses.asdict(model_cfg), "dtype": cfg.dtype,
            "params": int(n_params)}
-  return model, runs, env, time.perf_counter() - start
+  return model, runs, env, time.perf_counter() - start, wide
+
+
+def wide_rules(cfg: Config, data, tx) -> dict[str, tuple]:
+  """The rules of each ``RECIPE+wide`` run: ``--keep-wide``'s regex or
+  file, or (``auto``, ``noise``) measured on the baseline of
+  ``calib_seed`` trained ``calib_steps`` steps (one device)."""
+  names = [r for r in cfg.runs if r.endswith(WIDE)]
+  if not names:
+    return {}
+  if not keep_wide.measured(cfg.keep_wide):
+    rules = keep_wide.fixed_rules(cfg.keep_wide)
+    return {name: rules for name in names}
+  t0 = time.perf_counter()
+  model, _ = build_model(cfg, cfg.baseline, cfg.calib_seed)
+  stream = shakespeare.batches(data["train"], batch_size=cfg.batch_size,
+                               seq_len=cfg.seq_len, seed=cfg.calib_seed)
+  batches = keep_wide.calibrate(model, qlayers.Optimizer(model, tx), stream,
+                                cfg.calib_steps, cfg.calib_batches)
+  out = {}
+  for name in names:
+    out[name] = keep_wide.measure(cfg.keep_wide, model, batches,
+                                  name.removesuffix(WIDE))
+    print(f"--keep-wide {cfg.keep_wide}: {name} keeps wide "
+          f"{out[name][0].pattern!r}" if len(out[name]) > len(
+              qlayers.convert.DEFAULT_RULES) else
+          f"--keep-wide {cfg.keep_wide}: {name} keeps nothing more wide")
+  print(f"measured in {time.perf_counter() - t0:.0f} s ({cfg.calib_steps} "
+        f"{cfg.baseline} steps of seed {cfg.calib_seed}, "
+        f"{cfg.calib_batches} batches)")
+  return out
 
 
 def main(argv=None) -> dict[str, Any]:
@@ -670,8 +729,25 @@ def main(argv=None) -> dict[str, Any]:
     print(f"merged {sum(map(len, runs.values()))} runs from "
           f"{len(sources)} files")
   else:
-    model, runs, env, total_s = train_all(cfg)
+    model, runs, env, total_s, wide = train_all(cfg)
+    if wide:
+      extra["keep_wide_rules"] = {k: keep_wide.describe(v)
+                                  for k, v in wide.items()}
+      for name, rules in wide.items():
+        keep_wide.save(rules, out / f"rules_{name}.json")
 
+  if cfg.baseline not in runs:  # --no-baseline-run: numbers for --merge
+    results = {"config": dataclasses.asdict(cfg), "model": model,
+               "environment": env, "total_s": total_s,
+               "runs": [dataclasses.asdict(r) for rs in runs.values()
+                        for r in rs], **extra}
+    for name, rs in runs.items():
+      print(f"{name}: validation loss "
+            + ", ".join(f"seed {r.seed} {r.final_val:.4f}" for r in rs))
+    print(f"total {total_s:.0f} s; no {cfg.baseline} run: --merge this "
+          "--json file with one that has it")
+    cli.write_json(cfg.json, results)
+    return results
   rows = summarize(cfg, runs)
   table = markdown_table(cfg, rows,
                          cpu_column=(env or {}).get("backend") == "cpu")

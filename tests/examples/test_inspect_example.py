@@ -61,3 +61,59 @@ def test_sensitivity_mode_and_keep_wide(tmp_path):
     train_lm.parse_args(["--recipes", "mxfp4,mxfp4+wide"])
   with pytest.raises(ValueError, match="decide no layer"):
     train_lm.main([*common, "--keep-wide", "^nothing$"])
+
+
+
+def test_keep_wide_auto_in_one_invocation_and_replayed(tmp_path):
+  """``--keep-wide auto`` proposes and trains in one command; its rules file
+  replays the same run (``@PATH``, no baseline run) for ``--merge``."""
+  import train_lm
+
+  common = ["--steps", "2", "--d-model", "32", "--layers", "1", "--heads",
+            "2", "--batch-size", "2", "--seq-len", "16", "--eval-every", "2",
+            "--eval-batches", "1", "--sample-tokens", "0", "--no-progress",
+            "--calib-steps", "1", "--calib-batches", "1"]
+  a = tmp_path / "a"
+  first = train_lm.main([*common, "--recipes", "mxfp4", "--keep-wide", "auto",
+                         "--out", str(a), "--json", str(a / "r.json")])
+  assert set(first["summary"]) == {"bf16", "mxfp4+wide"}
+  kept = first["keep_wide_rules"]["mxfp4+wide"]
+  assert kept[0]["recipe"] is None and kept[0]["pattern"].startswith("^(")
+  rules = a / "rules_mxfp4+wide.json"
+  b = tmp_path / "b"
+  again = train_lm.main([*common, "--recipes", "mxfp4+wide", "--keep-wide",
+                         f"@{rules}", "--no-baseline-run", "--out", str(b),
+                         "--json", str(b / "r.json")])
+  assert "summary" not in again and len(again["runs"]) == 1
+  assert again["runs"][0]["val_loss"] == first["runs"][1]["val_loss"]
+  merged = train_lm.main(["--merge", f"{a / 'r.json'},{b / 'r.json'}",
+                          "--out", str(tmp_path / "m")])
+  assert merged["merged_from"][1]["reproduced"] == [["mxfp4+wide", 0]]
+  for bad in ("noise=-1", f"@{tmp_path / 'missing.json'}", "(unclosed"):
+    with pytest.raises(SystemExit):
+      train_lm.parse_args(["--recipes", "mxfp4+wide", "--keep-wide", bad])
+
+
+def test_keep_wide_noise_honours_its_fraction():
+  import jax
+  import numpy as np
+  from flax import nnx
+
+  import qlayers
+  import train_lm
+  from _common import keep_wide
+
+  cfg = train_lm.parse_args(["--d-model", "32", "--layers", "1", "--heads",
+                             "2", "--seq-len", "16"])
+  model, _ = train_lm.build_model(cfg, "bf16", 0)
+  tokens = np.asarray(jax.random.randint(jax.random.key(0), (2, 17), 0, 256))
+  batches = [(tokens[:, :-1], tokens[:, 1:])]
+  before = jax.tree.map(np.asarray, nnx.state(model))
+  tiny = keep_wide.measure("noise=1e-9", model, batches, "mxfp4")
+  kept = tiny[0].pattern  # every layer's gradient is noisier than that
+  assert all(p in kept for p in ("qkv", "out", "up", "down")), kept
+  assert tiny[1:] == qlayers.convert.DEFAULT_RULES
+  huge = keep_wide.measure("noise=1e9", model, batches, "mxfp4")
+  assert huge == qlayers.convert.DEFAULT_RULES
+  after = jax.tree.map(np.asarray, nnx.state(model))
+  assert jax.tree.all(jax.tree.map(np.array_equal, before, after))
