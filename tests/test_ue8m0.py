@@ -135,3 +135,20 @@ def test_fnuz_copy_keeps_every_value(fmt, dtype):
   assert f.payload.dtype == formats.get_format(fmt + "fnuz").dtype
   np.testing.assert_array_equal(np.asarray(f.dequantize()), values * 3)
   assert forms.to_fnuz(f) is f
+
+
+def test_partitioned_local_gemm_keeps_the_ue8m0_route():
+  """Under a mesh each device runs the local GEMM registered for the plan:
+  the ``_pow2`` one keeps cuDNN on sm_100, the plain one cannot tell."""
+  from qlayers import dispatch, partition  # pylint: disable=g-import-not-at-top
+  a, b = S.quantize(jnp.ones((128, 256)), TILE, 1), S.quantize(
+      jnp.ones((256, 128)), BLOCK, 0)
+
+  def lowered(local):
+    f = lambda a, b: partition._LOCAL[local](a, b, (1, 0), jnp.float32)  # noqa: E731  pylint: disable=protected-access
+    with dispatch.target_arch("sm_100"):
+      return jax.jit(f).trace(a, b).lower(lowering_platforms=("cuda",)
+                                          ).as_text()
+  assert "__op$block_scaled_dot" in lowered("default_pow2")
+  assert "__op$block_scaled_dot" not in lowered("default")
+  assert dispatch._local_name(None, True) == "default_pow2"  # pylint: disable=protected-access
