@@ -143,6 +143,11 @@ def test_freeze_errors_and_checkpoint_round_trip(tmp_path):
     return qlayers.QuantDense(64, 32, recipe="mxfp8", rngs=rngs)
 
   stack = stacked(nnx.Rngs(0))
+  einsum = qlayers.QuantEinsum("bk,kn->bn", (64, 32), recipe="mxfp8",
+                               rngs=nnx.Rngs(0))
+  with pytest.warns(UserWarning, match=r"freeze: QuantEinsum \(QuantEinsum\)"
+                                       r" keeps? their wide weights"):
+    assert qlayers.freeze(einsum) == 0
   with pytest.raises(ValueError, match=r"kernel \(3, 64, 32\) is not \(in, "
                                        r"out\) = \(64, 32\)"):
     qlayers.freeze(stack)

@@ -25,6 +25,7 @@ blocks (a 576 x 192 kernel in 128 x 128 blocks would store 640 x 256).
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Iterator
 
 import jax
@@ -32,7 +33,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from qlayers import scaling
+from qlayers.layers.core import QuantLayer
 from qlayers.layers.dense import QuantDense
+from qlayers.layers.embed import QuantEmbed
 from qlayers.layers.general import QuantLinearGeneral
 from qlayers.scaling import QTensor, QuantSpec
 
@@ -185,7 +188,9 @@ def freeze(model: nnx.Module, *, spec: QuantSpec | None = None) -> int:
 
   Raises:
     ValueError: a layer's recipe quantizes no weight (``"bf16"``) and no
-      ``spec`` was given (the message names the layer).
+      ``spec`` was given, or a kernel is a stack (the message names the
+      layer). Other qlayers layers (`qlayers.QuantEinsum`, logits heads,
+      experts) keep their weights, with a warning naming them.
 
   Example:
     >>> from flax import nnx
@@ -200,17 +205,24 @@ def freeze(model: nnx.Module, *, spec: QuantSpec | None = None) -> int:
     >>> layer.kernel.payload.dtype, layer.kernel.bytes_per_weight
     (dtype('uint8'), 0.53125)
   """
-  todo = []
+  todo, left = [], []
   for path, node in nnx.iter_graph(model):
+    where = "/".join(map(str, path)) or type(node).__name__
+    if isinstance(node, QuantLayer) and not isinstance(
+        node, (QuantDense, QuantLinearGeneral, QuantEmbed)):
+      left.append(f"{where} ({type(node).__name__})")
     if not isinstance(node, (QuantDense, QuantLinearGeneral)) or not (
         isinstance(node.kernel, nnx.Param)):
       continue
     s = spec or node.recipe.fprop.rhs
-    where = "/".join(map(str, path)) or type(node).__name__
     if s is None:
       raise ValueError(f"{where}: recipe {node.recipe.name!r} quantizes no "
                        "weight; pass freeze(..., spec=QuantSpec(...)).")
     todo.append((node, s, _n_in(node, where)))
   for node, s, n_in in todo:
     node.kernel = FrozenKernel.quantize(node.kernel[...], s, n_in=n_in)
+  if left:
+    warnings.warn(f"freeze: {', '.join(left)} keep their wide weights "
+                  "(only QuantDense and QuantLinearGeneral kernels freeze).",
+                  stacklevel=2)
   return len(todo)
