@@ -93,21 +93,23 @@ def test_spec_errors_name_the_problem():
 
 def test_weight_blocks_quantize_w_and_w_t_alike():
   w = jnp.asarray(_wide_range((40, 56), 4))
-  a = quantize(w, BLOCK, 1).dequantize()
-  b = quantize(w.T, BLOCK, 1).dequantize().T
-  np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  # 1 x 16 tiles do not have the property.
-  t = quantize(w.T, TILE, 1).dequantize().T
-  assert not np.array_equal(np.asarray(quantize(w, TILE, 1).dequantize()),
-                            np.asarray(t))
-  # The recipe's Fprop and Dgrad copies of w hold the same values.
   plan = dispatch.plan(qlayers.recipe("nvfp4"), (8, 40), jnp.float32,
                        (40, 56), jnp.float32)
-  fprop, dgrad = jax.jit(lambda w: (operands.operand(w, plan.fprop.rhs),
-                                     operands.operand(w, plan.dgrad.rhs)))(w)
-  assert fprop.transposed and not dgrad.transposed
-  np.testing.assert_array_equal(np.asarray(fprop.dequantize().T),
-                                np.asarray(dgrad.dequantize()))
+
+  @jax.jit
+  def copies(w):
+    def d(t, spec):
+      return scaling.quantize(t, spec, 1).dequantize()
+    return (d(w, BLOCK), d(w.T, BLOCK).T, d(w, TILE), d(w.T, TILE).T,
+            # The recipe's Fprop copy (of w.T, contraction-last) and Dgrad's.
+            operands.operand(w, plan.fprop.rhs).dequantize().T,
+            operands.operand(w, plan.dgrad.rhs).dequantize())
+
+  block, block_t, tile, tile_t, fprop, dgrad = map(np.asarray, copies(w))
+  np.testing.assert_array_equal(block, block_t)
+  assert not np.array_equal(tile, tile_t)  # 1 x 16 tiles do not have it
+  np.testing.assert_array_equal(fprop, dgrad)
+  np.testing.assert_array_equal(fprop, block)
 
 
 def test_16_point_hadamard_is_orthogonal_on_wgrad_only():
