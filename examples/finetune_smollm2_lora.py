@@ -1,6 +1,6 @@
-"""LoRA fine-tune of SmolLM2-135M on frozen FP8 base weights, from an FP8 checkpoint.
+"""LoRA on frozen FP8 base weights of SmolLM2-135M, from an FP8 checkpoint.
 
-  python examples/finetune_smollm2_lora.py                 # CPU: slow, see RESULTS
+  python examples/finetune_smollm2_lora.py           # CPU: slow, see RESULTS
   python examples/finetune_smollm2_lora.py --steps 300 --recipe deepseek_v3
 
 1. Loads SmolLM2-135M-Instruct (``_common/llama.py``; the GGUF dequantized
@@ -44,8 +44,7 @@ import qlayers
 from qlayers import checkpoint, hf
 from qlayers.layers.frozen import FrozenKernel
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _common import cli, llama, lm, shakespeare  # pylint: disable=g-import-not-at-top
+from _common import cli, llama, lm, shakespeare
 
 HF_LINEAR = {"attn": "self_attn", "mlp": "mlp"}
 
@@ -226,7 +225,7 @@ def main(argv=None) -> dict[str, Any]:
                                  / b["memory"]["base_weights"])
   print("             perplexity before -> after   base weights   "
         "params+optimizer")
-  for name, r in (("bf16 base", b), (f"fp8 base", f)):
+  for name, r in (("bf16 base", b), ("fp8 base", f)):
     m = r["memory"]
     print(f"  {name:10} {r['ppl_before']:8.2f} -> {r['ppl_after']:7.2f}"
           f"   {m['base_weights'] / 2**20:8.1f} MiB   "

@@ -25,7 +25,6 @@ every run starts from the same weights and sees the same data):
 from __future__ import annotations
 
 import dataclasses
-import pathlib
 import sys
 import time
 from typing import Any
@@ -36,8 +35,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _common import cli, shakespeare  # pylint: disable=g-import-not-at-top
+from _common import cli, shakespeare
 
 try:
   from tunix.models.qwen3 import model as qwen3
@@ -47,7 +45,7 @@ except ImportError as e:  # the extra is not installed
                    "examples/requirements-tunix.txt (or 'qlayers[tunix]')"
                    ) from e
 
-from qlayers.integrations import tunix as qtunix  # pylint: disable=g-import-not-at-top
+from qlayers.integrations import tunix as qtunix
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,4 +182,4 @@ def main(argv=None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-  main()
+  main(sys.argv[1:])

@@ -15,6 +15,7 @@ pytest.importorskip("tunix", reason="google-tunix is not installed "
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import qlayers
 from qlayers.integrations import tunix as qtunix
+from tunix.models.llama3 import model as llama3
 from tunix.models.qwen3 import model as qwen3
 from tunix.sft import peft_trainer, utils
 
@@ -111,6 +112,19 @@ def tunix_numpy():
   with jax.numpy_rank_promotion("allow"), jax.numpy_dtype_promotion(
       "standard"):
     yield
+
+
+def test_quantize_llama3():
+  cfg = llama3.ModelConfig(
+      num_layers=1, vocab_size=64, embed_dim=32, hidden_dim=64, num_heads=2,
+      head_dim=16, num_kv_heads=1, rope_theta=10_000, norm_eps=1e-6)
+  model = llama3.Llama3(cfg, rngs=nnx.Rngs(0))
+  report = qtunix.quantize(model, "fp8_current")
+  assert sorted(c.path for c in report.converted
+                if c.new_type == "QuantTunixEinsum") == [
+                    f"layers/0/attn/{p}_proj" for p in "koqv"]
+  assert [k.path for k in report.kept_wide] == ["lm_head"]
+  assert not report.skipped
 
 
 def _loss(model, x):

@@ -74,17 +74,19 @@ class QuantTunixEinsum(QuantLayer, nnx.Module):
 
   Holds what Tunix's does, under the same names: the Param ``w`` of
   ``shape``, ``einsum_str``, ``dtype`` (input and weight are cast to it, as
-  Tunix does); plus ``quant`` (its `qlayers.QuantGemm`) and, after
-  `add_lora`, the adapters ``lora_a`` (the contracted dims of ``w``, then
-  the rank) and ``lora_b`` (the rank, then ``w``'s other dims), added as
-  ``x @ a @ b`` in ``dtype`` (as ``nnx.LoRA``, no scaling factor). The
-  equation must be one GEMM (`qlayers.layers.general.einsum_gemm_plan`).
+  Tunix's Qwen3 does; ``None``: no cast, as its Llama 3); plus ``quant``
+  (its `qlayers.QuantGemm`) and, after `add_lora`, the adapters ``lora_a``
+  (the contracted dims of ``w``, then the rank) and ``lora_b`` (the rank,
+  then ``w``'s other dims), added as ``x @ a @ b`` in the output dtype (as
+  ``nnx.LoRA``, no scaling factor). The equation must be one GEMM
+  (`qlayers.layers.general.einsum_gemm_plan`).
 
   Args:
     einsum_str: ``"input,weight->output"``, e.g. ``"BTD,DNH->BTNH"``.
     shape: the shape of ``w``.
     rngs: initialises ``w`` (Glorot uniform, as Tunix).
-    dtype, param_dtype: computation and Param dtypes.
+    dtype, param_dtype: computation (``None``: the operands') and Param
+      dtypes.
     sharding: the Param's sharding names (Tunix's ``sharding``).
     recipe: the quantization recipe (default ``"fp8_delayed"``).
     backend: force a GEMM backend (``"xla"`` or ``"ffi"``).
@@ -127,7 +129,8 @@ class QuantTunixEinsum(QuantLayer, nnx.Module):
                  backend: str | None = None) -> "QuantTunixEinsum":
     """The drop-in for Tunix ``Einsum`` ``layer``, holding its very ``w``."""
     new = cls(layer.einsum_str, (1,) * layer.w.ndim, rngs=nnx.Rngs(0),
-              dtype=layer.dtype, recipe=recipe, backend=backend)
+              dtype=getattr(layer, "dtype", None), recipe=recipe,
+              backend=backend)
     new.w = layer.w
     new.shape = tuple(layer.w.shape)
     return new
@@ -146,8 +149,9 @@ class QuantTunixEinsum(QuantLayer, nnx.Module):
     if x.ndim != len(lhs):
       raise ValueError(f"{type(self).__name__} {self.einsum_str!r}: input of "
                        f"shape {x.shape} has not {len(lhs)} dims.")
-    x = jnp.astype(x, self.dtype)
-    w = jnp.astype(self.w[...], self.dtype)
+    w = self.w[...]
+    if self.dtype is not None:
+      x, w = jnp.astype(x, self.dtype), jnp.astype(w, self.dtype)
     dims = ((tuple(lhs.index(c) for c in contracted),
              tuple(rhs.index(c) for c in contracted)), ((), ()))
     y = self.quant(x, w, dims, preferred_element_type=self.dtype)
@@ -160,8 +164,8 @@ class QuantTunixEinsum(QuantLayer, nnx.Module):
       r = next(c for c in string.ascii_letters if c not in self.einsum_str)
       eq = (f"{''.join(lhs)},{''.join(contracted)}{r},{r}{''.join(free)}"
             f"->{''.join(out)}")
-      y = y + jnp.einsum(eq, x, jnp.astype(self.lora_a[...], self.dtype),
-                         jnp.astype(self.lora_b[...], self.dtype))
+      y = y + jnp.einsum(eq, x, jnp.astype(self.lora_a[...], y.dtype),
+                         jnp.astype(self.lora_b[...], y.dtype)).astype(y.dtype)
     return y
 
 
@@ -271,6 +275,9 @@ def quantize(model: nnx.Module, recipe: Recipe | str | None, rules=None, *,
 
 def _check(layer, recipe: Recipe) -> tuple[int, int]:
   """``(K, N)`` of Tunix ``Einsum`` ``layer`` if it takes ``recipe``."""
+  if getattr(layer, "w_scale", None) is not None:
+    raise swap.Skip("its weight is scaled by a separate w_scale Param, which "
+                    "the drop-in would drop")
   try:
     _, rhs, _, contracted, free = einsum_gemm_plan(layer.einsum_str)
   except ValueError as e:
@@ -308,7 +315,8 @@ def _eval_step(trainer, model, inputs):
   view = nnx.view(model, only=QuantGemm, raise_if_not_found=False,
                   use_running_average=True)
   out = trainer.eval_loss_fn(view, **inputs)
-  return out if trainer._has_aux else (out, None)  # pylint: disable=protected-access
+  has_aux = trainer._has_aux  # pylint: disable=protected-access
+  return out if has_aux else (out, None)
 
 
 if _peft is not None:
