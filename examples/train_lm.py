@@ -63,6 +63,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 import qlayers
+from qlayers import recipe_rules
 from _common import cli, gpt, keep_wide, lm, shakespeare, sharding, training
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
@@ -260,14 +261,18 @@ def build_model(cfg: Config, run: str, seed: int, rules=None):
   if run == cfg.baseline:
     return model, None
   if not run.endswith(WIDE):
-    return model, qlayers.quantize(model, run)
-  if rules is None:
-    if not cfg.keep_wide or keep_wide.measured(cfg.keep_wide):
-      raise ValueError(f"run {run!r} needs --keep-wide (the layers it keeps "
-                       "wide) or rules measured for it")
-    rules = keep_wide.fixed_rules(cfg.keep_wide)
-  return model, qlayers.quantize(model, run.removesuffix(WIDE), rules,
-                                 strict=True)
+    report = qlayers.quantize(model, run)
+  else:
+    if rules is None:
+      if not cfg.keep_wide or keep_wide.measured(cfg.keep_wide):
+        raise ValueError(f"run {run!r} needs --keep-wide (the layers it "
+                         "keeps wide) or rules measured for it")
+      rules = keep_wide.fixed_rules(cfg.keep_wide)
+    report = qlayers.quantize(model, run.removesuffix(WIDE), rules,
+                              strict=True)
+  # Step-keyed stochastic rounding (nvfp4): each GEMM its own seed.
+  recipe_rules.seed_rounding(model, seed)
+  return model, report
 
 
 def make_tx(cfg: Config) -> optax.GradientTransformation:

@@ -117,3 +117,19 @@ def test_keep_wide_noise_honours_its_fraction():
   assert huge == qlayers.convert.DEFAULT_RULES
   after = jax.tree.map(np.asarray, nnx.state(model))
   assert jax.tree.all(jax.tree.map(np.array_equal, before, after))
+
+
+def test_step_keyed_rounding_gets_a_seed_per_layer_and_run_seed():
+  import train_lm
+
+  cfg = train_lm.parse_args(["--d-model", "32", "--layers", "1", "--heads",
+                             "2", "--seq-len", "16"])
+
+  def seeds(seed):
+    model, _ = train_lm.build_model(cfg, "nvfp4", seed)
+    return [int(m.sr_seed[...]) for _, m in train_lm.qlayers.layers.core.gemms(
+        model)]
+
+  zero, one = seeds(0), seeds(1)
+  assert len(zero) == 4 and len(set(zero)) == 4
+  assert [b - a for a, b in zip(zero, one)] == [1] * 4
