@@ -106,6 +106,17 @@ def test_quantize_frozen_and_linear_general():
   assert float(jnp.abs(y - wide).max()) < 0.1 * float(jnp.abs(wide).max())
 
 
+def test_freeze_einsum():
+  layer = qlayers.QuantEinsum("btd,dnh->btnh", (64, 4, 16), (4, 16),
+                              recipe="mxfp8", rngs=nnx.Rngs(0))
+  x = jnp.ones((2, 3, 64))
+  before = apply(layer, x)
+  assert qlayers.freeze(layer) == 1
+  assert layer.kernel.payload.shape == (64, 64)  # (N, K)
+  assert list(nnx.state(layer, nnx.Param)) == ["bias"]
+  np.testing.assert_array_equal(_bits(apply(layer, x)), _bits(before))
+
+
 def test_kernel_straight_from_an_fp8_checkpoint(tmp_path):
   w = np.asarray(jax.random.normal(jax.random.key(2), (192, 256)) * 0.1,
                  np.float32)  # (out, in) as HF stores it
@@ -143,10 +154,10 @@ def test_freeze_errors_and_checkpoint_round_trip(tmp_path):
     return qlayers.QuantDense(64, 32, recipe="mxfp8", rngs=rngs)
 
   stack = stacked(nnx.Rngs(0))
-  einsum = qlayers.QuantEinsum("bk,kn->bn", (64, 32), recipe="mxfp8",
+  einsum = qlayers.QuantEinsum("bk,nk->bn", (32, 64), recipe="mxfp8",
                                rngs=nnx.Rngs(0))
   with pytest.warns(UserWarning, match=r"freeze: QuantEinsum \(QuantEinsum\)"
-                                       r" keeps? their wide weights"):
+                                       r" keep their wide weights"):
     assert qlayers.freeze(einsum) == 0
   with pytest.raises(ValueError, match=r"kernel \(3, 64, 32\) is not \(in, "
                                        r"out\) = \(64, 32\)"):

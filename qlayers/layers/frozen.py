@@ -36,7 +36,8 @@ from qlayers import scaling
 from qlayers.layers.core import QuantLayer
 from qlayers.layers.dense import QuantDense
 from qlayers.layers.embed import QuantEmbed
-from qlayers.layers.general import QuantLinearGeneral
+from qlayers.layers.general import (QuantEinsum, QuantLinearGeneral,
+                                    einsum_gemm_plan)
 from qlayers.scaling import QTensor, QuantSpec
 
 __all__ = ["FrozenWeight", "FrozenKernel", "freeze", "frozen_kernels",
@@ -154,9 +155,13 @@ class FrozenKernel(nnx.Module):
     return self.nbytes / math.prod(self.shape)
 
 
-def _n_in(layer, where: str) -> int:
-  """The number of input dims of ``layer``'s kernel; ValueError for a
+def _n_in(layer, where: str) -> int | None:
+  """The number of leading input (contracted) dims of ``layer``'s kernel;
+  None for an einsum whose contracted dims do not lead; ValueError for a
   kernel of another shape (a stack of layers made under ``nnx.vmap``)."""
+  if isinstance(layer, QuantEinsum):
+    _, rhs, _, contracted, _ = einsum_gemm_plan(layer.einsum_str)
+    return len(contracted) if rhs[:len(contracted)] == contracted else None
   ins, outs = layer.in_features, layer.out_features
   ins = ins if isinstance(ins, tuple) else (ins,)
   outs = outs if isinstance(outs, tuple) else (outs,)
@@ -167,19 +172,11 @@ def _n_in(layer, where: str) -> int:
   return len(ins)
 
 
-def frozen_kernels(model: nnx.Module) -> Iterator[tuple[tuple, nnx.Module]]:
-  """Every layer of ``model`` whose kernel is a `FrozenKernel`, with its
-  path."""
-  for path, node in nnx.iter_graph(model):
-    if isinstance(getattr(node, "kernel", None), FrozenKernel) and not (
-        isinstance(node, FrozenKernel)):
-      yield path, node
-
-
 def freeze(model: nnx.Module, *, spec: QuantSpec | None = None) -> int:
-  """Replaces the kernel Param of every `qlayers.QuantDense` and
-  `qlayers.QuantLinearGeneral` in ``model`` by a `FrozenKernel`, in place;
-  returns how many.
+  """Replaces the kernel Param of every `qlayers.QuantDense`,
+  `qlayers.QuantLinearGeneral` and `qlayers.QuantEinsum` (whose contracted
+  kernel dims lead, as in ``"btd,dnh->btnh"``) in ``model`` by a
+  `FrozenKernel`, in place; returns how many.
 
   Args:
     model: a model with qlayers layers (`qlayers.quantize` makes them).
@@ -189,8 +186,9 @@ def freeze(model: nnx.Module, *, spec: QuantSpec | None = None) -> int:
   Raises:
     ValueError: a layer's recipe quantizes no weight (``"bf16"``) and no
       ``spec`` was given, or a kernel is a stack (the message names the
-      layer). Other qlayers layers (`qlayers.QuantEinsum`, logits heads,
-      experts) keep their weights, with a warning naming them.
+      layer). Other qlayers layers (an einsum contracting trailing kernel
+      dims, logits heads, experts) keep their weights, with a warning
+      naming them.
 
   Example:
     >>> from flax import nnx
@@ -208,21 +206,24 @@ def freeze(model: nnx.Module, *, spec: QuantSpec | None = None) -> int:
   todo, left = [], []
   for path, node in nnx.iter_graph(model):
     where = "/".join(map(str, path)) or type(node).__name__
-    if isinstance(node, QuantLayer) and not isinstance(
-        node, (QuantDense, QuantLinearGeneral, QuantEmbed)):
+    kinds = (QuantDense, QuantLinearGeneral, QuantEinsum)
+    n_in = (_n_in(node, where) if isinstance(node, kinds)
+            and isinstance(node.kernel, nnx.Param) else 0)
+    if n_in is None or (isinstance(node, QuantLayer) and not isinstance(
+        node, (*kinds, QuantEmbed))):
       left.append(f"{where} ({type(node).__name__})")
-    if not isinstance(node, (QuantDense, QuantLinearGeneral)) or not (
-        isinstance(node.kernel, nnx.Param)):
+    if not n_in:
       continue
     s = spec or node.recipe.fprop.rhs
     if s is None:
       raise ValueError(f"{where}: recipe {node.recipe.name!r} quantizes no "
                        "weight; pass freeze(..., spec=QuantSpec(...)).")
-    todo.append((node, s, _n_in(node, where)))
+    todo.append((node, s, n_in))
   for node, s, n_in in todo:
     node.kernel = FrozenKernel.quantize(node.kernel[...], s, n_in=n_in)
   if left:
     warnings.warn(f"freeze: {', '.join(left)} keep their wide weights "
-                  "(only QuantDense and QuantLinearGeneral kernels freeze).",
+                  "(only QuantDense, QuantLinearGeneral and QuantEinsum "
+                  "kernels with leading contracted dims freeze).",
                   stacklevel=2)
   return len(todo)
