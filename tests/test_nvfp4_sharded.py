@@ -24,3 +24,8 @@ def test_the_data_derived_key_is_not_layout_independent(results):
   # operand, sums in another order when sharded and draws other bits.
   r = multidevice.result(results, "sr_operand_layouts")
   assert r["rows_data"]["payload"] != r["single_data"]["payload"]
+
+
+def test_shard_map_scales_under_the_whole_tensors_amax(results):
+  r = multidevice.result(results, "shard_map_operand")
+  assert r["shard_map"] == r["single"]

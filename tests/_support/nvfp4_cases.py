@@ -5,7 +5,7 @@ are the same bits on one device and sharded, as is the per-tensor scale."""
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import qlayers
 from qlayers import formats, operands
@@ -45,6 +45,26 @@ def sr_operand_layouts():
     out[name] = _bits(make(gs, key))
     out[name + "_data"] = _bits(by_data(gs))
   return out
+
+
+@case
+def shard_map_operand():
+  """Inside shard_map (rows over 8 devices) each shard's 1 x 16 tiles are
+  scaled under the whole tensor's amax: the shards' operands put together
+  are the single-device operand."""
+  spec = qlayers.recipe("nvfp4").fprop.lhs
+  op = Operand(spec, 1)
+  x = jax.random.normal(jax.random.key(1), (64, 64)) * jnp.exp2(
+      jnp.arange(64, dtype=jnp.float32)[:, None] % 9)
+  whole = jax.jit(lambda x: operands.operand(x, op))(x)
+  mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
+  parts = jax.jit(jax.shard_map(
+      lambda x: (lambda q: (q.payload, q.scale))(operands.operand(x, op)),
+      mesh=mesh, in_specs=P("d"), out_specs=(P("d"), P("d"))))(x)
+  return {"single": _bits(whole),
+          "shard_map": {"payload": np.asarray(parts[0]).tolist(),
+                        "scale": np.asarray(parts[1]).view(
+                            np.uint32).tolist()}}
 
 
 if __name__ == "__main__":
