@@ -53,8 +53,10 @@ class QuantGemm(nnx.Module):
   (completed steps, index 0 most recent) and ``{role}_amax`` (the running
   max of the current step): `QuantState` Variables, except ``g_amax``, a
   `QuantGradState` (it is only known in the backward pass; see
-  `qlayers.value_and_grad` and `qlayers.update_scales`). Other recipes hold
-  no Variables.
+  `qlayers.value_and_grad` and `qlayers.update_scales`). A recipe with
+  ``sr_key = "step"`` adds ``sr_seed`` and ``sr_step`` (uint32 `QuantState`:
+  the stochastic-rounding key of each call, see `rounding_key`). Other
+  recipes hold no Variables.
 
   Args:
     recipe: a recipe name, TOML path or `Recipe` (default
