@@ -46,6 +46,7 @@ from qlayers.state import QuantGradState
 from qlayers.state import QuantVariable
 # Last: it builds on the layers, conversion and ops above.
 from qlayers import inspect  # pylint: disable=g-bad-import-order
+from qlayers import recipe_rules  # pylint: disable=g-bad-import-order
 
 __version__ = "0.2.0"
 
@@ -69,5 +70,5 @@ __all__ = [
     # Where the GEMMs run.
     "backends",
     # Submodules.
-    "checkpoint", "formats", "scaling", "ops", "inspect",
+    "checkpoint", "formats", "scaling", "ops", "inspect", "recipe_rules",
 ]
