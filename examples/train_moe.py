@@ -22,7 +22,10 @@ with ``all_to_all`` inside ``shard_map`` (`qlayers.expert_parallel`);
 ``--transport`` sends them as the recipe's 1-byte payloads plus scales.
 
 Prints the final validation loss of each run and its gap to the baseline of
-the same seed; ``--json`` writes every number.
+the same seed; ``--json`` writes every number. ``--qwen3-steps N`` also
+converts a third-party NNX MoE, Tunix's Qwen3-MoE at a tiny size
+(``_common/moe_qwen3.py``; needs ``examples/requirements-tunix.txt``), with
+each recipe and trains it N steps, printing the conversion report.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ class Config:
   eval_batches: int = 8
   expert_parallel: int = 1
   transport: bool = False
+  qwen3_steps: int = 0
   json: str | None = None
 
 
@@ -139,6 +143,14 @@ def main(argv=None) -> dict:
     print(f"{r['recipe']:<14}{r['seed']:>5}{r['valid_ce']:>10.4f}"
           f"{100 * r['gap']:>8.2f}%{r['seconds']:>8.1f}")
   results = {"config": dataclasses.asdict(cfg), "runs": runs}
+  if cfg.qwen3_steps:  # a third-party NNX MoE: Tunix's Qwen3-MoE
+    from _common import moe_qwen3  # pylint: disable=g-import-not-at-top
+    results["qwen3"] = {}
+    for recipe in cfg.recipes:
+      losses, report = moe_qwen3.train(recipe, steps=cfg.qwen3_steps)
+      print(f"\nTunix Qwen3-MoE (tiny), {recipe}: losses "
+            f"{[round(x, 4) for x in losses]}\n{report}")
+      results["qwen3"][recipe] = {"losses": losses, "report": str(report)}
   cli.write_json(cfg.json, results)
   return results
 
