@@ -175,3 +175,11 @@ def test_freeze_errors_and_checkpoint_round_trip(tmp_path):
                                 _bits(layer.kernel.payload[...]))
   np.testing.assert_array_equal(other.kernel.scale[...],
                                 layer.kernel.scale[...])
+
+
+def test_frozen_kernels_lists_the_frozen_layers():
+  from qlayers.layers.frozen import frozen_kernels
+  a = qlayers.QuantDense(64, 32, recipe="mxfp8", rngs=nnx.Rngs(0))
+  b = qlayers.QuantDense(64, 32, recipe="mxfp8", rngs=nnx.Rngs(0))
+  qlayers.freeze(a)
+  assert [p for p, _ in frozen_kernels(nnx.List([a, b]))] == [(0,)]

@@ -172,6 +172,24 @@ def _n_in(layer, where: str) -> int | None:
   return len(ins)
 
 
+def frozen_kernels(model: nnx.Module) -> Iterator[tuple[tuple, nnx.Module]]:
+  """Every layer of ``model`` whose kernel is a `FrozenKernel`, with its
+  path.
+
+  Example:
+    >>> from flax import nnx
+    >>> import qlayers
+    >>> layer = qlayers.QuantDense(64, 32, recipe="mxfp8", rngs=nnx.Rngs(0))
+    >>> _ = qlayers.freeze(layer)
+    >>> [(p, type(m).__name__) for p, m in frozen_kernels(layer)]
+    [((), 'QuantDense')]
+  """
+  for path, node in nnx.iter_graph(model):
+    if isinstance(getattr(node, "kernel", None), FrozenKernel) and not (
+        isinstance(node, FrozenKernel)):
+      yield path, node
+
+
 def freeze(model: nnx.Module, *, spec: QuantSpec | None = None) -> int:
   """Replaces the kernel Param of every `qlayers.QuantDense`,
   `qlayers.QuantLinearGeneral` and `qlayers.QuantEinsum` (whose contracted
