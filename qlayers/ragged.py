@@ -30,8 +30,10 @@ How it runs: the groups are gathered into per-expert buffers ``[G, M, K]``
 and `ops.quantized_matmul` is mapped over the experts with ``jax.vmap``; the
 result is gathered back to token order. That is G times the activation
 bytes and FLOPs: the same masked dense form XLA's CPU backend gives
-``lax.ragged_dot`` itself, but not a native grouped kernel (see
-``benchmarks/RESULTS.md`` for what XLA:GPU makes of it).
+``lax.ragged_dot`` itself, but not a native grouped kernel. A ``capacity``
+(the most tokens one expert takes, as a capacity-bounded dispatch has)
+shrinks the buffers to ``[G, capacity, K]``: about ``capacity_factor``
+times the activation instead of G times.
 """
 
 from __future__ import annotations
@@ -68,20 +70,22 @@ def _layout(group_sizes: jax.Array, m: int):
   return starts, ends - starts
 
 
-def to_groups(t: jax.Array, starts: jax.Array, sizes: jax.Array) -> jax.Array:
-  """``t [M, C]`` as per-group buffers ``[G, M, C]``: group ``e``'s rows at
-  the top of buffer ``e``, zeros below (the padding that keeps every scaling
-  block inside one group)."""
-  m = t.shape[0]
-  r = jnp.arange(m, dtype=jnp.int32)
+def to_groups(t: jax.Array, starts: jax.Array, sizes: jax.Array,
+              rows: int | None = None) -> jax.Array:
+  """``t [M, C]`` as per-group buffers ``[G, rows, C]`` (default ``rows``:
+  ``M``): group ``e``'s rows at the top of buffer ``e``, zeros below (the
+  padding that keeps every scaling block inside one group); a group's rows
+  past ``rows`` are left out."""
+  r = jnp.arange(rows or t.shape[0], dtype=jnp.int32)
   valid = r[None, :] < sizes[:, None]
   idx = jnp.where(valid, starts[:, None] + r[None, :], 0)
   return jnp.where(valid[..., None], t[idx], jnp.zeros((), t.dtype))
 
 
-def group_ids(group_sizes: jax.Array, m: int):
+def group_ids(group_sizes: jax.Array, m: int, capacity: int | None = None):
   """``(gid [m], valid [m])``: the group of each of ``m`` sorted rows, and
-  whether the row belongs to a group at all (rows past the last do not).
+  whether the row belongs to a group at all (rows past the last do not, nor
+  a group's rows past ``capacity``).
 
   Example:
     >>> import jax.numpy as jnp
@@ -90,24 +94,27 @@ def group_ids(group_sizes: jax.Array, m: int):
     ([0, 0, 2, 2], [True, True, True, False])
   """
   starts, sizes = _layout(jnp.asarray(group_sizes), m)
-  return _ids(starts, sizes, m)
+  gid, valid, _ = _ids(starts, sizes, m, capacity or m)
+  return gid, valid
 
 
-def _ids(starts, sizes, m):
+def _ids(starts, sizes, m, rows):
+  """``(gid, valid, pos)``: each row's group, whether it is in a buffer of
+  ``rows`` rows, and its row there."""
   i = jnp.arange(m, dtype=jnp.int32)
   ends = starts + sizes
   gid = jnp.clip(jnp.searchsorted(ends, i, side="right"), 0,
                  sizes.shape[0] - 1).astype(jnp.int32)
-  return gid, i < ends[-1]
+  pos = i - starts[gid]
+  valid = (i < ends[-1]) & (pos < rows)
+  return gid, valid, jnp.where(valid, pos, 0)
 
 
-def from_groups(b: jax.Array, starts: jax.Array, sizes: jax.Array
+def from_groups(b: jax.Array, starts: jax.Array, sizes: jax.Array, m: int
                 ) -> jax.Array:
-  """The inverse of `to_groups`: buffers ``[G, M, C]`` back to ``[M, C]`` in
-  token order; rows that belong to no group are 0."""
-  m = b.shape[1]
-  gid, valid = _ids(starts, sizes, m)
-  pos = jnp.where(valid, jnp.arange(m, dtype=jnp.int32) - starts[gid], 0)
+  """The inverse of `to_groups`: buffers ``[G, rows, C]`` back to ``[m, C]``
+  in token order; rows in no buffer are 0."""
+  gid, valid, pos = _ids(starts, sizes, m, b.shape[1])
   return jnp.where(valid[:, None], b[gid, pos], jnp.zeros((), b.dtype))
 
 
@@ -143,7 +150,8 @@ def quantized_ragged_dot(lhs: jax.Array, rhs: jax.Array,
                          group_sizes: jax.Array, recipe: Recipe | str,
                          state: dict[str, ScaleState] | None = None, *,
                          key: jax.Array | None = None, out_dtype=None,
-                         backend: str | None = None):
+                         backend: str | None = None,
+                         capacity: int | None = None):
   """``lax.ragged_dot(lhs, rhs, group_sizes)`` with every GEMM quantized.
 
   Args:
@@ -157,6 +165,10 @@ def quantized_ragged_dot(lhs: jax.Array, rhs: jax.Array,
       per expert ``[G]``; derived from each expert's data if omitted.
     out_dtype: output dtype (as `ops.quantized_matmul`).
     backend: force a GEMM backend (``xla``; see `ops.quantized_matmul`).
+    capacity: the most rows of one group the op holds (its buffers are
+      ``[G, capacity, K]`` instead of ``[G, M, K]``); a group's rows past it
+      are dropped (output 0, no gradient), as by a capacity-bounded
+      dispatch. Default: ``M`` (nothing dropped).
 
   Returns:
     ``(y [M, N], new_state)``: as `ops.quantized_matmul`, per expert (the
@@ -177,6 +189,11 @@ def quantized_ragged_dot(lhs: jax.Array, rhs: jax.Array,
   m, g = lhs.shape[0], rhs.shape[0]
   if m == 0 or g == 0 or rhs.shape[2] == 0 or lhs.shape[1] == 0:
     return jnp.zeros((m, rhs.shape[2]), out_dtype), state
+  if capacity is not None and (not isinstance(capacity, int)
+                               or capacity < 1):
+    raise ValueError(f"ragged_dot: capacity must be a positive int, got "
+                     f"{capacity!r}.")
+  rows = min(capacity or m, m)
   starts, sizes = _layout(jnp.asarray(group_sizes), m)
   keys = key if key is None or jnp.shape(key) == (g,) else jax.random.split(
       key, g)
@@ -188,12 +205,13 @@ def quantized_ragged_dot(lhs: jax.Array, rhs: jax.Array,
   # The partitioning rule has no batching rule: under a mesh each expert's
   # GEMM is left to XLA's partitioner (as ops' batched dot_general does).
   with sharding.unpartitioned():
-    y, new_state = jax.vmap(one)(to_groups(lhs, starts, sizes), rhs, state,
-                                 keys)
-  return from_groups(y, starts, sizes), new_state
+    y, new_state = jax.vmap(one)(to_groups(lhs, starts, sizes, rows), rhs,
+                                 state, keys)
+  return from_groups(y, starts, sizes, m), new_state
 
 
-def ragged_dot(recipe: Recipe | str, *, backend: str | None = None):
+def ragged_dot(recipe: Recipe | str, *, backend: str | None = None,
+               capacity: int | None = None):
   """A stateless `lax.ragged_dot`-compatible callable quantized by ``recipe``.
 
   ``fn(lhs [m, k], rhs [g, k, n], group_sizes [g], precision=None,
@@ -203,7 +221,8 @@ def ragged_dot(recipe: Recipe | str, *, backend: str | None = None):
   `qlayers.layers.QuantRaggedDot` (a stateful callable of this signature).
   ``precision`` is ignored (the recipe sets operand precision);
   ``group_offset`` (a shard of the groups) is refused: pass the local
-  groups' sizes and weights instead.
+  groups' sizes and weights instead. ``capacity``: see
+  `quantized_ragged_dot`.
 
   Example:
     >>> import jax.numpy as jnp
@@ -227,7 +246,8 @@ def ragged_dot(recipe: Recipe | str, *, backend: str | None = None):
           "groups); pass the local groups' rhs and group_sizes.")
     out_dtype = preferred_element_type or jnp.result_type(lhs, rhs)
     return quantized_ragged_dot(lhs, rhs, group_sizes, recipe,
-                                out_dtype=out_dtype, backend=backend)[0]
+                                out_dtype=out_dtype, backend=backend,
+                                capacity=capacity)[0]
 
   fn.recipe = recipe
   return fn

@@ -152,3 +152,15 @@ def test_step_keyed_rounding_per_expert():
   np.testing.assert_array_equal(layer.quant.sr_seed[...], [0, 1, 2])
   np.testing.assert_array_equal(layer.quant.sr_step[...], [2, 2, 2])
   assert not np.array_equal(dx1, dx2)
+
+
+def test_capacity_drops_rows_and_their_bias():
+  layer = qlayers.QuantExperts(4, 32, 16, use_bias=True, capacity=2,
+                               recipe="fp8_current",
+                               bias_init=nnx.initializers.ones_init(),
+                               rngs=nnx.Rngs(0))
+  y = layer(_x(), SIZES)  # groups of 3, 0, 4, 1 rows: rows 2, 5, 6 dropped
+  assert layer.quant.capacity == 2
+  dropped = np.asarray(y)[[2, 5, 6]]
+  assert not dropped.any()
+  assert np.asarray(y)[[0, 1, 3, 4, 7]].all()

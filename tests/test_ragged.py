@@ -153,6 +153,30 @@ def test_rows_past_the_groups_are_zero():
   assert np.asarray(y[:13]).all() and not np.asarray(want[13:]).any()
 
 
+def test_capacity_bounds_the_buffers():
+  """``capacity``: buffers [G, capacity, K]; a capacity every group fits
+  changes no bit, a smaller one drops each group's rows past it."""
+  x, w, ct = _data(3)
+  def run(capacity):
+    rd = ops.ragged_dot("mxfp8", capacity=capacity)
+    def f(x, w, ct):
+      y = rd(x, w, jnp.array(SIZES, jnp.int32),
+             preferred_element_type=jnp.float32)
+      return y, jnp.sum(y * ct)
+    return _run(f, x, w, ct)
+  full, fits, small = run(None), run(max(SIZES)), run(5)
+  for a, b in zip(full, fits):
+    np.testing.assert_array_equal(a, b)
+  kept = np.r_[0:5, 9:14]
+  dropped = np.r_[5:9, 14:40]
+  np.testing.assert_array_equal(small[0][kept], full[0][kept])
+  assert not np.asarray(small[0][dropped]).any()
+  assert not np.asarray(small[1][dropped]).any()
+  np.testing.assert_array_equal(small[1][kept], full[1][kept])
+  with pytest.raises(ValueError, match="capacity must be a positive int"):
+    ops.ragged_dot("mxfp8", capacity=0)(x, w, jnp.array(SIZES, jnp.int32))
+
+
 def test_refusals():
   x, w, _ = _data()
   gs = jnp.array(SIZES, jnp.int32)

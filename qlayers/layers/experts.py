@@ -46,6 +46,8 @@ class QuantRaggedDot(QuantGemm):
     recipe: a recipe name, TOML path or `Recipe`.
     num_groups: the number of experts (the state's leading axis).
     backend: force a GEMM backend (see `QuantGemm`).
+    capacity: the most tokens of one expert the GEMM holds; more are dropped
+      (see `qlayers.ops.quantized_ragged_dot`). Default: no limit.
     use_running_average: start in eval mode.
 
   Example:
@@ -59,10 +61,12 @@ class QuantRaggedDot(QuantGemm):
 
   def __init__(self, recipe: Recipe | str = "fp8_delayed", *,
                num_groups: int, backend: str | None = None,
+               capacity: int | None = None,
                use_running_average: bool = False):
     super().__init__(recipe, backend=backend, batch_shape=(num_groups,),
                      use_running_average=use_running_average)
     self.num_groups = num_groups
+    self.capacity = capacity
 
   def rounding_key(self) -> jax.Array | None:
     """One stochastic-rounding key per expert (``sr_key = "step"``; None
@@ -84,7 +88,8 @@ class QuantRaggedDot(QuantGemm):
     entry per expert of ``w``."""
     y, new_state = ragged.quantized_ragged_dot(
         x, w, group_sizes, self.recipe, self.read(), out_dtype=out_dtype,
-        key=self.rounding_key(), backend=self.backend)
+        key=self.rounding_key(), backend=self.backend,
+        capacity=self.capacity)
     self.write(new_state)
     return y
 
@@ -245,6 +250,9 @@ class QuantExperts(QuantLayer, nnx.Module):
     rngs: the random number generators.
     recipe: the quantization recipe (default ``"fp8_delayed"``).
     backend: force a GEMM backend (see `QuantGemm`).
+    capacity: the most tokens one expert takes (the GEMM's buffers are
+      ``[E, capacity, K]``); more are dropped: output 0, no gradient.
+      Default: no limit (buffers ``[E, m, K]``).
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -268,7 +276,7 @@ class QuantExperts(QuantLayer, nnx.Module):
                param_dtype=jnp.float32, kernel_init=default_kernel_init,
                bias_init=nnx.initializers.zeros_init(), rngs: nnx.Rngs,
                recipe: Recipe | str = "fp8_delayed",
-               backend: str | None = None):
+               backend: str | None = None, capacity: int | None = None):
     shape = (num_experts, in_features, out_features)
     self.kernel = nnx.Param(kernel_init(rngs.params(), shape, param_dtype))
     self.bias = (nnx.Param(bias_init(rngs.params(),
@@ -282,7 +290,7 @@ class QuantExperts(QuantLayer, nnx.Module):
     self.dtype = dtype
     self.param_dtype = param_dtype
     self.quant = QuantRaggedDot(recipe, num_groups=num_experts,
-                                backend=backend)
+                                backend=backend, capacity=capacity)
 
   def __call__(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """``x [m, in_features]`` (sorted by expert), ``group_sizes
@@ -296,6 +304,7 @@ class QuantExperts(QuantLayer, nnx.Module):
                                              dtype=self.dtype)
     y = self.quant.ragged(x, kernel, group_sizes, out_dtype=x.dtype)
     if bias is not None:
-      gid, valid = ragged.group_ids(group_sizes, x.shape[0])
+      gid, valid = ragged.group_ids(group_sizes, x.shape[0],
+                                    self.quant.capacity)
       y = y + jnp.where(valid[:, None], bias[gid], 0).astype(y.dtype)
     return y
