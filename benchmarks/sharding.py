@@ -7,6 +7,8 @@ itself unless ``XLA_FLAGS`` already sets a device count)::
   python benchmarks/sharding.py --json out/sharding.json
   python benchmarks/sharding.py --recipes fp8_delayed,mxfp8 --layouts fsdp
   python benchmarks/sharding.py --quick           # one recipe, two layouts
+  python benchmarks/sharding.py --model moe --recipes fp8_current,mxfp8
+                                                  # MoE GPT, experts over 8
 
 Model: the GPT of ``examples/_common/gpt.py`` (d_model 256, 2 blocks, 4
 heads, d_ff 1024, vocab 256, seq 128, batch 16; BF16 GEMMs), its Params cast
@@ -28,6 +30,12 @@ wide element counted at 2 bytes (XLA:CPU gathers BF16 Params as F32, a GPU
 as BF16) and, so counted, against the stock step's. ``--steps N`` (default 2) runs the compiled step N times and
 compares the losses with the same variant on one device (a sharded step
 adds and reduces in another order, so expect FP32 rounding, not bits).
+
+``--model moe``: the MoE GPT of ``examples/_common/moe.py`` (the same sizes,
+each MLP 8 experts of width 512, top 2) in layout ``ep``: experts sharded
+over an ``expert`` axis of 8 devices with the batch, tokens sent to their
+experts by ``all_to_all`` (`qlayers.expert_parallel`), as each quantized
+variant's payloads (``transport``); the all-to-all bytes are in "other".
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS",
                              " --xla_force_host_platform_device_count=8")
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import pathlib  # noqa: E402
 import time  # noqa: E402
@@ -50,28 +59,44 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import qlayers  # noqa: E402
-from _common import gpt, lm, sharding  # noqa: E402
+from _common import gpt, lm, moe, sharding  # noqa: E402
 import collectives  # noqa: E402
 import mdtable  # noqa: E402
 
 LAYOUTS = {"dp": "data=8", "fsdp": "fsdp=8", "tp": "data=2,model=4",
-           "fsdp_tp": "fsdp=2,model=4"}
+           "fsdp_tp": "fsdp=2,model=4", "ep": "expert=8"}
+MOE_LAYOUTS = ("ep",)
 RECIPES = ("fp8_delayed", "fp8_current", "mxfp8", "deepseek_v3", "mxfp4")
 CONFIG = gpt.GPTConfig(vocab_size=256, max_len=128, d_model=256, n_layers=2,
                        n_heads=4, d_ff=1024, dtype=jnp.bfloat16)
+# --model moe: the same sizes with every MLP an MoE layer (8 experts of width
+# 512, top 2); under "ep" the experts are sharded over ``expert`` and each
+# quantized variant sends the tokens to them as its payloads
+# (`qlayers.expert_parallel`).
+MOE_CONFIG = moe.MoEConfig(**{f.name: getattr(CONFIG, f.name)
+                              for f in dataclasses.fields(CONFIG)},
+                           n_experts=8, top_k=2)
 BATCH, SEQ = 16, 128
 
 
-def build(variant: str, rules: str, params: str = "bf16"):
-  """The GPT as ``variant``; ``params="bf16"`` casts its Params to BF16 first
-  (``qlayers.Optimizer`` then keeps FP32 masters beside them)."""
-  model = gpt.GPT(CONFIG, rngs=nnx.Rngs(0))
+def build(variant: str, rules: str, params: str = "bf16", model: str = "gpt"):
+  """The GPT (or MoE GPT) as ``variant``; ``params="bf16"`` casts its Params
+  to BF16 first (``qlayers.Optimizer`` then keeps FP32 masters beside
+  them)."""
+  if model == "moe":
+    quantized = variant != "stock" and qlayers.recipe(variant).quantized
+    config = dataclasses.replace(MOE_CONFIG,
+                                 transport=variant if quantized else None)
+    model = moe.MoEGPT(config, rngs=nnx.Rngs(0))
+  else:
+    model = gpt.GPT(CONFIG, rngs=nnx.Rngs(0))
   if params == "bf16":
     narrow = jax.tree.map(lambda p: p.astype(jnp.bfloat16),
                           nnx.state(model, nnx.Param))
@@ -88,13 +113,33 @@ def batch(seed=0):
   return tokens[:, :-1], tokens[:, 1:]
 
 
+def place_experts(mesh, model, opt, inputs, targets):
+  """Expert parallelism: stacked expert kernels (and their optimizer
+  moments) split over ``expert`` by their leading dim, the batch too,
+  everything else replicated."""
+  def put(path, x):
+    if not hasattr(x, "ndim"):
+      return x
+    names = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
+    experts = x.ndim == 3 and any(n in ("up", "down") for n in names)
+    spec = P("expert") if experts else P()
+    return jax.device_put(x, NamedSharding(mesh, spec))
+  for node in (model, opt):
+    nnx.update(node, jax.tree_util.tree_map_with_path(put, nnx.state(node)))
+  return [jax.device_put(a, NamedSharding(mesh, P("expert")))
+          for a in (inputs, targets)]
+
+
 def compile_step(model, opt, inputs, targets):
   graphdef, state = nnx.split((model, opt))
 
   def step(state, inputs, targets):
     model, opt = nnx.merge(graphdef, state)
-    loss, grads = qlayers.value_and_grad(
-        lambda m: lm.next_token_loss(m(inputs), targets))(model)
+    def loss_fn(m):
+      if isinstance(m, moe.MoEGPT):  # with its load-balancing loss
+        return moe.loss_fn(m, inputs, targets)[0]
+      return lm.next_token_loss(m(inputs), targets)
+    loss, grads = qlayers.value_and_grad(loss_fn)(model)
     opt.update(model, grads)
     return loss, nnx.state((model, opt))
 
@@ -103,17 +148,23 @@ def compile_step(model, opt, inputs, targets):
   return compiled, state, time.perf_counter() - t0
 
 
-def run(variant, layout, rules, steps, params="bf16"):
+def run(variant, layout, rules, steps, params="bf16", model_name="gpt"):
   """Collectives (and losses) of one variant; ``layout`` None: one device."""
   inputs, targets = batch()
-  model, opt = build(variant, rules, params)
+  model, opt = build(variant, rules, params, model_name)
   if layout is None:
     compiled, state, _ = compile_step(model, opt, inputs, targets)
     return {"losses": _losses(compiled, state, inputs, targets, steps)}
-  mesh = sharding.make_mesh(LAYOUTS[layout])
+  if layout == "ep":
+    mesh = jax.make_mesh((8,), ("expert",), axis_types=(AxisType.Auto,))
+  else:
+    mesh = sharding.make_mesh(LAYOUTS[layout])
   with jax.set_mesh(mesh):
-    sharding.shard_model(mesh, model, opt)
-    inputs, targets = sharding.put_batch(mesh, inputs, targets)
+    if layout == "ep":
+      inputs, targets = place_experts(mesh, model, opt, inputs, targets)
+    else:
+      sharding.shard_model(mesh, model, opt)
+      inputs, targets = sharding.put_batch(mesh, inputs, targets)
     compiled, state, secs = compile_step(model, opt, inputs, targets)
     hlo = compiled.as_text()
     return {"collectives": collectives.summary(hlo), "compile_s": secs,
@@ -191,6 +242,9 @@ def main(argv=None):
   p.add_argument("--params", choices=("bf16", "f32"), default="bf16",
                  help="dtype of every variant's Params (default bf16: the "
                  "stock baseline gathers BF16 weights)")
+  p.add_argument("--model", choices=("gpt", "moe"), default="gpt",
+                 help="moe: the MoE GPT (examples/_common/moe.py), layout ep "
+                 "(experts over 8 devices, all_to_all dispatch)")
   p.add_argument("--quick", action="store_true")
   p.add_argument("--json", default=None)
   args = p.parse_args(argv)
@@ -198,24 +252,30 @@ def main(argv=None):
   layouts = [x for x in args.layouts.split(",") if x]
   if args.quick:
     recipes, layouts = ["fp8_delayed"], ["fsdp", "tp"]
+  if args.model == "moe" and args.layouts == p.get_default("layouts"):
+    layouts = list(MOE_LAYOUTS)
   for x in layouts:
     if x not in LAYOUTS:
       p.error(f"unknown layout {x!r}; choose from {sorted(LAYOUTS)}")
+    if (x in MOE_LAYOUTS) != (args.model == "moe"):
+      p.error(f"layout {x!r} is for --model "
+              f"{'moe' if x in MOE_LAYOUTS else 'gpt'}")
   if jax.device_count() != 8:
     p.error(f"needs 8 devices, JAX sees {jax.device_count()}")
   variants = ["stock", "bf16", *recipes]
-  print(f"GPT d_model={CONFIG.d_model} blocks={CONFIG.n_layers} "
+  print(f"{args.model.upper()} d_model={CONFIG.d_model} blocks={CONFIG.n_layers} "
         f"d_ff={CONFIG.d_ff}, {args.params} Params, batch {BATCH}x{SEQ}, on "
         f"{jax.device_count()} {jax.default_backend()} devices")
-  single = {v: run(v, None, args.rules, args.steps, args.params)
+  single = {v: run(v, None, args.rules, args.steps, args.params, args.model)
             for v in variants} if args.steps else {}
-  results = {"layouts": LAYOUTS, "rules": args.rules, "steps": args.steps,
+  results = {"model": args.model, "layouts": LAYOUTS, "rules": args.rules,
+             "steps": args.steps,
              "params": args.params, "jax": jax.__version__, "results": {}}
   out = []
   for layout in layouts:
     rows = {}
     for v in variants:
-      r = run(v, layout, args.rules, args.steps, args.params)
+      r = run(v, layout, args.rules, args.steps, args.params, args.model)
       if args.steps:
         r["single_losses"] = single[v]["losses"]
         r["loss_delta"] = float(np.max(np.abs(np.subtract(
