@@ -236,7 +236,8 @@ def table(layout: str, rows: dict) -> list[str]:
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--recipes", default=",".join(RECIPES))
-  p.add_argument("--layouts", default=",".join(LAYOUTS))
+  p.add_argument("--layouts", default=",".join(
+      x for x in LAYOUTS if x not in MOE_LAYOUTS))
   p.add_argument("--rules", choices=("default", "all"), default="default")
   p.add_argument("--steps", type=int, default=2)
   p.add_argument("--params", choices=("bf16", "f32"), default="bf16",
