@@ -259,7 +259,7 @@ def as_mx(q: QTensor) -> QTensor:
     >>> spec = QuantSpec(granularity="block", scale_rule="deepseek", pow2=True)
     >>> m = as_mx(quantize(jnp.ones((128, 8)), spec, 0))
     >>> m.granularity, m.payload.shape, m.scale.shape, int(m.scale[0, 0])
-    ('mx', (128, 128), (128, 4), 120)
+    ('mx', (128, 128), (128, 4), 119)
   """
   if q.granularity not in ("tile", "block") or q.fmt.bits != 8:
     raise ValueError(f"as_mx takes FP8 tile/block operands, got "
