@@ -195,8 +195,11 @@ def quantized_ragged_dot(lhs: jax.Array, rhs: jax.Array,
                      f"{capacity!r}.")
   rows = min(capacity or m, m)
   starts, sizes = _layout(jnp.asarray(group_sizes), m)
-  keys = key if key is None or jnp.shape(key) == (g,) else jax.random.split(
-      key, g)
+  keys = key
+  typed = key is not None and jax.dtypes.issubdtype(key.dtype,
+                                                    jax.dtypes.prng_key)
+  if key is not None and jnp.ndim(key) == (0 if typed else 1):
+    keys = jax.random.split(key, g)  # one key, not one per expert
 
   def one(x, w, st, k):
     return ops.quantized_matmul(x, w, recipe, st, key=k, out_dtype=out_dtype,

@@ -25,8 +25,8 @@ from qlayers.layers.core import QuantLayer
 from qlayers.layers.experts import QuantExperts, QuantRaggedDot
 from qlayers.recipe import Recipe
 
-__all__ = ["is_experts", "is_experts_layer", "is_quantized", "sites", "check", "quantize",
-           "dequantize", "dims", "routers"]
+__all__ = ["is_experts", "is_experts_layer", "is_quantized", "sites",
+           "check", "quantize", "dequantize", "dims", "routers"]
 
 ATTR = "ragged_dot"  # the attribute holding an experts module's grouped GEMM
 

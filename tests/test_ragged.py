@@ -177,6 +177,21 @@ def test_capacity_bounds_the_buffers():
     ops.ragged_dot("mxfp8", capacity=0)(x, w, jnp.array(SIZES, jnp.int32))
 
 
+def test_one_key_or_one_per_expert():
+  """A single key (here a raw uint32 one, of shape (2,) like 2 experts'
+  typed keys) is split per expert; G keys are used as they are."""
+  x, w, ct = _data(4)
+  gs = jnp.array([9, 31], jnp.int32)
+
+  def dx(key):
+    f = lambda x: jnp.sum(ops.quantized_ragged_dot(  # noqa: E731
+        x, w[:2], gs, "mxfp4", key=key)[0] * ct)
+    return jax.jit(jax.grad(f))(x)
+
+  key = jax.random.PRNGKey(5)  # raw: shape (2,), as 2 typed keys would be
+  np.testing.assert_array_equal(dx(key), dx(jax.random.split(key, 2)))
+
+
 def test_refusals():
   x, w, _ = _data()
   gs = jnp.array(SIZES, jnp.int32)
