@@ -102,7 +102,36 @@ class MLPConfig:
     return "mlp"
 
 
-Config = Union[TransformerConfig, MLPConfig]
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoEConfig(TransformerConfig):
+  """The transformer's sizes with every MLP an MoE layer: the MoE GPT of
+  ``examples/_common/moe.py`` (RMSNorm, rotary attention, ``n_experts``
+  experts of width ``d_ff // top_k``, top ``top_k``, tokens sorted by
+  expert into two ``lax.ragged_dot``). Its loss here is the cross-entropy
+  (the load-balancing term is left out of the timed step)."""
+
+  n_experts: int = 8
+  top_k: int = 2
+
+  @property
+  def kind(self) -> str:
+    return "moe"
+
+
+Config = Union[TransformerConfig, MLPConfig, MoEConfig]
+
+
+def _moe_model(cfg: MoEConfig, rngs: nnx.Rngs) -> nnx.Module:
+  import pathlib  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  examples = str(pathlib.Path(__file__).resolve().parents[1] / "examples")
+  if examples not in sys.path:
+    sys.path.insert(0, examples)
+  from _common import moe  # pylint: disable=g-import-not-at-top
+  return moe.MoEGPT(moe.MoEConfig(
+      vocab_size=cfg.vocab, max_len=cfg.seq_len, d_model=cfg.d_model,
+      n_layers=cfg.n_layers, n_heads=cfg.n_heads, d_ff=cfg.d_ff,
+      n_experts=cfg.n_experts, top_k=cfg.top_k, dtype=cfg.dtype), rngs=rngs)
 
 
 def _linear(cfg: Config, n_in: int, n_out: int, rngs: nnx.Rngs) -> nnx.Linear:
@@ -209,6 +238,8 @@ class MLPStack(nnx.Module):
 def build_model(cfg: Config, *, seed: int = 0) -> nnx.Module:
   """The stock model for ``cfg``; the same ``seed`` gives the same weights."""
   rngs = nnx.Rngs(params=seed)
+  if isinstance(cfg, MoEConfig):
+    return _moe_model(cfg, rngs)
   if isinstance(cfg, TransformerConfig):
     return TransformerLM(cfg, rngs=rngs)
   if isinstance(cfg, MLPConfig):
