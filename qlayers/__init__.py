@@ -15,6 +15,7 @@ layers suffer under a recipe, and why) as `qlayers.inspect`.
 
 from qlayers import checkpoint
 from qlayers import formats
+from qlayers import hf
 from qlayers import ops
 from qlayers import optim
 from qlayers import scaling
@@ -70,5 +71,5 @@ __all__ = [
     # Where the GEMMs run.
     "backends",
     # Submodules.
-    "checkpoint", "formats", "scaling", "ops", "inspect", "recipe_rules",
+    "checkpoint", "formats", "hf", "scaling", "ops", "inspect", "recipe_rules",
 ]
