@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from qlayers.layers.core import QuantLayer, gemms
+from qlayers.recipe import Recipe
 
 FILE = "qlayers.json"
 FORMAT = "qlayers-checkpoint"
@@ -237,6 +238,15 @@ def flat(tree, prefix: str = "") -> dict:
           for k, v in flat(sub, f"{prefix}/{key}" if prefix else key).items()}
 
 
+# Recipe fields with a default (JSON form), for checkpoints saved before a
+# field existed.
+_RECIPE_DEFAULTS = {
+    f.name: json.loads(json.dumps(f.default))
+    for f in dataclasses.fields(Recipe)
+    if f.default is not dataclasses.MISSING and isinstance(
+        f.default, (str, int, float, bool, type(None)))}
+
+
 def layer_diff(ckpt: dict, target: dict) -> list[str]:
   """Differences of two ``{layer path: description}`` (see
   `qlayers.checkpoint.read_metadata`), each recipe setting named."""
@@ -249,6 +259,8 @@ def layer_diff(ckpt: dict, target: dict) -> list[str]:
   for p in sorted(set(ckpt) & set(target)):
     c, t = ckpt[p], target[p]
     fc, ft = flat(c["recipe_config"]), flat(t["recipe_config"])
+    # A top-level Recipe field a checkpoint predates holds its default there.
+    fc = {**{k: v for k, v in _RECIPE_DEFAULTS.items() if k not in fc}, **fc}
     fields = [f"{k.replace('/', '.')}: {fc.get(k)!r} vs {ft.get(k)!r}"
               for k in sorted(set(fc) | set(ft)) if fc.get(k) != ft.get(k)]
     if c["type"] != t["type"]:
