@@ -78,7 +78,9 @@ def _model(cfg: Config, recipe: str | None, seed: int) -> moe.MoEGPT:
       transport=recipe if cfg.transport else None)
   model = moe.MoEGPT(config, rngs=nnx.Rngs(seed))
   if recipe is not None:
-    qlayers.quantize(model, recipe)
+    # The first line counts converted, kept wide and skipped layers (e.g.
+    # deepseek_v3 skips GEMMs smaller than its 128-element tiles).
+    print(str(qlayers.quantize(model, recipe)).splitlines()[0])
   return model
 
 
