@@ -2,6 +2,9 @@
 delayed scaling. Skipped when google-tunix is not installed
 (``pip install --no-deps -r examples/requirements-tunix.txt``)."""
 
+import importlib.util
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -227,3 +230,15 @@ def test_qwen3_trains_with_tunix(recipe, lora, tunix_numpy):
   if recipe == "fp8_delayed":
     assert np.all(q.x_amax_history[:6] > 0) and np.all(
         q.g_amax_history[:6] > 0)
+
+
+def test_without_tunix_the_module_imports_and_says_what_to_install(
+    monkeypatch):
+  monkeypatch.setitem(sys.modules, "tunix.sft", None)  # import fails
+  spec = importlib.util.spec_from_file_location("tunix_absent",
+                                                qtunix.__file__)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  assert module.quantize and module.QuantTunixEinsum  # the rest works
+  with pytest.raises(ImportError, match=r"qlayers\[tunix\]"):
+    module.PeftTrainer(None, None, None)
