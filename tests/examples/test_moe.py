@@ -51,3 +51,12 @@ def test_quantize_converts_experts_and_keeps_router_wide():
   assert jax.tree.map(jnp.shape, nnx.state(model, nnx.Param)) == params
   logits, aux = model.forward(jnp.zeros((2, 8), jnp.int32))
   assert logits.shape == (2, 8, 32) and bool(jnp.isfinite(aux))
+
+
+def test_train_moe_refuses_unknown_recipe_before_training(capsys):
+  import pytest  # pylint: disable=g-import-not-at-top
+  import train_moe  # pylint: disable=g-import-not-at-top
+  with pytest.raises(SystemExit) as e:
+    train_moe.main(["--recipes", "fp8_current,nope"])
+  assert e.value.code == 2
+  assert "unknown recipe 'nope'" in capsys.readouterr().err
