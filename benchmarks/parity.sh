@@ -50,5 +50,5 @@ files=$(ls "$OUT"/s*/results.json "$OUT"/wide_s*.json "$OUT"/nvwide_s*.json \
         | paste -sd,)
 # The goals: nvfp4 (+ its BF16 layers) and mxfp4 + rules within 1%.
 "${RUN[@]}" --merge "$files" --tolerance 1 \
-    --tolerances mxfp4=3,mxfp4_rht=3,mxfp4_mlperf=3 \
+    --tolerances mxfp4=3,mxfp4_rht=3,mxfp4_mlperf=3,mxfp4+wide=1 \
     --out "$OUT/merged" --json "$OUT/merged/results.json"
