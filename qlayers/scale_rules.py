@@ -383,6 +383,21 @@ def _e8m0_bits(c: jax.Array) -> jax.Array:
   return jnp.maximum(c << 23, jnp.uint32(0x400000))
 
 
+def _materialized(*values: jax.Array) -> tuple[jax.Array, ...]:
+  """``values`` behind an optimization barrier off CPU.
+
+  Off CPU the correctly rounded divisions are integer long divisions
+  (`rdivide_rn_integer`, some 60 operations each). Without the barrier XLA
+  clones them into every fusion that reads a scale: on an H200 target that
+  was about half the optimized HLO of an FP8 train step and most of the
+  compile time it adds over a stock step. Behind it they are one small
+  fusion whose results the casts read. Values are unchanged.
+  """
+  return jax.lax.platform_dependent(
+      *values, cpu=lambda *v: v,
+      default=lambda *v: jax.lax.optimization_barrier(v))
+
+
 # Jitted so that an eager `quantize` compiles the scale rule once per (grid
 # shape, spec) rather than each of its integer steps; inlined under jit.
 @functools.partial(jax.jit, static_argnums=1)
@@ -407,10 +422,10 @@ def unit_scales(a: jax.Array, spec) -> tuple[jax.Array, jax.Array]:
   fmt = spec.fmt
   if spec.scale_rule == "te":
     mult = te_multiplier(a, fmt, margin=spec.margin, pow2=spec.pow2)
-    return mult, rdivide_rn(1.0, mult)
+    return _materialized(mult, rdivide_rn(1.0, mult))
   if spec.scale_rule == "deepseek":
     scale = deepseek_scale(a, fmt, spec.pow2)
-    return rdivide_rn(1.0, scale), scale
+    return _materialized(rdivide_rn(1.0, scale), scale)
   codes = mx_scale_codes(a, fmt, spec.scale_rule)
   # 2**-e = 2**(127 - code), the E8M0 value of code 254 - code, exact; code
   # 255 wraps around (uint32) and is replaced.
