@@ -124,6 +124,8 @@ def dims(layer) -> tuple[int, int]:
     return math.prod(layer.in_features), math.prod(layer.out_features)
   if isinstance(layer, QuantExperts):
     return layer.in_features, layer.out_features
+  if hasattr(layer, "gemm_dims"):  # a block of several GEMMs: its first's
+    return layer.gemm_dims
   eq, shape = layer.einsum_str, layer.kernel_shape
   if experts_einsum(layer):  # one GEMM per expert: its (K, N)
     eq, shape = eq.replace(expert_einsum(eq), ""), shape[1:]

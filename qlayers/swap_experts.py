@@ -22,7 +22,7 @@ from flax import nnx
 
 from qlayers import swap
 from qlayers.layers.core import QuantLayer
-from qlayers.layers.experts import QuantExperts, QuantRaggedDot
+from qlayers.layers.experts import QuantRaggedDot
 from qlayers.recipe import Recipe
 
 __all__ = ["is_experts", "is_experts_layer", "is_quantized", "sites",
@@ -38,11 +38,12 @@ def is_experts(m) -> bool:
 
 
 def is_experts_layer(m) -> bool:
-  """A layer of experts whose router is kept wide too: a `QuantExperts`, or
-  an ``nnx.Einsum`` batched over its kernel's leading (expert) dim, such as
-  ``"ecd,edf->ecf"`` (which `quantize` reports as not one GEMM)."""
-  if isinstance(m, QuantExperts):
-    return True
+  """A layer of experts whose router is kept wide too: a qlayers layer
+  whose GEMM is grouped (a `QuantRaggedDot` at ``quant``: `QuantExperts`,
+  `QuantExpertsEinsum`, ``QuantTunixMoE``), or an ``nnx.Einsum`` batched
+  over its kernel's leading (expert) dim, such as ``"ecd,edf->ecf"``."""
+  if isinstance(m, QuantLayer):
+    return isinstance(getattr(m, "quant", None), QuantRaggedDot)
   if not isinstance(m, nnx.Einsum) or len(m.kernel_shape) != 3:
     return False
   ins, _, out = m.einsum_str.replace(" ", "").partition("->")
@@ -111,9 +112,10 @@ def routers(linear: list[swap.Site], experts: list[swap.Site]
   out = {}
   for e in experts:
     found = _kernel(e.layer)
-    if found is None:
+    num = found[1][0] if found else getattr(e.layer, "num_experts", None)
+    if not isinstance(num, int):
       continue
-    num, parent = found[1][0], e.path.rpartition("/")[0]
+    parent = e.path.rpartition("/")[0]
     for s in linear:
       if (s.path.startswith(parent + "/" if parent else "")
           and isinstance(s.layer, (nnx.Linear, nnx.LinearGeneral))

@@ -7,7 +7,10 @@ module (a Param ``w`` and ``jnp.einsum``), which it does not. Here:
 
 * `quantize`: `qlayers.quantize` plus Tunix's ``Einsum`` layers, swapped
   for `QuantTunixEinsum` (same Param ``w``, so Tunix's checkpoint loaders
-  and weight mappings still apply) by the same rules; one report.
+  and weight mappings still apply) by the same rules; one report. The
+  MoE layer of Tunix's Qwen3-MoE (stacked expert Params used by its own
+  code) becomes a `qlayers.integrations.tunix_moe.QuantTunixMoE` (same
+  Params; its router kept wide).
 * `add_lora`: LoRA adapters (``nnx.LoRAParam``) on those ``Einsum`` layers
   (the attention projections), beside the quantized base GEMM. Tunix's
   trainer sees the LoRAParams and trains only them.
@@ -43,6 +46,7 @@ import optax
 from flax import nnx
 
 from qlayers import convert, swap
+from qlayers.integrations import tunix_moe
 from qlayers.layers.core import QuantGemm, QuantLayer, update_scales
 from qlayers.layers.general import einsum_gemm_plan
 from qlayers.recipe import Recipe, recipe as load_recipe
@@ -213,14 +217,17 @@ def add_lora(model: nnx.Module, rank: int, *, rngs: nnx.Rngs,
 def quantize(model: nnx.Module, recipe: Recipe | str | None, rules=None, *,
              backend: str | None = None,
              **kwargs) -> convert.ConversionReport:
-  """`qlayers.quantize` for a Tunix model: its Tunix ``Einsum`` layers too.
+  """`qlayers.quantize` for a Tunix model: its Tunix ``Einsum`` and
+  ``MoELayer`` layers too.
 
-  Each Tunix ``Einsum`` is decided by the first of ``rules`` whose pattern
-  matches its path (default: `qlayers.convert.DEFAULT_RULES`, which keep an
-  ``lm_head`` and embeddings wide by name; ``head`` rules, which need the
-  head found by tracing, do not apply to them) or gets ``recipe``, and is
-  swapped for a `QuantTunixEinsum`; then `qlayers.quantize` converts the
-  rest (``nnx.Linear`` MLPs, the router of an MoE). One report lists both.
+  Each Tunix ``Einsum`` (``MoELayer``) is decided by the first of ``rules``
+  whose pattern matches its path (default: `qlayers.convert.DEFAULT_RULES`,
+  which keep an ``lm_head`` and embeddings wide by name; ``head`` rules,
+  which need the head found by tracing, do not apply to them) or gets
+  ``recipe``, and is swapped for a `QuantTunixEinsum` (a
+  `qlayers.integrations.tunix_moe.QuantTunixMoE`: its three expert GEMMs
+  quantized); then `qlayers.quantize` converts the rest (``nnx.Linear``
+  MLPs) and keeps the router of the experts wide. One report lists both.
 
   Args:
     model, recipe, rules, backend: as `qlayers.quantize`.
@@ -242,8 +249,11 @@ def quantize(model: nnx.Module, recipe: Recipe | str | None, rules=None, *,
       (rules,) if isinstance(rules, convert.Rule) else tuple(rules))
   default = None if recipe is None else load_recipe(recipe)
   done, wide, skipped = [], [], []
-  for site in swap.sites(model, is_tunix_einsum):
+  for site in swap.sites(model, lambda m: is_tunix_einsum(m)
+                         or tunix_moe.is_tunix_moe(m)):
     layer, kind = site.layer, type(site.layer).__name__
+    moe = tunix_moe.is_tunix_moe(layer)
+    new_cls = tunix_moe.QuantTunixMoE if moe else QuantTunixEinsum
     rule = next((r for r in rules if r.matches(site.path)), None)
     r = default if rule is None else (
         None if rule.recipe is None else load_recipe(rule.recipe))
@@ -252,14 +262,14 @@ def quantize(model: nnx.Module, recipe: Recipe | str | None, rules=None, *,
       wide.append(convert.KeptWide(site.path, kind, name))
       continue
     try:
-      shape = _check(layer, r)
+      shape = (tunix_moe.check if moe else _check)(layer, r)
     except swap.Skip as e:
       skipped.append(convert.Skipped(site.path, kind, str(e)))
       continue
     b = rule.backend if rule is not None and rule.backend else backend
-    swap.replace(site, QuantTunixEinsum.from_tunix(layer, r, backend=b))
+    swap.replace(site, new_cls.from_tunix(layer, r, backend=b))
     done.append(convert.Converted(
-        site.path, kind, QuantTunixEinsum.__name__, shape, r.name, name,
+        site.path, kind, new_cls.__name__, shape, r.name, name,
         tuple(p for _, _, p in site.refs if p != site.path)))
   report = convert.quantize(model, recipe, rules, backend=backend, **kwargs)
   ours = {c.path for c in done} | {k.path for k in wide} | {

@@ -1,9 +1,13 @@
 """The MoE GPT example (examples/_common/moe.py): shapes, the balancing
 loss, dispatch against a per-token loop, and conversion."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+import pytest
 from flax import nnx
 
 import qlayers
@@ -54,9 +58,91 @@ def test_quantize_converts_experts_and_keeps_router_wide():
 
 
 def test_train_moe_refuses_unknown_recipe_before_training(capsys):
-  import pytest  # pylint: disable=g-import-not-at-top
   import train_moe  # pylint: disable=g-import-not-at-top
   with pytest.raises(SystemExit) as e:
     train_moe.main(["--recipes", "fp8_current,nope"])
   assert e.value.code == 2
   assert "unknown recipe 'nope'" in capsys.readouterr().err
+
+
+
+# Tunix's Qwen3-MoE layer (examples/_common/moe_qwen3.py's tiny config).
+# Tunix builds Params with Flax's deprecated `sharding=` metadata and reads
+# JAX's deprecated pxla.thread_resources.
+_TUNIX = [pytest.mark.filterwarnings(w) for w in (
+    "ignore:'sharding' is deprecated:DeprecationWarning",
+    "ignore:jax.interpreters.pxla.thread_resources:DeprecationWarning")]
+
+
+@pytest.fixture(scope="module")
+def tunix_moe():
+  """A stock Tunix ``MoELayer`` (4 experts, top 2, D 32, F 64), its Params
+  drawn by NumPy (eager JAX initialisers take seconds here)."""
+  q3 = pytest.importorskip("tunix.models.qwen3.model",
+                           reason="google-tunix is not installed")
+  from _common import moe_qwen3  # pylint: disable=g-import-not-at-top
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    graph, state = nnx.split(nnx.eval_shape(
+        lambda: q3.MoELayer(moe_qwen3.tiny_config(), rngs=nnx.Rngs(0))))
+  rng = np.random.default_rng(0)
+  layer = nnx.merge(graph, jax.tree.map(
+      lambda s: jnp.asarray(rng.normal(0, 0.1, s.shape), s.dtype), state))
+  x = jnp.asarray(rng.normal(size=(2, 8, 32)), jnp.float32)
+  # Tunix's own forward (a loop over experts, FP32); eager ops take 10x as
+  # long here as one jit.
+  return layer, x, nnx.jit(lambda m, x: m(x))(layer, x)
+
+
+def _convert(layer, recipe):
+  from qlayers.integrations import tunix as qtunix  # pylint: disable=g-import-not-at-top
+  model = nnx.Dict(mlp=layer)
+  return model, qtunix.quantize(model, recipe)
+
+
+@pytest.mark.parametrize("recipe,bound", [("bf16", 2e-2),
+                                          ("fp8_current", 0.15)])
+@_TUNIX[0]
+@_TUNIX[1]
+def test_tunix_moe_experts_converted_and_compute_the_stock_layer(
+    tunix_moe, recipe, bound):
+  layer, x, want = tunix_moe
+  model, report = _convert(nnx.clone(layer), recipe)
+  assert [(c.path, c.new_type) for c in report.converted] == [
+      ("mlp", "QuantTunixMoE")]
+  wide = {k.path: k.why for k in report.kept_wide}
+  assert "router of the 4 experts" in wide["mlp/router"]
+  moe_layer = model["mlp"]
+  assert moe_layer.gate_proj.get_metadata()["out_sharding"] == (
+      "fsdp", None, "tp")  # Tunix's Param, sharding names and all
+  got = nnx.jit(lambda m, x: m(x))(moe_layer, x)
+  err = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+  assert 0 < err < bound, err
+
+
+@_TUNIX[0]
+@_TUNIX[1]
+def test_tunix_moe_quantized_step_updates_experts_and_their_scales(tunix_moe):
+  layer, x, _ = tunix_moe
+  model, _ = _convert(nnx.clone(layer), "fp8_delayed")
+  moe_layer = model["mlp"]
+  before = {p: np.asarray(getattr(moe_layer, p)[...])
+            for p in ("gate_proj", "up_proj", "down_proj")}
+  _, ids = jax.lax.top_k(moe_layer.router(x), 2)
+  routed = np.bincount(np.asarray(ids).ravel(), minlength=4) > 0
+  optimizer = qlayers.Optimizer(model, optax.sgd(0.1))
+
+  @nnx.jit
+  def step(model, optimizer):
+    _, grads = qlayers.value_and_grad(
+        lambda m: jnp.mean(m["mlp"](x) ** 2))(model)
+    optimizer.update(model, grads)
+
+  step(model, optimizer)
+  for name, old in before.items():
+    assert not np.array_equal(getattr(moe_layer, name)[...], old), name
+  # One amax history per expert and weight: the weights' amax per expert,
+  # and the output gradient's only for experts that got tokens.
+  np.testing.assert_array_equal(moe_layer.gate_quant.w_amax_history[:, 0],
+                                np.abs(before["gate_proj"]).max((1, 2)))
+  assert ((moe_layer.down_quant.g_amax_history[:, 0] > 0) == routed).all()
