@@ -4,11 +4,11 @@
 MoE layer (``tunix.models.qwen3.model.MoELayer``: stacked ``gate_proj``,
 ``up_proj``, ``down_proj`` Params used by its own einsums, a Python loop
 over experts off TPU). `train` converts it with
-``qlayers.integrations.tunix.quantize`` (Tunix's ``Einsum`` layers and the
-``nnx.Linear`` ones) and trains a few steps with ``qlayers.value_and_grad``
-and ``qlayers.Optimizer``; the conversion report says what was converted
-and why the experts were not (qlayers does not rewrite a module's own
-einsums over stacked weights).
+``qlayers.integrations.tunix.quantize`` (Tunix's ``Einsum`` layers, and its
+``MoELayer`` as a ``QuantTunixMoE``: the same Params, the three expert
+GEMMs grouped and quantized, the router wide) and trains a few steps with
+``qlayers.value_and_grad`` and ``qlayers.Optimizer``; the conversion report
+says what was converted.
 
 Example::
 
