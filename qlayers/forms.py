@@ -20,7 +20,7 @@ from jax import lax
 from qlayers.scaling import QTensor
 
 __all__ = ["FORMS", "scaled_dot_mx", "contraction_last", "as_mx",
-           "to_fnuz"]
+           "to_fnuz", "as_nvfp4"]
 
 
 def _dims(a_axis: int, b_axis: int):
@@ -219,7 +219,8 @@ def contraction_last(q: QTensor) -> QTensor:
   return dataclasses.replace(
       q, payload=q.payload.T, scale=q.scale if q.scale.ndim < 2 else q.scale.T,
       block=None if q.block is None else tuple(reversed(q.block)), axis=1,
-      shape=tuple(reversed(q.shape)), transposed=not q.transposed)
+      shape=tuple(reversed(q.shape)), transposed=not q.transposed,
+      block_scale=None if q.block_scale is None else q.block_scale.T)
 
 
 def _e4m3_payload(q: QTensor) -> jax.Array:
@@ -283,6 +284,84 @@ def _ue8m0_cudnn(a, b, out_dtype, axes):
   return _mx_cudnn(as_mx(a), as_mx(b), out_dtype, (1, 1))
 
 
+def as_nvfp4(q: QTensor) -> QTensor:
+  """An E2M1 operand (NVFP4, or MXFP4) as the operand of cuDNN's NVFP4 GEMM:
+  contraction-last, the same packed payload, E4M3 scales per 1 x 16
+  (``block_scale``) under one FP32 ``tensor_scale``, and ``scale`` their
+  FP32 product (for `QTensor.dequantize`).
+
+  NVFP4 keeps its own two levels; a 16 x 16 weight block's scale is repeated
+  for each of its rows. An MXFP4 block of 32 with E8M0 scale ``2**k`` is two
+  NVFP4 blocks of E4M3 scale ``2**(k - c)`` under ``tensor_scale = 2**c``,
+  ``c`` = the largest finite ``k`` - 8 (256 = 2**8 is the largest E4M3
+  power of two). Exact for every block with ``k`` >= that ``k`` - 17 (E4M3
+  reaches down to 2**-9); a block further below, whose largest value is
+  under 2**-17 of the tensor's amax, gets scale 0: it is flushed to zero
+  (a block of zeros, E8M0 2**-127, among them, exactly). An Inf/NaN block
+  (0xFF) gets the E4M3 NaN. ``as_nvfp4(q).dequantize()`` is
+  ``contraction_last(q).dequantize()`` bit for bit, but for flushed blocks.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from qlayers.scaling import QuantSpec, quantize
+    >>> q = as_nvfp4(quantize(jnp.ones((2, 64)),
+    ...                       QuantSpec(format="e2m1", granularity="mx")))
+    >>> q.block_scale.shape, q.block_scale.dtype, q.tensor_scale.item()
+    ((2, 4), dtype(float8_e4m3fn), 0.0009765625)
+  """
+  if q.format != "e2m1" or q.granularity not in ("tile", "block", "mx") or (
+      q.granularity != "mx" and q.block_scale is None):
+    raise ValueError(f"as_nvfp4 takes E2M1 NVFP4 operands (with their "
+                     f"block_scale and tensor_scale) or MXFP4 ones, got "
+                     f"{q.granularity} {q.format}.")
+  q = contraction_last(q)
+  rows = q.payload.shape[0]
+  if q.granularity == "mx":
+    codes = q.scale.astype(jnp.int32)
+    top = jnp.max(jnp.where(codes == 255, 0, codes))
+    e = codes - top + 8  # log2 of the E4M3 scale: 2**k / 2**c
+    pow2 = lambda n: lax.bitcast_convert_type(  # noqa: E731  2**n, normal n
+        ((n + 127) << 23).astype(jnp.uint32), jnp.float32)
+    e4m3 = jnp.where(e >= -9, pow2(jnp.clip(e, -9, 8)), 0.0)
+    e4m3 = jnp.repeat(jnp.where(codes == 255, jnp.nan, e4m3), 2, axis=1)
+    c = top - 135  # 2**c in two normal factors (c may be below -126)
+    tensor_scale = pow2(c // 2) * pow2(c - c // 2)
+    block_scale = e4m3.astype(jnp.float8_e4m3fn)
+  else:
+    tensor_scale = q.tensor_scale
+    block_scale = jnp.repeat(q.block_scale, q.block[0], axis=0)[:rows]
+  scale = block_scale.astype(jnp.float32) * tensor_scale
+  return dataclasses.replace(q, scale=scale, granularity="tile",
+                             block=(1, 16), block_scale=block_scale,
+                             tensor_scale=tensor_scale)
+
+
+def _e2m1(q: QTensor) -> jax.Array:
+  """The packed E2M1 payload as a ``float4_e2m1fn`` array (low nibble first,
+  as `formats.pack` writes it): a bitcast, no data moves."""
+  return lax.bitcast_convert_type(q.payload, jnp.float4_e2m1fn).reshape(
+      q.payload.shape[0], -1)
+
+
+def _nvfp4_cudnn(a, b, out_dtype, axes):
+  """E2M1 x E2M1 on sm_100 (NVFP4; MXFP4 as NVFP4, `as_nvfp4`):
+  ``jax.nn.scaled_matmul`` of the ``float4_e2m1fn`` payloads with E4M3
+  scales per 16, which XLA lowers to cuDNN's NVFP4 block-scaled GEMM, FP32
+  output; the per-tensor scales are one multiply of that output (XLA's
+  cuDNN block-scaled call takes no alpha), which XLA fuses with the cast
+  to ``out_dtype`` and with the output's consumers where it can. The
+  emulation rounds each block's ``e4m3 * S_dec`` to FP32 and this applies
+  ``S_dec_a * S_dec_b`` once: the two differ by FP32 rounding (not at all
+  for MXFP4, whose scales are powers of two)."""
+  del axes
+  qa, qb = as_nvfp4(a), as_nvfp4(b)
+  out = jax.nn.scaled_matmul(_e2m1(qa)[None], _e2m1(qb)[None],
+                             qa.block_scale[None], qb.block_scale[None],
+                             preferred_element_type=jnp.float32)[0]
+  out = out[:a.shape[1 - a.axis], :b.shape[1 - b.axis]]
+  return (out * (qa.tensor_scale * qb.tensor_scale)).astype(out_dtype)
+
+
 def _ue8m0_scaled_dot(a, b, out_dtype, axes):
   """The same on gfx950: MXFP8 operands of ``lax.scaled_dot``."""
   del axes
@@ -328,6 +407,7 @@ FORMS: dict[str, Callable] = {
     "f32_dequant": _f32_dequant,
     "mx_cudnn": _mx_cudnn,
     "ue8m0_cudnn": _ue8m0_cudnn,
+    "nvfp4_cudnn": _nvfp4_cudnn,
     "ue8m0_scaled_dot": _ue8m0_scaled_dot,
     "scaled_dot": lambda a, b, out_dtype, axes: scaled_dot_mx(a, b, out_dtype),
     "ffi": _ffi,

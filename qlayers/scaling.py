@@ -201,6 +201,11 @@ class QTensor:
     shape: the original, unpadded shape.
     transposed: the tensor was transposed before quantizing, so ``shape``
       is the transpose of the caller's operand (contraction-last layouts).
+    block_scale, tensor_scale: NVFP4 only (None otherwise): the two levels
+      of ``scale`` kept apart for a native NVFP4 GEMM, the E4M3 block
+      scales (``float8_e4m3fn``, the grid of ``scale``) and the per-tensor
+      FP32 decode scale ``S_dec``; ``scale`` is ``f32(block_scale) *
+      tensor_scale`` bit for bit. Code that replaces ``scale`` drops them.
 
   Example:
     >>> import jax.numpy as jnp
@@ -218,6 +223,8 @@ class QTensor:
   shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
   transposed: bool = dataclasses.field(default=False,
                                        metadata=dict(static=True))
+  block_scale: jax.Array | None = None
+  tensor_scale: jax.Array | None = None
 
   @property
   def fmt(self) -> Format:
@@ -348,17 +355,23 @@ def quantize(x: jax.Array, spec: QuantSpec, axis: int = -1, *,
   xp = blocks.pad_to(xf, padded)
   block_amax = blocks.block_amax(blocks.pad_to(x, padded),
                                  block).astype(jnp.float32)
+  levels = {}
   if nvfp4:
     # The tensor's amax is the largest block amax (padding adds zeros).
-    tensor_amax = jnp.max(block_amax) if amax is None else amax
-    mult, scale, _ = scale_rules.nvfp4_scales(
-        block_amax, jnp.asarray(tensor_amax, jnp.float32))
+    tensor_amax = jnp.asarray(
+        jnp.max(block_amax) if amax is None else amax, jnp.float32)
+    mult, scale, e4m3 = scale_rules.nvfp4_scales(block_amax, tensor_amax)
+    # The two levels apart (``scale`` is their product): S_dec as
+    # `nvfp4_scales` computes it, and the E4M3 block scales (exact).
+    levels = dict(block_scale=e4m3.astype(jnp.float8_e4m3fn),
+                  tensor_scale=scale_rules.rdivide_rn(
+                      1.0, scale_rules.nvfp4_encode_scale(tensor_amax)))
   else:
     mult, scale = scale_rules.unit_scales(block_amax, spec)
   payload = _cast(blocks.apply_blocks(xp, mult, block, jnp.multiply), fmt,
                   key)
   return QTensor(payload, scale, fmt.name, spec.granularity, block, axis,
-                 tuple(x.shape))
+                 tuple(x.shape), **levels)
 
 
 def bytes_per_element(spec: QuantSpec | None, compute_bytes: int = 2) -> float:

@@ -149,7 +149,9 @@ class Rule:
   the element formats of both operands must be among them). An ``ffi`` row
   applies only when the native kernel supports the operands there; a
   ``pow2`` row only when both operands' tile/block scales are powers of two
-  (UE8M0, `QuantSpec.pow2`), which the traced scales cannot tell.
+  (UE8M0, `QuantSpec.pow2`), which the traced scales cannot tell; a
+  ``levels`` row only when both carry their NVFP4 scale levels apart
+  (`QTensor.block_scale`, ``tensor_scale``).
   """
 
   platform: str  # "cpu" | "cuda" | "rocm" | "*"
@@ -162,11 +164,14 @@ class Rule:
   arch_ok: Callable[[str | None], bool] = dataclasses.field(
       default=lambda arch: True, compare=False, repr=False)
   pow2: bool = False
+  levels: bool = False
 
-  def matches(self, platform, arch, granularity, kinds, pow2=False) -> bool:
+  def matches(self, platform, arch, granularity, kinds, pow2=False,
+              levels=False) -> bool:
     return (self.platform in (platform, "*") and self.arch_ok(arch)
             and granularity in self.granularity
-            and set(kinds) <= set(self.kinds) and (pow2 or not self.pow2))
+            and set(kinds) <= set(self.kinds) and (pow2 or not self.pow2)
+            and (levels or not self.levels))
 
 
 _ANY = ("fp8", "fp6", "fp4")
@@ -203,12 +208,20 @@ TABLE: tuple[Rule, ...] = (
     Rule("cuda", "sm_100+", ("mx",), ("fp8",), "xla", "mx_cudnn",
          "jax.nn.scaled_matmul -> cuDNN block-scaled MXFP8 GEMM",
          arch_ok=_MX_CORES),
+    Rule("cuda", "sm_100+", ("mx",), ("fp4",), "xla", "nvfp4_cudnn",
+         "MXFP4 as NVFP4 (forms.as_nvfp4: a block of 32 with E8M0 scale 2^k "
+         "is two of 16 with E4M3 scale 2^(k-c) under a per-tensor 2^c, c = "
+         "the largest k - 8) + cuDNN NVFP4 block-scaled GEMM (E2M1 x E2M1) "
+         "at the FP4 rate, the per-tensor scales one multiply of its output: "
+         "exact, but blocks more than 2^17 below the largest (values under "
+         "2^-17 of the amax) are flushed to zero; the pinned XLA (jaxlib "
+         "0.10.2) turns MXFP4 with E8M0 scales into a BF16 dequantize",
+         arch_ok=_MX_CORES),
     Rule("cuda", "sm_100+", ("mx",), _ANY, "xla", "mx_cudnn",
-         "FP6/FP4 payloads widened exactly to E4M3 (every E2M1, E2M3 and "
-         "E3M2 value is one) + cuDNN MXFP8 block-scaled GEMM, at the FP8 "
-         "(= FP6) MMA rate: the pinned XLA (jaxlib 0.10.2) takes no MXFP4 "
-         "into cuDNN (FP4 with E8M0 scales becomes a BF16 dequantize + "
-         "cuBLAS BF16 GEMM) and fails to compile FP6 operands of "
+         "FP6 (and FP4 beside FP6/FP8) payloads widened exactly to E4M3 "
+         "(every E2M1, E2M3 and E3M2 value is one) + cuDNN MXFP8 "
+         "block-scaled GEMM, at the FP8 (= FP6) MMA rate: the pinned XLA "
+         "(jaxlib 0.10.2) fails to compile FP6 operands of "
          "jax.nn.scaled_matmul ('Invalid bitcast i6 to i8')",
          arch_ok=_MX_CORES),
     Rule("cuda", "sm_100+", ("blockwise",), ("fp8",), "xla", "ue8m0_cudnn",
@@ -216,11 +229,17 @@ TABLE: tuple[Rule, ...] = (
          "32-element E8M0 scales, a 128x128 block's repeats per row) + cuDNN "
          "block-scaled GEMM: bit-identical to the emulation",
          arch_ok=_MX_CORES, pow2=True),
+    Rule("cuda", "sm_100+", ("blockwise",), ("fp4",), "xla", "nvfp4_cudnn",
+         "jax.nn.scaled_matmul -> cuDNN's NVFP4 GEMM (block-scaled, E2M1 x "
+         "E2M1, the E4M3 scales per 16; a 16x16 weight block's repeated per "
+         "row) at the FP4 rate, the per-tensor FP32 scales one multiply of "
+         "its FP32 output (XLA's cuDNN call takes no alpha)",
+         arch_ok=_MX_CORES, levels=True),
     Rule("cuda", "sm_100+", ("blockwise",), ("fp4",), "xla", "f32_dequant",
-         "FP32 dequantize + TF32 dot: cuDNN's NVFP4 GEMM (E2M1 x E2M1, E4M3 "
-         "scales per 16, which jax.nn.scaled_matmul reaches on sm_100) needs "
-         "the E4M3 block scales and the per-tensor scale apart, and an NVFP4 "
-         "QTensor holds their FP32 product", arch_ok=_MX_CORES),
+         "FP32 dequantize + TF32 dot: these NVFP4 operands carry only the "
+         "FP32 product of their two scale levels (the local GEMM of "
+         "qlayers.partition, under a mesh, gets payload + scale), which "
+         "cuDNN's NVFP4 GEMM cannot take", arch_ok=_MX_CORES),
     # --- AMD (lowered here, not compiled: no ROCm toolchain on this host).
     Rule("rocm", "gfx942", ("tensor",), ("fp8",), "xla", "fp8_fnuz_folded",
          "FNUZ FP8 dot_general (gfx942 has no OCP FP8: payloads halved "
@@ -353,8 +372,9 @@ def choose(a, b, platform: str, arch: str | None = None, *,
                        f"on {where}: {why}.")
   gran = _granularity(a, b)
   kinds = (_kind(a), _kind(b))
+  levels = all(q.tensor_scale is not None for q in (a, b))
   for rule in TABLE:
-    if not rule.matches(platform, arch, gran, kinds, pow2):
+    if not rule.matches(platform, arch, gran, kinds, pow2, levels):
       continue
     if rule.backend == "ffi":
       if requested == "xla" or not ffi_supports(a, b, platform, arch)[0]:

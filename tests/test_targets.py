@@ -20,7 +20,8 @@ from qlayers import dispatch
 
 # Forms whose GEMM reads the quantized payloads themselves.
 NATIVE = {"fp8_folded", "fp8_rowwise", "fp8_fnuz_folded", "fp8_fnuz_rowwise",
-          "mx_cudnn", "ue8m0_cudnn", "scaled_dot", "ue8m0_scaled_dot"}
+          "mx_cudnn", "ue8m0_cudnn", "nvfp4_cudnn", "scaled_dot",
+          "ue8m0_scaled_dot"}
 TARGETS = (("cuda", "sm_90"), ("cuda", "sm_100"), ("rocm", "gfx942"),
            ("rocm", "gfx950"))
 
@@ -41,7 +42,8 @@ def _lowered(name: str, platform: str, arch: str) -> str:
 def _gemms(text: str) -> list[tuple[str, ...]]:
   """Operand element types of every GEMM outside the decompositions of
   ``xla.scaled_dot`` composites: a dot_general's two, or the kind of a
-  block-scaled GEMM (cuDNN custom call, ``xla.scaled_dot`` composite).
+  block-scaled GEMM (cuDNN custom call, ``xla.scaled_dot`` composite) and
+  its operands' (a cuDNN call's four: payloads, then scales).
   Dots with a constant (the Hadamard rotation of a wide operand) are not
   GEMMs of the layer."""
   out = []
@@ -53,7 +55,8 @@ def _gemms(text: str) -> list[tuple[str, ...]]:
         types = re.findall(r"tensor<(?:\d+x)*(\w+)>", line.split(" : ")[-1])
         out.append(tuple(types[:2]))
       elif "__op$block_scaled_dot" in line:
-        out.append(("cudnn_block_scaled",))
+        out.append(("cudnn_block_scaled",) + tuple(re.findall(
+            r"tensor<(?:\d+x)*(\w+)>", line.split(" : ")[-1])[:4]))
       elif 'stablehlo.composite "xla.scaled_dot"' in line:
         out.append(("scaled_dot",) + tuple(
             re.findall(r"tensor<(?:\d+x)*(\w+)>", line.split(" : ")[-1])[:2]))
@@ -104,8 +107,14 @@ def test_rocm_mx_gemms_are_scaled_dots_where_the_table_says(monkeypatch):
 
 def test_blackwell_block_scaled_routes(monkeypatch):
   monkeypatch.delenv("QLAYERS_BACKEND", raising=False)
-  for name in ("mxfp8", "mxfp6", "mxfp4", "deepseek_v3_ue8m0"):
-    assert _gemms(_lowered(name, "cuda", "sm_100")) == [
-        ("cudnn_block_scaled",)] * 3, name
+  mx = ("cudnn_block_scaled", "f8E4M3FN", "f8E4M3FN", "f8E8M0FNU",
+        "f8E8M0FNU")
+  for name in ("mxfp8", "mxfp6", "deepseek_v3_ue8m0"):
+    assert _gemms(_lowered(name, "cuda", "sm_100")) == [mx] * 3, name
+  # E2M1 x E2M1 at the FP4 rate: cuDNN's NVFP4 GEMM, E4M3 scales per 16
+  # (MXFP4 through forms.as_nvfp4), and no dequantized operand.
+  fp4 = ("cudnn_block_scaled", "f4E2M1FN", "f4E2M1FN", "f8E4M3FN", "f8E4M3FN")
+  for name in ("nvfp4", "mxfp4"):
+    assert _gemms(_lowered(name, "cuda", "sm_100")) == [fp4] * 3, name
   # FP32 scales that are not powers of two keep the FP32 dequantize.
   assert ("f32", "f32") in _gemms(_lowered("deepseek_v3", "cuda", "sm_100"))
