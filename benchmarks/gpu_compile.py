@@ -856,12 +856,13 @@ def _expanded_scale(body: Computation, inst: Inst, depth: int = 0) -> bool:
 
 
 def gemm_peak(g: Gemm, target: Target) -> tuple[float, str]:
-  """TFLOP/s the model assumes for a GEMM: by the type the MMA consumes."""
+  """TFLOP/s the model assumes for a GEMM: by the type the MMA consumes (the
+  FP4 peak only when both operands are E2M1: E2M1 beside FP6/FP8 runs at
+  the FP8 rate)."""
   mma = {g.a.split("->")[-1], g.b.split("->")[-1]}
   if g.op == "scaled-dot" and target.fp4 is None:
     return target.bf16, "bf16 (block-scaled dot emulated on this arch)"
-  if mma <= {"f4e2m1fn", "f6e2m3fn", "f6e3m2fn", "f8e4m3fn", "f8e5m2",
-             "u8"} and mma & {"f4e2m1fn"} and target.fp4:
+  if mma == {"f4e2m1fn"} and target.fp4:
     return target.fp4, "fp4"
   if mma & {"f8e4m3fn", "f8e5m2", "f6e2m3fn", "f6e3m2fn", "f4e2m1fn"} and \
       not mma & {"bf16", "f16", "f32"}:

@@ -349,6 +349,9 @@ def test_gemm_peak_by_operand_type_and_arch():
                    "op": "scaled-dot"})
   assert gc.gemm_peak(fp4, b200) == (b200.fp4, "fp4")
   assert gc.gemm_peak(fp4, h200)[0] == h200.bf16
+  # E2M1 beside E4M3 runs at the FP8 rate: the FP4 peak needs both E2M1.
+  half = gc.Gemm(**{**fp4.__dict__, "b": "f8e4m3fn"})
+  assert gc.gemm_peak(half, b200) == (b200.fp8, "fp8")
   mixed = gc.Gemm(**{**fp8.__dict__, "a": "f8e4m3fn->bf16"})
   assert gc.gemm_peak(mixed, h200)[1] == "bf16"
 
