@@ -22,6 +22,32 @@ def pytest_configure(config):
     config.addinivalue_line("filterwarnings", pattern)
 
 
+# Modules whose tests share one expensive module-scoped result (a
+# multi-device subprocess: multidevice.run_once, or a trained model): under
+# pytest-xdist one worker runs each of them whole, so no other worker sits
+# waiting for that result or builds it again. Every other test is spread
+# over the workers one by one.
+WHOLE_MODULES = frozenset({
+    "tests/test_sharding_auto.py", "tests/test_sharding_explicit.py",
+    "tests/test_sharding_multiprocess.py", "tests/test_nvfp4_sharded.py",
+    "tests/test_partition.py", "tests/test_expert_parallel.py",
+    "tests/test_checkpoint.py", "tests/examples/test_models.py",
+})
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+  from xdist.scheduler import LoadScopeScheduling  # pylint: disable=g-import-not-at-top
+
+  class Scheduling(LoadScopeScheduling):
+
+    def _split_scope(self, nodeid):
+      module = nodeid.split("::", 1)[0]
+      return module if module in WHOLE_MODULES else nodeid
+
+  return Scheduling(config, log)
+
+
 @pytest.fixture
 def sqnr():
   return sqnr_db
