@@ -365,6 +365,11 @@ def pack(codes: jax.Array, fmt: Format | str) -> jax.Array:
   word = jax.lax.bitcast_convert_type(
       codes.astype(jnp.uint8).reshape(*lead, n // elems, elems), wide)
   mask = (1 << fmt.bits) - 1
+  if elems == 2:
+    # 4 bits: the low byte of the word, by a convert (a bitcast to bytes and
+    # a slice would be a kernel of its own on GPUs).
+    out = (word & mask) | ((word >> 4) & (mask << 4))
+    return out.astype(jnp.uint8).reshape(*lead, n // 2)
   out = functools.reduce(jnp.bitwise_or, [
       ((word >> (8 * i)) & mask) << (fmt.bits * i) for i in range(elems)])
   out = jax.lax.bitcast_convert_type(out, jnp.uint8)[..., :nbytes]

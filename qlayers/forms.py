@@ -351,15 +351,21 @@ def _nvfp4_cudnn(a, b, out_dtype, axes):
   cuDNN block-scaled call takes no alpha), which XLA fuses with the cast
   to ``out_dtype`` and with the output's consumers where it can. The
   emulation rounds each block's ``e4m3 * S_dec`` to FP32 and this applies
-  ``S_dec_a * S_dec_b`` once: the two differ by FP32 rounding (not at all
-  for MXFP4, whose scales are powers of two)."""
+  ``S_dec_a * S_dec_b`` once: the two differ by FP32 rounding. MXFP4's
+  per-tensor scales are powers of two: its GEMM writes ``out_dtype`` and
+  the multiply after it is exact (BF16 has FP32's exponent range)."""
   del axes
   qa, qb = as_nvfp4(a), as_nvfp4(b)
+  alpha = qa.tensor_scale * qb.tensor_scale
+  pow2 = a.granularity == b.granularity == "mx"
+  pet = out_dtype if pow2 else jnp.float32
   out = jax.nn.scaled_matmul(_e2m1(qa)[None], _e2m1(qb)[None],
                              qa.block_scale[None], qb.block_scale[None],
-                             preferred_element_type=jnp.float32)[0]
+                             preferred_element_type=pet)[0]
   out = out[:a.shape[1 - a.axis], :b.shape[1 - b.axis]]
-  return (out * (qa.tensor_scale * qb.tensor_scale)).astype(out_dtype)
+  if pow2:
+    return out * alpha.astype(out_dtype)
+  return (out * alpha).astype(out_dtype)
 
 
 def _ue8m0_scaled_dot(a, b, out_dtype, axes):
