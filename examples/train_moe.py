@@ -6,6 +6,9 @@
   XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
       python examples/train_moe.py --expert-parallel 8 --transport
                                                       # experts over 8 devices
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 \
+      python examples/train_moe.py --expert-parallel 4 --fsdp 2
+                                          # experts over 4, kernels over 2 more
 
 The model is ``_common/moe.py``'s: the example GPT with every MLP an MoE
 layer (``--experts`` experts, top ``--top-k``, sorted dispatch with
@@ -20,6 +23,9 @@ expert under delayed scaling) and keeps the router and the head wide.
 ``D`` devices (the batch is split over it too): tokens reach their experts
 with ``all_to_all`` inside ``shard_map`` (`qlayers.expert_parallel`);
 ``--transport`` sends them as the recipe's 1-byte payloads plus scales.
+``--fsdp F`` adds a mesh axis ``fsdp`` of ``F`` devices (the batch split
+over both): each expert kernel is also split over it along K, and each
+quantized grouped GEMM gathers its shard as payload + scales (FSDP).
 
 Prints the final validation loss of each run and its gap to the baseline of
 the same seed; ``--json`` writes every number. ``--qwen3-steps N`` also
@@ -64,6 +70,7 @@ class Config:
   warmup: int = 30
   eval_batches: int = 8
   expert_parallel: int = 1
+  fsdp: int = 1
   transport: bool = False
   qwen3_steps: int = 0
   json: str | None = None
@@ -121,7 +128,7 @@ def train(cfg: Config, recipe: str | None, seed: int, train_tokens,
 
 def main(argv=None) -> dict:
   cfg = cli.parse(Config, __doc__, argv, at_least={
-      "steps": 1, "batch_size": 1, "expert_parallel": 1})
+      "steps": 1, "batch_size": 1, "expert_parallel": 1, "fsdp": 1})
   tok = shakespeare.ByteTokenizer()
   train_tokens = tok.encode(shakespeare.load_text("train"))
   valid_stream = shakespeare.batches(
@@ -130,8 +137,8 @@ def main(argv=None) -> dict:
   valid = [next(valid_stream) for _ in range(cfg.eval_batches)]
   mesh = None
   if cfg.expert_parallel > 1:
-    mesh = jax.make_mesh((cfg.expert_parallel,), ("expert",),
-                         axis_types=(AxisType.Auto,))
+    mesh = jax.make_mesh((cfg.fsdp, cfg.expert_parallel), ("fsdp", "expert"),
+                         axis_types=(AxisType.Auto,) * 2)
   runs = []
   with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
     for seed in cfg.seeds:

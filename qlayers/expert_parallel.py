@@ -29,7 +29,13 @@ GEMM input and travels wide, as the numerics contract keeps everything but
 GEMM operands. Quantization in transit is straight-through for gradients.
 
 `run` wraps the whole layer: ``shard_map`` over ``axis``, the experts'
-parameters sharded over their leading (expert) dim.
+parameters sharded over their leading (expert) dim. With ``fsdp`` (a
+second mesh axis, the batch split over both) each expert's kernel is also
+split over ``fsdp`` along K: qlayers' quantized GEMMs in the experts
+quantize the local shard with the whole kernel's per-expert scale,
+all-gather payload + scales over ``fsdp`` (1 byte per FP8 element) and
+reduce-scatter the weight gradient back (`qlayers.sharding.
+gathered_weights`).
 
 Example (8 CPU devices: ``--xla_force_host_platform_device_count=8``)::
 
@@ -52,6 +58,7 @@ Example (8 CPU devices: ``--xla_force_host_platform_device_count=8``)::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Callable, NamedTuple
@@ -66,7 +73,8 @@ from qlayers import sharding
 from qlayers.recipe import Recipe, recipe as load_recipe
 from qlayers.scaling import QuantSpec
 
-__all__ = ["Route", "transport_spec", "dispatch", "combine", "run"]
+__all__ = ["Route", "transport_spec", "dispatch", "combine", "run",
+           "gather_weights"]
 
 # Granularities whose units lie along one token row (sendable as they are).
 _ROW_UNITS = ("row", "tile", "mx")
@@ -273,34 +281,63 @@ def combine(ys: jax.Array, route: Route, gates: jax.Array, *,
   return jnp.einsum("nkd,nk->nd", out, gates.astype(jnp.float32))
 
 
-def _with_local_scales(fn: Callable, axis: str) -> Callable:
+@contextlib.contextmanager
+def _experts_scope(axis: str, fsdp: tuple[str, ...]):
+  with sharding.local_scales(axis), sharding.gathered_weights(*fsdp):
+    yield
+
+
+def _with_local_scales(fn: Callable, axis: str,
+                       fsdp: tuple[str, ...] = ()) -> Callable:
   """``fn`` with its forward and backward traced under
-  ``sharding.local_scales(axis)`` (a device's experts are its own tensors).
+  ``sharding.local_scales(axis)`` (a device's experts are its own tensors)
+  and ``sharding.gathered_weights(*fsdp)`` (its weights FSDP shards).
 
   A context is left by the time JAX traces the backward pass, so the
   backward is the vjp the forward made, called back inside the context."""
 
   @jax.custom_vjp
   def f(*args):
-    with sharding.local_scales(axis):
+    with _experts_scope(axis, fsdp):
       return fn(*args)
 
   def f_fwd(*args):
-    with sharding.local_scales(axis):
+    with _experts_scope(axis, fsdp):
       return jax.vjp(fn, *args)
 
   def f_bwd(vjp, ct):
-    with sharding.local_scales(axis):
+    with _experts_scope(axis, fsdp):
       return vjp(ct)
 
   f.defvjp(f_fwd, f_bwd)
   return f
 
 
+def gather_weights(w: jax.Array, dim: int = 1) -> jax.Array:
+  """``w``, an expert kernel ``[E_local, K, N]`` as `run` with ``fsdp``
+  hands it to the experts (its shard along ``dim``, K), gathered whole and
+  wide, for a GEMM that is not qlayers' (``lax.ragged_dot``; its gradient
+  is reduce-scattered back). Unchanged where ``w`` is no such shard.
+  qlayers' quantized GEMMs take the shard itself and gather it quantized.
+
+  Example:
+    >>> gather_weights(jnp.ones((2, 8, 4))).shape  # outside run: unchanged
+    (2, 8, 4)
+  """
+  axes, _ = sharding.weight_shards(w, dim)
+  return lax.all_gather(w, axes, axis=dim, tiled=True) if axes else w
+
+
+def _axis_size(mesh, axis) -> int:
+  if mesh is None or mesh.empty or axis is None:
+    return 1
+  return dict(zip(mesh.axis_names, mesh.axis_sizes)).get(axis, 1)
+
+
 def run(fn: Callable, params, x: jax.Array, expert_ids: jax.Array,
         gates: jax.Array, *, n_experts: int, mesh=None, axis: str = "expert",
         capacity: int | None = None, transport=None, param_specs=None,
-        updates: bool = False):
+        updates: bool = False, fsdp: str | None = None):
   """An MoE layer's experts, expert-parallel over ``mesh``'s ``axis``.
 
   ``fn(params, xs, group_sizes) -> ys`` runs the local experts on their
@@ -313,6 +350,17 @@ def run(fn: Callable, params, x: jax.Array, expert_ids: jax.Array,
   device. The experts' amaxes are their own device's (`qlayers.sharding.
   local_scales`): per-expert scales, as on one device.
 
+  ``fsdp`` names a second mesh axis (FSDP of the experts): the tokens are
+  split over ``(fsdp, axis)``, and every rank-3 parameter (a stacked
+  kernel ``[E, K, N]``) over ``axis`` on E and ``fsdp`` on K unless
+  ``param_specs`` says otherwise (only K may name ``fsdp``). ``fn`` gets
+  those shards ``[E/D, K/F, N]``: qlayers' quantized GEMMs in it
+  (``QuantRaggedDot``, ``ops.ragged_dot(recipe)``) quantize a shard with
+  its expert's whole-kernel scale, all-gather payload + scales over
+  ``fsdp`` before the GEMMs and reduce-scatter the weight gradient back;
+  other GEMMs need `gather_weights` (wide). Each ``fsdp`` row of devices
+  exchanges its tokens over ``axis`` alone.
+
   With ``updates=True``, ``fn`` returns ``(ys, params')``: the parameters
   after the call (an NNX module's state whose delayed-scaling amaxes the
   call updated), sharded as ``params``.
@@ -324,8 +372,8 @@ def run(fn: Callable, params, x: jax.Array, expert_ids: jax.Array,
   Example: see the module docstring.
   """
   mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
-  size = (dict(zip(mesh.axis_names, mesh.axis_sizes)).get(axis, 1)
-          if mesh is not None and not mesh.empty else 1)
+  size = _axis_size(mesh, axis)
+  fsdp = (fsdp,) if _axis_size(mesh, fsdp) > 1 and size > 1 else ()
   if size == 1:
     xs, sizes, route = dispatch(x, expert_ids, n_experts=n_experts,
                                 capacity=capacity)
@@ -333,24 +381,27 @@ def run(fn: Callable, params, x: jax.Array, expert_ids: jax.Array,
     ys, new_params = out if updates else (out, None)
     y = combine(ys, route, gates)
     return (y, new_params) if updates else y
-  if x.shape[0] % size:
-    raise ValueError(f"{x.shape[0]} tokens do not split over the {size} "
-                     f"devices of mesh axis {axis!r}.")
+  devices = size * _axis_size(mesh, fsdp[0] if fsdp else None)
+  if x.shape[0] % devices:
+    raise ValueError(f"{x.shape[0]} tokens do not split over the {devices} "
+                     f"devices of mesh axes {(*fsdp, axis)}.")
 
   def body(params, x, expert_ids, gates):
     xs, sizes, route = dispatch(x, expert_ids, n_experts=n_experts,
                                 axis_name=axis, capacity=capacity,
                                 transport=transport)
-    out = _with_local_scales(fn, axis)(params, xs, sizes)
+    out = _with_local_scales(fn, axis, fsdp)(params, xs, sizes)
     ys, new_params = out if updates else (out, None)
     y = combine(ys, route, gates, axis_name=axis, transport=transport)
     return (y, new_params) if updates else y
 
   if param_specs is None:
-    param_specs = jax.tree.map(lambda _: P(axis), params)
-  tokens = P(axis)
+    param_specs = jax.tree.map(
+        lambda a: P(axis, *fsdp) if fsdp and jnp.ndim(a) == 3 else P(axis),
+        params)
+  tokens = P((*fsdp, axis) if fsdp else axis)
   return jax.shard_map(
-      body, mesh=mesh, axis_names={axis},
+      body, mesh=mesh, axis_names={axis, *fsdp},
       in_specs=(param_specs, tokens, tokens, tokens),
       out_specs=(tokens, param_specs) if updates else tokens,
   )(params, x, expert_ids, gates)

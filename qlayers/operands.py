@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from qlayers import hadamard
+from qlayers import partition
 from qlayers import scaling
 from qlayers import sharding
 from qlayers.dispatch import Operand
@@ -42,14 +43,18 @@ def _data_key(t):
 
 
 def operand(t: jax.Array, op: Operand, *, amax=None, key=None,
-            dtype=jnp.float32):
+            dtype=jnp.float32, gather: tuple[str, ...] = ()):
   """The GEMM operand ``op`` (from a `dispatch.Plan`) made of ``t (..., C)``.
 
   The rows ``(M, C)`` of ``t``, Hadamard-transformed and quantized with
   `scaling.quantize` as ``op`` says (``amax``: the per-tensor amax to scale
   by; ``key``: stochastic rounding, derived from the data when omitted), or
   cast to ``dtype`` where ``op`` has no spec. Inside ``shard_map`` a
-  per-tensor scale is the whole tensor's.
+  per-tensor scale is the whole tensor's. ``gather``: manual axes over
+  which 2-D ``t`` is a shard along dim 0 (an FSDP weight,
+  `sharding.gathered_weights`): the operand of the whole tensor, quantized
+  on the shard and gathered as payload + scales (`partition.gather`), or
+  gathered wide first where a shard would not quantize as the whole does.
 
   An elementwise quantization (per tensor, in the layout given) is made of
   ``t`` itself and only its payload is flattened, so the GEMM's reshape does
@@ -63,6 +68,8 @@ def operand(t: jax.Array, op: Operand, *, amax=None, key=None,
     (6, 64)
   """
   spec = op.spec
+  if gather:
+    return _gathered(t, op, gather, amax=amax, key=key, dtype=dtype)
   if spec is None:
     return _rows(t.astype(dtype))
   elementwise = (t.ndim > 2 and spec.granularity == "tensor"
@@ -86,6 +93,19 @@ def operand(t: jax.Array, op: Operand, *, amax=None, key=None,
     q = scaling.quantize(t.T, spec, 1, amax=amax, key=key)
     return dataclasses.replace(q, transposed=True)
   return scaling.quantize(t, spec, op.axis, amax=amax, key=key)
+
+
+def _gathered(t, op: Operand, axes, **kw):
+  """`operand` of the whole of ``t``, a shard along dim 0 over ``axes``."""
+  def whole(t):
+    return lax.all_gather(t, axes, axis=0, tiled=True)
+  if op.spec is None:
+    return whole(t.astype(kw["dtype"]))
+  if not (op.spec.stochastic or (op.hadamard and op.axis == 0)):
+    q = partition.gather(operand(t, op, **kw), axes)
+    if q is not None:
+      return q
+  return operand(whole(t), op, **kw)
 
 
 def _qdq(t, spec, axis: int, amax=None):

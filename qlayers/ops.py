@@ -123,10 +123,11 @@ def _warn_if_gradient_amax_lost(recipe: Recipe, x, w, state) -> None:
 # ----------------------------------------------------------------------------
 # The custom_vjp core on x (..., K) and w (K, N), executing a Plan
 #
-# ``dtypes`` (static) is ``(x dtype, w dtype, vma, x shape)``: the backward
-# rule returns the input gradients in the primal shapes and dtypes. ``vma``
-# holds the manual mesh axes ``x`` and ``w`` vary over (inside shard_map;
-# empty elsewhere), which their cotangents are reduced to.
+# ``dtypes`` (static) is ``(x dtype, w dtype, vma, x shape, gather)``: the
+# backward rule returns the input gradients in the primal shapes and dtypes.
+# ``vma`` holds the manual mesh axes ``x`` and ``w`` vary over (inside
+# shard_map; empty elsewhere), which their cotangents are reduced to;
+# ``gather`` those ``w`` is an FSDP shard over (`sharding.weight_shards`).
 # Symbolic zeros: the forward rule sees which inputs are differentiated,
 # and the backward rule returns None (zero) for every state leaf but the
 # gradient role's running amax (also when the output is unused: then it
@@ -135,11 +136,11 @@ def _warn_if_gradient_amax_lost(recipe: Recipe, x, w, state) -> None:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _qmm(plan: Plan, dtypes, x, w, state, key):
-  y, new_state, _ = _qmm_forward(plan, x, w, state, key)
+  y, new_state, _ = _qmm_forward(plan, x, w, state, key, dtypes[4])
   return y, new_state
 
 
-def _qmm_forward(plan: Plan, x, w, state, key):
+def _qmm_forward(plan: Plan, x, w, state, key, gather=()):
   recipe, fprop = plan.recipe, plan.fprop
   kx, kw, kwx, kb = _keys(key, 4)
   ax = aw = None
@@ -150,7 +151,8 @@ def _qmm_forward(plan: Plan, x, w, state, key):
     new_state = {"x": state["x"]._replace(amax=run_x),
                  "w": state["w"]._replace(amax=run_w), "g": state["g"]}
   qx = operand(x, fprop.lhs, amax=ax, key=kx, dtype=recipe.dtype)
-  qw = operand(w, fprop.rhs, amax=aw, key=kw, dtype=recipe.dtype)
+  qw = operand(w, fprop.rhs, amax=aw, key=kw, dtype=recipe.dtype,
+               gather=gather)
   if plan.share_w and fprop.partitioned and plan.dgrad.partitioned:
     # One uint8 value for Fprop and the Dgrad residual: gathered once.
     qw = partition.wire(qw)
@@ -176,14 +178,13 @@ def _qmm_forward(plan: Plan, x, w, state, key):
 def _qmm_fwd(plan: Plan, dtypes, x, w, state, key):
   if state is not None:
     _warn_if_gradient_amax_lost(plan.recipe, x, w, state)
-  del dtypes
   y, new_state, res = _qmm_forward(plan, x.value, w.value,
-                                   _values(state), _values(key))
+                                   _values(state), _values(key), dtypes[4])
   return (y, new_state), res
 
 
 def _qmm_bwd(plan: Plan, dtypes, res, cts):
-  x_dtype, w_dtype, (x_vma, w_vma), x_shape = dtypes
+  x_dtype, w_dtype, (x_vma, w_vma), x_shape, gather = dtypes
   x_saved, w_saved, ax, aw, g_state, key = res
   g, out_ct = cts
   recipe, dgrad, wgrad = plan.recipe, plan.dgrad, plan.wgrad
@@ -205,7 +206,7 @@ def _qmm_bwd(plan: Plan, dtypes, res, cts):
   # N first if the recipe says so: (g Q.T) @ (w Q.T).T = g @ w.T).
   qg = operand(g, dgrad.lhs, amax=ag, key=kd, dtype=recipe.dtype)
   qw = w_saved if plan.share_w else operand(w_saved, dgrad.rhs, amax=aw,
-                                            dtype=recipe.dtype)
+                                            dtype=recipe.dtype, gather=gather)
   dx = dispatch.run(dgrad, qg, qw).reshape(x_shape)
   # Wgrad: dw = x.T @ g, contracted over M (both Hadamard-transformed along
   # M first if the recipe says so: (Qx).T @ (Qg) = x.T @ g).
@@ -215,7 +216,7 @@ def _qmm_bwd(plan: Plan, dtypes, res, cts):
                                          dtype=recipe.dtype)
   dw = dispatch.run(wgrad, qx, qg_w)
   dx = sharding.sum_over_broadcast(dx, x_vma)
-  dw = sharding.sum_over_broadcast(dw, w_vma)
+  dw = sharding.sum_over_broadcast(sharding.reduce_scatter(dw, gather), w_vma)
   return dx.astype(x_dtype), dw.astype(w_dtype), state_ct, None
 
 
@@ -284,9 +285,10 @@ def quantized_matmul(x: jax.Array, w: jax.Array, recipe: Recipe | str,
   if x.ndim < 1 or w.ndim != 2:
     raise ValueError(f"quantized_matmul expects x (..., K) and w (K, N); got "
                      f"{x.shape} and {w.shape}.")
-  if x.shape[-1] != w.shape[0]:
+  gather, w_shape = sharding.weight_shards(w)
+  if x.shape[-1] != w_shape[0]:
     raise ValueError(f"Contraction mismatch: x has K={x.shape[-1]}, w has "
-                     f"K={w.shape[0]}.")
+                     f"K={w_shape[0]}.")
   for name, t in (("x", x), ("w", w)):
     if not jnp.issubdtype(t.dtype, jnp.floating):
       raise TypeError(f"{name} must be floating point, got {t.dtype}.")
@@ -306,8 +308,9 @@ def quantized_matmul(x: jax.Array, w: jax.Array, recipe: Recipe | str,
     return _INTERCEPT.get()(site, x, w, recipe, state, key=key,
                             out_dtype=out_dtype, backend=backend)
   dtypes = (x.dtype, w.dtype,
-            (sharding.varying_axes(x), sharding.varying_axes(w)), x.shape)
-  plan = dispatch.plan(recipe, x.shape, x.dtype, w.shape, out_dtype,
+            (sharding.varying_axes(x), sharding.varying_axes(w)), x.shape,
+            gather)
+  plan = dispatch.plan(recipe, x.shape, x.dtype, w_shape, out_dtype,
                        backend=backend)
 
   if not sharding.explicit_axes():

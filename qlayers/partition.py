@@ -43,7 +43,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from qlayers import formats
 from qlayers.scaling import QTensor
 
-__all__ = ["gemm", "wire"]
+__all__ = ["gemm", "wire", "gather"]
 
 
 class _Meta(NamedTuple):
@@ -108,6 +108,32 @@ def _unwire(payload, dtype: str):
   if payload.dtype != dtype:
     return lax.bitcast_convert_type(payload, dtype)
   return payload
+
+
+def gather(q: QTensor, axes: tuple[str, ...], dim: int = 0
+           ) -> QTensor | None:
+  """The whole 2-D tensor from ``q``, its shard inside ``shard_map``: split
+  along dim ``dim`` (of the caller's layout) over the manual ``axes`` and
+  quantized with the whole tensor's scales (an FSDP weight; see
+  `qlayers.sharding.gathered_weights`). Payload (as the bytes `wire` sends:
+  one per FP8 element) and scales are all-gathered, as this module's rule
+  gathers them under jit. None where a shard's scale units are not its own
+  (a row along ``dim``, blocks the shard does not hold whole): gather the
+  wide tensor then."""
+  pdim = 1 - dim if q.transposed else dim
+  if q.block is not None and (q.shape[pdim] % q.block[pdim] or (
+      q.granularity == "row" and q.axis == pdim)):
+    return None
+  def cat(t):
+    if t is None or t.ndim == 0:
+      return t
+    moved = lax.all_gather(_wire(t), axes, axis=pdim, tiled=True)
+    return _unwire(moved, t.dtype.name)
+  shape = list(q.shape)
+  shape[pdim] *= math.prod(lax.axis_size(a) for a in axes)
+  return dataclasses.replace(q, payload=cat(q.payload), scale=cat(q.scale),
+                             shape=tuple(shape),
+                             block_scale=cat(q.block_scale))
 
 
 # ----------------------------------------------------------------------------

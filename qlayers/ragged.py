@@ -122,9 +122,10 @@ def _check(lhs, rhs, group_sizes, recipe: Recipe, state):
   if lhs.ndim != 2 or rhs.ndim != 3:
     raise ValueError(f"ragged_dot expects lhs [m, k] and rhs [g, k, n]; got "
                      f"{lhs.shape} and {rhs.shape}.")
-  if lhs.shape[1] != rhs.shape[1]:
+  k = sharding.weight_shards(rhs, 1)[1][1]  # an FSDP shard's whole K
+  if lhs.shape[1] != k:
     raise ValueError(f"ragged_dot: lhs has k={lhs.shape[1]}, rhs "
-                     f"{rhs.shape} has k={rhs.shape[1]}.")
+                     f"{rhs.shape} has k={k}.")
   if jnp.shape(group_sizes) != rhs.shape[:1] or not jnp.issubdtype(
       jnp.result_type(group_sizes), jnp.integer):
     raise ValueError(f"ragged_dot: group_sizes must be integers of shape "

@@ -39,7 +39,8 @@ __all__ = ["context_mesh", "auto_mesh", "manual_axes", "explicit_axes",
            "quantized_gather", "gather_payloads", "auto_region", "global_amax",
            "sum_over_broadcast", "varying_axes", "replicated", "spec_of",
            "dot_spec", "unpartitioned", "unpartitioned_now", "local_scales",
-           "local_scale_axes"]
+           "local_scale_axes", "gathered_weights", "weight_shards",
+           "reduce_scatter"]
 
 
 def context_mesh():
@@ -226,6 +227,52 @@ def local_scales(*axes: str):
 def local_scale_axes() -> tuple[str, ...]:
   """The axes of the enclosing `local_scales` blocks."""
   return tuple(_LOCAL.value)
+
+
+# Manual axes the GEMM weights are FSDP shards over (see `gathered_weights`).
+_GATHERED = jax.make_user_context(default_value=())
+
+
+@contextlib.contextmanager
+def gathered_weights(*axes: str):
+  """Quantized GEMMs traced in this block take a weight ``w (K, N)`` that
+  varies over the manual ``axes`` as its shard along K (FSDP inside
+  ``shard_map``): each quantizes its shard with the whole weight's scales,
+  all-gathers payload + scales over those axes before the local GEMM
+  (`qlayers.partition.gather`; wide where a shard would not quantize as
+  the whole does) and reduce-scatters the weight gradient back.
+  `qlayers.expert_parallel.run` runs FSDP experts so.
+
+  Example:
+    >>> from qlayers import sharding
+    >>> with sharding.gathered_weights("fsdp"):
+    ...   sharding.weight_shards(jax.numpy.ones((4, 2)))
+    ((), (4, 2))
+  """
+  with _GATHERED(tuple(_GATHERED.value) + tuple(axes)):
+    yield
+
+
+def weight_shards(w, dim: int = 0) -> tuple[tuple[str, ...], tuple]:
+  """``(axes, shape)``: the `gathered_weights` axes ``w`` varies over (its
+  shards along ``dim``) and the whole weight's shape; ``((), w.shape)``
+  outside such a block."""
+  axes = tuple(a for a in varying_axes(w) if a in _GATHERED.value)
+  shape = list(jax.typeof(w).shape)
+  if axes:
+    shape[dim] *= math.prod(lax.axis_size(a) for a in axes)
+  return axes, tuple(shape)
+
+
+def reduce_scatter(ct, axes: tuple[str, ...]):
+  """``ct``, the cotangent of a whole weight gathered over ``axes`` along
+  dim 0, summed over them (in FP32) and each device's shard kept (the FSDP
+  weight gradient). Unchanged for no axes."""
+  if not axes:
+    return ct
+  out = lax.psum_scatter(ct.astype(jax.numpy.float32), axes,
+                         scatter_dimension=0, tiled=True)
+  return out.astype(ct.dtype)
 
 
 def global_amax(a, t):

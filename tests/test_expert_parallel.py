@@ -65,6 +65,24 @@ def test_eight_devices_match_one(cases):
   assert r["dw"] <= 1e-6 and r["dx"] <= 1e-6
 
 
+def test_fsdp_experts_gather_quantized_kernel_shards(cases):
+  """Experts over ``expert`` (4 devices), each kernel also over ``fsdp`` (2)
+  along K: the step equals one device's, each GEMM gathers its kernel
+  shard as 1-byte payloads + scales (never wide) and the weight gradient
+  is reduce-scattered back to the shard."""
+  r = multidevice.result(cases, "fsdp_gathers_quantized_kernels")
+  local = 2 * 128 * 32  # a device's 2 experts' whole kernels [2, 128, 32]
+  gathered = {"fp8_current": local,  # one per-tensor copy: Fprop and Dgrad
+              "mxfp8": 2 * local + 2 * local // 32}  # along K and along N
+  for name, nbytes in gathered.items():
+    one, two = r[name]["loss"]
+    assert abs(one - two) <= 1e-5 * abs(one), name
+    assert r[name]["dw"] <= 1e-6 and r[name]["dx"] <= 1e-6, name
+    assert r[name]["dw_shape"] == [8, 128, 32], name
+    assert r[name]["all_gather"] == {"u8": nbytes}, name  # BF16: 2 * local
+    assert r[name]["reduce_scatter"] == {"f32": 4 * local // 2}, name
+
+
 def test_capacity_drops_only_past_the_fullest_pair(cases):
   r = multidevice.result(cases, "capacity_drops_copies")
   no_drop, one_short = r["changed"]
@@ -91,14 +109,17 @@ def test_local_scales_keep_each_devices_amax(cases):
 
 
 def test_moe_gpt_expert_parallel_step_matches_one_device(cases):
-  """The example MoE GPT, one step on 8 devices (experts over ``expert``)
+  """The example MoE GPT, one step on 8 devices (experts over ``expert``=4,
+  their kernels also over ``fsdp``=2 along K, gathered before the GEMMs)
   against one: loss, every gradient (the per-expert gradient amaxes of
   fp8_delayed included: their backward runs under local_scales too) and
-  the per-expert amax histories."""
+  the amax histories of inputs and weights (the experts' per expert: a
+  kernel shard is quantized with its whole kernel's amax)."""
   r = multidevice.result(cases, "moe_gpt_matches_single_device")
   for name in ("bf16", "fp8_delayed"):
     one, eight = r[name]["loss"]
     assert abs(one - eight) <= 1e-5 * abs(one), name
     assert r[name]["grad_rel"] <= 0.01, name  # BF16 reduction order
-  assert r["fp8_delayed"]["histories"] == 4  # x: qkv, out, up, down
-  assert r["fp8_delayed"]["hist_rel"] == 0.0
+  # x and w of qkv, out, up, down
+  assert r["fp8_delayed"]["histories"] == {"x": 4, "w": 4}
+  assert r["fp8_delayed"]["hist_rel"] == {"x": 0.0, "w": 0.0}

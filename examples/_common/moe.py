@@ -8,7 +8,9 @@ Switch/GShard load-balancing loss. Dispatch and combine are
 ``qlayers.expert_parallel``'s: on one device a sort; under a mesh with an
 ``expert`` axis (``config.ep_axis``) the experts are sharded over it and the
 token copies travel with ``all_to_all`` inside ``shard_map``, as FP8/MX
-payloads with ``config.transport``.
+payloads with ``config.transport``; with an ``fsdp`` axis too
+(``config.fsdp_axis``) each expert kernel is also split over it along K and
+gathered before the GEMMs (quantized payloads + scales under a recipe).
 
 ``qlayers.quantize`` swaps the attention's ``nnx.Linear`` layers and puts a
 ``qlayers.layers.QuantRaggedDot`` (the recipe's grouped GEMM, one amax
@@ -52,6 +54,8 @@ class MoEConfig(GPTConfig):
       parallelism (None: nothing dropped).
     ep_axis: the mesh axis the experts are sharded over, when the mesh being
       traced under has it with more than one device.
+    fsdp_axis: under expert parallelism, the mesh axis (if the mesh has it)
+      the expert kernels are also split over along K (FSDP), the batch too.
     transport: recipe name whose formats the dispatched rows travel in
       (None: the compute dtype).
   """
@@ -62,6 +66,7 @@ class MoEConfig(GPTConfig):
   aux_weight: float = 0.01
   capacity: int | None = None
   ep_axis: str = "expert"
+  fsdp_axis: str = "fsdp"
   transport: str | None = None
 
   @property
@@ -90,6 +95,10 @@ class Experts(nnx.Module):
     w = self.kernel[...]
     if self.dtype is not None:
       x, w = x.astype(self.dtype), w.astype(self.dtype)
+    if getattr(self.ragged_dot, "recipe", None) is None:
+      # A plain GEMM takes whole kernels: an FSDP shard (expert_parallel.run
+      # with fsdp) is gathered wide; qlayers' gather theirs quantized.
+      w = expert_parallel.gather_weights(w)
     return self.ragged_dot(x, w, group_sizes)
 
 
@@ -150,7 +159,7 @@ class MoE(nnx.Module):
       y, state = expert_parallel.run(
           experts, state, rows, ids, gates, n_experts=c.n_experts,
           axis=c.ep_axis, capacity=c.capacity, transport=c.transport,
-          updates=True)
+          updates=True, fsdp=c.fsdp_axis)
       nnx.update((self.up, self.down), state)
     return y.reshape(b, t, d).astype(x.dtype), aux
 
