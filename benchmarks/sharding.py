@@ -9,6 +9,8 @@ itself unless ``XLA_FLAGS`` already sets a device count)::
   python benchmarks/sharding.py --quick           # one recipe, two layouts
   python benchmarks/sharding.py --model moe --recipes fp8_current,mxfp8
                                                   # MoE GPT, experts over 8
+  python benchmarks/sharding.py --model moe --layouts ep+fsdp
+                                  # experts over 4, their kernels over 2 (FSDP)
 
 Model: the GPT of ``examples/_common/gpt.py`` (d_model 256, 2 blocks, 4
 heads, d_ff 1024, vocab 256, seq 128, batch 16; BF16 GEMMs), its Params cast
@@ -36,6 +38,11 @@ each MLP 8 experts of width 512, top 2) in layout ``ep``: experts sharded
 over an ``expert`` axis of 8 devices with the batch, tokens sent to their
 experts by ``all_to_all`` (`qlayers.expert_parallel`), as each quantized
 variant's payloads (``transport``); the all-to-all bytes are in "other".
+Layout ``ep+fsdp`` (fsdp=2, expert=4): experts over ``expert``, each
+expert kernel also over ``fsdp`` along K, the batch over both; the
+quantized variants' grouped GEMMs gather their kernel shards as payload +
+scales (`qlayers.expert_parallel.run` with ``fsdp``), the stock and bf16
+ones wide, and reduce-scatter the kernel gradients.
 """
 
 from __future__ import annotations
@@ -71,8 +78,9 @@ import collectives  # noqa: E402
 import mdtable  # noqa: E402
 
 LAYOUTS = {"dp": "data=8", "fsdp": "fsdp=8", "tp": "data=2,model=4",
-           "fsdp_tp": "fsdp=2,model=4", "ep": "expert=8"}
-MOE_LAYOUTS = ("ep",)
+           "fsdp_tp": "fsdp=2,model=4", "ep": "expert=8",
+           "ep+fsdp": "fsdp=2,expert=4"}
+MOE_LAYOUTS = ("ep", "ep+fsdp")
 RECIPES = ("fp8_delayed", "fp8_current", "mxfp8", "deepseek_v3", "mxfp4")
 CONFIG = gpt.GPTConfig(vocab_size=256, max_len=128, d_model=256, n_layers=2,
                        n_heads=4, d_ff=1024, dtype=jnp.bfloat16)
@@ -115,18 +123,20 @@ def batch(seed=0):
 
 def place_experts(mesh, model, opt, inputs, targets):
   """Expert parallelism: stacked expert kernels (and their optimizer
-  moments) split over ``expert`` by their leading dim, the batch too,
-  everything else replicated."""
+  moments) split over ``expert`` by their leading dim (and over ``fsdp``
+  along K where the mesh has it), the batch over both, everything else
+  replicated."""
+  fsdp = ("fsdp",) if "fsdp" in mesh.axis_names else ()
   def put(path, x):
     if not hasattr(x, "ndim"):
       return x
     names = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
     experts = x.ndim == 3 and any(n in ("up", "down") for n in names)
-    spec = P("expert") if experts else P()
+    spec = P("expert", *fsdp) if experts else P()
     return jax.device_put(x, NamedSharding(mesh, spec))
   for node in (model, opt):
     nnx.update(node, jax.tree_util.tree_map_with_path(put, nnx.state(node)))
-  return [jax.device_put(a, NamedSharding(mesh, P("expert")))
+  return [jax.device_put(a, NamedSharding(mesh, P((*fsdp, "expert"))))
           for a in (inputs, targets)]
 
 
@@ -155,12 +165,14 @@ def run(variant, layout, rules, steps, params="bf16", model_name="gpt"):
   if layout is None:
     compiled, state, _ = compile_step(model, opt, inputs, targets)
     return {"losses": _losses(compiled, state, inputs, targets, steps)}
-  if layout == "ep":
-    mesh = jax.make_mesh((8,), ("expert",), axis_types=(AxisType.Auto,))
+  if layout in MOE_LAYOUTS:  # "fsdp=2,expert=4" -> fsdp 2 x expert 4
+    sizes = dict(a.split("=") for a in LAYOUTS[layout].split(","))
+    mesh = jax.make_mesh(tuple(map(int, sizes.values())), tuple(sizes),
+                         axis_types=(AxisType.Auto,) * len(sizes))
   else:
     mesh = sharding.make_mesh(LAYOUTS[layout])
   with jax.set_mesh(mesh):
-    if layout == "ep":
+    if layout in MOE_LAYOUTS:
       inputs, targets = place_experts(mesh, model, opt, inputs, targets)
     else:
       sharding.shard_model(mesh, model, opt)
