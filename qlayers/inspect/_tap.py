@@ -11,6 +11,8 @@ the tap knows which layer it runs for.
 
 from __future__ import annotations
 
+import collections
+
 from flax import nnx
 
 from qlayers import ops
@@ -27,8 +29,13 @@ def layer_path(path: tuple) -> str:
 
 
 def gemm_paths(model: nnx.Module) -> dict[str, core.QuantGemm]:
-  """``{layer path: QuantGemm}`` of ``model`` (each shared one once)."""
-  return {layer_path(p): g for p, g in core.gemms(model)}
+  """``{layer path: QuantGemm}`` of ``model`` (each shared one once); a
+  layer of several GEMMs (``QuantTunixMoE``: ``gate_quant``, ``up_quant``,
+  ``down_quant``) names each by its attribute too."""
+  found = list(core.gemms(model))
+  owners = collections.Counter(layer_path(p) for p, _ in found)
+  return {layer_path(p) if owners[layer_path(p)] == 1
+          else "/".join(map(str, p)): g for p, g in found}
 
 
 def label(model: nnx.Module) -> list[str]:

@@ -35,6 +35,7 @@ import numpy as np
 from flax import nnx
 
 from qlayers import ops
+from qlayers import ragged
 from qlayers.inspect import _tap
 from qlayers.inspect import numerics
 from qlayers.inspect.report import Output, Report, Row
@@ -51,7 +52,8 @@ class _Site:
 
   path: str
   use: int
-  order: int  # position of this call in the trace (execution order)
+  order: float  # position of this call in the trace (execution order;
+  # the experts of a grouped GEMM in between, in expert order)
   recipe: Recipe
   backend: str | None
 
@@ -93,9 +95,13 @@ class _Collector:
     self.records.append((site, kind, jax.tree.map(np.asarray, arrays)))
 
   def __call__(self, gemm: QuantGemm, x, w, recipe: Recipe, state, *,
-               key=None, out_dtype=None, backend=None):
-    y, new_state = ops.quantized_matmul(x, w, recipe, state, key=key,
-                                        out_dtype=out_dtype, backend=backend)
+               key=None, out_dtype=None, backend=None, group_sizes=None,
+               capacity=None):
+    kw = dict(key=key, out_dtype=out_dtype, backend=backend)
+    y, new_state = (
+        ops.quantized_matmul(x, w, recipe, state, **kw) if group_sizes is None
+        else ragged.quantized_ragged_dot(x, w, group_sizes, recipe, state,
+                                         capacity=capacity, **kw))
     path = _tap.path_of(gemm)
     if path is None or not recipe.quantized or x.size == 0 or y.size == 0:
       return y, new_state
@@ -105,6 +111,8 @@ class _Collector:
     sg = jax.lax.stop_gradient
     operands = (sg(x.reshape(-1, x.shape[-1])), sg(w),
                 numerics.plain_state(state))
+    if group_sizes is not None:  # split per expert on the host (_experts)
+      operands += (ragged.group_ids(group_sizes, x.shape[0], capacity),)
     jax.debug.callback(functools.partial(self._put, site, "fwd"), operands)
     return _probe(functools.partial(self._put, site, "bwd"), y), new_state
 
@@ -207,6 +215,7 @@ def _measure(records) -> tuple[dict, dict]:
     key = (site.path, site.use)
     sites[key] = site
     raw.setdefault(key, {})[kind] = arrays
+  sites, raw = _experts(sites, raw)
   stats = {}
   for key, got in raw.items():
     site = sites[key]
@@ -220,6 +229,32 @@ def _measure(records) -> tuple[dict, dict]:
                                    state=state, backend=site.backend)
   stats = jax.tree.map(np.asarray, stats)
   return {key: sites[key] for key in stats}, stats
+
+
+def _experts(sites: dict, raw: dict) -> tuple[dict, dict]:
+  """A grouped GEMM's records (``x [m, K]``, ``w [G, K, N]``, per-expert
+  state, and each row's group) as one site per expert with tokens,
+  ``path[e]``: each expert's GEMMs are the dense GEMMs of its own rows
+  (`qlayers.ragged`), measured as such."""
+  out_sites, out_raw = {}, {}
+  for key, got in raw.items():
+    site = sites[key]
+    if "fwd" not in got or len(got["fwd"]) != 4:
+      out_sites[key], out_raw[key] = site, got
+      continue
+    x, w, state, (gid, valid) = got["fwd"]
+    for e in range(w.shape[0]):
+      rows = valid & (gid == e)
+      if not rows.any():
+        continue
+      st = jax.tree.map(lambda a, e=e: a[e], state)
+      k = (f"{site.path}[{e}]", site.use)
+      out_sites[k] = dataclasses.replace(
+          site, path=k[0], order=site.order + (e + 1) / (w.shape[0] + 1))
+      out_raw[k] = {"fwd": (x[rows], w[e], st)}
+      if "bwd" in got:
+        out_raw[k]["bwd"] = got["bwd"][rows]
+  return out_sites, out_raw
 
 
 def _f(v) -> float:
@@ -269,7 +304,7 @@ def _report(model, sites: dict, by_site: dict, loss: float) -> Report:
   rows.sort(key=lambda r: (rank[r.path, r.use], "xwg".index(r.role)))
   outputs.sort(key=lambda o: (rank[o.path, o.use],
                               ("fprop", "dgrad", "wgrad").index(o.gemm)))
-  seen = {p for p, _ in by_site}
+  seen = {p.partition("[")[0] for p, _ in by_site}  # experts: path[e]
   skipped = [(p, _why(g)) for p, g in _tap.gemm_paths(model).items()
              if p not in seen]
   return Report(rows, outputs, loss, skipped)

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from qlayers import ops
+from qlayers import ragged
 from qlayers.recipe import GemmRecipe, Recipe
 
 __all__ = ["masked_matmul", "variant", "GEMMS", "MASKS"]
@@ -49,8 +50,10 @@ def variant(recipe: Recipe, on) -> Recipe:
 
 def masked_matmul(x: jax.Array, w: jax.Array, recipe: Recipe, state,
                   mask: jax.Array, *, key=None, out_dtype=None, backend=None,
-                  masks=MASKS):
-  """``x (..., K) @ w (K, N)`` with the GEMMs ``mask`` selects quantized.
+                  masks=MASKS, group_sizes=None, capacity=None):
+  """``x (..., K) @ w (K, N)`` with the GEMMs ``mask`` selects quantized
+  (with ``group_sizes``: the grouped GEMM ``x [m, K]``, ``w [G, K, N]`` of
+  `qlayers.ragged.quantized_ragged_dot`, ``capacity`` as it takes it).
 
   Args:
     x, w, state, key, backend: as `qlayers.ops.quantized_matmul` takes them.
@@ -78,6 +81,10 @@ def masked_matmul(x: jax.Array, w: jax.Array, recipe: Recipe, state,
   def branch(on):
     r = variant(recipe, [bool(b) for b in on])
     def run(x, w, state, key):
+      if group_sizes is not None:
+        return ragged.quantized_ragged_dot(
+            x, w, group_sizes, r, state, key=key, out_dtype=out_dtype,
+            backend=backend, capacity=capacity)[0]
       return ops.quantized_matmul(x, w, r, state, key=key,
                                   out_dtype=out_dtype, backend=backend)[0]
     return run

@@ -36,6 +36,7 @@ from flax import nnx
 
 from qlayers import convert
 from qlayers import ops
+from qlayers import ragged
 from qlayers.inspect import _tap
 from qlayers.inspect import masked
 from qlayers.inspect import numerics
@@ -229,14 +230,18 @@ class _Masked:
     self.index, self.mask, self.masks = index, mask, masks
 
   def __call__(self, gemm: QuantGemm, x, w, recipe, state, *, key=None,
-               out_dtype=None, backend=None):
+               out_dtype=None, backend=None, **grouped):
     i = self.index.get(_tap.path_of(gemm))
     if i is None:
-      return ops.quantized_matmul(x, w, recipe, state, key=key,
-                                  out_dtype=out_dtype, backend=backend)
+      kw = dict(key=key, out_dtype=out_dtype, backend=backend)
+      if grouped:  # a grouped GEMM: group_sizes, capacity
+        return ragged.quantized_ragged_dot(
+            x, w, grouped["group_sizes"], recipe, state,
+            capacity=grouped["capacity"], **kw)
+      return ops.quantized_matmul(x, w, recipe, state, **kw)
     return masked.masked_matmul(x, w, recipe, state, self.mask[i], key=key,
                                 out_dtype=out_dtype, backend=backend,
-                                masks=self.masks)
+                                masks=self.masks, **grouped)
 
 
 def _pass(graphdef, loss_fn, paths, masks, state, mask, batch):

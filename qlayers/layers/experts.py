@@ -85,11 +85,18 @@ class QuantRaggedDot(QuantGemm):
 
     ``w`` may hold a shard of the experts (inside ``shard_map``, with this
     module's state sharded alike): a delayed recipe's state must have one
-    entry per expert of ``w``."""
-    y, new_state = ragged.quantized_ragged_dot(
-        x, w, group_sizes, self.recipe, self.read(), out_dtype=out_dtype,
-        key=self.rounding_key(), backend=self.backend,
-        capacity=self.capacity)
+    entry per expert of ``w``. Inside `qlayers.ops.intercept` the GEMM goes
+    to the intercepting function, with ``group_sizes=`` and ``capacity=``
+    added to its keywords (`qlayers.inspect` measures experts this way)."""
+    tap = ops._INTERCEPT.get()  # pylint: disable=protected-access
+    kw = dict(key=self.rounding_key(), out_dtype=out_dtype,
+              backend=self.backend, capacity=self.capacity)
+    if tap is None:
+      y, new_state = ragged.quantized_ragged_dot(
+          x, w, group_sizes, self.recipe, self.read(), **kw)
+    else:
+      y, new_state = tap(self, x, w, self.recipe, self.read(),
+                         group_sizes=group_sizes, **kw)
     self.write(new_state)
     return y
 

@@ -146,3 +146,44 @@ def test_tunix_moe_quantized_step_updates_experts_and_their_scales(tunix_moe):
   np.testing.assert_array_equal(moe_layer.gate_quant.w_amax_history[:, 0],
                                 np.abs(before["gate_proj"]).max((1, 2)))
   assert ((moe_layer.down_quant.g_amax_history[:, 0] > 0) == routed).all()
+  # qlayers.inspect tells its three grouped GEMMs apart.
+  from qlayers.inspect import _tap  # pylint: disable=g-import-not-at-top
+  assert set(_tap.gemm_paths(model)) == {
+      "mlp/gate_quant", "mlp/up_quant", "mlp/down_quant"}
+
+
+# qlayers.inspect sees the grouped GEMMs (QuantRaggedDot), one site per
+# expert with tokens. Equal group sizes: one shape, one compile of the
+# statistics.
+_SIZES = jnp.array([3, 0, 3, 3], jnp.int32)  # expert 1 gets no token
+
+
+def test_inspect_collect_measures_each_expert_of_a_grouped_gemm():
+  layer = qlayers.QuantExperts(4, 32, 16, recipe="fp8_current",
+                               rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (9, 32))
+  report = qlayers.inspect.collect(
+      layer, lambda m, x: jnp.mean(m(x, _SIZES) ** 2), x)
+  rows = {(r.path, r.role): r for r in report.rows}
+  assert {p for p, _ in rows} == {"(model)[0]", "(model)[2]", "(model)[3]"}
+  assert not report.skipped
+  kernel = np.asarray(layer.kernel[...])
+  for e, start in ((0, 0), (2, 3), (3, 6)):  # each expert's own operands
+    assert rows[f"(model)[{e}]", "w"].amax == np.abs(kernel[e]).max()
+    assert rows[f"(model)[{e}]", "x"].amax == float(
+        jnp.abs(x[start:start + 3]).max())
+    assert rows[f"(model)[{e}]", "g"].amax > 0
+
+
+def test_inspect_sensitivity_masks_the_expert_gemms():
+  from _common import moe as moe_example  # pylint: disable=g-import-not-at-top
+  model = nnx.Dict(up=moe_example.Experts(4, 32, 32, rngs=nnx.Rngs(0)))
+  x = jax.random.normal(jax.random.key(1), (9, 32))
+  res = qlayers.inspect.sensitivity(
+      model, lambda m, x: jnp.mean(m["up"](x, _SIZES) ** 2), [x], "mxfp4",
+      gemms=False, grads=False)
+  # The unquantized reference runs the experts wide (they were quantized in
+  # every pass before the grouped GEMM went through the inspection hook).
+  assert [c.path for c in res.layers] == ["up"]
+  assert res.all_loss != res.wide_loss
+  assert res.layers[0].loss == res.all_loss
