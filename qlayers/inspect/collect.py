@@ -163,7 +163,12 @@ def collect(model: nnx.Module, loss_fn: Callable[..., jax.Array], *args,
   cached on ``loss_fn`` or the model: a global it reads is read anew, as
   an eager call would). Layers that
   run their GEMM outside `QuantGemm.matmul` / ``__call__`` (`QuantLogits`)
-  or quantize nothing are listed in `Report.skipped`. A layer run inside a
+  or quantize nothing are listed in `Report.skipped`. The experts of a
+  grouped GEMM (`qlayers.layers.QuantRaggedDot`: `QuantExperts`, experts
+  converted by `qlayers.quantize`) are measured one by one, as
+  ``path[e]`` for each expert ``e`` that got tokens (each expert's GEMMs
+  are dense GEMMs of its own rows, with its own scales; one compilation of
+  the statistics per distinct token count). A layer run inside a
   loop transform (``nnx.scan``, ``lax.map``) reports one iteration. The
   operands of every quantized GEMM (x, w, g) are copied to host memory
   until they are measured: about the model's weights plus two activations
