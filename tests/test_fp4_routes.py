@@ -111,3 +111,17 @@ def test_table_needs_the_levels_apart():
   c = dispatch.choose(ma, mb, "cuda", "sm_100")
   assert c.form == "nvfp4_cudnn" and "flushed to zero" in c.why
   assert dispatch.choose(ma, mb, "cuda", "sm_90").form == "bf16_dequant"
+
+
+def test_cudnn_output_dtype_nvfp4_f32_mxfp4_its_own():
+  """NVFP4's GEMM writes FP32 (its per-tensor scales are arbitrary FP32, one
+  rounding after them); MXFP4's writes BF16 directly (powers of two)."""
+  def lowered(name):
+    a, b = _operands(name, 0)
+    f = lambda a, b: forms.FORMS["nvfp4_cudnn"](a, b, jnp.bfloat16, (1, 1))  # noqa: E731
+    text = jax.jit(f).trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
+    call = [l for l in text.splitlines() if "__op$block_scaled_dot" in l]
+    assert len(call) == 1, text
+    return call[0].split("->")[-1].strip()
+  assert lowered("nvfp4").endswith("xf32>")
+  assert lowered("mxfp4").endswith("xbf16>")
