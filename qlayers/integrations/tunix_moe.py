@@ -38,10 +38,13 @@ PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 def is_tunix_moe(m) -> bool:
-  """Whether ``m`` is Tunix's ``MoELayer`` (a ``router`` and the stacked
-  ``gate_proj`` / ``up_proj`` / ``down_proj`` Params of its experts)."""
+  """Whether ``m`` is the ``MoELayer`` of Tunix's Qwen3 (a ``router`` and
+  the stacked ``gate_proj`` / ``up_proj`` / ``down_proj`` Params of its
+  experts; its math as of google-tunix 0.1.7). Other families' MoE layers
+  (Gemma 4's ``MoERagged``) differ and are not matched."""
   return (type(m).__name__ == "MoELayer"
-          and type(m).__module__.startswith("tunix.")
+          and type(m).__module__.startswith("tunix.models.qwen3")
+          and isinstance(getattr(m, "experts_per_tok", None), int)
           and isinstance(getattr(m, "router", None), nnx.Linear)
           and all(isinstance(getattr(m, p, None), nnx.Param)
                   and getattr(m, p).ndim == 3 for p in PROJECTIONS))
