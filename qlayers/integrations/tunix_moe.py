@@ -155,7 +155,8 @@ class QuantTunixMoE(QuantLayer, nnx.Module):
     n = tokens.shape[0]
     xs, sizes, route = expert_parallel.dispatch(
         tokens, jnp.reshape(ids, (n, -1)), n_experts=self.num_experts)
-    gemm = lambda q, a, w: q.ragged(a, w[...], sizes, out_dtype=dtype)  # noqa: E731
+    def gemm(q, a, w):  # quantized from the FP32 master, as QuantExperts
+      return q.ragged(a, w[...], sizes, out_dtype=dtype)
     h = (nnx.silu(gemm(self.gate_quant, xs, self.gate_proj))
          * gemm(self.up_quant, xs, self.up_proj))
     ys = gemm(self.down_quant, h, self.down_proj)

@@ -95,7 +95,8 @@ def tunix_moe():
 
 
 def _convert(layer, recipe):
-  from qlayers.integrations import tunix as qtunix  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
+  from qlayers.integrations import tunix as qtunix
   model = nnx.Dict(mlp=layer)
   return model, qtunix.quantize(model, recipe)
 
