@@ -57,17 +57,23 @@ class _Meta(NamedTuple):
   transposed: bool
   payload_dtype: str
   scale_shape: tuple[int, ...]
+  levels: bool = False  # NVFP4's block_scale and tensor_scale travel too
 
-  def qtensor(self, payload, scale, elements=None) -> QTensor:
-    """The operand (``elements``: a shard's element shape) as a `QTensor`."""
+  def qtensor(self, payload, scale, elements=None, levels=None) -> QTensor:
+    """The operand (``elements``: a shard's element shape) as a `QTensor`;
+    ``levels``: its (wired block_scale, tensor_scale), used if it has them."""
     payload = _unwire(payload, self.payload_dtype)
+    more = {}
+    if self.levels:
+      more = dict(block_scale=_unwire(levels[0], "float8_e4m3fn"),
+                  tensor_scale=levels[1])
     elements = tuple(elements or self.elements)
     block = self.block
     if self.granularity == "row":  # a row's scale spans the shard's row
       block = tuple(e if b == g else b
                     for b, g, e in zip(block, self.elements, elements))
     return QTensor(payload, scale, self.format, self.granularity, block,
-                   self.axis, elements, self.transposed)
+                   self.axis, elements, self.transposed, **more)
 
 
 def _meta(q: QTensor) -> _Meta:
@@ -76,7 +82,15 @@ def _meta(q: QTensor) -> _Meta:
   if dtype == jnp.uint8 and not fmt.packed:  # a `wire` copy
     dtype = jnp.dtype(fmt.dtype)
   return _Meta(q.format, q.granularity, q.block, q.axis, tuple(q.padded_shape),
-               q.transposed, dtype.name, tuple(q.scale.shape))
+               q.transposed, dtype.name, tuple(q.scale.shape),
+               q.tensor_scale is not None)
+
+
+def _levels(q: QTensor):
+  """``q``'s NVFP4 (wired block_scale, tensor_scale), or two scalar zeros."""
+  if q.tensor_scale is None:
+    return jnp.zeros((), jnp.uint8), jnp.zeros((), jnp.float32)
+  return _wire(q.block_scale), q.tensor_scale
 
 
 def wire(q: QTensor) -> QTensor:
@@ -271,7 +285,9 @@ def _partition(ma, mb, axes, out_dtype, local, mesh, arg_shapes,
   plan = _plan(ma, mb, mesh, arg_shapes, result_shape)
   pa, sa = _operand_specs(ma, plan.k, plan.m)
   pb, sb = _operand_specs(mb, plan.k, plan.n)
-  arg_shardings = tuple(NamedSharding(mesh, s) for s in (pa, sa, pb, sb))
+  levels = lambda meta, s: (s if meta.levels else P(), P())  # noqa: E731
+  arg_shardings = tuple(NamedSharding(mesh, s) for s in (
+      pa, sa, pb, sb, *levels(ma, sa), *levels(mb, sb)))
   out_spec = P(_entry(plan.m + plan.scatter[0]),
                _entry(plan.n + plan.scatter[1]))
   summed = tuple(a for a in plan.k if a not in plan.scatter[0] + plan.scatter[1])
@@ -286,9 +302,9 @@ def _partition(ma, mb, axes, out_dtype, local, mesh, arg_shapes,
   ea = shard_elements(ma, plan.k, plan.m)
   eb = shard_elements(mb, plan.k, plan.n)
 
-  def lower(a_payload, a_scale, b_payload, b_scale):
-    qa = ma.qtensor(a_payload, a_scale, ea)
-    qb = mb.qtensor(b_payload, b_scale, eb)
+  def lower(a_payload, a_scale, b_payload, b_scale, *levels):
+    qa = ma.qtensor(a_payload, a_scale, ea, levels[:2])
+    qb = mb.qtensor(b_payload, b_scale, eb, levels[2:])
     if not plan.k:
       return local_fn(qa, qb, axes, jnp.dtype(out_dtype))
     out = local_fn(qa, qb, axes, jnp.dtype(jnp.float32))
@@ -305,7 +321,7 @@ def _partition(ma, mb, axes, out_dtype, local, mesh, arg_shapes,
 def _sharding_rule(ma, mb, axes, out_dtype, local, mesh, value_types,
                    result_types):
   del axes, out_dtype, local, mesh, result_types
-  a_shape, _, b_shape, _ = (tuple(t.shape) for t in value_types)
+  a_shape, _, b_shape, _ = (tuple(t.shape) for t in value_types[:4])
   kb = "k" if a_shape[ma.axis] == b_shape[mb.axis] else "kb"
 
   def factors(meta, contraction, free):
@@ -321,17 +337,22 @@ def _sharding_rule(ma, mb, axes, out_dtype, local, mesh, value_types,
         for i, n in enumerate(meta.scale_shape)))
 
   fa, fb = factors(ma, "k", "m"), factors(mb, kb, "n")
+  sa, sb = scale(ma, a_shape, fa, "sa"), scale(mb, b_shape, fb, "sb")
+  # NVFP4's E4M3 block scales lie like its scales; scalars otherwise.
+  levels = lambda meta, s: (s if meta.levels else ArrayMapping(),  # noqa: E731
+                            ArrayMapping())
   return SdyShardingRule(
-      operand_mappings=(ArrayMapping(*fa), scale(ma, a_shape, fa, "sa"),
-                        ArrayMapping(*fb), scale(mb, b_shape, fb, "sb")),
+      operand_mappings=(ArrayMapping(*fa), sa, ArrayMapping(*fb), sb,
+                        *levels(ma, sa), *levels(mb, sb)),
       result_mappings=(ArrayMapping("m", "n"),),
       reduction_factors=("k",) if kb == "k" else ("k", "kb"))
 
 
 @functools.partial(custom_partitioning, static_argnums=(0, 1, 2, 3, 4))
 def _gemm(ma, mb, axes, out_dtype, local, a_payload, a_scale, b_payload,
-          b_scale):
-  qa, qb = ma.qtensor(a_payload, a_scale), mb.qtensor(b_payload, b_scale)
+          b_scale, a_block, a_tensor, b_block, b_tensor):
+  qa = ma.qtensor(a_payload, a_scale, levels=(a_block, a_tensor))
+  qb = mb.qtensor(b_payload, b_scale, levels=(b_block, b_tensor))
   return _LOCAL[local](qa, qb, axes, jnp.dtype(out_dtype))
 
 
@@ -350,7 +371,8 @@ def gemm(a: QTensor, b: QTensor, axes: tuple[int, int], out_dtype,
   """
   ma, mb = _meta(a), _meta(b)
   out = _gemm(ma, mb, tuple(axes), jnp.dtype(out_dtype).name, local,
-              _wire(a.payload), a.scale, _wire(b.payload), b.scale)
+              _wire(a.payload), a.scale, _wire(b.payload), b.scale,
+              *_levels(a), *_levels(b))
   rows, cols = a.shape[1 - a.axis], b.shape[1 - b.axis]
   if out.shape != (rows, cols):
     out = out[:rows, :cols]

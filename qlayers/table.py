@@ -236,10 +236,9 @@ TABLE: tuple[Rule, ...] = (
          "its FP32 output (XLA's cuDNN call takes no alpha)",
          arch_ok=_MX_CORES, levels=True),
     Rule("cuda", "sm_100+", ("blockwise",), ("fp4",), "xla", "f32_dequant",
-         "FP32 dequantize + TF32 dot: these NVFP4 operands carry only the "
-         "FP32 product of their two scale levels (the local GEMM of "
-         "qlayers.partition, under a mesh, gets payload + scale), which "
-         "cuDNN's NVFP4 GEMM cannot take", arch_ok=_MX_CORES),
+         "FP32 dequantize + TF32 dot: these NVFP4 operands were rebuilt "
+         "from payload + scale alone, the FP32 product of their two scale "
+         "levels, which cuDNN's NVFP4 GEMM cannot take", arch_ok=_MX_CORES),
     # --- AMD (lowered here, not compiled: no ROCm toolchain on this host).
     Rule("rocm", "gfx942", ("tensor",), ("fp8",), "xla", "fp8_fnuz_folded",
          "FNUZ FP8 dot_general (gfx942 has no OCP FP8: payloads halved "

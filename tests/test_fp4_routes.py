@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import qlayers
-from qlayers import dispatch, forms, scaling
+from qlayers import dispatch, forms, partition, scaling
 
 # One compiled program per case (eager ops compile one by one).
 quantize = jax.jit(scaling.quantize, static_argnums=(1, 2))
@@ -102,11 +102,11 @@ def test_table_needs_the_levels_apart():
   a, b = _operands("nvfp4", 0)
   assert dispatch.choose(a, b, "cuda", "sm_100").form == "nvfp4_cudnn"
   assert dispatch.choose(a, b, "cuda", "sm_90").form == "f32_dequant"
-  # The partitioned local GEMM rebuilds operands from payload + scale.
+  # Operands rebuilt from payload + scale alone keep the FP32 dequantize.
   bare = [dataclasses.replace(q, block_scale=None, tensor_scale=None)
           for q in (a, b)]
   c = dispatch.choose(*bare, "cuda", "sm_100")
-  assert c.form == "f32_dequant" and "qlayers.partition" in c.why
+  assert c.form == "f32_dequant" and "payload + scale" in c.why
   ma, mb = _operands("mxfp4", 0)
   c = dispatch.choose(ma, mb, "cuda", "sm_100")
   assert c.form == "nvfp4_cudnn" and "flushed to zero" in c.why
@@ -125,3 +125,14 @@ def test_cudnn_output_dtype_nvfp4_f32_mxfp4_its_own():
     return call[0].split("->")[-1].strip()
   assert lowered("nvfp4").endswith("xf32>")
   assert lowered("mxfp4").endswith("xbf16>")
+
+
+def test_partitioned_gemm_carries_the_levels():
+  """The local GEMM of the partitioning rule (every GEMM under a mesh) gets
+  NVFP4's two scale levels too, so it reaches cuDNN's NVFP4 GEMM."""
+  a, b = _operands("nvfp4", 0)
+  f = lambda a, b: partition.gemm(a, b, (1, 1), jnp.bfloat16, "default")  # noqa: E731
+  with dispatch.target_arch("sm_100"):
+    text = jax.jit(f).trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
+  calls = [l for l in text.splitlines() if "__op$block_scaled_dot" in l]
+  assert len(calls) == 1 and "f4E2M1FN" in calls[0]
