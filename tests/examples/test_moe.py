@@ -116,6 +116,8 @@ def test_tunix_moe_experts_converted_and_compute_the_stock_layer(
   moe_layer = model["mlp"]
   assert moe_layer.gate_proj.get_metadata()["out_sharding"] == (
       "fsdp", None, "tp")  # Tunix's Param, sharding names and all
+  shapes = lambda m: jax.tree.map(jnp.shape, nnx.state(m, nnx.Param))  # noqa: E731
+  assert shapes(model) == shapes(nnx.Dict(mlp=layer))  # checkpoints load
   got = nnx.jit(lambda m, x: m(x))(moe_layer, x)
   err = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
   assert 0 < err < bound, err
