@@ -23,6 +23,8 @@ single-program sort, not Tunix's ``shard_map`` over an expert axis.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -73,6 +75,13 @@ class QuantTunixMoE(QuantLayer, nnx.Module):
   and backend). Inputs are cast to ``dtype``; the weights are quantized from
   their stored (FP32 master) values.
 
+  The grouped GEMMs work on per-expert buffers (`qlayers.ragged`): ``E``
+  times the token copies' bytes, as Tunix's own loop off TPU. With
+  ``capacity_factor`` (a settable attribute) each expert takes at most
+  ``ceil(capacity_factor * copies / E)`` token copies (the buffers shrink to
+  that; copies past it are dropped: output 0, no gradient); default
+  ``None``: none dropped, the layer's exact math.
+
   Args:
     num_experts: ``E``.
     embed_dim: ``D``.
@@ -82,6 +91,7 @@ class QuantTunixMoE(QuantLayer, nnx.Module):
     dtype, param_dtype: computation and Param dtypes.
     recipe: the quantization recipe (default ``"fp8_delayed"``).
     backend: force a GEMM backend (``"xla"`` or ``"ffi"``).
+    capacity_factor: see above (default ``None``).
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -100,7 +110,8 @@ class QuantTunixMoE(QuantLayer, nnx.Module):
   def __init__(self, num_experts: int, embed_dim: int, hidden_dim: int, *,
                experts_per_tok: int, rngs: nnx.Rngs, dtype=jnp.float32,
                param_dtype=jnp.float32, recipe: Recipe | str = "fp8_delayed",
-               backend: str | None = None):
+               backend: str | None = None,
+               capacity_factor: float | None = None):
     self.router = nnx.Linear(embed_dim, num_experts, use_bias=False,
                              dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     init = nnx.initializers.normal(dtype=param_dtype)
@@ -112,17 +123,19 @@ class QuantTunixMoE(QuantLayer, nnx.Module):
     self.num_experts = num_experts
     self.experts_per_tok = experts_per_tok
     self.dtype = dtype
+    self.capacity_factor = capacity_factor
     for p in PROJECTIONS:
       setattr(self, p.replace("_proj", "_quant"), QuantRaggedDot(
           recipe, num_groups=num_experts, backend=backend))
 
   @classmethod
   def from_tunix(cls, layer, recipe: Recipe | str, *,
-                 backend: str | None = None) -> "QuantTunixMoE":
+                 backend: str | None = None,
+                 capacity_factor: float | None = None) -> "QuantTunixMoE":
     """The drop-in for Tunix ``MoELayer`` ``layer``, holding its very
     ``router`` and Params (and its other attributes, ``shd_config``)."""
     new = cls(1, 1, 1, experts_per_tok=1, rngs=nnx.Rngs(0), recipe=recipe,
-              backend=backend)
+              backend=backend, capacity_factor=capacity_factor)
     for name, value in vars(layer).items():
       if not name.startswith("_"):
         setattr(new, name, value)
@@ -155,8 +168,11 @@ class QuantTunixMoE(QuantLayer, nnx.Module):
     n = tokens.shape[0]
     xs, sizes, route = expert_parallel.dispatch(
         tokens, jnp.reshape(ids, (n, -1)), n_experts=self.num_experts)
+    cap = (None if self.capacity_factor is None else max(1, math.ceil(
+        self.capacity_factor * xs.shape[0] / self.num_experts)))
+
     def gemm(q, a, w):  # quantized from the FP32 master, as QuantExperts
-      return q.ragged(a, w[...], sizes, out_dtype=dtype)
+      return q.ragged(a, w[...], sizes, out_dtype=dtype, capacity=cap)
     h = (nnx.silu(gemm(self.gate_quant, xs, self.gate_proj))
          * gemm(self.up_quant, xs, self.up_proj))
     ys = gemm(self.down_quant, h, self.down_proj)

@@ -79,9 +79,10 @@ class QuantRaggedDot(QuantGemm):
     return jax.vmap(formats.rounding_key)(self.sr_seed[...], step)
 
   def ragged(self, x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
-             out_dtype=None) -> jax.Array:
+             out_dtype=None, capacity: int | None = None) -> jax.Array:
     """``lax.ragged_dot(x [m, k], w [g, k, n], group_sizes)``, quantized
-    (``w`` is quantized from the value given: pass the FP32 master).
+    (``w`` is quantized from the value given: pass the FP32 master);
+    ``capacity``: this call's, instead of ``self.capacity``.
 
     ``w`` may hold a shard of the experts (inside ``shard_map``, with this
     module's state sharded alike): a delayed recipe's state must have one
@@ -90,7 +91,8 @@ class QuantRaggedDot(QuantGemm):
     added to its keywords (`qlayers.inspect` measures experts this way)."""
     tap = ops._INTERCEPT.get()  # pylint: disable=protected-access
     kw = dict(key=self.rounding_key(), out_dtype=out_dtype,
-              backend=self.backend, capacity=self.capacity)
+              backend=self.backend,
+              capacity=self.capacity if capacity is None else capacity)
     if tap is None:
       y, new_state = ragged.quantized_ragged_dot(
           x, w, group_sizes, self.recipe, self.read(), **kw)

@@ -125,6 +125,22 @@ def test_tunix_moe_experts_converted_and_compute_the_stock_layer(
 
 @_TUNIX[0]
 @_TUNIX[1]
+def test_tunix_moe_capacity_factor_drops_only_past_capacity(tunix_moe):
+  layer, x, _ = tunix_moe
+  model, _ = _convert(nnx.clone(layer), "fp8_current")
+  moe_layer = model["mlp"]
+  call = nnx.jit(lambda m, x: m(x))
+  exact = call(moe_layer, x)
+  # 16 tokens, top 2 of 4 experts: an expert gets at most 16 copies, which
+  # capacity_factor 2 (ceil(2 * 32 / 4) = 16 rows per buffer, not 32) holds.
+  moe_layer.capacity_factor = 2.0
+  np.testing.assert_array_equal(call(moe_layer, x), exact)
+  moe_layer.capacity_factor = 0.5  # 4 rows per expert: copies are dropped
+  assert not np.array_equal(call(moe_layer, x), exact)
+
+
+@_TUNIX[0]
+@_TUNIX[1]
 def test_tunix_moe_quantized_step_updates_experts_and_their_scales(tunix_moe):
   layer, x, _ = tunix_moe
   model, _ = _convert(nnx.clone(layer), "fp8_delayed")
