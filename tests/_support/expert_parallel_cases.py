@@ -80,12 +80,14 @@ def matches_single_device():
 @cases
 def fsdp_gathers_quantized_kernels():
   """Experts over ``expert`` (4) and their kernels over ``fsdp`` (2) along
-  K: each quantized GEMM gathers its kernel shard as payload + scales; the
-  step against one device, and the gathers' bytes by type from the HLO."""
+  K: each quantized GEMM gathers its kernel shard as payload + scales
+  (deepseek_v3: a 64-row shard holds no whole 128x128 block, so the wide
+  shard is gathered); the step against one device, and the gathers' bytes
+  by type from the HLO."""
   import qlayers  # pylint: disable=g-import-not-at-top
   x, w, ids, gates = _inputs()
   out = {}
-  for name in ("fp8_current", "mxfp8"):
+  for name in ("fp8_current", "mxfp8", "deepseek_v3"):
     rd = qlayers.ops.ragged_dot(name)
     def experts(w, xs, sizes, out, rd=rd):
       return rd(xs, w, sizes, preferred_element_type=out)
