@@ -205,7 +205,8 @@ class QTensor:
       of ``scale`` kept apart for a native NVFP4 GEMM, the E4M3 block
       scales (``float8_e4m3fn``, the grid of ``scale``) and the per-tensor
       FP32 decode scale ``S_dec``; ``scale`` is ``f32(block_scale) *
-      tensor_scale`` bit for bit. Code that replaces ``scale`` drops them.
+      tensor_scale`` bit for bit. Code that replaces ``scale`` must
+      replace or clear them too (``dataclasses.replace`` keeps them).
 
   Example:
     >>> import jax.numpy as jnp
