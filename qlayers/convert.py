@@ -33,6 +33,7 @@ from flax import nnx
 
 from qlayers import dispatch, swap, swap_experts
 from qlayers.heads import output_heads
+from qlayers.layers.core import seed_rounding
 from qlayers.layers.frozen import freeze
 from qlayers.recipe import Recipe, recipe as load_recipe
 
@@ -113,10 +114,6 @@ DEFAULT_RULES = (Rule(pattern=DEFAULT_KEEP_WIDE, recipe=None), KEEP_HEAD_WIDE)
 """The rules `quantize` applies when given ``rules=None``: embeddings and
 output heads by name (`DEFAULT_KEEP_WIDE`), and the output head by what it
 is (`KEEP_HEAD_WIDE`)."""
-
-
-# ----------------------------------------------------------------------------
-# The report
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,10 +239,6 @@ def _recipe_name(r) -> str:
   return r.name if isinstance(r, Recipe) else str(r)
 
 
-# ----------------------------------------------------------------------------
-# Public entry points
-
-
 def _root(model, report, want) -> None:
   if want(model):
     report.skipped.append(Skipped(
@@ -333,7 +326,9 @@ def quantize(model: nnx.Module, recipe: Recipe | str | None,
   ``dot_general`` / ``einsum_op``, or held in a tuple. Modules that own a
   matmul weight but are none of these (``nnx.Conv``, a hand-written linear)
   are reported as not converted. Layers already quantized are left alone; a
-  layer shared by several parents is swapped everywhere.
+  layer shared by several parents is swapped everywhere. Each GEMM with
+  step-keyed stochastic rounding (nvfp4) gets a seed from its module path
+  (`qlayers.recipe_rules.seed_rounding`).
 
   Args:
     model: the model (an ``nnx.Module``).
@@ -432,6 +427,7 @@ def quantize(model: nnx.Module, recipe: Recipe | str | None,
         None if rule is None else _rule_name(rule), _aliases(site)))
   report.skipped.extend(Skipped(*s) for s in swap.unconverted_matmuls(
       model, _TABLE_NAME, {id(s.layer) for s in experts}))
+  seed_rounding(model)  # step-keyed stochastic rounding: a seed per GEMM
   if frozen:
     freeze(model)
   return report

@@ -16,13 +16,8 @@ equal shapes do not draw the same bits.
 
 from __future__ import annotations
 
-import zlib
-
-import jax.numpy as jnp
-from flax import nnx
-
 from qlayers.convert import DEFAULT_RULES, Rule
-from qlayers.layers.core import gemms
+from qlayers.layers.core import seed_rounding
 
 __all__ = ["nvfp4_wide_blocks", "seed_rounding"]
 
@@ -68,34 +63,3 @@ def nvfp4_wide_blocks(num_blocks: int, *, first: int | None = None,
   keep = list(range(first)) + list(range(num_blocks - last, num_blocks))
   return tuple(Rule(pattern=block.replace("{i}", str(i)), recipe=None)
                for i in keep) + DEFAULT_RULES
-
-
-def seed_rounding(model: nnx.Module, seed: int = 0) -> int:
-  """Gives every ``sr_key = "step"`` GEMM of ``model`` its own rounding seed:
-  CRC-32 of its module path plus ``seed`` (stacked layers add their index).
-  Returns the number of GEMMs seeded.
-
-  Example:
-    >>> import qlayers
-    >>> from flax import nnx
-    >>> from qlayers.recipe_rules import seed_rounding
-    >>> model = nnx.Sequential(qlayers.QuantDense(16, 16, rngs=nnx.Rngs(0),
-    ...                                           recipe="nvfp4"),
-    ...                        qlayers.QuantDense(16, 16, rngs=nnx.Rngs(1),
-    ...                                           recipe="nvfp4"))
-    >>> seed_rounding(model)
-    2
-    >>> int(model.layers[0].quant.sr_seed[...]) != int(
-    ...     model.layers[1].quant.sr_seed[...])
-    True
-  """
-  n = 0
-  for path, gemm in gemms(model):
-    if gemm.recipe.sr_key != "step":
-      continue
-    base = zlib.crc32("/".join(map(str, path)).encode()) + seed
-    stack = gemm.sr_seed[...]
-    index = jnp.arange(stack.size, dtype=jnp.uint32).reshape(stack.shape)
-    gemm.sr_seed.set_value(jnp.uint32(base % 2**32) + index)
-    n += 1
-  return n

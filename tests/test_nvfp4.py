@@ -202,6 +202,18 @@ def test_companion_rules_and_seeds():
   assert len(seeds) == 3
 
 
+def test_quantize_gives_each_layer_its_own_rounding_seed():
+  model = nnx.Sequential(*(nnx.Linear(16, 16, rngs=nnx.Rngs(i))
+                           for i in range(3)))
+  qlayers.quantize(model, "nvfp4")
+  seeds = [int(layer.quant.sr_seed[...]) for layer in model.layers]
+  assert len(set(seeds)) == 3, seeds  # without it every layer had seed 0
+  again = nnx.Sequential(*(nnx.Linear(16, 16, rngs=nnx.Rngs(i))
+                           for i in range(3)))
+  qlayers.quantize(again, "nvfp4")  # from the path: the same seeds
+  assert [int(l.quant.sr_seed[...]) for l in again.layers] == seeds
+
+
 def test_checkpoint_carries_the_rounding_counter(tmp_path):
   # A resumed run continues the same stochastic-rounding stream.
   model = qlayers.QuantDense(32, 32, rngs=nnx.Rngs(0), recipe="nvfp4")
@@ -213,3 +225,23 @@ def test_checkpoint_carries_the_rounding_counter(tmp_path):
       "full"
   assert (int(fresh.quant.sr_step[...]), int(fresh.quant.sr_seed[...])) == (
       41, 7)
+
+
+def test_logits_head_rounds_gradients_by_its_step_counter():
+  head = qlayers.QuantLogits(32, 64, rngs=nnx.Rngs(0), recipe="nvfp4")
+  x = jax.random.normal(jax.random.key(1), (2, 16, 32))
+  labels = jax.random.randint(jax.random.key(2), (2, 16), 0, 64)
+  grad = {c: nnx.jit(nnx.grad(lambda m, x, c=c: m.loss(x, labels,
+                                                       chunk_size=c),
+                              argnums=1)) for c in (None, 8)}
+
+  def dx(step, chunk_size=None):
+    model = nnx.clone(head)
+    model.quant.sr_step.set_value(jnp.uint32(step))
+    g = grad[chunk_size](model, x)
+    assert int(model.quant.sr_step[...]) == step + 1  # one step per call
+    return np.asarray(g)
+
+  np.testing.assert_array_equal(dx(5), dx(5))  # the counter, not the data
+  assert not np.array_equal(dx(5), dx(6))
+  np.testing.assert_array_equal(dx(5, chunk_size=8), dx(5, chunk_size=8))

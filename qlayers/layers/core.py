@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import zlib
 from typing import Iterator
 
 import jax
@@ -250,6 +251,39 @@ def gemms(model: nnx.Module) -> Iterator[tuple[tuple, QuantGemm]]:
   for path, node in nnx.iter_graph(model):
     if isinstance(node, QuantGemm):
       yield path, node
+
+
+def seed_rounding(model: nnx.Module, seed: int = 0) -> int:
+  """Gives every ``sr_key = "step"`` GEMM of ``model`` its own rounding seed:
+  CRC-32 of its module path plus ``seed`` (stacked layers add their index),
+  so layers of equal shapes do not draw the same bits. `qlayers.quantize`
+  calls it with ``seed=0``; call it again for another seed. Returns the
+  number of GEMMs seeded.
+
+  Example:
+    >>> import qlayers
+    >>> from flax import nnx
+    >>> from qlayers.recipe_rules import seed_rounding
+    >>> model = nnx.Sequential(qlayers.QuantDense(16, 16, rngs=nnx.Rngs(0),
+    ...                                           recipe="nvfp4"),
+    ...                        qlayers.QuantDense(16, 16, rngs=nnx.Rngs(1),
+    ...                                           recipe="nvfp4"))
+    >>> seed_rounding(model)
+    2
+    >>> int(model.layers[0].quant.sr_seed[...]) != int(
+    ...     model.layers[1].quant.sr_seed[...])
+    True
+  """
+  n = 0
+  for path, gemm in gemms(model):
+    if gemm.recipe.sr_key != "step":
+      continue
+    base = zlib.crc32("/".join(map(str, path)).encode()) + seed
+    stack = gemm.sr_seed[...]
+    index = jnp.arange(stack.size, dtype=jnp.uint32).reshape(stack.shape)
+    gemm.sr_seed.set_value(jnp.uint32(base % 2**32) + index)
+    n += 1
+  return n
 
 
 def update_scales(model: nnx.Module, grads: nnx.State | None = None) -> int:

@@ -151,11 +151,11 @@ class QuantLogits(QuantLayer, nnx.Module):
     bias = self.bias[...] if self.bias is not None else None
     return kernel, bias, self.quant.read()
 
-  def _logits(self, x, kernel, bias, state):
+  def _logits(self, x, kernel, bias, state, key=None):
     """Pure: FP32 logits ``(..., vocab)`` and the op's new state."""
     x, _, bias = dtypes.promote_dtype((x, kernel, bias), dtype=self.dtype)
     y, new_state = ops.quantized_matmul(x, kernel, self.recipe, state,
-                                        out_dtype=jnp.float32,
+                                        key=key, out_dtype=jnp.float32,
                                         backend=self.backend)
     if bias is not None:
       y = y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,)).astype(y.dtype)
@@ -170,7 +170,8 @@ class QuantLogits(QuantLayer, nnx.Module):
     """FP32 logits ``(..., vocab_size)`` of ``x (..., in_features)``."""
     self._check(x)
     kernel, bias, state = self._weights()
-    y, new_state = self._logits(x, kernel, bias, state)
+    y, new_state = self._logits(x, kernel, bias, state,
+                                self.quant.rounding_key())
     self.quant.write(new_state)
     return y
 
@@ -212,6 +213,7 @@ class QuantLogits(QuantLayer, nnx.Module):
       raise ValueError(f"chunk_size must be positive, got {chunk_size}.")
 
     kernel, bias, state = self._weights()
+    key = self.quant.rounding_key()  # None unless sr_key = "step"
     seq = x.shape[-2]
     batch = math.prod(x.shape[:-2])
     x = x.reshape(batch, seq, x.shape[-1])
@@ -222,11 +224,11 @@ class QuantLogits(QuantLayer, nnx.Module):
     # chunk to chunk (a chain, so the backward pass combines it by max; see
     # `QuantGemm.write`).
     def chunk(g_amax, args):
-      xc, yc, mc = args
+      xc, yc, mc, kc = args
       if state is not None:
         st = {**state, "g": state["g"]._replace(amax=g_amax)}
       logits, new_state = self._logits(xc, kernel, bias,
-                                       None if state is None else st)
+                                       None if state is None else st, kc)
       lse = jax.nn.logsumexp(logits, axis=-1)
       picked = _pick(logits, yc)
       total = jnp.sum((lse - picked) * mc)
@@ -237,7 +239,7 @@ class QuantLogits(QuantLayer, nnx.Module):
 
     g_amax = None if state is None else state["g"].amax
     if chunk_size is None or chunk_size >= seq:
-      g_amax, (total, amaxes) = chunk(g_amax, (x, labels, mask))
+      g_amax, (total, amaxes) = chunk(g_amax, (x, labels, mask, key))
     else:
       n = -(-seq // chunk_size)
       pad = n * chunk_size - seq
@@ -250,9 +252,10 @@ class QuantLogits(QuantLayer, nnx.Module):
         t = t.reshape(batch, n, chunk_size, *t.shape[2:])
         return jnp.moveaxis(t, 1, 0)
 
+      keys = None if key is None else jax.random.split(key, n)
       g_amax, (totals, amaxes) = lax.scan(
           jax.checkpoint(chunk, prevent_cse=False), g_amax,
-          (split(x), split(labels), split(mask)))
+          (split(x), split(labels), split(mask), keys))
       total = jnp.sum(totals)
       amaxes = tuple(jnp.max(a, axis=0) for a in amaxes)
     if state is not None:
