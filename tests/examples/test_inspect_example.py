@@ -21,8 +21,9 @@ def test_statistics_mode(tmp_path):
   pytest.importorskip("matplotlib")
   import inspect_numerics
 
+  # --every 2: step 1 is not recorded, the end (step 2) is.
   out = inspect_numerics.main(["--recipes", "fp8_delayed,mxfp4", "--steps",
-                               "2", "--every", "1", "--out", str(tmp_path),
+                               "2", "--every", "2", "--out", str(tmp_path),
                                *TINY])
   assert set(out) == {"fp8_delayed", "mxfp4"}
   for name in ("gpt_fp8_delayed", "gpt_mxfp4"):
@@ -30,7 +31,7 @@ def test_statistics_mode(tmp_path):
       assert (tmp_path / f"{name}{suffix}").stat().st_size > 0
   assert (tmp_path / "gpt_fp8_delayed_history.png").exists()
   data = json.loads((tmp_path / "gpt_mxfp4.json").read_text())
-  assert [r["step"] for r in data["monitor"]] == [0, 1, 2]
+  assert [r["step"] for r in data["monitor"]] == [0, 2]
   assert {r["role"] for r in data["final"]["rows"]} == {"x", "w", "g"}
 
 
@@ -59,8 +60,8 @@ def test_sensitivity_mode_and_keep_wide(tmp_path):
                                         "fp8_delayed+wide")
   with pytest.raises(SystemExit):  # a +wide run without the layers to keep
     train_lm.parse_args(["--recipes", "mxfp4,mxfp4+wide"])
-  with pytest.raises(ValueError, match="decide no layer"):
-    train_lm.main([*common, "--keep-wide", "^nothing$"])
+  with pytest.raises(ValueError, match="decide no layer"):  # before training
+    train_lm.main([*common, "--keep-wide", "^nothing$", "--no-baseline-run"])
 
 
 
