@@ -334,6 +334,21 @@ def _axis_size(mesh, axis) -> int:
   return dict(zip(mesh.axis_names, mesh.axis_sizes)).get(axis, 1)
 
 
+def _check_fsdp_specs(param_specs, fsdp: tuple[str, ...]) -> None:
+  """Only K (dim 1 of a kernel ``[E, K, N]``) may be split over ``fsdp``:
+  the GEMMs gather their weight shards along K."""
+  leaves = jax.tree_util.tree_leaves_with_path(
+      param_specs, is_leaf=lambda s: isinstance(s, P))
+  for path, spec in leaves:
+    for dim, entry in enumerate(spec):
+      names = entry if isinstance(entry, tuple) else (entry,)
+      if dim != 1 and set(names) & set(fsdp):
+        raise ValueError(
+            f"param_specs{jax.tree_util.keystr(path)} = {spec} splits dim "
+            f"{dim} over {fsdp[0]!r}; expert kernels [E, K, N] are FSDP "
+            "shards along K (dim 1) only.")
+
+
 def run(fn: Callable, params, x: jax.Array, expert_ids: jax.Array,
         gates: jax.Array, *, n_experts: int, mesh=None, axis: str = "expert",
         capacity: int | None = None, transport=None, param_specs=None,
@@ -399,6 +414,7 @@ def run(fn: Callable, params, x: jax.Array, expert_ids: jax.Array,
     param_specs = jax.tree.map(
         lambda a: P(axis, *fsdp) if fsdp and jnp.ndim(a) == 3 else P(axis),
         params)
+  _check_fsdp_specs(param_specs, fsdp)
   tokens = P((*fsdp, axis) if fsdp else axis)
   return jax.shard_map(
       body, mesh=mesh, axis_names={axis, *fsdp},

@@ -88,6 +88,7 @@ def test_fsdp_experts_gather_quantized_kernel_shards(cases):
   assert ds["all_gather"] == {"f32": 4 * local}
   assert abs(ds["loss"][0] - ds["loss"][1]) <= 1e-5 * abs(ds["loss"][0])
   assert ds["dx"] <= 1e-6
+  assert "splits dim 2 over 'fsdp'" in r["along_n"]
 
 
 def test_capacity_drops_only_past_the_fullest_pair(cases):

@@ -58,11 +58,12 @@ def _experts(w, xs, sizes, out=jnp.float32):
 
 
 def _loss(mesh, transport=None, capacity=None, out=jnp.float32,
-          experts=_experts, fsdp=None):
+          experts=_experts, fsdp=None, param_specs=None):
   def loss(w, x, ids, gates):
     fn = functools.partial(experts, out=out)
     y = ep.run(fn, w, x, ids, gates, n_experts=G, mesh=mesh,
-               transport=transport, capacity=capacity, fsdp=fsdp)
+               transport=transport, capacity=capacity, fsdp=fsdp,
+               param_specs=param_specs)
     return jnp.sum(y * jnp.cos(jnp.arange(F, dtype=jnp.float32))[None, :])
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
 
@@ -101,6 +102,11 @@ def fsdp_gathers_quantized_kernels():
                  "dx": err(dx2, dx1), "dw_shape": list(dw2.shape),
                  "all_gather": c.get("all-gather", {}),
                  "reduce_scatter": c.get("reduce-scatter", {})}
+  try:  # a kernel split over fsdp along N: refused, naming the spec
+    _loss(_fsdp_mesh(), fsdp="fsdp", param_specs=P("expert", None, "fsdp"))(
+        w, x, ids, gates)
+  except ValueError as e:
+    out["along_n"] = str(e)
   return out
 
 
