@@ -332,9 +332,8 @@ def intercept(fn: Callable) -> Iterator[None]:
   `qlayers.QuantGemm` of a layer passes itself) runs
   ``fn(site, x, w, recipe, state, *, key, out_dtype, backend)`` instead; a
   call without ``site`` (as ``fn`` makes to run the GEMM) is not routed.
-  A grouped GEMM (`qlayers.layers.QuantRaggedDot`, the experts of an MoE)
-  comes with ``w [G, K, N]`` and the keywords ``group_sizes`` and
-  ``capacity`` too (run it with `qlayers.ragged.quantized_ragged_dot`).
+  An MoE's grouped GEMM (`QuantRaggedDot`) has ``w [G, K, N]`` and the
+  keywords ``group_sizes``, ``capacity`` (`ragged.quantized_ragged_dot`).
   `qlayers.inspect` measures a model's GEMMs this way; outside the block
   nothing changes. Blocks do not nest.
 
