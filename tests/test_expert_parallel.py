@@ -89,6 +89,7 @@ def test_fsdp_experts_gather_quantized_kernel_shards(cases):
   assert abs(ds["loss"][0] - ds["loss"][1]) <= 1e-5 * abs(ds["loss"][0])
   assert ds["dx"] <= 1e-6
   assert "splits dim 2 over 'fsdp'" in r["along_n"]
+  assert r["quant_experts"] <= 1e-6  # the layer on a kernel shard
 
 
 def test_capacity_drops_only_past_the_fullest_pair(cases):

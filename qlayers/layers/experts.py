@@ -305,9 +305,10 @@ class QuantExperts(QuantLayer, nnx.Module):
     """``x [m, in_features]`` (sorted by expert), ``group_sizes
     [num_experts]`` -> ``[m, out_features]``; rows past the groups give 0."""
     kernel = self.kernel[...]
-    if x.ndim != 2 or x.shape[1] != kernel.shape[1]:
-      raise ValueError(f"QuantExperts expects tokens of shape (m, "
-                       f"{kernel.shape[1]}), got {x.shape}.")
+    k = sharding.weight_shards(kernel, 1)[1][1]  # an FSDP shard's whole K
+    if x.ndim != 2 or x.shape[1] != k:
+      raise ValueError(f"QuantExperts expects tokens of shape (m, {k}), "
+                       f"got {x.shape}.")
     bias = self.bias[...] if self.bias is not None else None
     x, _, bias = nnx.nn.dtypes.promote_dtype((x, kernel, bias),
                                              dtype=self.dtype)

@@ -102,6 +102,16 @@ def fsdp_gathers_quantized_kernels():
                  "dx": err(dx2, dx1), "dw_shape": list(dw2.shape),
                  "all_gather": c.get("all-gather", {}),
                  "reduce_scatter": c.get("reduce-scatter", {})}
+  # The layer QuantExperts takes a kernel shard too (forward only).
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  graphdef, state = nnx.split(qlayers.QuantExperts(
+      G, D, F, recipe="fp8_current", rngs=nnx.Rngs(0)))
+  layer = lambda state, xs, sizes: nnx.merge(graphdef, state)(xs, sizes)
+  y1, y2 = (jax.jit(lambda s, *a, m=m: ep.run(
+      layer, s, *a, n_experts=G, mesh=m, fsdp="fsdp"))(state, x, ids, gates)
+            for m in (None, _fsdp_mesh()))
+  out["quant_experts"] = float(jnp.max(jnp.abs(y1 - y2)) /
+                               jnp.max(jnp.abs(y1)))
   try:  # a kernel split over fsdp along N: refused, naming the spec
     _loss(_fsdp_mesh(), fsdp="fsdp", param_specs=P("expert", None, "fsdp"))(
         w, x, ids, gates)
