@@ -34,6 +34,10 @@ FAMILIES = ["bf16", "fp8_delayed", "fp8_current", "fp8_rowwise",
             "deepseek_v3", "mxfp8", "mxfp4"]
 # Final-loss tolerance of delayed scaling against the clean run (relative).
 DELAYED_RTOL = 0.02
+# One optimizer transformation for every run: the faulty and the clean run
+# of a recipe share one compiled step (a new optax.adam is a new static
+# argument of `_step`, which would compile the step again).
+TX = optax.adam(1e-2)
 
 
 @jax.custom_vjp
@@ -113,7 +117,7 @@ def _train(recipe, steps):
   faults; returns per-step records and the model."""
   xs, ys = _data()
   model = MLP(recipe, nnx.Rngs(0))
-  opt = qlayers.Optimizer(model, optax.adam(1e-2))
+  opt = qlayers.Optimizer(model, TX)
   records = []
   for step in steps:
     before = pure(nnx.state(model, nnx.Param)), pure(opt.opt_state)
@@ -128,11 +132,14 @@ def _train(recipe, steps):
   return records, model
 
 
+_eval_step = nnx.jit(_loss)  # compiled once per recipe, not run op by op
+
+
 def _eval_loss(model):
   xs, ys = _data()
   model.eval()
-  loss = float(_loss(model, jnp.asarray(xs[0]), jnp.asarray(ys[0]),
-                     _faults(-1)))
+  loss = float(_eval_step(model, jnp.asarray(xs[0]), jnp.asarray(ys[0]),
+                          _faults(-1)))
   model.train()
   return loss
 
