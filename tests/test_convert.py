@@ -588,7 +588,7 @@ def test_tied_embedding_head_quantized_by_opt_in_rule(sqnr):
   assert sqnr(ref, got) > 20
   # Lookups are untouched; gradients reach the table through attend.
   np.testing.assert_array_equal(model.wte(TOKENS), table[...][TOKENS])
-  grads = nnx.grad(lambda m: jnp.sum(m(TOKENS)[..., 7]))(model)
+  grads = nnx.jit(nnx.grad(lambda m: jnp.sum(m(TOKENS)[..., 7])))(model)
   g = np.asarray(grads["wte"]["embedding"][...])
   assert np.abs(g[7]).sum() > 0
   qlayers.dequantize_model(model)
