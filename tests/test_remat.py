@@ -107,15 +107,13 @@ def test_without_policy_wide_activations_are_saved():
 
 
 def test_policy_saves_named_extras():
-  saved, params, x, _ = _residuals("fp8_current",
-                                   qlayers.remat_policy("h1"),
-                                   extra_name="h1")
+  saved, params, x, with_extra = _residuals("fp8_current",
+                                            qlayers.remat_policy("h1"),
+                                            extra_name="h1")
   wide = _wide_activations(saved, params, x)
   assert [(r.shape, str(r.dtype)) for r in wide] == [((M, H1), "bfloat16")]
   _, _, _, without = _residuals("fp8_current", qlayers.remat_policy(),
                                 extra_name="h1")
-  _, _, _, with_extra = _residuals("fp8_current", qlayers.remat_policy("h1"),
-                                   extra_name="h1")
   assert M * H1 * 2 <= with_extra - without <= M * H1 * 2 + 64
 
 
