@@ -103,7 +103,8 @@ def _ops(name: str) -> dict[str, np.ndarray]:
   out["dot_general/dx"], out["dot_general/dw"] = map(np.asarray, grads)
   einsum = qlayers.QuantEinsum("btd,dnh->btnh", (K, 2, 8), (2, 8),
                                recipe=recipe, rngs=nnx.Rngs(4))
-  out["einsum/y"] = np.asarray(einsum(x.reshape(1, 3, K)))
+  out["einsum/y"] = np.asarray(nnx.jit(lambda m, x: m(x))(einsum,
+                                                         x.reshape(1, 3, K)))
   return out
 
 
