@@ -103,8 +103,10 @@ def _ids(starts, sizes, m, rows):
   ``rows`` rows, and its row there."""
   i = jnp.arange(m, dtype=jnp.int32)
   ends = starts + sizes
-  gid = jnp.clip(jnp.searchsorted(ends, i, side="right"), 0,
-                 sizes.shape[0] - 1).astype(jnp.int32)
+  # searchsorted(ends, i, side="right") as a count: jnp.searchsorted fails
+  # inside a shard_map that leaves another mesh axis automatic.
+  gid = jnp.minimum(jnp.sum(ends[None, :] <= i[:, None], axis=1,
+                            dtype=jnp.int32), sizes.shape[0] - 1)
   pos = i - starts[gid]
   valid = (i < ends[-1]) & (pos < rows)
   return gid, valid, jnp.where(valid, pos, 0)

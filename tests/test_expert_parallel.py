@@ -90,6 +90,11 @@ def test_fsdp_experts_gather_quantized_kernel_shards(cases):
   assert ds["dx"] <= 1e-6
   assert "splits dim 2 over 'fsdp'" in r["along_n"]
   assert r["quant_experts"] <= 1e-6  # the layer on a kernel shard
+  # The same mesh without fsdp= (the experts' group ids are counted, not
+  # jnp.searchsorted'ed: that fails beside an automatic mesh axis).
+  auto = r["auto_axis"]
+  assert abs(auto["loss"][0] - auto["loss"][1]) <= 1e-5 * abs(auto["loss"][0])
+  assert auto["dw"] <= 1e-6 and auto["dx"] <= 1e-6
 
 
 def test_capacity_drops_only_past_the_fullest_pair(cases):

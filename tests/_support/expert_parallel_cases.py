@@ -102,6 +102,10 @@ def fsdp_gathers_quantized_kernels():
                  "dx": err(dx2, dx1), "dw_shape": list(dw2.shape),
                  "all_gather": c.get("all-gather", {}),
                  "reduce_scatter": c.get("reduce-scatter", {})}
+    if name == "fp8_current":  # without fsdp=: that axis left automatic
+      auto, (dwa, dxa) = _loss(_fsdp_mesh(), experts=experts)(w, x, ids, gates)
+      out["auto_axis"] = {"loss": [float(one), float(auto)],
+                          "dw": err(dwa, dw1), "dx": err(dxa, dx1)}
   # The layer QuantExperts takes a kernel shard too (forward only).
   from flax import nnx  # pylint: disable=g-import-not-at-top
   graphdef, state = nnx.split(qlayers.QuantExperts(
