@@ -8,20 +8,26 @@ role scales by). `qlayers.ops` runs them inside the GEMM's custom_vjp;
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from qlayers import blocks
+from qlayers import cast_transpose
+from qlayers import formats
 from qlayers import hadamard
 from qlayers import partition
+from qlayers import scale_rules
 from qlayers import scaling
 from qlayers import sharding
+from qlayers import table
 from qlayers.dispatch import Operand
 from qlayers.recipe import Recipe, recipe as load_recipe
 from qlayers.scaling import ScaleState
 
-__all__ = ["operand", "delayed_amax", "fake_quant_matmul"]
+__all__ = ["operand", "operand_pair", "delayed_amax", "fake_quant_matmul"]
 
 
 def delayed_amax(t, state: ScaleState, recipe: Recipe):
@@ -93,6 +99,57 @@ def operand(t: jax.Array, op: Operand, *, amax=None, key=None,
     q = scaling.quantize(t.T, spec, 1, amax=amax, key=key)
     return dataclasses.replace(q, transposed=True)
   return scaling.quantize(t, spec, op.axis, amax=amax, key=key)
+
+
+def operand_pair(t: jax.Array, op: Operand, *, amax=None, key=None,
+                 dtype=jnp.float32):
+  """One per-tensor copy of ``t (..., C)`` for two GEMMs: ``(last, first)``,
+  the `operand` ``op`` handed to the GEMM that contracts the last axis and
+  to the one that contracts the rows.
+
+  Both hold the same values. Where a program may run on an NVIDIA GPU whose
+  FP8 GEMM takes only contraction-minor operands (Hopper, Ada:
+  `qlayers.table.fp8_gemm_transposes`), per-tensor FP8 rows of whole
+  `qlayers.cast_transpose.TILE` tiles are cast there by
+  `qlayers.cast_transpose.cast_transpose`, one pass writing both layouts;
+  ``first``'s payload is the transposed buffer seen as ``(M, C)``, the
+  layout cuBLASLt takes for a contraction over M. Elsewhere, and for any
+  other operand, both are the one copy `operand` makes. Not under a mesh:
+  the kernel has no partitioning rule.
+
+  Example:
+    >>> import jax.numpy as jnp, qlayers
+    >>> from qlayers.dispatch import Operand
+    >>> spec = qlayers.recipe("fp8_current").fprop.lhs
+    >>> last, first = operand_pair(jnp.ones((2, 64, 64)), Operand(spec, 1))
+    >>> last.payload.shape == first.payload.shape == (128, 64)
+    True
+  """
+  spec = op.spec
+  rows = (math.prod(t.shape[:-1]), t.shape[-1])
+  if not (spec is not None and spec.granularity == "tensor"
+          and spec.scale_rule != "nvfp4" and not spec.stochastic
+          and not op.hadamard and not op.tn and table.targets_gpu()
+          and table.fp8_gemm_transposes(table.gpu_arch("cuda"))
+          and cast_transpose.supported(rows, spec.fmt)
+          and not sharding.varying_axes(t)
+          and sharding.auto_mesh() is None):
+    q = operand(t, op, amax=amax, key=key, dtype=dtype)
+    return q, q
+  a = blocks.amax(t) if amax is None else jnp.asarray(amax, jnp.float32)
+  mult, scale = scale_rules.unit_scales(a, spec)
+
+  def xla(t, mult):
+    p = _rows(formats.cast(t.astype(jnp.float32) * mult, spec.fmt))
+    return p, p.T
+
+  def cuda(t, mult):
+    return cast_transpose.cast_transpose(_rows(t), mult, spec.fmt)
+
+  p, pt = lax.platform_dependent(t, mult, cuda=cuda, default=xla)
+  last = scaling.QTensor(p, scale, spec.fmt.name, "tensor", None, op.axis,
+                         rows)
+  return last, dataclasses.replace(last, payload=pt.T)
 
 
 def _gathered(t, op: Operand, axes, **kw):

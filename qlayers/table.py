@@ -27,7 +27,8 @@ from qlayers import _native
 from qlayers.scaling import QTensor
 
 __all__ = ["TABLE", "Rule", "Choice", "choose", "select", "target_arch",
-           "gpu_arch", "targets_gpu", "prefers_contraction_last", "BACKENDS",
+           "gpu_arch", "targets_gpu", "fp8_gemm_transposes",
+           "prefers_contraction_last", "BACKENDS",
            "PLATFORMS", "FFI_ARCH", "ffi_supports"]
 
 BACKENDS = ("xla", "ffi")
@@ -113,6 +114,15 @@ def gpu_arch(platform: str) -> str | None:
 def _sm(arch: str | None) -> int:
   """``sm_90`` -> 90 (0 when unknown or not CUDA)."""
   return int(arch[3:]) if arch and arch.startswith("sm_") else 0
+
+
+def fp8_gemm_transposes(arch: str | None) -> bool:
+  """Whether XLA's cuBLASLt FP8 GEMM on ``arch`` takes only operands whose
+  contraction axis is the minor one (TN), transposing any other: Ada and
+  Hopper (sm_89, sm_90). Blackwell (sm_100+) takes every layout, as the
+  sm_100 programs of ``benchmarks/gpu_compile.py`` show (no payload
+  transposes)."""
+  return 89 <= _sm(arch) < 100
 
 
 def _active(platform: str) -> bool:

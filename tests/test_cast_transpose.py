@@ -1,0 +1,111 @@
+"""The one-pass FP8 cast-transpose (qlayers/cast_transpose.py) and the
+operand pairs built on it (qlayers/operands.py: operand_pair)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import qlayers
+from qlayers import cast_transpose as ct
+from qlayers import formats
+from qlayers import ops
+from qlayers import table
+from qlayers.dispatch import Operand
+from qlayers.operands import operand, operand_pair
+
+
+def _bits(a):
+  """Bit patterns, every NaN as one (E5M2 has several NaN codes)."""
+  a = np.asarray(a)
+  return np.where(np.isnan(a.astype(np.float32)), 0xFF, a.view(np.uint8))
+
+
+def _data(shape, dtype):
+  x = jax.random.normal(jax.random.key(0), shape, jnp.float32) * 300.0
+  # NaN, +-Inf, overflow past the format's max, values rounding to zero and
+  # to subnormals, ties of the multiplier.
+  x = x.at[0, 0].set(jnp.nan).at[1, 3].set(jnp.inf).at[2, 5].set(-jnp.inf)
+  x = x.at[3, 7].set(-1e30).at[4, 9].set(1e-12).at[5, 11].set(3e-4)
+  return x.astype(dtype)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_both_layouts_are_the_saturating_cast_bit_for_bit(fmt, dtype):
+  t = _data((128, 192), dtype)
+  mult = jnp.float32(1.37)  # not a power of two: rounding is exercised
+  q, qt = ct.cast_transpose(t, mult, fmt, interpret=True)
+  want = formats.cast(t.astype(jnp.float32) * mult, fmt)
+  assert q.dtype == qt.dtype == want.dtype
+  np.testing.assert_array_equal(_bits(q), _bits(want))
+  np.testing.assert_array_equal(_bits(qt), _bits(want).T)
+  assert np.isnan(np.asarray(q[0, 0], np.float32))  # NaN is not saturated
+
+
+def test_refuses_what_it_cannot_cast():
+  assert ct.supported((64, 128), formats.get_format("e4m3"))
+  assert not ct.supported((64, 100), formats.get_format("e4m3"))
+  assert not ct.supported((64, 64, 64), formats.get_format("e4m3"))
+  assert not ct.supported((64, 64), formats.get_format("e2m1"))
+  with pytest.raises(ValueError, match="multiples of 64"):
+    ct.cast_transpose(jnp.ones((64, 100)), jnp.float32(1.0), "e4m3",
+                      interpret=True)
+
+
+def _spec(name="fp8_current"):
+  return qlayers.recipe(name).fprop.lhs
+
+
+def test_pair_on_cpu_is_the_one_copy():
+  t = _data((2, 64, 128), jnp.bfloat16)
+  last, first = operand_pair(t, Operand(_spec(), 1))
+  assert last is first  # no GPU targeted: nothing changes
+
+
+def test_pair_for_a_gpu_holds_the_same_values_and_lowers_to_the_kernel():
+  t = _data((2, 64, 128), jnp.bfloat16)
+  ref = operand(t, Operand(_spec(), 1))
+  with table.target_arch("sm_90"):
+    last, first = operand_pair(t, Operand(_spec(), 1))
+    cuda = jax.jit(lambda t: operand_pair(t, Operand(_spec(), 1))).trace(
+        t).lower(lowering_platforms=("cuda",)).as_text()
+  for q in (last, first):  # run on CPU: XLA's branch
+    assert q.payload.shape == (128, 128)
+    np.testing.assert_array_equal(_bits(q.payload), _bits(ref.payload))
+    np.testing.assert_array_equal(q.scale, ref.scale)
+  assert cuda.count("__gpu$xla.gpu.triton") == 1
+  assert "qlayers_cast_transpose" in cuda
+  with table.target_arch("sm_100"):  # Blackwell's FP8 GEMM takes any layout
+    last, first = operand_pair(t, Operand(_spec(), 1))
+  assert last is first
+
+
+@pytest.mark.parametrize("shape", [(2, 64, 100), (2, 64, 128)])
+def test_pair_keeps_operand_where_the_kernel_does_not_apply(shape):
+  t = jnp.ones(shape, jnp.bfloat16)
+  with table.target_arch("sm_90"):
+    for spec in (_spec("mxfp8"), _spec("fp8_current")):
+      last, first = operand_pair(t, Operand(spec, 1))
+      if spec.granularity != "tensor" or shape[-1] % ct.TILE:
+        assert last is first
+
+
+@pytest.mark.parametrize("recipe", ["fp8_current", "fp8_delayed"])
+def test_gpu_targeted_gemm_equals_the_cpu_one_on_cpu(recipe):
+  """Traced for an sm_90 target, a quantized matmul takes the operand
+  pairs; run on CPU, its output and both gradients keep their bits."""
+  x = jax.random.normal(jax.random.key(1), (2, 64, 128), jnp.float32)
+  w = jax.random.normal(jax.random.key(2), (128, 192), jnp.float32) * 0.1
+  state = ops.init_state(recipe)
+
+  def loss(x, w, state):
+    y, _ = ops.quantized_matmul(x, w, recipe, state)
+    return jnp.sum(y * jnp.cos(y))
+
+  grad = jax.value_and_grad(loss, argnums=(0, 1, 2))
+  want = jax.jit(grad)(x, w, state)
+  with table.target_arch("sm_90"):
+    got = jax.jit(grad)(x, w, state)
+  for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
