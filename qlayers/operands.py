@@ -27,7 +27,8 @@ from qlayers.dispatch import Operand
 from qlayers.recipe import Recipe, recipe as load_recipe
 from qlayers.scaling import ScaleState
 
-__all__ = ["operand", "operand_pair", "delayed_amax", "fake_quant_matmul"]
+__all__ = ["operand", "operand_pair", "pairable", "delayed_amax",
+           "fake_quant_matmul"]
 
 
 def delayed_amax(t, state: ScaleState, recipe: Recipe):
@@ -101,21 +102,49 @@ def operand(t: jax.Array, op: Operand, *, amax=None, key=None,
   return scaling.quantize(t, spec, op.axis, amax=amax, key=key)
 
 
-def operand_pair(t: jax.Array, op: Operand, *, amax=None, key=None,
-                 dtype=jnp.float32):
-  """One per-tensor copy of ``t (..., C)`` for two GEMMs: ``(last, first)``,
-  the `operand` ``op`` handed to the GEMM that contracts the last axis and
-  to the one that contracts the rows.
+def pairable(t: jax.Array, last: Operand, first: Operand | None = None
+             ) -> bool:
+  """Whether `operand_pair` makes ``t``'s two copies in one pass here.
 
-  Both hold the same values. Where a program may run on an NVIDIA GPU whose
-  FP8 GEMM takes only contraction-minor operands (Hopper, Ada:
-  `qlayers.table.fp8_gemm_transposes`), per-tensor FP8 rows of whole
-  `qlayers.cast_transpose.TILE` tiles are cast there by
-  `qlayers.cast_transpose.cast_transpose`, one pass writing both layouts;
-  ``first``'s payload is the transposed buffer seen as ``(M, C)``, the
-  layout cuBLASLt takes for a contraction over M. Elsewhere, and for any
-  other operand, both are the one copy `operand` makes. Not under a mesh:
-  the kernel has no partitioning rule.
+  Per-tensor FP8 (``first`` None: one copy, two layouts) where the program
+  may run on an NVIDIA GPU whose FP8 GEMM takes only contraction-minor
+  operands (Hopper, Ada: `qlayers.table.fp8_gemm_transposes`); MXFP8 with
+  blocks of 32 (``last`` along axis 1, ``first`` along axis 0, one spec) on
+  Blackwell (sm_100+), where MX runs on cuDNN's block-scaled GEMM. Rows of
+  whole tiles, round to nearest, no Hadamard transform, and no mesh (the
+  kernels have no partitioning rule).
+  """
+  spec = last.spec
+  if (spec is None or spec.stochastic or last.hadamard or last.tn
+      or not table.targets_gpu() or sharding.varying_axes(t)
+      or sharding.auto_mesh() is not None):
+    return False
+  rows = (math.prod(t.shape[:-1]), t.shape[-1])
+  arch = table.gpu_arch("cuda")
+  if first is None:
+    return (spec.granularity == "tensor" and spec.scale_rule != "nvfp4"
+            and table.fp8_gemm_transposes(arch)
+            and cast_transpose.supported(rows, spec.fmt))
+  return (first.spec == spec and spec.granularity == "mx"
+          and last.axis == 1 and first.axis == 0
+          and not (first.hadamard or first.tn)
+          and arch is not None and int(arch[3:]) >= 100
+          and cast_transpose.mx_supported(rows, spec.fmt, spec.block_size))
+
+
+def operand_pair(t: jax.Array, last: Operand, first: Operand | None = None,
+                 *, amax=None, keys=(None, None), dtype=jnp.float32):
+  """The copies of ``t (..., C)`` for two GEMMs, ``(for last, for first)``:
+  the `operand` ``last`` for the GEMM that contracts the last axis and
+  ``first`` (default: ``last``'s copy, per tensor) for the one that
+  contracts the rows, made in one pass where `pairable` says so.
+
+  In one pass (`qlayers.cast_transpose`): per tensor, one cast writes the
+  payload in both layouts; MXFP8, one kernel writes both block layouts and
+  their scales. The copy for ``first`` holds the transposed buffer seen as
+  ``(M, C)``, so the contraction-minor layout its GEMM takes is already
+  there. The values are `operand`'s in either case; elsewhere the copies
+  are `operand`'s own (``keys``: their stochastic-rounding keys).
 
   Example:
     >>> import jax.numpy as jnp, qlayers
@@ -125,31 +154,42 @@ def operand_pair(t: jax.Array, op: Operand, *, amax=None, key=None,
     >>> last.payload.shape == first.payload.shape == (128, 64)
     True
   """
-  spec = op.spec
+  if not pairable(t, last, first):
+    q = operand(t, last, amax=amax, key=keys[0], dtype=dtype)
+    return q, (q if first is None else
+               operand(t, first, amax=amax, key=keys[1], dtype=dtype))
+  spec = last.spec
   rows = (math.prod(t.shape[:-1]), t.shape[-1])
-  if not (spec is not None and spec.granularity == "tensor"
-          and spec.scale_rule != "nvfp4" and not spec.stochastic
-          and not op.hadamard and not op.tn and table.targets_gpu()
-          and table.fp8_gemm_transposes(table.gpu_arch("cuda"))
-          and cast_transpose.supported(rows, spec.fmt)
-          and not sharding.varying_axes(t)
-          and sharding.auto_mesh() is None):
-    q = operand(t, op, amax=amax, key=key, dtype=dtype)
-    return q, q
-  a = blocks.amax(t) if amax is None else jnp.asarray(amax, jnp.float32)
-  mult, scale = scale_rules.unit_scales(a, spec)
+  if first is None:
+    a = blocks.amax(t) if amax is None else jnp.asarray(amax, jnp.float32)
+    mult, scale = scale_rules.unit_scales(a, spec)
 
-  def xla(t, mult):
-    p = _rows(formats.cast(t.astype(jnp.float32) * mult, spec.fmt))
-    return p, p.T
+    def xla(t, mult):
+      p = _rows(formats.cast(t.astype(jnp.float32) * mult, spec.fmt))
+      return p, p.T
 
-  def cuda(t, mult):
-    return cast_transpose.cast_transpose(_rows(t), mult, spec.fmt)
+    def cuda(t, mult):
+      return cast_transpose.cast_transpose(_rows(t), mult, spec.fmt)
 
-  p, pt = lax.platform_dependent(t, mult, cuda=cuda, default=xla)
-  last = scaling.QTensor(p, scale, spec.fmt.name, "tensor", None, op.axis,
-                         rows)
-  return last, dataclasses.replace(last, payload=pt.T)
+    p, pt = lax.platform_dependent(t, mult, cuda=cuda, default=xla)
+    q = scaling.QTensor(p, scale, spec.fmt.name, "tensor", None, last.axis,
+                        rows)
+    return q, dataclasses.replace(q, payload=pt.T)
+
+  def xla_mx(t):
+    a, b = (scaling.quantize(_rows(t), spec, axis) for axis in (1, 0))
+    return a.payload, a.scale, b.payload.T, b.scale.T
+
+  def cuda_mx(t):
+    return cast_transpose.mx_cast_transpose(_rows(t), spec.fmt,
+                                            spec.scale_rule)
+
+  p, s, pt, st = lax.platform_dependent(t, cuda=cuda_mx, default=xla_mx)
+
+  def mx(payload, scale, axis):
+    return scaling.QTensor(payload, scale, spec.fmt.name, "mx",
+                           blocks.block_shape(rows, spec, axis), axis, rows)
+  return mx(p, s, 1), mx(pt.T, st.T, 0)
 
 
 def _gathered(t, op: Operand, axes, **kw):

@@ -58,8 +58,7 @@ from qlayers import scaling
 from qlayers import sharding
 from qlayers.dispatch import Plan
 from qlayers.operands import (  # noqa: F401  (re-exported)
-    operand_pair,
-    delayed_amax, fake_quant_matmul, operand)
+    delayed_amax, fake_quant_matmul, operand, operand_pair, pairable)
 from qlayers.recipe import Recipe, recipe as load_recipe
 from qlayers.scaling import ScaleState
 
@@ -151,39 +150,35 @@ def _qmm_forward(plan: Plan, x, w, state, key, gather=()):
     aw, run_w = delayed_amax(w, state["w"], recipe)
     new_state = {"x": state["x"]._replace(amax=run_x),
                  "w": state["w"]._replace(amax=run_w), "g": state["g"]}
-  # A copy shared by two GEMMs is made in both layouts at once (per-tensor
-  # FP8 on NVIDIA GPUs; see `operand_pair`): Fprop takes x's last-axis
-  # layout and w's row layout, Dgrad w's last-axis one, Wgrad x's rows.
-  x_rows = None
-  if plan.save_x == "fprop":
-    qx, x_rows = operand_pair(x, fprop.lhs, amax=ax, key=kx,
-                              dtype=recipe.dtype)
+  # The copies of x and w for two GEMMs each (x: Fprop, then Wgrad's if
+  # `Plan.save_x` says; w: Dgrad's, Fprop's), in one pass where
+  # `operand_pair` can; elsewhere each made as before.
+  if plan.save_x == "wide":
+    qx, x_saved = operand(x, fprop.lhs, amax=ax, key=kx,
+                          dtype=recipe.dtype), x
   else:
-    qx = operand(x, fprop.lhs, amax=ax, key=kx, dtype=recipe.dtype)
-  if plan.share_w and not gather:
-    w_last, qw = operand_pair(w, fprop.rhs, amax=aw, key=kw,
-                              dtype=recipe.dtype)
+    qx, x_saved = operand_pair(
+        x, fprop.lhs, plan.wgrad.lhs if plan.save_x == "wgrad" else None,
+        amax=ax, keys=(kx, kwx), dtype=recipe.dtype)
+  dgrad_w = None if plan.share_w else plan.dgrad.rhs
+  if not gather and (plan.share_w or pairable(w, dgrad_w, fprop.rhs)):
+    w_saved, qw = operand_pair(w, dgrad_w or fprop.rhs,
+                               None if plan.share_w else fprop.rhs,
+                               amax=aw, keys=(kw, None), dtype=recipe.dtype)
   else:
-    qw = w_last = operand(w, fprop.rhs, amax=aw, key=kw, dtype=recipe.dtype,
-                          gather=gather)
+    qw = operand(w, fprop.rhs, amax=aw, key=kw, dtype=recipe.dtype,
+                 gather=gather)
+    w_saved = qw if plan.share_w else w
   if plan.share_w and fprop.partitioned and plan.dgrad.partitioned:
     # One uint8 value for Fprop and the Dgrad residual: gathered once.
-    qw = partition.wire(qw)
+    qw = w_saved = partition.wire(qw)
   y = dispatch.run(fprop, qx, qw)
   y = y.reshape(*x.shape[:-1], y.shape[-1])
 
-  # What Wgrad needs of x (see `Plan.save_x`), named so a remat policy
+  # What Wgrad needs of x is named, so a remat policy
   # (save_only_these_names) can keep just this.
-  if plan.save_x == "fprop":
-    x_saved = x_rows
-  elif plan.save_x == "wgrad":
-    x_saved = operand(x, plan.wgrad.lhs, amax=ax, key=kwx,
-                      dtype=recipe.dtype)
-  else:
-    x_saved = x
   x_saved = jax.tree.map(lambda t: checkpoint_name(t, WGRAD_INPUT_NAME),
                          x_saved)
-  w_saved = w_last if plan.share_w else w
   g_state = state["g"] if recipe.delayed else None
   return y, new_state, (x_saved, w_saved, ax, aw, g_state, kb)
 
@@ -217,13 +212,11 @@ def _qmm_bwd(plan: Plan, dtypes, res, cts):
                           else jnp.maximum(later, run_g))
   # Dgrad: dx = g @ w.T, contracted over N (both Hadamard-transformed along
   # N first if the recipe says so: (g Q.T) @ (w Q.T).T = g @ w.T).
-  if plan.share_g:  # Dgrad takes g's last-axis layout, Wgrad its rows
-    qg, qg_w = operand_pair(g, dgrad.lhs, amax=ag, key=kd, dtype=recipe.dtype)
-  else:
-    qg = operand(g, dgrad.lhs, amax=ag, key=kd, dtype=recipe.dtype)
-    qg_w = operand(g, wgrad.rhs, amax=ag, key=kwg, dtype=recipe.dtype)
-  qw = w_saved if plan.share_w else operand(w_saved, dgrad.rhs, amax=aw,
-                                            dtype=recipe.dtype, gather=gather)
+  # g's copies for Dgrad and Wgrad (one if shared), in one pass where it can.
+  qg, qg_w = operand_pair(g, dgrad.lhs, None if plan.share_g else wgrad.rhs,
+                          amax=ag, keys=(kd, kwg), dtype=recipe.dtype)
+  qw = w_saved if isinstance(w_saved, scaling.QTensor) else operand(
+      w_saved, dgrad.rhs, amax=aw, dtype=recipe.dtype, gather=gather)
   dx = dispatch.run(dgrad, qg, qw).reshape(x_shape)
   # Wgrad: dw = x.T @ g, contracted over M (both Hadamard-transformed along
   # M first if the recipe says so: (Qx).T @ (Qg) = x.T @ g).

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import qlayers
+import qlayers.scaling
 from qlayers import cast_transpose as ct
 from qlayers import formats
 from qlayers import ops
@@ -61,6 +62,8 @@ def test_pair_on_cpu_is_the_one_copy():
   t = _data((2, 64, 128), jnp.bfloat16)
   last, first = operand_pair(t, Operand(_spec(), 1))
   assert last is first  # no GPU targeted: nothing changes
+  mx = _spec("mxfp8")
+  assert not qlayers.operands.pairable(t, Operand(mx, 1), Operand(mx, 0))
 
 
 def test_pair_for_a_gpu_holds_the_same_values_and_lowers_to_the_kernel():
@@ -91,10 +94,45 @@ def test_pair_keeps_operand_where_the_kernel_does_not_apply(shape):
         assert last is first
 
 
-@pytest.mark.parametrize("recipe", ["fp8_current", "fp8_delayed"])
-def test_gpu_targeted_gemm_equals_the_cpu_one_on_cpu(recipe):
-  """Traced for an sm_90 target, a quantized matmul takes the operand
-  pairs; run on CPU, its output and both gradients keep their bits."""
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("rule", ["mx_rceil", "mx_floor"])
+def test_mx_copies_are_quantize_along_each_axis_bit_for_bit(fmt, rule):
+  t = _data((96, 160), jnp.bfloat16).at[40, 70].set(1e-30)
+  spec = qlayers.scaling.QuantSpec(format=fmt, granularity="mx",
+                                   scale_rule=rule)
+  q, s, qt, st = ct.mx_cast_transpose(t, fmt, rule, interpret=True)
+  rows, cols = (qlayers.scaling.quantize(t, spec, a) for a in (1, 0))
+  np.testing.assert_array_equal(_bits(q), _bits(rows.payload))
+  np.testing.assert_array_equal(np.asarray(s), np.asarray(rows.scale))
+  np.testing.assert_array_equal(_bits(qt), _bits(cols.payload).T)
+  np.testing.assert_array_equal(np.asarray(st), np.asarray(cols.scale).T)
+  assert int(s[0, 0]) == 255  # the NaN's block
+
+
+def test_mx_pair_for_blackwell_holds_operands_values():
+  t = _data((2, 32, 96), jnp.bfloat16)
+  spec = _spec("mxfp8")
+  last_op, first_op = Operand(spec, 1), Operand(spec, 0)
+  want = (operand(t, last_op), operand(t, first_op))
+  with table.target_arch("sm_100"):
+    got = operand_pair(t, last_op, first_op)
+    cuda = jax.jit(lambda t: operand_pair(t, last_op, first_op)).trace(
+        t).lower(lowering_platforms=("cuda",)).as_text()
+  for g, w in zip(got, want):
+    assert (g.axis, g.block, g.shape) == (w.axis, w.block, w.shape)
+    np.testing.assert_array_equal(_bits(g.payload), _bits(w.payload))
+    np.testing.assert_array_equal(np.asarray(g.scale), np.asarray(w.scale))
+  assert "qlayers_mx_cast_transpose" in cuda
+  with table.target_arch("sm_90"):  # MX is not native there: as before
+    assert not qlayers.operands.pairable(t, last_op, first_op)
+
+
+@pytest.mark.parametrize("recipe,arch", [("fp8_current", "sm_90"),
+                                         ("fp8_delayed", "sm_90"),
+                                         ("mxfp8", "sm_100")])
+def test_gpu_targeted_gemm_equals_the_cpu_one_on_cpu(recipe, arch):
+  """Traced for a GPU target, a quantized matmul takes the operand pairs;
+  run on CPU, its output and all gradients keep their bits."""
   x = jax.random.normal(jax.random.key(1), (2, 64, 128), jnp.float32)
   w = jax.random.normal(jax.random.key(2), (128, 192), jnp.float32) * 0.1
   state = ops.init_state(recipe)
@@ -105,7 +143,10 @@ def test_gpu_targeted_gemm_equals_the_cpu_one_on_cpu(recipe):
 
   grad = jax.value_and_grad(loss, argnums=(0, 1, 2))
   want = jax.jit(grad)(x, w, state)
-  with table.target_arch("sm_90"):
+  with table.target_arch(arch):
     got = jax.jit(grad)(x, w, state)
+    text = jax.jit(grad).trace(x, w, state).lower(
+        lowering_platforms=("cuda",)).as_text()
+  assert text.count("__gpu$xla.gpu.triton") == 3  # one per x, w, g
   for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
