@@ -183,11 +183,15 @@ def _local_name(requested: str | None, pow2: bool) -> str:
 
 
 def _shares(a: QuantSpec | None, b: QuantSpec | None, requested) -> bool:
-  """One quantized copy serves both specs: an axis-free (per-tensor) scale,
-  in a layout the backend takes for both GEMMs."""
-  return (a is not None and a == b and a.granularity == "tensor"
-          and not a.stochastic
-          and not prefers_contraction_last("tensor", requested))
+  """One quantized copy serves both specs: an axis-free scale (per tensor,
+  or square 2-D blocks, which quantize ``t`` and ``t.T`` to the same values:
+  DeepSeek-V3's 128 x 128 weight blocks), in a layout the backend takes for
+  both GEMMs. Packed FP6/FP4 payloads are packed along one axis, so a 2-D
+  block copy of them is not shared."""
+  return (a is not None and a == b and not a.stochastic
+          and (a.granularity == "tensor"
+               or (a.granularity == "block" and not a.fmt.packed))
+          and not prefers_contraction_last(a.granularity, requested))
 
 
 # Keyed only on its arguments, all explicit values (the loaded native
@@ -236,8 +240,9 @@ def _plan(recipe: Recipe, requested, targets, lowered, mesh: bool,
 def run(step: Gemm, a, b) -> jax.Array:
   """One GEMM of a `Plan` on its 2-D operands (`QTensor` or wide arrays):
   ``(free dim of a, free dim of b)`` in ``step.out_dtype``, FP32
-  accumulation. A per-tensor copy made for another GEMM of the plan is
-  relabelled to this one's contraction axis (its scale has no axis)."""
+  accumulation. A per-tensor or square-block copy made for another GEMM of
+  the plan is relabelled to this one's contraction axis (its scales do not
+  depend on the axis)."""
   a, b = (dataclasses.replace(q, axis=axis)
           if isinstance(q, QTensor) and q.axis != axis else q
           for q, axis in zip((a, b), step.axes))

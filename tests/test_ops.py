@@ -371,6 +371,25 @@ def test_recipe_dataclass_is_hashable_static_arg():
   assert hash(r) == hash(dataclasses.replace(r))
 
 
+@pytest.mark.parametrize("recipe,shared", [("deepseek_v3", True),
+                                           ("deepseek_v3_ue8m0", True),
+                                           ("nvfp4", False), ("mxfp8", False)])
+def test_square_weight_blocks_are_one_copy_for_fprop_and_dgrad(recipe,
+                                                               shared):
+  """128 x 128 blocks quantize w and w.T alike, so Dgrad reuses Fprop's
+  copy (relabelled); packed FP4 blocks and 1-D MX blocks do not."""
+  from qlayers import dispatch
+  r = qlayers.recipe(recipe)
+  p = dispatch.plan(r, (8, 256), jnp.float32, (256, 384), jnp.float32)
+  assert p.share_w == shared
+  if shared:
+    w = jax.random.normal(jax.random.key(3), (256, 384)) * 0.02
+    a, b = (S.quantize(w, r.fprop.rhs, axis) for axis in (0, 1))
+    np.testing.assert_array_equal(np.asarray(a.payload, np.float32),
+                                  np.asarray(b.payload, np.float32))
+    np.testing.assert_array_equal(a.scale, b.scale)
+
+
 def test_the_plan_is_made_once_per_signature_and_reads_its_inputs(
     monkeypatch):
   """One plan per (recipe, shapes, dtypes, forced backend, targets): the
