@@ -32,12 +32,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from qlayers import formats
 from qlayers.formats import Format
 
 __all__ = ["TILE", "supported", "cast_transpose", "mx_supported",
-           "mx_cast_transpose"]
+           "mx_cast_transpose", "block_cast_transpose"]
 
 # Rows and columns of one tile; both dims of ``t`` must be multiples of it.
 TILE = 64
@@ -106,61 +107,95 @@ def cast_transpose(t: jax.Array, mult: jax.Array, fmt: Format | str, *,
 
 
 def mx_supported(shape: tuple[int, ...], fmt: Format, block_size: int) -> bool:
-  """Whether `mx_cast_transpose` takes a 2-D ``shape`` tensor: whole 32 x 32
-  tiles, an unpacked FP8 element format, blocks of 32."""
-  return (block_size == MX_BLOCK and len(shape) == 2 and fmt.signed
-          and not fmt.packed and fmt.dtype is not None
+  """Whether `mx_cast_transpose` takes a 2-D ``shape`` tensor: blocks of 32
+  (MX) or 128 (DeepSeek-V3 tiles), whole ``block_size`` x ``block_size``
+  tiles, an unpacked FP8 element format."""
+  return (block_size in (MX_BLOCK, TILE_BLOCK) and len(shape) == 2
+          and fmt.signed and not fmt.packed and fmt.dtype is not None
           and jnp.dtype(fmt.dtype).itemsize == 1
-          and all(d >= MX_BLOCK and d % MX_BLOCK == 0 for d in shape))
+          and all(d >= block_size and d % block_size == 0 for d in shape))
 
 
 MX_BLOCK = 32
+TILE_BLOCK = 128
+# DeepSeek-V3's floor on a tile's amax (scale_rules._DEEPSEEK_AMAX_FLOOR),
+# as FP32 bits (a positive float's order is its bits' order).
+_DEEPSEEK_FLOOR_BITS = int(np.float32(1e-4).view(np.uint32))
 
 
-def _mx_copy(v, mag_max, fmt: Format, rule: str):
-  """(payload, E8M0 codes) of FP32 ``v`` scaled by blocks whose magnitude
-  bits max is ``mag_max`` (`qlayers.scale_rules.unit_scales` for MX)."""
+def _block_copy(v, mag_max, fmt: Format, rule: str):
+  """(payload, E8M0 codes, multipliers) of FP32 ``v`` scaled per block whose
+  magnitude-bits max is ``mag_max``.
+
+  ``rule`` ``mx_floor``/``mx_rceil``: `qlayers.scale_rules.unit_scales` for
+  MX (a NaN code multiplies by 0). ``deepseek_pow2``: DeepSeek-V3's scale
+  ``max(amax, 1e-4) / 448`` correctly rounded, then up to a power of two
+  (`scale_rules.deepseek_scale` with ``pow2``). That power is the RCEIL
+  exponent of ``max(amax, 1e-4)``: an FP32 ``m`` has ``fl(m / max) <= 2**k``
+  exactly when ``m <= max * 2**k`` (the next FP32 above ``max * 2**k`` is
+  more than half an ulp of ``2**k`` away from it once divided), so it is
+  read off the bits too; a non-finite tile multiplies by NaN, as the
+  division by its NaN scale does.
+  """
   from qlayers import scale_rules  # pylint: disable=g-import-not-at-top
+  deepseek = rule == "deepseek_pow2"
+  if deepseek:
+    mag_max = jnp.maximum(mag_max, jnp.uint32(_DEEPSEEK_FLOOR_BITS))
   codes = scale_rules.mx_scale_codes(
-      jax.lax.bitcast_convert_type(mag_max, jnp.float32), fmt, rule)
+      jax.lax.bitcast_convert_type(mag_max, jnp.float32), fmt,
+      "mx_rceil" if deepseek else rule)
   c = codes.astype(jnp.uint32)
   # 2**(127 - code) from its bits (code 0: the subnormal 2**-127), as
-  # scale_rules.unit_scales; a NaN code multiplies by 0.
+  # scale_rules.unit_scales.
   mult = jax.lax.bitcast_convert_type(
       jnp.maximum((254 - c) << 23, jnp.uint32(0x400000)), jnp.float32)
-  w = v * jnp.where(codes == 255, 0.0, mult)
+  mult = jnp.where(codes == 255, jnp.nan if deepseek else 0.0, mult)
+  w = v * mult
   w = jnp.where(jnp.isnan(w), w, jnp.minimum(jnp.maximum(w, -fmt.max),
                                              fmt.max))
   return w.astype(fmt.dtype), codes
 
 
-def _mx_kernel(t_ref, q_ref, s_ref, qt_ref, st_ref, *, fmt: Format,
-               rule: str):
+def _scales_out(codes, rule: str):
+  """What the QTensor stores: E8M0 codes (MX), or FP32 ``2**(code - 127)``
+  (NaN for code 255) for DeepSeek-V3's power-of-two scales."""
+  if rule != "deepseek_pow2":
+    return codes
+  c = codes.astype(jnp.uint32)
+  return jnp.where(codes == 255, jnp.nan,
+                   jax.lax.bitcast_convert_type(c << 23, jnp.float32))
+
+
+def _block_kernel(t_ref, q_ref, s_ref, qt_ref, st_ref, *, fmt: Format,
+                  rule: str):
   v = t_ref[...].astype(jnp.float32)
   # Block amaxes from the magnitude bits, as qlayers.blocks does: exact, and
   # an Inf or NaN element gives the 0xFF code.
   mag = jax.lax.bitcast_convert_type(v, jnp.uint32) & 0x7FFFFFFF
-  q, s = _mx_copy(v, jnp.max(mag, axis=1, keepdims=True), fmt, rule)
+  q, s = _block_copy(v, jnp.max(mag, axis=1, keepdims=True), fmt, rule)
   q_ref[...] = q
-  s_ref[...] = s
-  qc, sc = _mx_copy(v, jnp.max(mag, axis=0, keepdims=True), fmt, rule)
+  s_ref[...] = _scales_out(s, rule)
+  qc, sc = _block_copy(v, jnp.max(mag, axis=0, keepdims=True), fmt, rule)
   qt_ref[...] = qc.T
-  st_ref[...] = sc.T
+  st_ref[...] = _scales_out(sc, rule).T
 
 
 def mx_cast_transpose(t: jax.Array, fmt: Format | str, rule: str, *,
-                      interpret: bool = False):
-  """Both MX copies of ``t (R, C)`` in one pass: ``(q, s, qt, st)``.
+                      block_size: int = MX_BLOCK, interpret: bool = False):
+  """Both block-scaled copies of ``t (R, C)`` in one pass: ``(q, s, qt, st)``.
 
-  ``q (R, C)`` with codes ``s (R, C / 32)`` is ``t`` quantized along its
-  rows' 32-blocks (`qlayers.scaling.quantize` along axis 1); ``qt (C, R)``
-  with ``st (C, R / 32)`` is ``t`` quantized along its columns' 32-blocks
-  (along axis 0), transposed.
+  ``q (R, C)`` with scales ``s (R, C / b)`` is ``t`` quantized along its
+  rows' ``b``-blocks (`qlayers.scaling.quantize` along axis 1); ``qt (C, R)``
+  with ``st (C, R / b)`` is ``t`` quantized along its columns' blocks (along
+  axis 0), transposed.
 
   Args:
-    t: 2-D BF16/FP16/FP32 array, both dims multiples of 32.
+    t: 2-D BF16/FP16/FP32 array, both dims multiples of ``block_size``.
     fmt: an FP8 element format (``"e4m3"``, ``"e5m2"``).
-    rule: the MX scale rule (``"mx_floor"``, ``"mx_rceil"``).
+    rule: ``"mx_floor"``/``"mx_rceil"`` (MX: E8M0 codes, blocks of 32) or
+      ``"deepseek_pow2"`` (DeepSeek-V3 tiles of 128 with power-of-two scales,
+      `deepseek_v3_ue8m0`: FP32 scales).
+    block_size: 32 (MX) or 128 (DeepSeek-V3 tiles).
     interpret: run in Pallas' interpreter (any platform; for tests).
 
   Example:
@@ -171,16 +206,18 @@ def mx_cast_transpose(t: jax.Array, fmt: Format | str, rule: str, *,
     ((32, 2), (64, 32), (64, 1), 119)
   """
   fmt = formats.get_format(fmt)
-  if not mx_supported(t.shape, fmt, MX_BLOCK):
+  b = block_size
+  if not mx_supported(t.shape, fmt, b):
     raise ValueError(f"mx_cast_transpose takes a 2-D tensor whose dims are "
-                     f"multiples of {MX_BLOCK} and an FP8 format; got "
-                     f"{t.shape} and {fmt.name}.")
+                     f"multiples of its blocks ({MX_BLOCK} or {TILE_BLOCK}, "
+                     f"got {b}) and an FP8 format; got {t.shape} and "
+                     f"{fmt.name}.")
   from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
   from jax.experimental.pallas import triton as plt  # pylint: disable=g-import-not-at-top
   rows, cols = t.shape
-  b = MX_BLOCK
+  sdtype = jnp.float32 if rule == "deepseek_pow2" else jnp.uint8
   call = pl.pallas_call(
-      functools.partial(_mx_kernel, fmt=fmt, rule=rule),
+      functools.partial(_block_kernel, fmt=fmt, rule=rule),
       grid=(rows // b, cols // b),
       in_specs=[pl.BlockSpec((b, b), lambda i, j: (i, j))],
       out_specs=[pl.BlockSpec((b, b), lambda i, j: (i, j)),
@@ -188,9 +225,61 @@ def mx_cast_transpose(t: jax.Array, fmt: Format | str, rule: str, *,
                  pl.BlockSpec((b, b), lambda i, j: (j, i)),
                  pl.BlockSpec((b, 1), lambda i, j: (j, i))],
       out_shape=[jax.ShapeDtypeStruct((rows, cols), fmt.dtype),
-                 jax.ShapeDtypeStruct((rows, cols // b), jnp.uint8),
+                 jax.ShapeDtypeStruct((rows, cols // b), sdtype),
                  jax.ShapeDtypeStruct((cols, rows), fmt.dtype),
-                 jax.ShapeDtypeStruct((cols, rows // b), jnp.uint8)],
-      compiler_params=plt.CompilerParams(num_warps=4),
+                 jax.ShapeDtypeStruct((cols, rows // b), sdtype)],
+      compiler_params=plt.CompilerParams(num_warps=4 if b <= 32 else 8),
       interpret=interpret, name="qlayers_mx_cast_transpose")
+  return tuple(call(t))
+
+
+def _square_kernel(t_ref, q_ref, s_ref, qt_ref, *, fmt: Format, rule: str):
+  v = t_ref[...].astype(jnp.float32)
+  mag = jax.lax.bitcast_convert_type(v, jnp.uint32) & 0x7FFFFFFF
+  tile_max = jnp.max(jnp.max(mag, axis=1, keepdims=True), axis=0,
+                     keepdims=True)
+  q, c = _block_copy(v, tile_max, fmt, rule)
+  q_ref[...] = q
+  qt_ref[...] = q.T
+  s_ref[...] = _scales_out(c, rule)
+
+
+def block_cast_transpose(t: jax.Array, fmt: Format | str, *,
+                         block_size: int = TILE_BLOCK,
+                         interpret: bool = False):
+  """``t (R, C)`` quantized in square ``block_size`` blocks with
+  DeepSeek-V3's power-of-two scales (`deepseek_v3_ue8m0`'s weights), in
+  both layouts at once: ``(q, s, qt)``, ``s (R / b, C / b)`` FP32.
+
+  Square blocks quantize ``t`` and ``t.T`` alike, so one scale per block
+  serves both copies (`qlayers.scaling.quantize` along either axis).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> q, s, qt = block_cast_transpose(jnp.ones((128, 256)), "e4m3",
+    ...                                 interpret=True)
+    >>> s.shape, qt.shape, float(s[0, 0]) == 2.0**-8
+    ((1, 2), (256, 128), True)
+  """
+  fmt = formats.get_format(fmt)
+  b = block_size
+  if not mx_supported(t.shape, fmt, b) or b != TILE_BLOCK:
+    raise ValueError(f"block_cast_transpose takes a 2-D tensor whose dims "
+                     f"are multiples of {TILE_BLOCK} and an FP8 format; got "
+                     f"{t.shape}, blocks of {b} and {fmt.name}.")
+  from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
+  from jax.experimental.pallas import triton as plt  # pylint: disable=g-import-not-at-top
+  rows, cols = t.shape
+  call = pl.pallas_call(
+      functools.partial(_square_kernel, fmt=fmt, rule="deepseek_pow2"),
+      grid=(rows // b, cols // b),
+      in_specs=[pl.BlockSpec((b, b), lambda i, j: (i, j))],
+      out_specs=[pl.BlockSpec((b, b), lambda i, j: (i, j)),
+                 pl.BlockSpec((1, 1), lambda i, j: (i, j)),
+                 pl.BlockSpec((b, b), lambda i, j: (j, i))],
+      out_shape=[jax.ShapeDtypeStruct((rows, cols), fmt.dtype),
+                 jax.ShapeDtypeStruct((rows // b, cols // b), jnp.float32),
+                 jax.ShapeDtypeStruct((cols, rows), fmt.dtype)],
+      compiler_params=plt.CompilerParams(num_warps=8),
+      interpret=interpret, name="qlayers_block_cast_transpose")
   return tuple(call(t))

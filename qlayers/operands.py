@@ -106,12 +106,14 @@ def pairable(t: jax.Array, last: Operand, first: Operand | None = None
              ) -> bool:
   """Whether `operand_pair` makes ``t``'s two copies in one pass here.
 
-  Per-tensor FP8 (``first`` None: one copy, two layouts) where the program
-  may run on an NVIDIA GPU whose FP8 GEMM takes only contraction-minor
-  operands (Hopper, Ada: `qlayers.table.fp8_gemm_transposes`); MXFP8 with
-  blocks of 32 (``last`` along axis 1, ``first`` along axis 0, one spec) on
-  Blackwell (sm_100+), where MX runs on cuDNN's block-scaled GEMM. Rows of
-  whole tiles, round to nearest, no Hadamard transform, and no mesh (the
+  One copy in two layouts (``first`` None): per-tensor FP8 where the
+  program may run on an NVIDIA GPU whose FP8 GEMM takes only
+  contraction-minor operands (Hopper, Ada:
+  `qlayers.table.fp8_gemm_transposes`), DeepSeek-V3's 128 x 128 blocks with
+  power-of-two scales on Blackwell. Two copies (``last`` along axis 1,
+  ``first`` along axis 0, one spec): MXFP8 with blocks of 32, DeepSeek-V3
+  tiles of 128 with power-of-two scales, on Blackwell (sm_100+), where both
+  run on cuDNN's block-scaled GEMM. Rows of whole tiles, round to nearest, no Hadamard transform, and no mesh (the
   kernels have no partitioning rule).
   """
   spec = last.spec
@@ -122,14 +124,38 @@ def pairable(t: jax.Array, last: Operand, first: Operand | None = None
   rows = (math.prod(t.shape[:-1]), t.shape[-1])
   arch = table.gpu_arch("cuda")
   if first is None:
+    if _square_pow2(spec):
+      return (arch is not None and int(arch[3:]) >= 100
+              and cast_transpose.mx_supported(rows, spec.fmt,
+                                              spec.block_size))
     return (spec.granularity == "tensor" and spec.scale_rule != "nvfp4"
             and table.fp8_gemm_transposes(arch)
             and cast_transpose.supported(rows, spec.fmt))
-  return (first.spec == spec and spec.granularity == "mx"
+  return (first.spec == spec and _block_rule(spec) is not None
           and last.axis == 1 and first.axis == 0
           and not (first.hadamard or first.tn)
           and arch is not None and int(arch[3:]) >= 100
           and cast_transpose.mx_supported(rows, spec.fmt, spec.block_size))
+
+
+def _square_pow2(spec) -> bool:
+  """DeepSeek-V3 128 x 128 blocks with power-of-two scales
+  (`deepseek_v3_ue8m0`'s weights): one copy for both GEMMs, in both
+  layouts by `qlayers.cast_transpose.block_cast_transpose`."""
+  return (spec.granularity == "block" and spec.scale_rule == "deepseek"
+          and spec.pow2 and spec.block_size == cast_transpose.TILE_BLOCK)
+
+
+def _block_rule(spec) -> str | None:
+  """The `qlayers.cast_transpose.mx_cast_transpose` rule of a spec whose
+  scales run on Blackwell's block-scaled GEMMs: MX, or DeepSeek-V3 tiles
+  with power-of-two scales (`deepseek_v3_ue8m0`); None otherwise."""
+  if spec.granularity == "mx" and spec.scale_rule.startswith("mx_"):
+    return spec.scale_rule
+  if (spec.granularity == "tile" and spec.scale_rule == "deepseek"
+      and spec.pow2):
+    return "deepseek_pow2"
+  return None
 
 
 def operand_pair(t: jax.Array, last: Operand, first: Operand | None = None,
@@ -140,8 +166,8 @@ def operand_pair(t: jax.Array, last: Operand, first: Operand | None = None,
   contracts the rows, made in one pass where `pairable` says so.
 
   In one pass (`qlayers.cast_transpose`): per tensor, one cast writes the
-  payload in both layouts; MXFP8, one kernel writes both block layouts and
-  their scales. The copy for ``first`` holds the transposed buffer seen as
+  payload in both layouts; MXFP8 and UE8M0 tiles, one kernel writes both
+  block layouts and their scales. The copy for ``first`` holds the transposed buffer seen as
   ``(M, C)``, so the contraction-minor layout its GEMM takes is already
   there. The values are `operand`'s in either case; elsewhere the copies
   are `operand`'s own (``keys``: their stochastic-rounding keys).
@@ -160,6 +186,20 @@ def operand_pair(t: jax.Array, last: Operand, first: Operand | None = None,
                operand(t, first, amax=amax, key=keys[1], dtype=dtype))
   spec = last.spec
   rows = (math.prod(t.shape[:-1]), t.shape[-1])
+  if first is None and _square_pow2(spec):
+    def xla_blocks(t):
+      q = scaling.quantize(_rows(t), spec, 1)
+      return q.payload, q.scale, q.payload.T
+
+    def cuda_blocks(t):
+      return cast_transpose.block_cast_transpose(_rows(t), spec.fmt)
+
+    p, s, pt = lax.platform_dependent(t, cuda=cuda_blocks,
+                                      default=xla_blocks)
+    q = scaling.QTensor(p, s, spec.fmt.name, "block",
+                        blocks.block_shape(rows, spec, last.axis),
+                        last.axis, rows)
+    return q, dataclasses.replace(q, payload=pt.T)
   if first is None:
     a = blocks.amax(t) if amax is None else jnp.asarray(amax, jnp.float32)
     mult, scale = scale_rules.unit_scales(a, spec)
@@ -181,13 +221,13 @@ def operand_pair(t: jax.Array, last: Operand, first: Operand | None = None,
     return a.payload, a.scale, b.payload.T, b.scale.T
 
   def cuda_mx(t):
-    return cast_transpose.mx_cast_transpose(_rows(t), spec.fmt,
-                                            spec.scale_rule)
+    return cast_transpose.mx_cast_transpose(
+        _rows(t), spec.fmt, _block_rule(spec), block_size=spec.block_size)
 
   p, s, pt, st = lax.platform_dependent(t, cuda=cuda_mx, default=xla_mx)
 
   def mx(payload, scale, axis):
-    return scaling.QTensor(payload, scale, spec.fmt.name, "mx",
+    return scaling.QTensor(payload, scale, spec.fmt.name, spec.granularity,
                            blocks.block_shape(rows, spec, axis), axis, rows)
   return mx(p, s, 1), mx(pt.T, st.T, 0)
 

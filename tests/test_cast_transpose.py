@@ -109,6 +109,39 @@ def test_mx_copies_are_quantize_along_each_axis_bit_for_bit(fmt, rule):
   assert int(s[0, 0]) == 255  # the NaN's block
 
 
+def test_ue8m0_tiles_are_deepseek_quantize_along_each_axis_bit_for_bit():
+  """DeepSeek-V3 1 x 128 tiles with power-of-two scales, both ways: NaN and
+  Inf tiles, tiles under the 1e-4 amax floor, amaxes at 448 * 2**k and just
+  above it (where rounding up to the power of two is decided)."""
+  spec = qlayers.recipe("deepseek_v3_ue8m0").fprop.lhs
+  t = _data((256, 384), jnp.bfloat16).at[200:, :128].set(1e-9)
+  t = t.at[130, 200].set(448.0 * 4).at[131, 300].set(448.0 * 4 * 1.0078125)
+  q, s, qt, st = ct.mx_cast_transpose(t, spec.fmt, "deepseek_pow2",
+                                      block_size=128, interpret=True)
+  rows, cols = (qlayers.scaling.quantize(t, spec, a) for a in (1, 0))
+  np.testing.assert_array_equal(_bits(q), _bits(rows.payload))
+  np.testing.assert_array_equal(np.asarray(s), np.asarray(rows.scale))
+  np.testing.assert_array_equal(_bits(qt), _bits(cols.payload).T)
+  np.testing.assert_array_equal(np.asarray(st), np.asarray(cols.scale).T)
+  assert np.isnan(np.asarray(s[0, 0])) and s.dtype == jnp.float32
+
+
+def test_square_blocks_in_both_layouts_are_one_quantize():
+  spec = qlayers.recipe("deepseek_v3_ue8m0").fprop.rhs
+  w = (jax.random.normal(jax.random.key(4), (256, 384)) * 0.02)
+  w = w.at[0, 0].set(jnp.nan).at[128:, 128:256].set(1e-9)
+  q, s, qt = ct.block_cast_transpose(w, spec.fmt, interpret=True)
+  want = qlayers.scaling.quantize(w, spec, 0)
+  np.testing.assert_array_equal(_bits(q), _bits(want.payload))
+  np.testing.assert_array_equal(_bits(qt), _bits(want.payload).T)
+  np.testing.assert_array_equal(np.asarray(s), np.asarray(want.scale))
+  with table.target_arch("sm_100"):
+    last, first = operand_pair(w, Operand(spec, 1))
+  np.testing.assert_array_equal(_bits(first.payload), _bits(want.payload))
+  np.testing.assert_array_equal(np.asarray(last.scale),
+                                np.asarray(want.scale))
+
+
 def test_mx_pair_for_blackwell_holds_operands_values():
   t = _data((2, 32, 96), jnp.bfloat16)
   spec = _spec("mxfp8")
@@ -127,14 +160,15 @@ def test_mx_pair_for_blackwell_holds_operands_values():
     assert not qlayers.operands.pairable(t, last_op, first_op)
 
 
-@pytest.mark.parametrize("recipe,arch", [("fp8_current", "sm_90"),
-                                         ("fp8_delayed", "sm_90"),
-                                         ("mxfp8", "sm_100")])
-def test_gpu_targeted_gemm_equals_the_cpu_one_on_cpu(recipe, arch):
+@pytest.mark.parametrize("recipe,arch,kernels", [
+    ("fp8_current", "sm_90", 3), ("fp8_delayed", "sm_90", 3),
+    ("mxfp8", "sm_100", 3),
+    ("deepseek_v3_ue8m0", "sm_100", 3)])
+def test_gpu_targeted_gemm_equals_the_cpu_one_on_cpu(recipe, arch, kernels):
   """Traced for a GPU target, a quantized matmul takes the operand pairs;
   run on CPU, its output and all gradients keep their bits."""
   x = jax.random.normal(jax.random.key(1), (2, 64, 128), jnp.float32)
-  w = jax.random.normal(jax.random.key(2), (128, 192), jnp.float32) * 0.1
+  w = jax.random.normal(jax.random.key(2), (128, 256), jnp.float32) * 0.1
   state = ops.init_state(recipe)
 
   def loss(x, w, state):
@@ -147,6 +181,6 @@ def test_gpu_targeted_gemm_equals_the_cpu_one_on_cpu(recipe, arch):
     got = jax.jit(grad)(x, w, state)
     text = jax.jit(grad).trace(x, w, state).lower(
         lowering_platforms=("cuda",)).as_text()
-  assert text.count("__gpu$xla.gpu.triton") == 3  # one per x, w, g
+  assert text.count("__gpu$xla.gpu.triton") == kernels  # x, w, g
   for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
