@@ -23,7 +23,10 @@ more than layout: one has a scale per 32 elements of a row, the other per
 32 of a column. Each is otherwise a second pass over the wide tensor; the
 kernel reads a 32 x 32 tile once and writes both copies (the column-blocked
 one transposed, contraction-last as cuDNN's block-scaled GEMM takes it) and
-their E8M0 scales, with `qlayers.scaling.quantize`'s values.
+their E8M0 scales, with `qlayers.scaling.quantize`'s values. With 128 x 128
+tiles it makes DeepSeek-V3's 1 x 128 tile copies with power-of-two scales
+(`deepseek_v3_ue8m0`, which Blackwell runs as MXFP8), and
+`block_cast_transpose` its 128 x 128 weight blocks in both layouts.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qlayers import formats
+from qlayers import scale_rules
 from qlayers.formats import Format
 
 __all__ = ["TILE", "supported", "cast_transpose", "mx_supported",
@@ -42,6 +46,14 @@ __all__ = ["TILE", "supported", "cast_transpose", "mx_supported",
 
 # Rows and columns of one tile; both dims of ``t`` must be multiples of it.
 TILE = 64
+
+
+def _pallas():
+  """Pallas and its Triton parameters, imported when a kernel is built (they
+  load Mosaic and Triton bindings that a CPU-only user never needs)."""
+  from jax.experimental import pallas
+  from jax.experimental.pallas import triton
+  return pallas, triton
 
 
 def supported(shape: tuple[int, ...], fmt: Format) -> bool:
@@ -87,8 +99,7 @@ def cast_transpose(t: jax.Array, mult: jax.Array, fmt: Format | str, *,
     raise ValueError(f"cast_transpose takes a 2-D tensor whose dims are "
                      f"multiples of {TILE} and an FP8 format; got "
                      f"{t.shape} and {fmt.name}.")
-  from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
-  from jax.experimental.pallas import triton as plt  # pylint: disable=g-import-not-at-top
+  pl, plt = _pallas()
   rows, cols = t.shape
   tile = (TILE, TILE)
   call = pl.pallas_call(
@@ -137,7 +148,6 @@ def _block_copy(v, mag_max, fmt: Format, rule: str):
   read off the bits too; a non-finite tile multiplies by NaN, as the
   division by its NaN scale does.
   """
-  from qlayers import scale_rules  # pylint: disable=g-import-not-at-top
   deepseek = rule == "deepseek_pow2"
   if deepseek:
     mag_max = jnp.maximum(mag_max, jnp.uint32(_DEEPSEEK_FLOOR_BITS))
@@ -212,8 +222,7 @@ def mx_cast_transpose(t: jax.Array, fmt: Format | str, rule: str, *,
                      f"multiples of its blocks ({MX_BLOCK} or {TILE_BLOCK}, "
                      f"got {b}) and an FP8 format; got {t.shape} and "
                      f"{fmt.name}.")
-  from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
-  from jax.experimental.pallas import triton as plt  # pylint: disable=g-import-not-at-top
+  pl, plt = _pallas()
   rows, cols = t.shape
   sdtype = jnp.float32 if rule == "deepseek_pow2" else jnp.uint8
   call = pl.pallas_call(
@@ -267,8 +276,7 @@ def block_cast_transpose(t: jax.Array, fmt: Format | str, *,
     raise ValueError(f"block_cast_transpose takes a 2-D tensor whose dims "
                      f"are multiples of {TILE_BLOCK} and an FP8 format; got "
                      f"{t.shape}, blocks of {b} and {fmt.name}.")
-  from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
-  from jax.experimental.pallas import triton as plt  # pylint: disable=g-import-not-at-top
+  pl, plt = _pallas()
   rows, cols = t.shape
   call = pl.pallas_call(
       functools.partial(_square_kernel, fmt=fmt, rule="deepseek_pow2"),

@@ -113,8 +113,9 @@ def pairable(t: jax.Array, last: Operand, first: Operand | None = None
   power-of-two scales on Blackwell. Two copies (``last`` along axis 1,
   ``first`` along axis 0, one spec): MXFP8 with blocks of 32, DeepSeek-V3
   tiles of 128 with power-of-two scales, on Blackwell (sm_100+), where both
-  run on cuDNN's block-scaled GEMM. Rows of whole tiles, round to nearest, no Hadamard transform, and no mesh (the
-  kernels have no partitioning rule).
+  run on cuDNN's block-scaled GEMM. Rows of whole tiles, round to nearest,
+  no Hadamard transform, and no mesh (the kernels have no partitioning
+  rule).
   """
   spec = last.spec
   if (spec is None or spec.stochastic or last.hadamard or last.tn
@@ -123,9 +124,10 @@ def pairable(t: jax.Array, last: Operand, first: Operand | None = None
     return False
   rows = (math.prod(t.shape[:-1]), t.shape[-1])
   arch = table.gpu_arch("cuda")
+  blackwell = table.sm_version(arch) >= 100
   if first is None:
     if _square_pow2(spec):
-      return (arch is not None and int(arch[3:]) >= 100
+      return (blackwell
               and cast_transpose.mx_supported(rows, spec.fmt,
                                               spec.block_size))
     return (spec.granularity == "tensor" and spec.scale_rule != "nvfp4"
@@ -133,8 +135,7 @@ def pairable(t: jax.Array, last: Operand, first: Operand | None = None
             and cast_transpose.supported(rows, spec.fmt))
   return (first.spec == spec and _block_rule(spec) is not None
           and last.axis == 1 and first.axis == 0
-          and not (first.hadamard or first.tn)
-          and arch is not None and int(arch[3:]) >= 100
+          and not (first.hadamard or first.tn) and blackwell
           and cast_transpose.mx_supported(rows, spec.fmt, spec.block_size))
 
 
@@ -167,10 +168,11 @@ def operand_pair(t: jax.Array, last: Operand, first: Operand | None = None,
 
   In one pass (`qlayers.cast_transpose`): per tensor, one cast writes the
   payload in both layouts; MXFP8 and UE8M0 tiles, one kernel writes both
-  block layouts and their scales. The copy for ``first`` holds the transposed buffer seen as
-  ``(M, C)``, so the contraction-minor layout its GEMM takes is already
-  there. The values are `operand`'s in either case; elsewhere the copies
-  are `operand`'s own (``keys``: their stochastic-rounding keys).
+  block layouts and their scales. The copy for ``first`` holds the
+  transposed buffer seen as ``(M, C)``, so the contraction-minor layout its
+  GEMM takes is already there. The values are `operand`'s in either case;
+  elsewhere the copies are `operand`'s own (``keys``: their
+  stochastic-rounding keys).
 
   Example:
     >>> import jax.numpy as jnp, qlayers

@@ -27,7 +27,7 @@ from qlayers import _native
 from qlayers.scaling import QTensor
 
 __all__ = ["TABLE", "Rule", "Choice", "choose", "select", "target_arch",
-           "gpu_arch", "targets_gpu", "fp8_gemm_transposes",
+           "gpu_arch", "targets_gpu", "sm_version", "fp8_gemm_transposes",
            "prefers_contraction_last", "BACKENDS",
            "PLATFORMS", "FFI_ARCH", "ffi_supports"]
 
@@ -111,8 +111,13 @@ def gpu_arch(platform: str) -> str | None:
   return _device_arch(platform)
 
 
-def _sm(arch: str | None) -> int:
-  """``sm_90`` -> 90 (0 when unknown or not CUDA)."""
+def sm_version(arch: str | None) -> int:
+  """``sm_90`` -> 90 (0 when unknown or not CUDA).
+
+  Example:
+    >>> sm_version("sm_100"), sm_version("gfx950"), sm_version(None)
+    (100, 0, 0)
+  """
   return int(arch[3:]) if arch and arch.startswith("sm_") else 0
 
 
@@ -122,7 +127,7 @@ def fp8_gemm_transposes(arch: str | None) -> bool:
   Hopper (sm_89, sm_90). Blackwell (sm_100+) takes every layout, as the
   sm_100 programs of ``benchmarks/gpu_compile.py`` show (no payload
   transposes)."""
-  return 89 <= _sm(arch) < 100
+  return 89 <= sm_version(arch) < 100
 
 
 def _active(platform: str) -> bool:
@@ -185,8 +190,8 @@ class Rule:
 
 
 _ANY = ("fp8", "fp6", "fp4")
-_HOPPER = lambda arch: 90 <= _sm(arch) < 100  # noqa: E731
-_MX_CORES = lambda arch: _sm(arch) >= 100  # noqa: E731
+_HOPPER = lambda arch: 90 <= sm_version(arch) < 100  # noqa: E731
+_MX_CORES = lambda arch: sm_version(arch) >= 100  # noqa: E731
 _GFX950 = lambda arch: arch == "gfx950"  # noqa: E731
 _GFX942 = lambda arch: arch == "gfx942"  # noqa: E731
 
