@@ -56,22 +56,31 @@ def _pallas():
   return pallas, triton
 
 
+def _whole_tiles(shape: tuple[int, ...], fmt: Format, tile: int) -> bool:
+  """A 2-D ``shape`` of whole ``tile`` x ``tile`` tiles, cast to an unpacked
+  signed 8-bit format (FP8)."""
+  return (len(shape) == 2 and fmt.signed and not fmt.packed
+          and fmt.dtype is not None and jnp.dtype(fmt.dtype).itemsize == 1
+          and all(d >= tile and d % tile == 0 for d in shape))
+
+
 def supported(shape: tuple[int, ...], fmt: Format) -> bool:
   """Whether `cast_transpose` takes a 2-D ``shape`` tensor cast to ``fmt``:
   whole tiles, an unpacked FP8 format."""
-  return (len(shape) == 2 and fmt.signed and not fmt.packed
-          and fmt.dtype is not None
-          and jnp.dtype(fmt.dtype).itemsize == 1
-          and all(d >= TILE and d % TILE == 0 for d in shape))
+  return _whole_tiles(shape, fmt, TILE)
+
+
+def _saturating_cast(v, fmt: Format):
+  """`formats.cast` of FP32 ``v`` in a kernel: clip to [-max, max] (NaN
+  stays NaN, said explicitly: the kernel's min/max need not propagate it),
+  then round to nearest even."""
+  v = jnp.where(jnp.isnan(v), v, jnp.minimum(jnp.maximum(v, -fmt.max),
+                                             fmt.max))
+  return v.astype(fmt.dtype)
 
 
 def _kernel(mult_ref, t_ref, q_ref, qt_ref, *, fmt: Format):
-  v = t_ref[...].astype(jnp.float32) * mult_ref[0]
-  # formats.saturate: clip to [-max, max], NaN stays NaN (said explicitly:
-  # the kernel's min/max need not propagate it).
-  v = jnp.where(jnp.isnan(v), v, jnp.minimum(jnp.maximum(v, -fmt.max),
-                                             fmt.max))
-  q = v.astype(fmt.dtype)
+  q = _saturating_cast(t_ref[...].astype(jnp.float32) * mult_ref[0], fmt)
   q_ref[...] = q
   qt_ref[...] = q.T
 
@@ -121,21 +130,20 @@ def mx_supported(shape: tuple[int, ...], fmt: Format, block_size: int) -> bool:
   """Whether `mx_cast_transpose` takes a 2-D ``shape`` tensor: blocks of 32
   (MX) or 128 (DeepSeek-V3 tiles), whole ``block_size`` x ``block_size``
   tiles, an unpacked FP8 element format."""
-  return (block_size in (MX_BLOCK, TILE_BLOCK) and len(shape) == 2
-          and fmt.signed and not fmt.packed and fmt.dtype is not None
-          and jnp.dtype(fmt.dtype).itemsize == 1
-          and all(d >= block_size and d % block_size == 0 for d in shape))
+  return (block_size in (MX_BLOCK, TILE_BLOCK)
+          and _whole_tiles(shape, fmt, block_size))
 
 
 MX_BLOCK = 32
 TILE_BLOCK = 128
-# DeepSeek-V3's floor on a tile's amax (scale_rules._DEEPSEEK_AMAX_FLOOR),
-# as FP32 bits (a positive float's order is its bits' order).
-_DEEPSEEK_FLOOR_BITS = int(np.float32(1e-4).view(np.uint32))
+# DeepSeek-V3's floor on a tile's amax, as FP32 bits (a positive float's
+# order is its bits' order).
+_DEEPSEEK_FLOOR_BITS = int(np.float32(
+    scale_rules._DEEPSEEK_AMAX_FLOOR).view(np.uint32))  # noqa: SLF001
 
 
 def _block_copy(v, mag_max, fmt: Format, rule: str):
-  """(payload, E8M0 codes, multipliers) of FP32 ``v`` scaled per block whose
+  """(payload, E8M0 codes) of FP32 ``v`` scaled per block whose
   magnitude-bits max is ``mag_max``.
 
   ``rule`` ``mx_floor``/``mx_rceil``: `qlayers.scale_rules.unit_scales` for
@@ -160,10 +168,7 @@ def _block_copy(v, mag_max, fmt: Format, rule: str):
   mult = jax.lax.bitcast_convert_type(
       jnp.maximum((254 - c) << 23, jnp.uint32(0x400000)), jnp.float32)
   mult = jnp.where(codes == 255, jnp.nan if deepseek else 0.0, mult)
-  w = v * mult
-  w = jnp.where(jnp.isnan(w), w, jnp.minimum(jnp.maximum(w, -fmt.max),
-                                             fmt.max))
-  return w.astype(fmt.dtype), codes
+  return _saturating_cast(v * mult, fmt), codes
 
 
 def _scales_out(codes, rule: str):
