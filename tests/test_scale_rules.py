@@ -15,6 +15,7 @@ from hypothesis import given, settings, strategies as st
 from _support import reference_numpy as ref
 from qlayers import formats as F
 from qlayers import scale_rules as S
+from qlayers.wide_divide import rdivide_wide
 
 # XLA on CPU reads FP32 subnormals as zero; the reference models that.
 FTZ = float(jax.jit(lambda v: v * 3.0)(np.float32(1e-40))) == 0.0
@@ -73,12 +74,13 @@ def test_divisions_are_correctly_rounded_on_a_whole_binade(const):
   for all 2**23 significands (the quotient's significand depends on the
   significand only), where XLA's a / c (a * fl(1/c)) is 1 ulp off for about
   half of them and XLA:GPU's c / a is div.full.f32 (2 ulp). The integer
-  long division (the non-CPU branch of rdivide_rn) is checked here too."""
+  long division and the FP64 division (rdivide_rn's other branches) are
+  checked here too."""
   a = _binade(120)
   got = np.asarray(jax.jit(lambda v: S.divide_rn(v, const))(a))
   np.testing.assert_array_equal(got.view(np.uint32),
                                 (a / np.float32(const)).view(np.uint32))
-  for rdivide in (S.rdivide_rn, S.rdivide_rn_integer):
+  for rdivide in (S.rdivide_rn, S.rdivide_rn_integer, rdivide_wide):
     got = np.asarray(jax.jit(lambda v, f=rdivide: f(const, v))(a))
     np.testing.assert_array_equal(got.view(np.uint32),
                                   (np.float32(const) / a).view(np.uint32))
@@ -92,6 +94,17 @@ def test_rdivide_rn_lowers_only_its_platform_branch():
   text = jax.jit(lambda v: S.rdivide_rn(448.0, v)).lower(
       jnp.ones((8,), jnp.float32)).as_text()
   assert "divide" in text
+  assert "shift_left" not in text and "count_leading_zeros" not in text
+
+
+@pytest.mark.parametrize("platform", ["cuda", "rocm"])
+def test_rdivide_rn_divides_in_fp64_on_gpus(platform):
+  """Lowered for a GPU, rdivide_rn is one FP64 division rounded to FP32
+  (not XLA:GPU's div.full.f32 FP32 division, nor the integer steps)."""
+  text = jax.jit(lambda v: S.rdivide_rn(448.0, v)).trace(
+      jnp.ones((8,), jnp.float32)).lower(
+          lowering_platforms=(platform,)).as_text()
+  assert "stablehlo.divide" in text and "tensor<8xf64>" in text
   assert "shift_left" not in text and "count_leading_zeros" not in text
 
 
