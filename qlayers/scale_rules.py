@@ -263,7 +263,7 @@ def te_multiplier(amax_value: jax.Array, fmt: Format, *, margin: int = 0,
   NaN) gives NaN, which makes the payload, and any GEMM of it, non-finite.
 
   Example:
-    >>> from qlayers import formats, wide_divide
+    >>> from qlayers import formats
     >>> te_multiplier(224.0, formats.E4M3), te_multiplier(0.0, formats.E4M3)
     (Array(2., dtype=float32), Array(1., dtype=float32))
   """
@@ -294,7 +294,7 @@ def te_scale(amax_value: jax.Array, fmt: Format, *, margin: int = 0,
   zero amax, NaN for a non-finite one.
 
   Example:
-    >>> from qlayers import formats, wide_divide
+    >>> from qlayers import formats
     >>> te_scale(896.0, formats.E4M3, margin=1)
     Array(4., dtype=float32)
   """
@@ -309,7 +309,7 @@ def deepseek_scale(a: jax.Array, fmt: Format, pow2: bool) -> jax.Array:
   up to a power of two (UE8M0). NaN for a unit holding Inf or NaN.
 
   Example:
-    >>> from qlayers import formats, wide_divide
+    >>> from qlayers import formats
     >>> deepseek_scale(896.0, formats.E4M3, pow2=False)
     Array(2., dtype=float32)
     >>> deepseek_scale(0.0, formats.E4M3, pow2=True)  # 1e-4 / 448, up
@@ -337,7 +337,7 @@ def mx_scale_codes(amax_value: jax.Array, fmt: Format,
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from qlayers import formats, wide_divide
+    >>> from qlayers import formats
     >>> a = jnp.array([480.0, 448.0, 0.0, jnp.inf])
     >>> mx_scale_codes(a, formats.E4M3, "mx_rceil")
     Array([128, 127,   0, 255], dtype=uint8)
