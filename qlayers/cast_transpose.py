@@ -24,9 +24,11 @@ more than layout: one has a scale per 32 elements of a row, the other per
 kernel reads a 32 x 32 tile once and writes both copies (the column-blocked
 one transposed, contraction-last as cuDNN's block-scaled GEMM takes it) and
 their E8M0 scales, with `qlayers.scaling.quantize`'s values. With 128 x 128
-tiles it makes DeepSeek-V3's 1 x 128 tile copies with power-of-two scales
-(`deepseek_v3_ue8m0`, which Blackwell runs as MXFP8), and
-`block_cast_transpose` its 128 x 128 weight blocks in both layouts.
+tiles it makes DeepSeek-V3's 1 x 128 tile copies, with power-of-two scales
+(`deepseek_v3_ue8m0`, which Blackwell runs as MXFP8) or with DeepSeek-V3's
+own (`deepseek_v3` on Hopper's blockwise GEMM: the scale's division by the
+format's max in integer steps, its reciprocal by PTX ``rcp.rn.f32``), and
+`block_cast_transpose` the 128 x 128 weight blocks in both layouts.
 """
 
 from __future__ import annotations
@@ -142,9 +144,36 @@ _DEEPSEEK_FLOOR_BITS = int(np.float32(
     scale_rules._DEEPSEEK_AMAX_FLOOR).view(np.uint32))  # noqa: SLF001
 
 
-def _block_copy(v, mag_max, fmt: Format, rule: str):
-  """(payload, E8M0 codes) of FP32 ``v`` scaled per block whose
-  magnitude-bits max is ``mag_max``.
+def _reciprocal(s, interpret: bool):
+  """``1 / s`` correctly rounded, in a kernel: PTX ``rcp.rn.f32`` (a Triton
+  division is ``div.full.f32``, within 2 ulp); in the interpreter the host's
+  IEEE division."""
+  if interpret:
+    return 1.0 / s
+  from jax.experimental.pallas import triton as plgpu
+  (r,) = plgpu.elementwise_inline_asm(
+      "rcp.rn.f32 $0, $1;", args=[s], constraints="=f,f", pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(s.shape, jnp.float32)])
+  return r
+
+
+def _deepseek_copy(v, mag_max, fmt: Format, interpret: bool):
+  """(payload, FP32 scale) of ``v`` under DeepSeek-V3's scale
+  ``max(amax, 1e-4) / max`` (`scale_rules.deepseek_scale`: an integer
+  division by the constant, exact) and multiplier ``1 / scale`` (correctly
+  rounded, as `scale_rules.unit_scales`); NaN for a non-finite block."""
+  m = jnp.maximum(mag_max, jnp.uint32(_DEEPSEEK_FLOOR_BITS))
+  finite = m < 0x7F800000
+  scale = scale_rules.divide_rn(
+      jax.lax.bitcast_convert_type(jnp.where(finite, m, 0x3F800000),
+                                   jnp.float32), fmt.max)
+  scale = jnp.where(finite, scale, jnp.nan)
+  return _saturating_cast(v * _reciprocal(scale, interpret), fmt), scale
+
+
+def _block_copy(v, mag_max, fmt: Format, rule: str, interpret: bool = False):
+  """(payload, what the QTensor stores: `_scales_out`'s input) of FP32 ``v``
+  scaled per block whose magnitude-bits max is ``mag_max``.
 
   ``rule`` ``mx_floor``/``mx_rceil``: `qlayers.scale_rules.unit_scales` for
   MX (a NaN code multiplies by 0). ``deepseek_pow2``: DeepSeek-V3's scale
@@ -154,8 +183,10 @@ def _block_copy(v, mag_max, fmt: Format, rule: str):
   exactly when ``m <= max * 2**k`` (the next FP32 above ``max * 2**k`` is
   more than half an ulp of ``2**k`` away from it once divided), so it is
   read off the bits too; a non-finite tile multiplies by NaN, as the
-  division by its NaN scale does.
+  division by its NaN scale does. ``deepseek``: `_deepseek_copy`.
   """
+  if rule == "deepseek":
+    return _deepseek_copy(v, mag_max, fmt, interpret)
   deepseek = rule == "deepseek_pow2"
   if deepseek:
     mag_max = jnp.maximum(mag_max, jnp.uint32(_DEEPSEEK_FLOOR_BITS))
@@ -172,8 +203,9 @@ def _block_copy(v, mag_max, fmt: Format, rule: str):
 
 
 def _scales_out(codes, rule: str):
-  """What the QTensor stores: E8M0 codes (MX), or FP32 ``2**(code - 127)``
-  (NaN for code 255) for DeepSeek-V3's power-of-two scales."""
+  """What the QTensor stores: E8M0 codes (MX), FP32 ``2**(code - 127)``
+  (NaN for code 255) for DeepSeek-V3's power-of-two scales, its FP32 scales
+  (``deepseek``: already)."""
   if rule != "deepseek_pow2":
     return codes
   c = codes.astype(jnp.uint32)
@@ -182,15 +214,17 @@ def _scales_out(codes, rule: str):
 
 
 def _block_kernel(t_ref, q_ref, s_ref, qt_ref, st_ref, *, fmt: Format,
-                  rule: str):
+                  rule: str, interpret: bool):
   v = t_ref[...].astype(jnp.float32)
   # Block amaxes from the magnitude bits, as qlayers.blocks does: exact, and
   # an Inf or NaN element gives the 0xFF code.
   mag = jax.lax.bitcast_convert_type(v, jnp.uint32) & 0x7FFFFFFF
-  q, s = _block_copy(v, jnp.max(mag, axis=1, keepdims=True), fmt, rule)
+  q, s = _block_copy(v, jnp.max(mag, axis=1, keepdims=True), fmt, rule,
+                     interpret)
   q_ref[...] = q
   s_ref[...] = _scales_out(s, rule)
-  qc, sc = _block_copy(v, jnp.max(mag, axis=0, keepdims=True), fmt, rule)
+  qc, sc = _block_copy(v, jnp.max(mag, axis=0, keepdims=True), fmt, rule,
+                       interpret)
   qt_ref[...] = qc.T
   st_ref[...] = _scales_out(sc, rule).T
 
@@ -207,9 +241,10 @@ def mx_cast_transpose(t: jax.Array, fmt: Format | str, rule: str, *,
   Args:
     t: 2-D BF16/FP16/FP32 array, both dims multiples of ``block_size``.
     fmt: an FP8 element format (``"e4m3"``, ``"e5m2"``).
-    rule: ``"mx_floor"``/``"mx_rceil"`` (MX: E8M0 codes, blocks of 32) or
-      ``"deepseek_pow2"`` (DeepSeek-V3 tiles of 128 with power-of-two scales,
-      `deepseek_v3_ue8m0`: FP32 scales).
+    rule: ``"mx_floor"``/``"mx_rceil"`` (MX: E8M0 codes, blocks of 32),
+      ``"deepseek"`` (DeepSeek-V3 tiles of 128, `deepseek_v3`: FP32 scales)
+      or ``"deepseek_pow2"`` (the same with power-of-two scales,
+      `deepseek_v3_ue8m0`).
     block_size: 32 (MX) or 128 (DeepSeek-V3 tiles).
     interpret: run in Pallas' interpreter (any platform; for tests).
 
@@ -229,9 +264,10 @@ def mx_cast_transpose(t: jax.Array, fmt: Format | str, rule: str, *,
                      f"{fmt.name}.")
   pl, plt = _pallas()
   rows, cols = t.shape
-  sdtype = jnp.float32 if rule == "deepseek_pow2" else jnp.uint8
+  sdtype = jnp.float32 if rule.startswith("deepseek") else jnp.uint8
   call = pl.pallas_call(
-      functools.partial(_block_kernel, fmt=fmt, rule=rule),
+      functools.partial(_block_kernel, fmt=fmt, rule=rule,
+                        interpret=interpret),
       grid=(rows // b, cols // b),
       in_specs=[pl.BlockSpec((b, b), lambda i, j: (i, j))],
       out_specs=[pl.BlockSpec((b, b), lambda i, j: (i, j)),
@@ -247,23 +283,25 @@ def mx_cast_transpose(t: jax.Array, fmt: Format | str, rule: str, *,
   return tuple(call(t))
 
 
-def _square_kernel(t_ref, q_ref, s_ref, qt_ref, *, fmt: Format, rule: str):
+def _square_kernel(t_ref, q_ref, s_ref, qt_ref, *, fmt: Format, rule: str,
+                   interpret: bool):
   v = t_ref[...].astype(jnp.float32)
   mag = jax.lax.bitcast_convert_type(v, jnp.uint32) & 0x7FFFFFFF
   tile_max = jnp.max(jnp.max(mag, axis=1, keepdims=True), axis=0,
                      keepdims=True)
-  q, c = _block_copy(v, tile_max, fmt, rule)
+  q, c = _block_copy(v, tile_max, fmt, rule, interpret)
   q_ref[...] = q
   qt_ref[...] = q.T
   s_ref[...] = _scales_out(c, rule)
 
 
 def block_cast_transpose(t: jax.Array, fmt: Format | str, *,
-                         block_size: int = TILE_BLOCK,
+                         block_size: int = TILE_BLOCK, pow2: bool = True,
                          interpret: bool = False):
   """``t (R, C)`` quantized in square ``block_size`` blocks with
-  DeepSeek-V3's power-of-two scales (`deepseek_v3_ue8m0`'s weights), in
-  both layouts at once: ``(q, s, qt)``, ``s (R / b, C / b)`` FP32.
+  DeepSeek-V3's scales (``pow2``: power-of-two, `deepseek_v3_ue8m0`'s
+  weights; else `deepseek_v3`'s), in both layouts at once: ``(q, s, qt)``,
+  ``s (R / b, C / b)`` FP32.
 
   Square blocks quantize ``t`` and ``t.T`` alike, so one scale per block
   serves both copies (`qlayers.scaling.quantize` along either axis).
@@ -284,7 +322,9 @@ def block_cast_transpose(t: jax.Array, fmt: Format | str, *,
   pl, plt = _pallas()
   rows, cols = t.shape
   call = pl.pallas_call(
-      functools.partial(_square_kernel, fmt=fmt, rule="deepseek_pow2"),
+      functools.partial(_square_kernel, fmt=fmt,
+                        rule="deepseek_pow2" if pow2 else "deepseek",
+                        interpret=interpret),
       grid=(rows // b, cols // b),
       in_specs=[pl.BlockSpec((b, b), lambda i, j: (i, j))],
       out_specs=[pl.BlockSpec((b, b), lambda i, j: (i, j)),

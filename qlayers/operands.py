@@ -109,13 +109,14 @@ def pairable(t: jax.Array, last: Operand, first: Operand | None = None
   One copy in two layouts (``first`` None): per-tensor FP8 where the
   program may run on an NVIDIA GPU whose FP8 GEMM takes only
   contraction-minor operands (Hopper, Ada:
-  `qlayers.table.fp8_gemm_transposes`), DeepSeek-V3's 128 x 128 blocks with
-  power-of-two scales on Blackwell. Two copies (``last`` along axis 1,
-  ``first`` along axis 0, one spec): MXFP8 with blocks of 32, DeepSeek-V3
-  tiles of 128 with power-of-two scales, on Blackwell (sm_100+), where both
-  run on cuDNN's block-scaled GEMM. Rows of whole tiles, round to nearest,
-  no Hadamard transform, and no mesh (the kernels have no partitioning
-  rule).
+  `qlayers.table.fp8_gemm_transposes`), DeepSeek-V3's 128 x 128 blocks on
+  Blackwell with power-of-two scales (cuDNN's block-scaled GEMM) and on
+  Hopper with any (cuBLASLt's blockwise GEMM). Two copies (``last`` along
+  axis 1, ``first`` along axis 0, one spec): MXFP8 with blocks of 32 and
+  DeepSeek-V3 tiles of 128 with power-of-two scales on Blackwell (sm_100+),
+  DeepSeek-V3 tiles with any scales on Hopper (sm_90). Rows of whole tiles,
+  round to nearest, no Hadamard transform, and no mesh (the kernels have no
+  partitioning rule).
   """
   spec = last.spec
   if (spec is None or spec.stochastic or last.hadamard or last.tn
@@ -124,38 +125,44 @@ def pairable(t: jax.Array, last: Operand, first: Operand | None = None
     return False
   rows = (math.prod(t.shape[:-1]), t.shape[-1])
   arch = table.gpu_arch("cuda")
-  blackwell = table.sm_version(arch) >= 100
+  version = table.sm_version(arch)
+  blackwell = version >= 100
+  # Where each block rule's pair feeds a native GEMM: power-of-two DeepSeek
+  # scales as MXFP8 on Blackwell, any DeepSeek scales blockwise on Hopper.
+  native = blackwell if spec.pow2 else version == 90
   if first is None:
-    if _square_pow2(spec):
-      return (blackwell
+    if _square(spec):
+      return (native
               and cast_transpose.mx_supported(rows, spec.fmt,
                                               spec.block_size))
     return (spec.granularity == "tensor" and spec.scale_rule != "nvfp4"
             and table.fp8_gemm_transposes(arch)
             and cast_transpose.supported(rows, spec.fmt))
-  return (first.spec == spec and _block_rule(spec) is not None
+  rule = _block_rule(spec)
+  if rule is None or rule.startswith("mx_"):
+    native = blackwell
+  return (first.spec == spec and rule is not None
           and last.axis == 1 and first.axis == 0
-          and not (first.hadamard or first.tn) and blackwell
+          and not (first.hadamard or first.tn) and native
           and cast_transpose.mx_supported(rows, spec.fmt, spec.block_size))
 
 
-def _square_pow2(spec) -> bool:
-  """DeepSeek-V3 128 x 128 blocks with power-of-two scales
-  (`deepseek_v3_ue8m0`'s weights): one copy for both GEMMs, in both
-  layouts by `qlayers.cast_transpose.block_cast_transpose`."""
+def _square(spec) -> bool:
+  """DeepSeek-V3 128 x 128 blocks (the weights of `deepseek_v3` and
+  `deepseek_v3_ue8m0`): one copy for both GEMMs, in both layouts by
+  `qlayers.cast_transpose.block_cast_transpose`."""
   return (spec.granularity == "block" and spec.scale_rule == "deepseek"
-          and spec.pow2 and spec.block_size == cast_transpose.TILE_BLOCK)
+          and spec.block_size == cast_transpose.TILE_BLOCK)
 
 
 def _block_rule(spec) -> str | None:
-  """The `qlayers.cast_transpose.mx_cast_transpose` rule of a spec whose
-  scales run on Blackwell's block-scaled GEMMs: MX, or DeepSeek-V3 tiles
-  with power-of-two scales (`deepseek_v3_ue8m0`); None otherwise."""
+  """The `qlayers.cast_transpose.mx_cast_transpose` rule of a block-scaled
+  spec: MX, or DeepSeek-V3 tiles (``deepseek_pow2`` with power-of-two
+  scales); None otherwise."""
   if spec.granularity == "mx" and spec.scale_rule.startswith("mx_"):
     return spec.scale_rule
-  if (spec.granularity == "tile" and spec.scale_rule == "deepseek"
-      and spec.pow2):
-    return "deepseek_pow2"
+  if spec.granularity == "tile" and spec.scale_rule == "deepseek":
+    return "deepseek_pow2" if spec.pow2 else "deepseek"
   return None
 
 
@@ -188,13 +195,14 @@ def operand_pair(t: jax.Array, last: Operand, first: Operand | None = None,
                operand(t, first, amax=amax, key=keys[1], dtype=dtype))
   spec = last.spec
   rows = (math.prod(t.shape[:-1]), t.shape[-1])
-  if first is None and _square_pow2(spec):
+  if first is None and _square(spec):
     def xla_blocks(t):
       q = scaling.quantize(_rows(t), spec, 1)
       return q.payload, q.scale, q.payload.T
 
     def cuda_blocks(t):
-      return cast_transpose.block_cast_transpose(_rows(t), spec.fmt)
+      return cast_transpose.block_cast_transpose(_rows(t), spec.fmt,
+                                                 pow2=spec.pow2)
 
     p, s, pt = lax.platform_dependent(t, cuda=cuda_blocks,
                                       default=xla_blocks)

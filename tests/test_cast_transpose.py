@@ -109,14 +109,19 @@ def test_mx_copies_are_quantize_along_each_axis_bit_for_bit(fmt, rule):
   assert int(s[0, 0]) == 255  # the NaN's block
 
 
-def test_ue8m0_tiles_are_deepseek_quantize_along_each_axis_bit_for_bit():
-  """DeepSeek-V3 1 x 128 tiles with power-of-two scales, both ways: NaN and
-  Inf tiles, tiles under the 1e-4 amax floor, amaxes at 448 * 2**k and just
-  above it (where rounding up to the power of two is decided)."""
-  spec = qlayers.recipe("deepseek_v3_ue8m0").fprop.lhs
+@pytest.mark.parametrize("recipe,rule", [
+    ("deepseek_v3_ue8m0", "deepseek_pow2"), ("deepseek_v3", "deepseek")])
+def test_deepseek_tiles_are_quantize_along_each_axis_bit_for_bit(recipe,
+                                                                  rule):
+  """DeepSeek-V3 1 x 128 tiles, both ways, with power-of-two scales and
+  with correctly rounded ones (max(amax, 1e-4) / 448, its reciprocal the
+  multiplier): NaN and Inf tiles, tiles under the 1e-4 amax floor, amaxes
+  at 448 * 2**k and just above it (where rounding up to the power of two is
+  decided)."""
+  spec = qlayers.recipe(recipe).fprop.lhs
   t = _data((256, 384), jnp.bfloat16).at[200:, :128].set(1e-9)
   t = t.at[130, 200].set(448.0 * 4).at[131, 300].set(448.0 * 4 * 1.0078125)
-  q, s, qt, st = ct.mx_cast_transpose(t, spec.fmt, "deepseek_pow2",
+  q, s, qt, st = ct.mx_cast_transpose(t, spec.fmt, rule,
                                       block_size=128, interpret=True)
   rows, cols = (qlayers.scaling.quantize(t, spec, a) for a in (1, 0))
   np.testing.assert_array_equal(_bits(q), _bits(rows.payload))
@@ -126,16 +131,20 @@ def test_ue8m0_tiles_are_deepseek_quantize_along_each_axis_bit_for_bit():
   assert np.isnan(np.asarray(s[0, 0])) and s.dtype == jnp.float32
 
 
-def test_square_blocks_in_both_layouts_are_one_quantize():
-  spec = qlayers.recipe("deepseek_v3_ue8m0").fprop.rhs
+@pytest.mark.parametrize("recipe,arch", [("deepseek_v3_ue8m0", "sm_100"),
+                                         ("deepseek_v3", "sm_90")])
+def test_square_blocks_in_both_layouts_are_one_quantize(recipe, arch):
+  spec = qlayers.recipe(recipe).fprop.rhs
   w = (jax.random.normal(jax.random.key(4), (256, 384)) * 0.02)
   w = w.at[0, 0].set(jnp.nan).at[128:, 128:256].set(1e-9)
-  q, s, qt = ct.block_cast_transpose(w, spec.fmt, interpret=True)
+  q, s, qt = ct.block_cast_transpose(w, spec.fmt, pow2=spec.pow2,
+                                     interpret=True)
   want = qlayers.scaling.quantize(w, spec, 0)
   np.testing.assert_array_equal(_bits(q), _bits(want.payload))
   np.testing.assert_array_equal(_bits(qt), _bits(want.payload).T)
   np.testing.assert_array_equal(np.asarray(s), np.asarray(want.scale))
-  with table.target_arch("sm_100"):
+  with table.target_arch(arch):
+    assert qlayers.operands.pairable(w, Operand(spec, 1))
     last, first = operand_pair(w, Operand(spec, 1))
   np.testing.assert_array_equal(_bits(first.payload), _bits(want.payload))
   np.testing.assert_array_equal(np.asarray(last.scale),
@@ -163,7 +172,7 @@ def test_mx_pair_for_blackwell_holds_operands_values():
 @pytest.mark.parametrize("recipe,arch,kernels", [
     ("fp8_current", "sm_90", 3), ("fp8_delayed", "sm_90", 3),
     ("mxfp8", "sm_100", 3),
-    ("deepseek_v3_ue8m0", "sm_100", 3)])
+    ("deepseek_v3_ue8m0", "sm_100", 3), ("deepseek_v3", "sm_90", 3)])
 def test_gpu_targeted_gemm_equals_the_cpu_one_on_cpu(recipe, arch, kernels):
   """Traced for a GPU target, a quantized matmul takes the operand pairs;
   run on CPU, its output and all gradients keep their bits."""
