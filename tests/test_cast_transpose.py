@@ -165,7 +165,9 @@ def test_mx_pair_for_blackwell_holds_operands_values():
     np.testing.assert_array_equal(_bits(g.payload), _bits(w.payload))
     np.testing.assert_array_equal(np.asarray(g.scale), np.asarray(w.scale))
   assert "qlayers_mx_cast_transpose" in cuda
-  with table.target_arch("sm_90"):  # MX is not native there: as before
+  with table.target_arch("sm_90"):  # emulated there, on the pair's copies
+    assert qlayers.operands.pairable(t, last_op, first_op)
+  with table.target_arch("sm_89"):  # no kernel before Hopper
     assert not qlayers.operands.pairable(t, last_op, first_op)
 
 
