@@ -87,6 +87,10 @@ def _kernel(mult_ref, t_ref, q_ref, qt_ref, *, fmt: Format):
   qt_ref[...] = q.T
 
 
+# Each kernel entry point is jitted with its settings static: a train step
+# calls it once per operand of every layer, and jit traces and lowers one
+# kernel per shape instead of one per call.
+@functools.partial(jax.jit, static_argnames=("fmt", "interpret"))
 def cast_transpose(t: jax.Array, mult: jax.Array, fmt: Format | str, *,
                    interpret: bool = False) -> tuple[jax.Array, jax.Array]:
   """``(cast(t * mult), cast(t * mult).T)`` for ``t (R, C)``, in one pass.
@@ -229,6 +233,8 @@ def _block_kernel(t_ref, q_ref, s_ref, qt_ref, st_ref, *, fmt: Format,
   st_ref[...] = _scales_out(sc, rule).T
 
 
+@functools.partial(jax.jit, static_argnames=("fmt", "rule", "block_size",
+                                             "interpret"))
 def mx_cast_transpose(t: jax.Array, fmt: Format | str, rule: str, *,
                       block_size: int = MX_BLOCK, interpret: bool = False):
   """Both block-scaled copies of ``t (R, C)`` in one pass: ``(q, s, qt, st)``.
@@ -295,6 +301,8 @@ def _square_kernel(t_ref, q_ref, s_ref, qt_ref, *, fmt: Format, rule: str,
   s_ref[...] = _scales_out(c, rule)
 
 
+@functools.partial(jax.jit, static_argnames=("fmt", "block_size", "pow2",
+                                             "interpret"))
 def block_cast_transpose(t: jax.Array, fmt: Format | str, *,
                          block_size: int = TILE_BLOCK, pow2: bool = True,
                          interpret: bool = False):
