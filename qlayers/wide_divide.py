@@ -84,8 +84,10 @@ def rdivide_wide(numerator: float, b: jax.Array) -> jax.Array:
 
 @_rdivide_wide_p.def_abstract_eval
 def _abstract(b, *, numerator):
+  """Elementwise: ``b``'s own type (shape, dtype, sharding, and the manual
+  axes it varies over under `jax.shard_map`)."""
   del numerator
-  return jax.core.ShapedArray(b.shape, b.dtype)
+  return b
 
 
 def _lower(ctx, b, *, numerator):

@@ -44,3 +44,15 @@ def test_refuses_what_it_cannot_divide_exactly():
     rdivide_wide(0.5, jnp.ones(2))
   with pytest.raises(TypeError, match="divides float32, got bfloat16"):
     rdivide_wide(448.0, jnp.ones(2, jnp.bfloat16))
+
+
+def test_keeps_the_manual_axes_it_varies_over():
+  """Under shard_map the quotient varies over the operand's mesh axes, as
+  the CPU branch's plain division does (the branches' types must match)."""
+  from jax.sharding import AxisType, PartitionSpec as P
+  from qlayers import scale_rules
+  mesh = jax.make_mesh((1,), ("d",), axis_types=(AxisType.Auto,))
+  b = jnp.arange(1.0, 9.0, dtype=jnp.float32).reshape(8, 1)
+  got = jax.jit(jax.shard_map(lambda v: scale_rules.rdivide_rn(448.0, v),
+                              mesh=mesh, in_specs=P("d"), out_specs=P("d")))(b)
+  np.testing.assert_array_equal(np.asarray(got), np.float32(448.0) / b)
