@@ -250,8 +250,15 @@ def run(step: Gemm, a, b) -> jax.Array:
     return partition.gemm(a, b, step.axes, step.out_dtype, step.local)
   forms = tuple((p, c.form) for p, c in step.choices)
   if len({form for _, form in forms}) == 1:
-    return FORMS[forms[0][1]](a, b, step.out_dtype, step.axes)
+    return _JITTED[forms[0][1]](a, b, step.out_dtype, step.axes)
   return _branches(forms, a, b, step.axes, step.out_dtype)
+
+
+# Each form jitted with its output dtype and axes static: a train step runs
+# the same GEMM signatures in every layer, and jit traces and lowers each
+# once (inlined into the caller's program, which compiles the same).
+_JITTED = {name: jax.jit(fn, static_argnums=(2, 3))
+           for name, fn in FORMS.items()}
 
 
 def _branches(forms, a, b, axes, out_dtype) -> jax.Array:
@@ -260,7 +267,7 @@ def _branches(forms, a, b, axes, out_dtype) -> jax.Array:
   fns: dict[str, Callable] = {}
   for _, form in forms:
     fns.setdefault(form, functools.partial(
-        lambda form, a, b: FORMS[form](a, b, out_dtype, axes), form))
+        lambda form, a, b: _JITTED[form](a, b, out_dtype, axes), form))
   if len(fns) == 1:
     return next(iter(fns.values()))(a, b)
   return lax.platform_dependent(

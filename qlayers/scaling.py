@@ -14,6 +14,7 @@ scaling (`qlayers.delayed`) and the field type check (`qlayers.fields`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Literal
 
 import jax
@@ -333,6 +334,23 @@ def quantize(x: jax.Array, spec: QuantSpec, axis: int = -1, *,
     raise ValueError(
         f"{fmt.name} payloads are packed along the last axis: quantize along "
         f"axis -1 (got axis {axis}); transpose the tensor first.")
+  block = blocks.block_shape(x.shape, spec, axis)
+  nvfp4 = spec.scale_rule == "nvfp4"
+  if block is not None and amax is not None and not nvfp4:
+    raise ValueError(
+        f"amax= applies to per-tensor granularity only, not "
+        f"{spec.granularity!r} (and to scale_rule 'nvfp4', whose second "
+        "level is per tensor): each block is scaled by its own amax.")
+  return _quantize(x, spec, axis, amax, key)
+
+
+# Jitted with the spec and axis static: a train step quantizes the same
+# shapes in every layer, and jit traces and lowers each signature once
+# (inlined into the caller's program, so the compiled program is the same).
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _quantize(x, spec: QuantSpec, axis: int, amax, key) -> QTensor:
+  """`quantize` of checked arguments."""
+  fmt = spec.fmt
   xf = x.astype(jnp.float32)
   block = blocks.block_shape(x.shape, spec, axis)
 
@@ -347,11 +365,6 @@ def quantize(x: jax.Array, spec: QuantSpec, axis: int = -1, *,
                    tuple(x.shape))
 
   nvfp4 = spec.scale_rule == "nvfp4"
-  if amax is not None and not nvfp4:
-    raise ValueError(
-        f"amax= applies to per-tensor granularity only, not "
-        f"{spec.granularity!r} (and to scale_rule 'nvfp4', whose second "
-        "level is per tensor): each block is scaled by its own amax.")
   padded = blocks.padded_shape(x.shape, block)
   xp = blocks.pad_to(xf, padded)
   block_amax = blocks.block_amax(blocks.pad_to(x, padded),
