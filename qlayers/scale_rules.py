@@ -87,12 +87,10 @@ def _pow2_ceil(v: jax.Array) -> jax.Array:
 def _odd_part(value: float, name: str) -> tuple[int, int]:
   """(n, k) with ``value = n * 2**k``, ``n`` odd and below 128, for the
   constant ``value`` of the division ``name``."""
-  num, den = float(value).as_integer_ratio()
-  if value <= 0 or den & (den - 1):
+  if not (0 < value < float("inf")):
     raise ValueError(f"{name} expects a positive finite constant, got "
                      f"{value}.")
-  tz = (num & -num).bit_length() - 1
-  n, k = num >> tz, tz - (den.bit_length() - 1)
+  n, k = wide_divide.odd_part(value)
   if n >= 128:
     raise ValueError(f"{name} supports odd parts below 128; {value} has {n}.")
   return n, k

@@ -39,9 +39,22 @@ from jax.extend.mlir.dialects import stablehlo
 from jax.interpreters import ad, batching, mlir
 
 
-__all__ = ["rdivide_wide"]
+__all__ = ["rdivide_wide", "odd_part"]
 
 _rdivide_wide_p = jcore.Primitive("qlayers_rdivide_wide")
+
+
+def odd_part(value: float) -> tuple[int, int]:
+  """(n, k) with ``value = n * 2**k`` and ``n`` odd, for a positive finite
+  dyadic ``value`` (every FP32 number).
+
+  Example:
+    >>> odd_part(448.0)
+    (7, 6)
+  """
+  num, den = float(value).as_integer_ratio()
+  tz = (num & -num).bit_length() - 1
+  return num >> tz, tz - (den.bit_length() - 1)
 
 
 def _check_numerator(numerator: float) -> float:
@@ -50,8 +63,7 @@ def _check_numerator(numerator: float) -> float:
   if not (math.isfinite(value) and value >= 1.0):
     raise ValueError(f"rdivide_wide needs a finite numerator >= 1, got "
                      f"{numerator}")
-  significand = int(math.frexp(value)[0] * 2**53)
-  odd = significand >> ((significand & -significand).bit_length() - 1)
+  odd, _ = odd_part(value)
   if odd >= 128:
     raise ValueError(f"rdivide_wide needs a numerator whose odd part is below "
                      f"128 (448, 57344, 2688, 1.0, ...); {numerator} has {odd}")
