@@ -163,15 +163,11 @@ def _reciprocal(s, interpret: bool):
 
 def _deepseek_copy(v, mag_max, fmt: Format, interpret: bool):
   """(payload, FP32 scale) of ``v`` under DeepSeek-V3's scale
-  ``max(amax, 1e-4) / max`` (`scale_rules.deepseek_scale`: an integer
-  division by the constant, exact) and multiplier ``1 / scale`` (correctly
+  `scale_rules.deepseek_scale` (its division by the constant is integer
+  steps, which Triton compiles) and multiplier ``1 / scale`` (correctly
   rounded, as `scale_rules.unit_scales`); NaN for a non-finite block."""
-  m = jnp.maximum(mag_max, jnp.uint32(_DEEPSEEK_FLOOR_BITS))
-  finite = m < 0x7F800000
-  scale = scale_rules.divide_rn(
-      jax.lax.bitcast_convert_type(jnp.where(finite, m, 0x3F800000),
-                                   jnp.float32), fmt.max)
-  scale = jnp.where(finite, scale, jnp.nan)
+  scale = scale_rules.deepseek_scale(
+      jax.lax.bitcast_convert_type(mag_max, jnp.float32), fmt, pow2=False)
   return _saturating_cast(v * _reciprocal(scale, interpret), fmt), scale
 
 
