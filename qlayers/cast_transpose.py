@@ -29,6 +29,14 @@ tiles it makes DeepSeek-V3's 1 x 128 tile copies, with power-of-two scales
 own (`deepseek_v3` on Hopper's blockwise GEMM: the scale's division by the
 format's max in integer steps, its reciprocal by PTX ``rcp.rn.f32``), and
 `block_cast_transpose` the 128 x 128 weight blocks in both layouts.
+
+`fp4_cast_transpose` makes MXFP4's two copies, each packed two E2M1 codes
+per byte along its own contraction axis: the kernel reads a 32 x 32 tile as
+four quadrants of row and column parity, so each byte's two elements are
+in hand without a shuffle. XLA makes each copy in four passes (block amax,
+scale, unpacked codes, packing). Round to nearest even only: stochastic
+rounding would need the Threefry bits in the kernel, and its sm_100 compile
+did not finish (it exhausted 24 GiB of host memory).
 """
 
 from __future__ import annotations
@@ -44,7 +52,8 @@ from qlayers import scale_rules
 from qlayers.formats import Format
 
 __all__ = ["TILE", "supported", "cast_transpose", "mx_supported",
-           "mx_cast_transpose", "block_cast_transpose"]
+           "mx_cast_transpose", "block_cast_transpose", "fp4_supported",
+           "fp4_cast_transpose"]
 
 # Rows and columns of one tile; both dims of ``t`` must be multiples of it.
 TILE = 64
@@ -187,6 +196,13 @@ def _block_copy(v, mag_max, fmt: Format, rule: str, interpret: bool = False):
   """
   if rule == "deepseek":
     return _deepseek_copy(v, mag_max, fmt, interpret)
+  mult, codes = _pow2_multiplier(mag_max, fmt, rule)
+  return _saturating_cast(v * mult, fmt), codes
+
+
+def _pow2_multiplier(mag_max, fmt: Format, rule: str):
+  """(multiplier, E8M0 code) of blocks whose magnitude-bits max is
+  ``mag_max`` under an MX rule or ``deepseek_pow2`` (`_block_copy`)."""
   deepseek = rule == "deepseek_pow2"
   if deepseek:
     mag_max = jnp.maximum(mag_max, jnp.uint32(_DEEPSEEK_FLOOR_BITS))
@@ -198,8 +214,7 @@ def _block_copy(v, mag_max, fmt: Format, rule: str, interpret: bool = False):
   # scale_rules.unit_scales.
   mult = jax.lax.bitcast_convert_type(
       jnp.maximum((254 - c) << 23, jnp.uint32(0x400000)), jnp.float32)
-  mult = jnp.where(codes == 255, jnp.nan if deepseek else 0.0, mult)
-  return _saturating_cast(v * mult, fmt), codes
+  return jnp.where(codes == 255, jnp.nan if deepseek else 0.0, mult), codes
 
 
 def _scales_out(codes, rule: str):
@@ -339,4 +354,94 @@ def block_cast_transpose(t: jax.Array, fmt: Format | str, *,
                  jax.ShapeDtypeStruct((cols, rows), fmt.dtype)],
       compiler_params=plt.CompilerParams(num_warps=8),
       interpret=interpret, name="qlayers_block_cast_transpose")
+  return tuple(call(t))
+
+
+def fp4_supported(shape: tuple[int, ...], fmt: Format,
+                  block_size: int) -> bool:
+  """Whether `fp4_cast_transpose` takes a 2-D ``shape`` tensor: MXFP4 (E2M1,
+  blocks of 32) in whole 32 x 32 tiles."""
+  return (len(shape) == 2 and fmt is formats.E2M1 and block_size == MX_BLOCK
+          and all(d >= MX_BLOCK and d % MX_BLOCK == 0 for d in shape))
+
+
+def _e2m1_bytes(lo, hi):
+  """E2M1 codes of scaled FP32 ``lo`` and ``hi`` (`formats.cast`, nearest
+  even), packed low nibble first."""
+  def codes(v):
+    grid = formats.round_on_grid(v, formats.E2M1,
+                                 rint=formats.rint_by_floor)
+    return formats.encode(grid, formats.E2M1).astype(jnp.uint32)
+  return (codes(lo) | (codes(hi) << 4)).astype(jnp.uint8)
+
+
+def _fp4_kernel(t_ref, q_ref, s_ref, qt_ref, st_ref, *, rule: str):
+  pl, _ = _pallas()
+  h = t_ref.shape[0] // 2
+  # The tile in four quadrants by row and column parity: each packed byte
+  # holds an even and an odd element along the axis its copy packs.
+  par = (pl.ds(0, h, stride=2), pl.ds(1, h, stride=2))
+  v = [[t_ref[par[r], par[c]].astype(jnp.float32) for c in (0, 1)]
+       for r in (0, 1)]
+  mag = [[jax.lax.bitcast_convert_type(x, jnp.uint32) & 0x7FFFFFFF
+          for x in row] for row in v]
+  for r in (0, 1):  # the copy of t along axis 1: rows of parity r
+    m = jnp.maximum(jnp.max(mag[r][0], axis=1, keepdims=True),
+                    jnp.max(mag[r][1], axis=1, keepdims=True))
+    mult, codes = _pow2_multiplier(m, formats.E2M1, rule)
+    q_ref[par[r], :] = _e2m1_bytes(v[r][0] * mult, v[r][1] * mult)
+    s_ref[par[r], :] = codes
+  for c in (0, 1):  # the copy of t.T along axis 1: columns of parity c
+    m = jnp.maximum(jnp.max(mag[0][c], axis=0, keepdims=True),
+                    jnp.max(mag[1][c], axis=0, keepdims=True))
+    mult, codes = _pow2_multiplier(m, formats.E2M1, rule)
+    qt_ref[par[c], :] = _e2m1_bytes(v[0][c] * mult, v[1][c] * mult).T
+    st_ref[par[c], :] = codes.T
+
+
+@functools.partial(jax.jit, static_argnames=("rule", "interpret"))
+def fp4_cast_transpose(t: jax.Array, rule: str = "mx_rceil", *,
+                       interpret: bool = False):
+  """Both MXFP4 copies of ``t (R, C)`` in one pass: ``(q, s, qt, st)``.
+
+  ``q (R, C / 2)`` packed E2M1 with E8M0 scales ``s (R, C / 32)`` is
+  `qlayers.scaling.quantize` of ``t`` along axis 1; ``qt (C, R / 2)`` with
+  ``st (C, R / 32)`` is that of ``t.T`` along axis 1 (the copy packed along
+  ``t``'s rows, as the GEMM contracting them takes it). Round to nearest
+  even only (stochastic rounding stays with `qlayers.scaling.quantize`).
+
+  Args:
+    t: 2-D BF16/FP16/FP32 array, both dims multiples of 32.
+    rule: ``"mx_rceil"`` or ``"mx_floor"``.
+    interpret: run in Pallas' interpreter (any platform; for tests).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> q, s, qt, st = fp4_cast_transpose(jnp.ones((32, 64)), interpret=True)
+    >>> q.shape, s.shape, qt.shape, st.shape, int(q[0, 0])
+    ((32, 32), (32, 2), (64, 16), (64, 1), 102)
+  """
+  if not fp4_supported(t.shape, formats.E2M1, MX_BLOCK):
+    raise ValueError(f"fp4_cast_transpose takes a 2-D tensor whose dims "
+                     f"are multiples of {MX_BLOCK}; got {t.shape}.")
+  if rule not in ("mx_rceil", "mx_floor"):
+    raise ValueError(f"fp4_cast_transpose takes an MX scale rule "
+                     f"('mx_rceil', 'mx_floor'), got {rule!r}.")
+  pl, plt = _pallas()
+  rows, cols = t.shape
+  b, h = MX_BLOCK, MX_BLOCK // 2
+  call = pl.pallas_call(
+      functools.partial(_fp4_kernel, rule=rule),
+      grid=(rows // b, cols // b),
+      in_specs=[pl.BlockSpec((b, b), lambda i, j: (i, j))],
+      out_specs=[pl.BlockSpec((b, h), lambda i, j: (i, j)),
+                 pl.BlockSpec((b, 1), lambda i, j: (i, j)),
+                 pl.BlockSpec((b, h), lambda i, j: (j, i)),
+                 pl.BlockSpec((b, 1), lambda i, j: (j, i))],
+      out_shape=[jax.ShapeDtypeStruct((rows, cols // 2), jnp.uint8),
+                 jax.ShapeDtypeStruct((rows, cols // b), jnp.uint8),
+                 jax.ShapeDtypeStruct((cols, rows // 2), jnp.uint8),
+                 jax.ShapeDtypeStruct((cols, rows // b), jnp.uint8)],
+      compiler_params=plt.CompilerParams(num_warps=4),
+      interpret=interpret, name="qlayers_fp4_cast_transpose")
   return tuple(call(t))

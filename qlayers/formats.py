@@ -39,6 +39,8 @@ __all__ = [
     "FORMATS",
     "saturate",
     "round_to_format",
+    "round_on_grid",
+    "rint_by_floor",
     "cast",
     "encode",
     "decode",
@@ -170,8 +172,9 @@ def saturate(x: jax.Array, fmt: Format | str) -> jax.Array:
     Array([ 448., -448.,    1.], dtype=float32)
   """
   fmt = get_format(fmt)
-  m = jnp.asarray(fmt.max, x.dtype)
-  return jnp.clip(x, -m, m)
+  # Python bounds (weakly typed: x's dtype): no negated array constant, which
+  # a Pallas kernel cannot lower.
+  return jnp.clip(x, -fmt.max, fmt.max)
 
 
 def _f32_exponent(x: jax.Array) -> jax.Array:
@@ -208,14 +211,42 @@ def round_to_format(x: jax.Array, fmt: Format | str, *,
     Array([0., 1., 3., 6.], dtype=float32)
   """
   fmt = get_format(fmt)
+  u = None if key is None else jax.random.uniform(key, x.shape, jnp.float32)
+  return round_on_grid(x, fmt, u)
+
+
+def round_on_grid(x: jax.Array, fmt: Format, u: jax.Array | None = None, *,
+                  rint=jnp.round) -> jax.Array:
+  """`round_to_format` of ``x`` given its uniform numbers ``u`` in [0, 1)
+  (None: round to nearest even), with ``rint``, an FP32 round-half-to-even
+  to integers, as a parameter: a GPU kernel that has no ``lax.round`` passes
+  `rint_by_floor`. Only exact operations besides that rounding (the spacing
+  is a power of two), so any caller gets the same bits."""
   x = saturate(x.astype(jnp.float32), fmt)
-  ulp = _ulp(x, fmt)
-  if key is None:
-    r = jnp.round(x / ulp) * ulp  # lax.round defaults to half-to-even here
-  else:
-    u = jax.random.uniform(key, x.shape, jnp.float32)
-    r = jnp.floor(x / ulp + u) * ulp
-  return saturate(r, fmt)
+  e = jnp.maximum(_f32_exponent(x), fmt.emin)
+  y = x * _pow2(fmt.mbits - e)  # x / spacing, exactly
+  r = rint(y) if u is None else jnp.floor(y + u)
+  return saturate(r * _pow2(e - fmt.mbits), fmt)
+
+
+def rint_by_floor(y: jax.Array) -> jax.Array:
+  """``lax.round(y)`` (half to even, the sign of zero kept) for FP32 ``y``
+  from ``floor`` and exact arithmetic (the fraction ``|y| - floor |y|`` is
+  exact), for kernels without a round instruction. Not ``(|y| + 1.5 *
+  2**23) - 1.5 * 2**23``: XLA may fold that sum back to ``|y|``.
+
+  Example:
+    >>> rint_by_floor(jnp.array([2.5, -3.5, -0.25, 0.75]))
+    Array([ 2., -4., -0.,  1.], dtype=float32)
+  """
+  a = jnp.abs(y)
+  f = jnp.floor(a)
+  d = a - f
+  odd = f - 2.0 * jnp.floor(f * 0.5) == 1.0
+  r = f + ((d > 0.5) | ((d == 0.5) & odd)).astype(jnp.float32)
+  sign = jax.lax.bitcast_convert_type(y, jnp.uint32) & jnp.uint32(0x80000000)
+  return jax.lax.bitcast_convert_type(
+      jax.lax.bitcast_convert_type(r, jnp.uint32) | sign, jnp.float32)
 
 
 def rounding_key(seed: jax.Array, step: jax.Array) -> jax.Array:

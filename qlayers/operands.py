@@ -111,10 +111,11 @@ def pairable(t: jax.Array, last: Operand, first: Operand | None = None
   contraction-minor operands (Hopper, Ada:
   `qlayers.table.fp8_gemm_transposes`), DeepSeek-V3's 128 x 128 blocks.
   Two copies (``last`` along axis 1, ``first`` along axis 0, one spec):
-  MXFP8 with blocks of 32, DeepSeek-V3 tiles of 128. Block-scaled pairs on
-  Hopper and Blackwell (`_block_pairs`); rows of whole tiles, round to
-  nearest, no Hadamard transform, and no mesh (the kernels have no
-  partitioning rule).
+  MXFP8 with blocks of 32, DeepSeek-V3 tiles of 128, MXFP4 (its ``first``
+  the ``tn`` copy, of ``t.T``). Block-scaled pairs on Hopper and Blackwell
+  (`_block_pairs`); rows of whole tiles, round to nearest (stochastic
+  rounding stays with `operand`), no Hadamard transform, and no mesh (the
+  kernels have no partitioning rule).
   """
   spec = last.spec
   if (spec is None or spec.stochastic or last.hadamard or last.tn
@@ -132,11 +133,14 @@ def pairable(t: jax.Array, last: Operand, first: Operand | None = None
     return (spec.granularity == "tensor" and spec.scale_rule != "nvfp4"
             and table.fp8_gemm_transposes(arch)
             and cast_transpose.supported(rows, spec.fmt))
+  if spec.fmt.packed:  # MXFP4: the copy along axis 0 is t.T's (tn)
+    supported = cast_transpose.fp4_supported(rows, spec.fmt, spec.block_size)
+  else:
+    supported = cast_transpose.mx_supported(rows, spec.fmt, spec.block_size)
   return (first.spec == spec and _block_rule(spec) is not None
-          and last.axis == 1 and first.axis == 0
-          and not (first.hadamard or first.tn)
-          and _block_pairs(spec, version)
-          and cast_transpose.mx_supported(rows, spec.fmt, spec.block_size))
+          and last.axis == 1 and first.axis == 0 and not first.hadamard
+          and first.tn == spec.fmt.packed
+          and _block_pairs(spec, version) and supported)
 
 
 def _block_pairs(spec, version: int) -> bool:
@@ -180,7 +184,7 @@ def operand_pair(t: jax.Array, last: Operand, first: Operand | None = None,
 
   In one pass (`qlayers.cast_transpose`): per tensor, one cast writes the
   payload in both layouts; MXFP8 and UE8M0 tiles, one kernel writes both
-  block layouts and their scales. The copy for ``first`` holds the
+  block layouts and their scales; MXFP4, both packed copies and scales. The copy for ``first`` holds the
   transposed buffer seen as ``(M, C)``, so the contraction-minor layout its
   GEMM takes is already there. The values are `operand`'s in either case;
   elsewhere the copies are `operand`'s own (``keys``: their
@@ -231,6 +235,9 @@ def operand_pair(t: jax.Array, last: Operand, first: Operand | None = None,
                         rows)
     return q, dataclasses.replace(q, payload=pt.T)
 
+  if spec.fmt.packed:
+    return _fp4_pair(t, spec)
+
   def xla_mx(t):
     a, b = (scaling.quantize(_rows(t), spec, axis) for axis in (1, 0))
     return a.payload, a.scale, b.payload.T, b.scale.T
@@ -245,6 +252,27 @@ def operand_pair(t: jax.Array, last: Operand, first: Operand | None = None,
     return scaling.QTensor(payload, scale, spec.fmt.name, spec.granularity,
                            blocks.block_shape(rows, spec, axis), axis, rows)
   return mx(p, s, 1), mx(pt.T, st.T, 0)
+
+
+def _fp4_pair(t, spec):
+  """`operand_pair`'s MXFP4 copies: along axis 1, and of ``t.T`` along its
+  axis 1 (`operand`'s ``tn`` copy)."""
+  rows = _rows(t)
+
+  def xla(t):
+    a, b = (scaling.quantize(c, spec, 1) for c in (t, t.T))
+    return a.payload, a.scale, b.payload, b.scale
+
+  def cuda(t):
+    return cast_transpose.fp4_cast_transpose(t, spec.scale_rule)
+
+  p, s, pt, st = lax.platform_dependent(rows, cuda=cuda, default=xla)
+  m, c = rows.shape
+  return (scaling.QTensor(p, s, spec.fmt.name, spec.granularity,
+                          blocks.block_shape((m, c), spec, 1), 1, (m, c)),
+          scaling.QTensor(pt, st, spec.fmt.name, spec.granularity,
+                          blocks.block_shape((c, m), spec, 1), 1, (c, m),
+                          transposed=True))
 
 
 def _gathered(t, op: Operand, axes, **kw):

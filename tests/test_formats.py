@@ -207,3 +207,23 @@ def test_pack_matches_reference_and_round_trips(fmt, seed):
   packed = np.asarray(pack(codes))
   np.testing.assert_array_equal(packed, ref.pack(codes, fmt))
   np.testing.assert_array_equal(np.asarray(unpack(packed)), codes)
+
+
+def test_rint_by_floor_is_round_half_even_bit_for_bit():
+  """The kernels' rounding equals lax.round under jit (ties, -0, huge,
+  Inf, NaN), and round_on_grid with it equals round_to_format."""
+  y = np.concatenate([
+      np.arange(-8.0, 8.0, 0.125, dtype=np.float32),
+      np.float32([-0.0, 0.0, 2**22 + 0.5, -(2**23) - 1.0, 1e30, -np.inf,
+                  np.inf, np.nan, 0.49999997, 1.5000001]),
+      np.random.default_rng(0).standard_normal(4096).astype(np.float32) * 9])
+  got = jax.jit(F.rint_by_floor)(y)
+  want = jax.jit(jnp.round)(y)
+  np.testing.assert_array_equal(np.asarray(got).view(np.uint32)[~np.isnan(y)],
+                                np.asarray(want).view(np.uint32)[~np.isnan(y)])
+  assert np.isnan(np.asarray(got)[np.isnan(y)]).all()
+  for fmt in ("e2m1", "e3m2", "e4m3"):
+    grid = jax.jit(lambda v, f=fmt: F.round_on_grid(
+        v, F.get_format(f), rint=F.rint_by_floor))(y)
+    np.testing.assert_array_equal(
+        np.asarray(grid), np.asarray(F.round_to_format(y, fmt)))
