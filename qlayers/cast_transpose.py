@@ -31,12 +31,11 @@ format's max in integer steps, its reciprocal by PTX ``rcp.rn.f32``), and
 `block_cast_transpose` the 128 x 128 weight blocks in both layouts.
 
 `fp4_cast_transpose` makes MXFP4's two copies, each packed two E2M1 codes
-per byte along its own contraction axis: the kernel reads a 32 x 32 tile as
-four quadrants of row and column parity, so each byte's two elements are
-in hand without a shuffle. XLA makes each copy in four passes (block amax,
-scale, unpacked codes, packing). Round to nearest even only: stochastic
-rounding would need the Threefry bits in the kernel, and its sm_100 compile
-did not finish (it exhausted 24 GiB of host memory).
+per byte along its own contraction axis, where XLA makes each in four
+passes (block amax, scale, unpacked codes, packing). With stochastic
+rounding each copy draws, in the kernel, the uniforms `qlayers.formats`
+draws from its key (`qlayers.threefry`), so no random-bits array is
+written or read.
 """
 
 from __future__ import annotations
@@ -49,6 +48,7 @@ import numpy as np
 
 from qlayers import formats
 from qlayers import scale_rules
+from qlayers import threefry
 from qlayers.formats import Format
 
 __all__ = ["TILE", "supported", "cast_transpose", "mx_supported",
@@ -357,62 +357,82 @@ def block_cast_transpose(t: jax.Array, fmt: Format | str, *,
   return tuple(call(t))
 
 
-def fp4_supported(shape: tuple[int, ...], fmt: Format,
-                  block_size: int) -> bool:
+def fp4_supported(shape: tuple[int, ...], fmt: Format, block_size: int,
+                  stochastic: bool = False) -> bool:
   """Whether `fp4_cast_transpose` takes a 2-D ``shape`` tensor: MXFP4 (E2M1,
-  blocks of 32) in whole 32 x 32 tiles."""
+  blocks of 32) in whole 32 x 32 tiles; with stochastic rounding, fewer
+  than 2**32 elements (the kernel counts them in 32 bits)."""
   return (len(shape) == 2 and fmt is formats.E2M1 and block_size == MX_BLOCK
-          and all(d >= MX_BLOCK and d % MX_BLOCK == 0 for d in shape))
+          and all(d >= MX_BLOCK and d % MX_BLOCK == 0 for d in shape)
+          and not (stochastic and shape[0] * shape[1] >= 2**32))
 
 
-def _e2m1_bytes(lo, hi):
-  """E2M1 codes of scaled FP32 ``lo`` and ``hi`` (`formats.cast`, nearest
-  even), packed low nibble first."""
-  def codes(v):
-    grid = formats.round_on_grid(v, formats.E2M1,
+def _pack_rows(codes):
+  """Unpacked uint32 codes ``(n, 2m)`` -> ``(n, m)`` bytes, low nibble
+  first."""
+  n, k = codes.shape
+  pairs = codes.reshape(n, k // 2, 2)
+  weight = jax.lax.broadcasted_iota(jnp.uint32, (n, k // 2, 2), 2) * 4
+  return jnp.sum(pairs << weight, axis=2).astype(jnp.uint8)
+
+
+def _fp4_kernel(*refs, rule: str, stochastic: bool):
+  if stochastic:
+    key_ref, t_ref, q_ref, s_ref, qt_ref, st_ref = refs
+  else:
+    t_ref, q_ref, s_ref, qt_ref, st_ref = refs
+  pl, _ = _pallas()
+  b = t_ref.shape[0]
+  v = t_ref[...].astype(jnp.float32)
+  mag = jax.lax.bitcast_convert_type(v, jnp.uint32) & 0x7FFFFFFF
+  u_rows = u_cols = None
+  if stochastic:
+    # Each copy draws the uniform of its own flat index (`threefry`).
+    rows, cols = (jnp.uint32(pl.num_programs(a) * b) for a in (0, 1))
+    i, j = (pl.program_id(a).astype(jnp.uint32) * b for a in (0, 1))
+    down, across = (jax.lax.broadcasted_iota(jnp.uint32, (b, b), a)
+                    for a in (0, 1))
+    # Drawn in each copy's own layout (the t.T copy's transposed): a
+    # transpose after the 20 rounds makes Triton's layout passes replay
+    # them (its sm_100 compile then exhausts host memory).
+    u_rows = threefry.uniform_at(key_ref[0], key_ref[1],
+                                 (i + down) * cols + j + across)
+    u_cols = threefry.uniform_at(key_ref[2], key_ref[3],
+                                 (j + down) * rows + i + across)
+
+  def codes(x, u):
+    grid = formats.round_on_grid(x, formats.E2M1, u,
                                  rint=formats.rint_by_floor)
     return formats.encode(grid, formats.E2M1).astype(jnp.uint32)
-  return (codes(lo) | (codes(hi) << 4)).astype(jnp.uint8)
 
-
-def _fp4_kernel(t_ref, q_ref, s_ref, qt_ref, st_ref, *, rule: str):
-  pl, _ = _pallas()
-  h = t_ref.shape[0] // 2
-  # The tile in four quadrants by row and column parity: each packed byte
-  # holds an even and an odd element along the axis its copy packs.
-  par = (pl.ds(0, h, stride=2), pl.ds(1, h, stride=2))
-  v = [[t_ref[par[r], par[c]].astype(jnp.float32) for c in (0, 1)]
-       for r in (0, 1)]
-  mag = [[jax.lax.bitcast_convert_type(x, jnp.uint32) & 0x7FFFFFFF
-          for x in row] for row in v]
-  for r in (0, 1):  # the copy of t along axis 1: rows of parity r
-    m = jnp.maximum(jnp.max(mag[r][0], axis=1, keepdims=True),
-                    jnp.max(mag[r][1], axis=1, keepdims=True))
-    mult, codes = _pow2_multiplier(m, formats.E2M1, rule)
-    q_ref[par[r], :] = _e2m1_bytes(v[r][0] * mult, v[r][1] * mult)
-    s_ref[par[r], :] = codes
-  for c in (0, 1):  # the copy of t.T along axis 1: columns of parity c
-    m = jnp.maximum(jnp.max(mag[0][c], axis=0, keepdims=True),
-                    jnp.max(mag[1][c], axis=0, keepdims=True))
-    mult, codes = _pow2_multiplier(m, formats.E2M1, rule)
-    qt_ref[par[c], :] = _e2m1_bytes(v[0][c] * mult, v[1][c] * mult).T
-    st_ref[par[c], :] = codes.T
+  mult, c = _pow2_multiplier(jnp.max(mag, axis=1, keepdims=True),
+                             formats.E2M1, rule)
+  q_ref[...] = _pack_rows(codes(v * mult, u_rows))
+  s_ref[...] = c
+  mult, c = _pow2_multiplier(jnp.max(mag, axis=0, keepdims=True),
+                             formats.E2M1, rule)
+  qt_ref[...] = _pack_rows(codes(v.T * mult.T, u_cols))
+  st_ref[...] = c.T
 
 
 @functools.partial(jax.jit, static_argnames=("rule", "interpret"))
 def fp4_cast_transpose(t: jax.Array, rule: str = "mx_rceil", *,
+                       keys: tuple[jax.Array, jax.Array] | None = None,
                        interpret: bool = False):
   """Both MXFP4 copies of ``t (R, C)`` in one pass: ``(q, s, qt, st)``.
 
   ``q (R, C / 2)`` packed E2M1 with E8M0 scales ``s (R, C / 32)`` is
   `qlayers.scaling.quantize` of ``t`` along axis 1; ``qt (C, R / 2)`` with
   ``st (C, R / 32)`` is that of ``t.T`` along axis 1 (the copy packed along
-  ``t``'s rows, as the GEMM contracting them takes it). Round to nearest
-  even only (stochastic rounding stays with `qlayers.scaling.quantize`).
+  ``t``'s rows, as the GEMM contracting them takes it). With ``keys``
+  each copy rounds stochastically with the uniforms
+  `qlayers.formats.round_to_format` draws from its key.
 
   Args:
     t: 2-D BF16/FP16/FP32 array, both dims multiples of 32.
     rule: ``"mx_rceil"`` or ``"mx_floor"``.
+    keys: None (round to nearest even) or the PRNG keys of the two copies
+      (Threefry, as `qlayers.formats.rounding_key` makes them).
     interpret: run in Pallas' interpreter (any platform; for tests).
 
   Example:
@@ -421,19 +441,24 @@ def fp4_cast_transpose(t: jax.Array, rule: str = "mx_rceil", *,
     >>> q.shape, s.shape, qt.shape, st.shape, int(q[0, 0])
     ((32, 32), (32, 2), (64, 16), (64, 1), 102)
   """
-  if not fp4_supported(t.shape, formats.E2M1, MX_BLOCK):
+  if not fp4_supported(t.shape, formats.E2M1, MX_BLOCK, keys is not None):
     raise ValueError(f"fp4_cast_transpose takes a 2-D tensor whose dims "
-                     f"are multiples of {MX_BLOCK}; got {t.shape}.")
+                     f"are multiples of {MX_BLOCK} (with stochastic rounding "
+                     f"fewer than 2**32 elements); got {t.shape}.")
   if rule not in ("mx_rceil", "mx_floor"):
     raise ValueError(f"fp4_cast_transpose takes an MX scale rule "
                      f"('mx_rceil', 'mx_floor'), got {rule!r}.")
   pl, plt = _pallas()
   rows, cols = t.shape
   b, h = MX_BLOCK, MX_BLOCK // 2
+  in_specs, args = [pl.BlockSpec((b, b), lambda i, j: (i, j))], [t]
+  if keys is not None:
+    in_specs.insert(0, pl.BlockSpec((4,), lambda i, j: (0,)))
+    args.insert(0, jnp.concatenate([threefry.key_words(k) for k in keys]))
   call = pl.pallas_call(
-      functools.partial(_fp4_kernel, rule=rule),
+      functools.partial(_fp4_kernel, rule=rule, stochastic=keys is not None),
       grid=(rows // b, cols // b),
-      in_specs=[pl.BlockSpec((b, b), lambda i, j: (i, j))],
+      in_specs=in_specs,
       out_specs=[pl.BlockSpec((b, h), lambda i, j: (i, j)),
                  pl.BlockSpec((b, 1), lambda i, j: (i, j)),
                  pl.BlockSpec((b, h), lambda i, j: (j, i)),
@@ -444,4 +469,4 @@ def fp4_cast_transpose(t: jax.Array, rule: str = "mx_rceil", *,
                  jax.ShapeDtypeStruct((cols, rows // b), jnp.uint8)],
       compiler_params=plt.CompilerParams(num_warps=4),
       interpret=interpret, name="qlayers_fp4_cast_transpose")
-  return tuple(call(t))
+  return tuple(call(*args))

@@ -113,12 +113,13 @@ def pairable(t: jax.Array, last: Operand, first: Operand | None = None
   Two copies (``last`` along axis 1, ``first`` along axis 0, one spec):
   MXFP8 with blocks of 32, DeepSeek-V3 tiles of 128, MXFP4 (its ``first``
   the ``tn`` copy, of ``t.T``). Block-scaled pairs on Hopper and Blackwell
-  (`_block_pairs`); rows of whole tiles, round to nearest (stochastic
-  rounding stays with `operand`), no Hadamard transform, and no mesh (the
-  kernels have no partitioning rule).
+  (`_block_pairs`); rows of whole tiles, round to nearest (MXFP4: or
+  stochastic), no Hadamard transform, and no mesh (the kernels have no
+  partitioning rule).
   """
   spec = last.spec
-  if (spec is None or spec.stochastic or last.hadamard or last.tn
+  if (spec is None or last.hadamard or last.tn
+      or (spec.stochastic and not spec.fmt.packed)
       or not table.targets_gpu() or sharding.varying_axes(t)
       or sharding.auto_mesh() is not None):
     return False
@@ -134,7 +135,8 @@ def pairable(t: jax.Array, last: Operand, first: Operand | None = None
             and table.fp8_gemm_transposes(arch)
             and cast_transpose.supported(rows, spec.fmt))
   if spec.fmt.packed:  # MXFP4: the copy along axis 0 is t.T's (tn)
-    supported = cast_transpose.fp4_supported(rows, spec.fmt, spec.block_size)
+    supported = cast_transpose.fp4_supported(rows, spec.fmt, spec.block_size,
+                                             spec.stochastic)
   else:
     supported = cast_transpose.mx_supported(rows, spec.fmt, spec.block_size)
   return (first.spec == spec and _block_rule(spec) is not None
@@ -236,7 +238,7 @@ def operand_pair(t: jax.Array, last: Operand, first: Operand | None = None,
     return q, dataclasses.replace(q, payload=pt.T)
 
   if spec.fmt.packed:
-    return _fp4_pair(t, spec)
+    return _fp4_pair(t, spec, keys)
 
   def xla_mx(t):
     a, b = (scaling.quantize(_rows(t), spec, axis) for axis in (1, 0))
@@ -254,19 +256,25 @@ def operand_pair(t: jax.Array, last: Operand, first: Operand | None = None,
   return mx(p, s, 1), mx(pt.T, st.T, 0)
 
 
-def _fp4_pair(t, spec):
+def _fp4_pair(t, spec, keys):
   """`operand_pair`'s MXFP4 copies: along axis 1, and of ``t.T`` along its
-  axis 1 (`operand`'s ``tn`` copy)."""
+  axis 1 (`operand`'s ``tn`` copy), each rounded stochastically with its
+  key if ``spec`` says so (derived from the data where None, as `operand`
+  derives it)."""
   rows = _rows(t)
+  keys = tuple(_data_key(rows) if k is None else k
+               for k in keys) if spec.stochastic else ()
 
-  def xla(t):
-    a, b = (scaling.quantize(c, spec, 1) for c in (t, t.T))
+  def xla(t, *keys):
+    a, b = (scaling.quantize(c, spec, 1, key=k)
+            for c, k in zip((t, t.T), keys or (None, None)))
     return a.payload, a.scale, b.payload, b.scale
 
-  def cuda(t):
-    return cast_transpose.fp4_cast_transpose(t, spec.scale_rule)
+  def cuda(t, *keys):
+    return cast_transpose.fp4_cast_transpose(t, spec.scale_rule,
+                                             keys=keys or None)
 
-  p, s, pt, st = lax.platform_dependent(rows, cuda=cuda, default=xla)
+  p, s, pt, st = lax.platform_dependent(rows, *keys, cuda=cuda, default=xla)
   m, c = rows.shape
   return (scaling.QTensor(p, s, spec.fmt.name, spec.granularity,
                           blocks.block_shape((m, c), spec, 1), 1, (m, c)),

@@ -123,13 +123,21 @@ def test_fp4_copies_are_quantize_of_t_and_t_transposed_bit_for_bit(dtype,
   t = t.at[16, 32:64].set(ties).at[32:64, 64].set(-ties)
   spec = qlayers.scaling.QuantSpec(format="e2m1", granularity="mx",
                                    scale_rule=rule)
-  q, s, qt, st = ct.fp4_cast_transpose(t, rule, interpret=True)
-  rows, cols = (qlayers.scaling.quantize(a, spec, 1) for a in (t, t.T))
-  for got, want in ((q, rows.payload), (s, rows.scale), (qt, cols.payload),
-                    (st, cols.scale)):
-    assert got.dtype == want.dtype == jnp.uint8
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-  assert int(s[0, 0]) == 255 and int(st[0, 0]) == 255  # the NaN's blocks
+  keys = (formats.rounding_key(jnp.uint32(5), jnp.uint32(1)),
+          formats.rounding_key(jnp.uint32(6), jnp.uint32(1)))
+  nearest = None
+  for k in (None, keys):
+    q, s, qt, st = ct.fp4_cast_transpose(t, rule, keys=k, interpret=True)
+    rows, cols = (qlayers.scaling.quantize(a, spec, 1, key=kk) for a, kk in
+                  zip((t, t.T), k or (None, None)))
+    for got, want in ((q, rows.payload), (s, rows.scale),
+                      (qt, cols.payload), (st, cols.scale)):
+      assert got.dtype == want.dtype == jnp.uint8
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert int(s[0, 0]) == 255 and int(st[0, 0]) == 255  # the NaN's blocks
+    if nearest is None:
+      nearest = q
+  assert (np.asarray(q) != np.asarray(nearest)).mean() > 0.2  # it rounded
   with pytest.raises(ValueError, match="multiples of 32"):
     ct.fp4_cast_transpose(t[:48], rule, interpret=True)
 
@@ -145,8 +153,16 @@ def test_fp4_pair_for_blackwell_is_operand_and_its_transposed_copy():
     cuda = jax.jit(lambda t: operand_pair(t, last_op, first_op)).trace(
         t).lower(lowering_platforms=("cuda",)).as_text()
     sr = dataclasses.replace(spec, rounding="stochastic")
-    assert not qlayers.operands.pairable(t, Operand(sr, 1),
-                                         Operand(sr, 0, True))
+    sr_ops = (Operand(sr, 1), Operand(sr, 0, True))
+    assert qlayers.operands.pairable(t, *sr_ops)
+    keys = (jax.random.key(1), jax.random.key(2))
+    sr_got = operand_pair(t, *sr_ops, keys=keys)
+    sr_fp8 = dataclasses.replace(_spec("mxfp8"), rounding="stochastic")
+    assert not qlayers.operands.pairable(t, Operand(sr_fp8, 1),
+                                         Operand(sr_fp8, 0))
+  sr_want = [operand(t, op, key=k) for op, k in zip(sr_ops, keys)]
+  for g, w in zip(sr_got, sr_want):
+    np.testing.assert_array_equal(np.asarray(g.payload), np.asarray(w.payload))
   for g, w in zip(got, want):
     assert (g.axis, g.block, g.shape, g.transposed) == (
         w.axis, w.block, w.shape, w.transposed)
@@ -219,7 +235,7 @@ def test_mx_pair_for_blackwell_holds_operands_values():
 
 @pytest.mark.parametrize("recipe,arch,kernels", [
     ("fp8_current", "sm_90", 3), ("fp8_delayed", "sm_90", 3),
-    ("mxfp8", "sm_100", 3), ("mxfp4", "sm_100", 2),
+    ("mxfp8", "sm_100", 3), ("mxfp4", "sm_100", 3),
     ("deepseek_v3_ue8m0", "sm_100", 3), ("deepseek_v3", "sm_90", 3)])
 def test_gpu_targeted_gemm_equals_the_cpu_one_on_cpu(recipe, arch, kernels):
   """Traced for a GPU target, a quantized matmul takes the operand pairs;
@@ -238,7 +254,7 @@ def test_gpu_targeted_gemm_equals_the_cpu_one_on_cpu(recipe, arch, kernels):
     got = jax.jit(grad)(x, w, state)
     text = jax.jit(grad).trace(x, w, state).lower(
         lowering_platforms=("cuda",)).as_text()
-  # x, w, g (MXFP4's g rounds stochastically: no kernel for it)
+  # x, w, g (MXFP4's g rounding stochastically)
   assert text.count("__gpu$xla.gpu.triton") == kernels
   for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
