@@ -1924,8 +1924,9 @@ def main(argv=None) -> int:
     return 0
   targets = _csv(args.targets, TARGETS, "target")
   tritons = _csv(args.triton, ("on", "off"), "--triton value")
-  recipes = _csv(args.recipes, RECIPES + ("fp16", "mxfp4_rht",
-                                            "deepseek_v3_ue8m0"), "recipe")
+  from qlayers.recipe import available_recipes  # pylint: disable=g-import-not-at-top
+  recipes = _csv(args.recipes, tuple(dict.fromkeys(
+      RECIPES + tuple(available_recipes()))), "recipe")
   programs = _csv(args.programs, PROGRAMS, "program")
   targets_dir = pathlib.Path(args.targets_dir)
   for t in targets:
