@@ -387,14 +387,14 @@ def _fp4_kernel(*refs, rule: str, stochastic: bool):
   mag = jax.lax.bitcast_convert_type(v, jnp.uint32) & 0x7FFFFFFF
   u_rows = u_cols = None
   if stochastic:
-    # Each copy draws the uniform of its own flat index (`threefry`).
     rows, cols = (jnp.uint32(pl.num_programs(a) * b) for a in (0, 1))
     i, j = (pl.program_id(a).astype(jnp.uint32) * b for a in (0, 1))
     down, across = (jax.lax.broadcasted_iota(jnp.uint32, (b, b), a)
                     for a in (0, 1))
-    # Drawn in each copy's own layout (the t.T copy's transposed): a
-    # transpose after the 20 rounds makes Triton's layout passes replay
-    # them (its sm_100 compile then exhausts host memory).
+    # Each copy draws the uniform of its own flat index (`threefry`), in
+    # its own layout (the t.T copy's transposed): a transpose after the 20
+    # rounds makes Triton's layout passes replay them (its sm_100 compile
+    # then exhausts host memory).
     u_rows = threefry.uniform_at(key_ref[0], key_ref[1],
                                  (i + down) * cols + j + across)
     u_cols = threefry.uniform_at(key_ref[2], key_ref[3],
@@ -445,6 +445,9 @@ def fp4_cast_transpose(t: jax.Array, rule: str = "mx_rceil", *,
     raise ValueError(f"fp4_cast_transpose takes a 2-D tensor whose dims "
                      f"are multiples of {MX_BLOCK} (with stochastic rounding "
                      f"fewer than 2**32 elements); got {t.shape}.")
+  if keys is not None and len(keys) != 2:
+    raise ValueError(f"fp4_cast_transpose takes one PRNG key per copy (2), "
+                     f"got {len(keys)}.")
   if rule not in ("mx_rceil", "mx_floor"):
     raise ValueError(f"fp4_cast_transpose takes an MX scale rule "
                      f"('mx_rceil', 'mx_floor'), got {rule!r}.")

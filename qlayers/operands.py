@@ -186,8 +186,9 @@ def operand_pair(t: jax.Array, last: Operand, first: Operand | None = None,
 
   In one pass (`qlayers.cast_transpose`): per tensor, one cast writes the
   payload in both layouts; MXFP8 and UE8M0 tiles, one kernel writes both
-  block layouts and their scales; MXFP4, both packed copies and scales. The copy for ``first`` holds the
-  transposed buffer seen as ``(M, C)``, so the contraction-minor layout its
+  block layouts and their scales; MXFP4, both packed copies and scales.
+  The copy for ``first`` holds the transposed buffer seen as ``(M, C)`` (for
+  MXFP4, the ``tn`` copy of ``t.T``), so the contraction-minor layout its
   GEMM takes is already there. The values are `operand`'s in either case;
   elsewhere the copies are `operand`'s own (``keys``: their
   stochastic-rounding keys).

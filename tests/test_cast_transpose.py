@@ -140,6 +140,8 @@ def test_fp4_copies_are_quantize_of_t_and_t_transposed_bit_for_bit(dtype,
   assert (np.asarray(q) != np.asarray(nearest)).mean() > 0.2  # it rounded
   with pytest.raises(ValueError, match="multiples of 32"):
     ct.fp4_cast_transpose(t[:48], rule, interpret=True)
+  with pytest.raises(ValueError, match="one PRNG key per copy"):
+    ct.fp4_cast_transpose(t, rule, keys=keys[:1], interpret=True)
 
 
 def test_fp4_pair_for_blackwell_is_operand_and_its_transposed_copy():
