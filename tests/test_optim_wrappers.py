@@ -65,15 +65,32 @@ def test_all_finite_finds_any_nonfinite_element(jit):
            "b": jnp.full((5,), tiny, jnp.bfloat16),
            "c": jnp.array([-65504.0], jnp.float16),
            "d": jnp.array([448.0, -0.0], jnp.float8_e4m3fn),
-           "e": jnp.zeros((0, 3)), "i": jnp.arange(4)}
+           "e": jnp.zeros((0, 3)), "f": jnp.ones((2, 3, 5), jnp.bfloat16),
+           "g": jnp.float32(2.0), "i": jnp.arange(4)}
   assert bool(check(clean))
   assert bool(check({})) and bool(check({"i": jnp.arange(3)}))
   bad = [("a", (2, 4096), jnp.nan), ("a", (1, 17), -jnp.inf),
-         ("b", (4,), jnp.inf), ("c", (0,), jnp.nan), ("d", (1,), jnp.nan)]
+         ("b", (4,), jnp.inf), ("c", (0,), jnp.nan), ("d", (1,), jnp.nan),
+         ("f", (1, 2, 4), jnp.inf), ("g", (), jnp.nan)]
   for leaf, index, value in bad:
     tree = dict(clean)
     tree[leaf] = tree[leaf].at[index].set(value)
     assert not bool(check(tree)), (leaf, index, value)
+
+
+def test_all_finite_is_one_reduction_per_matrix_and_one_for_all():
+  """Each leaf of 2+ axes is reduced to one flag per row; all the flags by a
+  single reduction (per-leaf reductions to a scalar cost XLA:GPU two kernels
+  each and a combining chain)."""
+  tree = {"w": jnp.ones((4, 8)), "v": jnp.ones((2, 3, 8), jnp.bfloat16),
+          "b": jnp.ones(8), "s": jnp.float32(1.0)}
+  jaxpr = jax.make_jaxpr(ow.all_finite)(tree).jaxpr
+  prims = [e.primitive.name for e in jaxpr.eqns]
+  reductions = [e for e in jaxpr.eqns if e.primitive.name == "reduce_and"]
+  assert len(reductions) == 3  # w, v, and the flags of all four
+  assert sorted(e.params["axes"] for e in reductions[:2]) == [(1,), (2,)]
+  assert prims.count("concatenate") == 1
+  assert prims.count("optimization_barrier") == 1
 
 
 def test_needs_master():
