@@ -12,8 +12,10 @@ barriers (`qlayers.forms`) sit between them, and layout assignment places
 the copy after the barrier.
 
 `cast_transpose` is a Pallas (Triton) kernel that reads each tile of ``t``
-once and writes the saturated, round-to-nearest-even cast of ``t * mult``
-both as ``(R, C)`` and as ``(C, R)``, each row-major. Its values are those of
+once and writes the saturated, round-to-nearest-even cast of ``t * s``
+both as ``(R, C)`` and as ``(C, R)``, each row-major; it computes the
+multiplier ``s`` from the tensor's amax itself (and writes ``1 / s``), so
+no kernel of its own sits between the amax and the cast. Its values are those of
 `qlayers.formats.cast` (the CPU tests run it in Pallas' interpreter and
 compare bits); the transposed copy is handed to its GEMM as ``copy.T``, a
 view XLA lays out over the kernel's buffer, so no transpose pass is left.
@@ -46,6 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qlayers import blocks
 from qlayers import formats
 from qlayers import scale_rules
 from qlayers import threefry
@@ -90,55 +93,113 @@ def _saturating_cast(v, fmt: Format):
   return v.astype(fmt.dtype)
 
 
-def _kernel(mult_ref, t_ref, q_ref, qt_ref, *, fmt: Format):
-  q = _saturating_cast(t_ref[...].astype(jnp.float32) * mult_ref[0], fmt)
+def _reciprocal(s, interpret: bool):
+  """``1 / s`` correctly rounded, in a kernel: PTX ``rcp.rn.f32`` (a Triton
+  division is ``div.full.f32``, within 2 ulp); in the interpreter the host's
+  IEEE division."""
+  if interpret:
+    return 1.0 / s
+  from jax.experimental.pallas import triton as plgpu
+  (r,) = plgpu.elementwise_inline_asm(
+      "rcp.rn.f32 $0, $1;", args=[s], constraints="=f,f", pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(s.shape, jnp.float32)])
+  return r
+
+
+def _divide(numerator: float, b, interpret: bool):
+  """``numerator / b`` correctly rounded, in a kernel: PTX ``div.rn.f32`` (a
+  Triton division is ``div.full.f32``); in the interpreter
+  `scale_rules.rdivide_rn`."""
+  if interpret:
+    return scale_rules.rdivide_rn(numerator, b)
+  from jax.experimental.pallas import triton as plgpu
+  (q,) = plgpu.elementwise_inline_asm(
+      "div.rn.f32 $0, $1, $2;", args=[jnp.full_like(b, numerator), b],
+      constraints="=f,f,f", pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(b.shape, jnp.float32)])
+  return q
+
+
+def _kernel(amax_ref, t_ref, q_ref, qt_ref, s_ref, *, fmt: Format,
+            margin: int, pow2: bool, interpret: bool):
+  a = amax_ref[...]
+  if not jnp.issubdtype(a.dtype, jnp.floating):
+    # The max of t's magnitude bits (see `cast_transpose`): as blocks.amax.
+    a = blocks._amax_from_bits(a, t_ref.dtype).astype(jnp.float32)  # noqa: SLF001
+  mult = scale_rules.te_multiplier(
+      a, fmt, margin=margin, pow2=pow2,
+      divide=functools.partial(_divide, interpret=interpret))
+  # NaN for a non-finite amax, said explicitly: the kernel's min need not
+  # propagate it.
+  mult = jnp.where(jnp.isfinite(a), mult, jnp.nan)
+  q = _saturating_cast(
+      t_ref[...].astype(jnp.float32) * jnp.reshape(mult, (1, 1)), fmt)
   q_ref[...] = q
   qt_ref[...] = q.T
+  s_ref[...] = _divide(1.0, mult, interpret)  # the same in every program
 
 
 # Each kernel entry point is jitted with its settings static: a train step
 # calls it once per operand of every layer, and jit traces and lowers one
 # kernel per shape instead of one per call.
-@functools.partial(jax.jit, static_argnames=("fmt", "interpret"))
-def cast_transpose(t: jax.Array, mult: jax.Array, fmt: Format | str, *,
-                   interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-  """``(cast(t * mult), cast(t * mult).T)`` for ``t (R, C)``, in one pass.
+@functools.partial(jax.jit, static_argnames=("fmt", "margin", "pow2",
+                                             "interpret"))
+def cast_transpose(t: jax.Array, fmt: Format | str, *,
+                   amax: jax.Array | None = None, margin: int = 0,
+                   pow2: bool = False, interpret: bool = False
+                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Per-tensor FP8 ``(q, q.T, scale)`` of ``t (R, C)``, in one pass.
+
+  ``q`` is the saturating cast of ``t * s``, ``s`` Transformer Engine's
+  multiplier `qlayers.scale_rules.te_multiplier` of the amax, and ``scale``
+  its stored ``1 / s``: `qlayers.scale_rules.unit_scales` for a ``te`` spec.
+  The kernel computes ``s`` (an IEEE division, PTX ``div.rn.f32``) and, for
+  ``t``'s own amax, the amax from the max of ``t``'s magnitude bits, so only
+  that one reduction runs before it.
 
   Args:
     t: 2-D BF16/FP16/FP32 array, both dims multiples of `TILE`.
-    mult: FP32 scalar, the quantization multiplier (``1 / scale``).
     fmt: an FP8 format (``"e4m3"``, ``"e5m2"``).
+    amax: FP32 scalar, the amax to scale by (a delayed scale's), or None
+      for ``t``'s own (`qlayers.blocks.amax`).
+    margin, pow2: the spec's (`te_multiplier`).
     interpret: run in Pallas' interpreter (any platform; for tests).
       Otherwise the kernel is lowered for NVIDIA GPUs only.
 
   Example:
     >>> import jax.numpy as jnp
-    >>> q, qt = cast_transpose(jnp.ones((64, 128)), jnp.float32(2.0), "e4m3",
-    ...                        interpret=True)
-    >>> q.shape, qt.shape, float(qt[0, 0])
-    ((64, 128), (128, 64), 2.0)
+    >>> q, qt, scale = cast_transpose(jnp.full((64, 128), 224.0), "e4m3",
+    ...                               interpret=True)
+    >>> q.shape, qt.shape, float(qt[0, 0]), float(scale)
+    ((64, 128), (128, 64), 448.0, 0.5)
   """
   fmt = formats.get_format(fmt)
   if not supported(t.shape, fmt):
     raise ValueError(f"cast_transpose takes a 2-D tensor whose dims are "
                      f"multiples of {TILE} and an FP8 format; got "
                      f"{t.shape} and {fmt.name}.")
+  if amax is None:
+    a = jnp.max(blocks._magnitude_bits(t))  # noqa: SLF001
+  else:
+    a = jnp.asarray(amax, jnp.float32)
   pl, plt = _pallas()
   rows, cols = t.shape
   tile = (TILE, TILE)
+  one = pl.BlockSpec((1,), lambda i, j: (0,))
   call = pl.pallas_call(
-      functools.partial(_kernel, fmt=fmt),
+      functools.partial(_kernel, fmt=fmt, margin=margin, pow2=pow2,
+                        interpret=interpret),
       grid=(rows // TILE, cols // TILE),
-      in_specs=[pl.BlockSpec((1,), lambda i, j: (0,)),
-                pl.BlockSpec(tile, lambda i, j: (i, j))],
+      in_specs=[one, pl.BlockSpec(tile, lambda i, j: (i, j))],
       out_specs=[pl.BlockSpec(tile, lambda i, j: (i, j)),
-                 pl.BlockSpec(tile, lambda i, j: (j, i))],
+                 pl.BlockSpec(tile, lambda i, j: (j, i)), one],
       out_shape=[jax.ShapeDtypeStruct((rows, cols), fmt.dtype),
-                 jax.ShapeDtypeStruct((cols, rows), fmt.dtype)],
+                 jax.ShapeDtypeStruct((cols, rows), fmt.dtype),
+                 jax.ShapeDtypeStruct((1,), jnp.float32)],
       compiler_params=plt.CompilerParams(num_warps=4),
       interpret=interpret, name="qlayers_cast_transpose")
-  q, qt = call(jnp.reshape(mult.astype(jnp.float32), (1,)), t)
-  return q, qt
+  q, qt, scale = call(jnp.reshape(a, (1,)), t)
+  return q, qt, scale[0]
 
 
 def mx_supported(shape: tuple[int, ...], fmt: Format, block_size: int) -> bool:
@@ -155,19 +216,6 @@ TILE_BLOCK = 128
 # order is its bits' order).
 _DEEPSEEK_FLOOR_BITS = int(np.float32(
     scale_rules._DEEPSEEK_AMAX_FLOOR).view(np.uint32))  # noqa: SLF001
-
-
-def _reciprocal(s, interpret: bool):
-  """``1 / s`` correctly rounded, in a kernel: PTX ``rcp.rn.f32`` (a Triton
-  division is ``div.full.f32``, within 2 ulp); in the interpreter the host's
-  IEEE division."""
-  if interpret:
-    return 1.0 / s
-  from jax.experimental.pallas import triton as plgpu
-  (r,) = plgpu.elementwise_inline_asm(
-      "rcp.rn.f32 $0, $1;", args=[s], constraints="=f,f", pack=1,
-      result_shape_dtypes=[jax.ShapeDtypeStruct(s.shape, jnp.float32)])
-  return r
 
 
 def _deepseek_copy(v, mag_max, fmt: Format, interpret: bool):

@@ -106,7 +106,8 @@ def pairable(t: jax.Array, last: Operand, first: Operand | None = None
              ) -> bool:
   """Whether `operand_pair` makes ``t``'s two copies in one pass here.
 
-  One copy in two layouts (``first`` None): per-tensor FP8 where the
+  One copy in two layouts (``first`` None): per-tensor FP8 with
+  Transformer Engine's scale rule (the one the kernel computes) where the
   program may run on an NVIDIA GPU whose FP8 GEMM takes only
   contraction-minor operands (Hopper, Ada:
   `qlayers.table.fp8_gemm_transposes`), DeepSeek-V3's 128 x 128 blocks.
@@ -131,7 +132,7 @@ def pairable(t: jax.Array, last: Operand, first: Operand | None = None
       return (_block_pairs(spec, version)
               and cast_transpose.mx_supported(rows, spec.fmt,
                                               spec.block_size))
-    return (spec.granularity == "tensor" and spec.scale_rule != "nvfp4"
+    return (spec.granularity == "tensor" and spec.scale_rule == "te"
             and table.fp8_gemm_transposes(arch)
             and cast_transpose.supported(rows, spec.fmt))
   if spec.fmt.packed:  # MXFP4: the copy along axis 0 is t.T's (tn)
@@ -223,17 +224,17 @@ def operand_pair(t: jax.Array, last: Operand, first: Operand | None = None,
                         last.axis, rows)
     return q, dataclasses.replace(q, payload=pt.T)
   if first is None:
-    a = blocks.amax(t) if amax is None else jnp.asarray(amax, jnp.float32)
-    mult, scale = scale_rules.unit_scales(a, spec)
-
-    def xla(t, mult):
+    def xla(t):
+      a = blocks.amax(t) if amax is None else jnp.asarray(amax, jnp.float32)
+      mult, scale = scale_rules.unit_scales(a, spec)
       p = _rows(formats.cast(t.astype(jnp.float32) * mult, spec.fmt))
-      return p, p.T
+      return p, p.T, scale
 
-    def cuda(t, mult):
-      return cast_transpose.cast_transpose(_rows(t), mult, spec.fmt)
+    def cuda(t):  # the amax's last step and the scale in the kernel
+      return cast_transpose.cast_transpose(_rows(t), spec.fmt, amax=amax,
+                                           margin=spec.margin, pow2=spec.pow2)
 
-    p, pt = lax.platform_dependent(t, mult, cuda=cuda, default=xla)
+    p, pt, scale = lax.platform_dependent(t, cuda=cuda, default=xla)
     q = scaling.QTensor(p, scale, spec.fmt.name, "tensor", None, last.axis,
                         rows)
     return q, dataclasses.replace(q, payload=pt.T)

@@ -248,7 +248,7 @@ def rdivide_rn_integer(numerator: float, b: jax.Array) -> jax.Array:
 
 
 def te_multiplier(amax_value: jax.Array, fmt: Format, *, margin: int = 0,
-                  pow2: bool = False) -> jax.Array:
+                  pow2: bool = False, divide=None) -> jax.Array:
   """Transformer Engine's quantization multiplier ``s`` (payload ``x * s``).
 
   ``s = (max / amax) / 2**margin`` with one correctly rounded FP32 division,
@@ -259,6 +259,8 @@ def te_multiplier(amax_value: jax.Array, fmt: Format, *, margin: int = 0,
   ``s = 1``; an amax so small that ``max / amax`` overflows gives the FP32
   max (TE's ``value_for_inf``); a non-finite amax (the unit holds Inf or
   NaN) gives NaN, which makes the payload, and any GEMM of it, non-finite.
+  ``divide(numerator, b)`` is the correctly rounded division (default
+  `rdivide_rn`; a kernel passes its own).
 
   Example:
     >>> from qlayers import formats
@@ -275,7 +277,7 @@ def te_multiplier(amax_value: jax.Array, fmt: Format, *, margin: int = 0,
   a0 = jnp.where(a == 0, fmt.max * 2.0**-margin, a)
   if not pow2:
     a0 = jnp.where(jnp.isfinite(a), a0, jnp.nan)
-  s = rdivide_rn(fmt.max, a0)
+  s = (divide or rdivide_rn)(fmt.max, a0)
   s = jnp.minimum(s * (2.0**-margin), _F32_MAX)  # / 2**margin, exactly
   if pow2:
     # Clearing the mantissa would turn a NaN into Inf: NaN comes after.

@@ -33,17 +33,38 @@ def _data(shape, dtype):
   return x.astype(dtype)
 
 
+# Amaxes: the data's, one whose multiplier is not a power of two (rounding
+# exercised), the format's max times powers of two and the next FP32 above,
+# zero, subnormal and tiny (the multiplier overflows to FLT_MAX), Inf, NaN.
+_AMAXES = [None, 327.0, 448.0 * 2.0**-20, float(np.nextafter(
+    np.float32(448.0 * 8), np.float32(np.inf))), 0.0, 1e-40, 1e-37,
+           np.inf, np.nan]
+
+
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_both_layouts_are_the_saturating_cast_bit_for_bit(fmt, dtype):
-  t = _data((128, 192), dtype)
-  mult = jnp.float32(1.37)  # not a power of two: rounding is exercised
-  q, qt = ct.cast_transpose(t, mult, fmt, interpret=True)
-  want = formats.cast(t.astype(jnp.float32) * mult, fmt)
-  assert q.dtype == qt.dtype == want.dtype
-  np.testing.assert_array_equal(_bits(q), _bits(want))
-  np.testing.assert_array_equal(_bits(qt), _bits(want).T)
-  assert np.isnan(np.asarray(q[0, 0], np.float32))  # NaN is not saturated
+@pytest.mark.parametrize("margin, pow2", [(0, False), (2, False), (1, True)])
+def test_both_layouts_and_the_scale_are_unit_scales_bit_for_bit(
+    fmt, dtype, margin, pow2):
+  special = _data((128, 192), dtype)
+  finite = special.at[:3, :6].set(-5e3).at[3, 7].set(1.0)  # amax 5e3
+  spec = qlayers.scaling.QuantSpec(format=fmt, margin=margin, pow2=pow2)
+  for t, amax in [(finite, None)] + [(special, a) for a in _AMAXES]:
+    a = (qlayers.scaling.amax(t) if amax is None else jnp.float32(amax))
+    q, qt, scale = ct.cast_transpose(
+        t, fmt, amax=None if amax is None else a, margin=margin, pow2=pow2,
+        interpret=True)
+    mult, want_scale = qlayers.scale_rules.unit_scales(a, spec)
+    want = formats.cast(t.astype(jnp.float32) * mult, fmt)
+    assert q.dtype == qt.dtype == want.dtype, amax
+    np.testing.assert_array_equal(_bits(q), _bits(want), str(amax))
+    np.testing.assert_array_equal(_bits(qt), _bits(want).T, str(amax))
+    assert scale.dtype == jnp.float32 and scale.shape == ()
+    np.testing.assert_array_equal(np.float32(scale).view(np.uint32),
+                                  np.float32(want_scale).view(np.uint32),
+                                  str(amax))
+    if t is special:  # NaN is not saturated
+      assert np.isnan(np.asarray(q[0, 0], np.float32))
 
 
 def test_refuses_what_it_cannot_cast():
@@ -52,8 +73,11 @@ def test_refuses_what_it_cannot_cast():
   assert not ct.supported((64, 64, 64), formats.get_format("e4m3"))
   assert not ct.supported((64, 64), formats.get_format("e2m1"))
   with pytest.raises(ValueError, match="multiples of 64"):
-    ct.cast_transpose(jnp.ones((64, 100)), jnp.float32(1.0), "e4m3",
-                      interpret=True)
+    ct.cast_transpose(jnp.ones((64, 100)), "e4m3", interpret=True)
+  fp8_block = qlayers.scaling.QuantSpec(format="e4m3", scale_rule="deepseek")
+  with table.target_arch("sm_90"):  # the kernel computes TE's rule only
+    assert not qlayers.operands.pairable(jnp.ones((64, 128)),
+                                         Operand(fp8_block, 1))
 
 
 def _spec(name="fp8_current"):
