@@ -4,8 +4,9 @@ Run from the repository root to (re)write ``tests/golden/golden.npz``::
 
   .venv/bin/python tests/golden/make_golden.py
 
-`tests/test_golden.py` recomputes the same values with `compute` and compares
-them bit for bit: the evidence that a refactoring changed no numerics. Only
+`tests/test_golden.py` recomputes the same values and compares them (state
+bit for bit, GEMM results to within the host's summation order): the
+evidence that a refactoring changed no numerics. Only
 the public API is used (QuantDense, QuantEinsum, qlayers.value_and_grad,
 qlayers.Optimizer, qlayers.ops), on small shapes.
 """
