@@ -15,7 +15,9 @@ the copy after the barrier.
 once and writes the saturated, round-to-nearest-even cast of ``t * s``
 both as ``(R, C)`` and as ``(C, R)``, each row-major; it computes the
 multiplier ``s`` from the tensor's amax itself (and writes ``1 / s``), so
-no kernel of its own sits between the amax and the cast. Its values are those of
+no kernel of its own sits between the amax and the cast; for a delayed
+scale it also reduces the role's amax history and picks the amax to scale
+by, so XLA keeps no per-operand kernel for either. Its values are those of
 `qlayers.formats.cast` (the CPU tests run it in Pallas' interpreter and
 compare bits); the transposed copy is handed to its GEMM as ``copy.T``, a
 view XLA lays out over the kernel's buffer, so no transpose pass is left.
@@ -120,12 +122,22 @@ def _divide(numerator: float, b, interpret: bool):
   return q
 
 
-def _kernel(amax_ref, t_ref, q_ref, qt_ref, s_ref, *, fmt: Format,
-            margin: int, pow2: bool, interpret: bool):
+def _kernel(*refs, fmt: Format, margin: int, pow2: bool, delayed: bool,
+            interpret: bool):
+  if delayed:
+    amax_ref, history_ref, running_ref, t_ref, q_ref, qt_ref, s_ref = refs
+  else:
+    amax_ref, t_ref, q_ref, qt_ref, s_ref = refs
   a = amax_ref[...]
   if not jnp.issubdtype(a.dtype, jnp.floating):
     # The max of t's magnitude bits (see `cast_transpose`): as blocks.amax.
     a = blocks._amax_from_bits(a, t_ref.dtype).astype(jnp.float32)  # noqa: SLF001
+  if delayed:  # `qlayers.delayed.delayed_amax`'s selects, t's amax current
+    finite = jnp.isfinite(a)
+    running = running_ref[...]
+    running = jnp.where(finite, jnp.maximum(running, a), running)
+    stored = jnp.max(history_ref[...], keepdims=True)
+    a = jnp.where(finite, jnp.where(stored > 0, stored, running), a)
   mult = scale_rules.te_multiplier(
       a, fmt, margin=margin, pow2=pow2,
       divide=functools.partial(_divide, interpret=interpret))
@@ -145,8 +157,10 @@ def _kernel(amax_ref, t_ref, q_ref, qt_ref, s_ref, *, fmt: Format,
 @functools.partial(jax.jit, static_argnames=("fmt", "margin", "pow2",
                                              "interpret"))
 def cast_transpose(t: jax.Array, fmt: Format | str, *,
-                   amax: jax.Array | None = None, margin: int = 0,
-                   pow2: bool = False, interpret: bool = False
+                   amax: jax.Array | None = None,
+                   delayed: tuple[jax.Array, jax.Array] | None = None,
+                   margin: int = 0, pow2: bool = False,
+                   interpret: bool = False
                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Per-tensor FP8 ``(q, q.T, scale)`` of ``t (R, C)``, in one pass.
 
@@ -160,8 +174,16 @@ def cast_transpose(t: jax.Array, fmt: Format | str, *,
   Args:
     t: 2-D BF16/FP16/FP32 array, both dims multiples of `TILE`.
     fmt: an FP8 format (``"e4m3"``, ``"e5m2"``).
-    amax: FP32 scalar, the amax to scale by (a delayed scale's), or None
-      for ``t``'s own (`qlayers.blocks.amax`).
+    amax: the amax to scale by (with ``delayed``: ``t``'s own, the
+      current one), an FP32 scalar or the max of ``t``'s magnitude bits as
+      `qlayers.blocks` reduces them (the caller's reduction, shared with
+      its own amax); None: ``t``'s own, reduced here.
+    delayed: ``(history, running)`` of a delayed-scaling role: its amax
+      history ``(H,)`` (H a power of two; or the history's amax as one
+      element) and the running amax ``()`` before this use. The amax to
+      scale by is then `qlayers.delayed.delayed_amax`'s, chosen in the
+      kernel, so no XLA kernel reduces the history or picks between it and
+      the running amax.
     margin, pow2: the spec's (`te_multiplier`).
     interpret: run in Pallas' interpreter (any platform; for tests).
       Otherwise the kernel is lowered for NVIDIA GPUs only.
@@ -172,25 +194,43 @@ def cast_transpose(t: jax.Array, fmt: Format | str, *,
     ...                               interpret=True)
     >>> q.shape, qt.shape, float(qt[0, 0]), float(scale)
     ((64, 128), (128, 64), 448.0, 0.5)
+    >>> history = jnp.zeros(4).at[2].set(896.0)  # a delayed role's
+    >>> _, _, scale = cast_transpose(jnp.ones((64, 64)), "e4m3",
+    ...     delayed=(history, jnp.float32(0)), interpret=True)
+    >>> float(scale)
+    2.0
   """
   fmt = formats.get_format(fmt)
   if not supported(t.shape, fmt):
     raise ValueError(f"cast_transpose takes a 2-D tensor whose dims are "
                      f"multiples of {TILE} and an FP8 format; got "
                      f"{t.shape} and {fmt.name}.")
+  pl, plt = _pallas()
+  one = pl.BlockSpec((1,), lambda i, j: (0,))
+  inputs, in_specs = [], [one]
+  if delayed is not None:
+    history, running = (jnp.asarray(v, jnp.float32) for v in delayed)
+    n = history.shape[-1] if history.ndim == 1 else 0
+    if running.shape != () or n & (n - 1) or not n:
+      raise ValueError(
+          "cast_transpose's delayed takes a 1-D history whose length is a "
+          "power of two and a scalar running amax; got history "
+          f"{history.shape}, running {running.shape}.")
+    inputs = [history, jnp.reshape(running, (1,))]
+    in_specs += [pl.BlockSpec((n,), lambda i, j: (0,)), one]
   if amax is None:
     a = jnp.max(blocks._magnitude_bits(t))  # noqa: SLF001
+  elif jnp.issubdtype(jnp.asarray(amax).dtype, jnp.unsignedinteger):
+    a = jnp.asarray(amax)
   else:
     a = jnp.asarray(amax, jnp.float32)
-  pl, plt = _pallas()
   rows, cols = t.shape
   tile = (TILE, TILE)
-  one = pl.BlockSpec((1,), lambda i, j: (0,))
   call = pl.pallas_call(
       functools.partial(_kernel, fmt=fmt, margin=margin, pow2=pow2,
-                        interpret=interpret),
+                        delayed=delayed is not None, interpret=interpret),
       grid=(rows // TILE, cols // TILE),
-      in_specs=[one, pl.BlockSpec(tile, lambda i, j: (i, j))],
+      in_specs=in_specs + [pl.BlockSpec(tile, lambda i, j: (i, j))],
       out_specs=[pl.BlockSpec(tile, lambda i, j: (i, j)),
                  pl.BlockSpec(tile, lambda i, j: (j, i)), one],
       out_shape=[jax.ShapeDtypeStruct((rows, cols), fmt.dtype),
@@ -198,7 +238,7 @@ def cast_transpose(t: jax.Array, fmt: Format | str, *,
                  jax.ShapeDtypeStruct((1,), jnp.float32)],
       compiler_params=plt.CompilerParams(num_warps=4),
       interpret=interpret, name="qlayers_cast_transpose")
-  q, qt, scale = call(jnp.reshape(a, (1,)), t)
+  q, qt, scale = call(jnp.reshape(a, (1,)), *inputs, t)
   return q, qt, scale[0]
 
 

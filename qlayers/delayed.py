@@ -133,10 +133,9 @@ def update_scales(state: ScaleState) -> ScaleState:
   """
   a = jnp.asarray(state.amax, jnp.float32)
   a = jnp.where(jnp.isfinite(a), a, 0.0)
-  # A shift (pad) and a select: one loop fusion, which XLA:GPU fuses
-  # horizontally with the other roles' and layers' into one kernel; a
-  # concatenate is a kernel of its own per role, and a roll with an indexed
-  # set is a scatter.
+  # A shift (pad) and a select: one loop fusion per role (XLA:GPU fuses the
+  # running amax's last step into it); a roll with an indexed set is a
+  # scatter.
   h = state.amax_history
   shifted = jax.lax.pad(h[..., :-1], jnp.float32(0),
                         [(0, 0, 0)] * (h.ndim - 1) + [(1, 0, 0)])

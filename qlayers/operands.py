@@ -179,7 +179,8 @@ def _block_rule(spec) -> str | None:
 
 
 def operand_pair(t: jax.Array, last: Operand, first: Operand | None = None,
-                 *, amax=None, keys=(None, None), dtype=jnp.float32):
+                 *, amax=None, delayed: tuple[ScaleState, str] | None = None,
+                 keys=(None, None), dtype=jnp.float32):
   """The copies of ``t (..., C)`` for two GEMMs, ``(for last, for first)``:
   the `operand` ``last`` for the GEMM that contracts the last axis and
   ``first`` (default: ``last``'s copy, per tensor) for the one that
@@ -192,7 +193,10 @@ def operand_pair(t: jax.Array, last: Operand, first: Operand | None = None,
   MXFP4, the ``tn`` copy of ``t.T``), so the contraction-minor layout its
   GEMM takes is already there. The values are `operand`'s in either case;
   elsewhere the copies are `operand`'s own (``keys``: their
-  stochastic-rounding keys).
+  stochastic-rounding keys). ``delayed``: ``(state, amax_compute_algo)`` of
+  a delayed-scaling role whose `delayed_amax` is ``amax``; the per-tensor
+  kernel then chooses that amax itself, from the state and ``t``'s amax, so
+  ``amax`` is computed only where the kernel does not run.
 
   Example:
     >>> import jax.numpy as jnp, qlayers
@@ -231,6 +235,12 @@ def operand_pair(t: jax.Array, last: Operand, first: Operand | None = None,
       return p, p.T, scale
 
     def cuda(t):  # the amax's last step and the scale in the kernel
+      if delayed is not None:  # t's amax: `delayed_amax`'s reduction
+        bits = jnp.max(blocks._magnitude_bits(t))  # noqa: SLF001
+        return cast_transpose.cast_transpose(
+            _rows(t), spec.fmt, amax=bits,
+            delayed=_kernel_state(*delayed), margin=spec.margin,
+            pow2=spec.pow2)
       return cast_transpose.cast_transpose(_rows(t), spec.fmt, amax=amax,
                                            margin=spec.margin, pow2=spec.pow2)
 
@@ -256,6 +266,17 @@ def operand_pair(t: jax.Array, last: Operand, first: Operand | None = None,
     return scaling.QTensor(payload, scale, spec.fmt.name, spec.granularity,
                            blocks.block_shape(rows, spec, axis), axis, rows)
   return mx(p, s, 1), mx(pt.T, st.T, 0)
+
+
+def _kernel_state(state: ScaleState, algo: str):
+  """A delayed role's ``(history, running)`` as `cast_transpose` takes them:
+  the history itself for the ``max`` algorithm at a power-of-two length,
+  otherwise its `scaling.history_amax` as one element."""
+  history = state.amax_history
+  n = history.shape[-1]
+  if algo != "max" or n & (n - 1):
+    history = scaling.history_amax(history, algo)[None]
+  return history, state.amax
 
 
 def _fp4_pair(t, spec, keys):

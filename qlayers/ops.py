@@ -143,11 +143,14 @@ def _qmm(plan: Plan, dtypes, x, w, state, key):
 def _qmm_forward(plan: Plan, x, w, state, key, gather=()):
   recipe, fprop = plan.recipe, plan.fprop
   kx, kw, kwx, kb = _keys(key, 4)
-  ax = aw = None
+  ax = aw = delayed_x = delayed_w = None
   new_state = state
   if recipe.delayed:
     ax, run_x = delayed_amax(x, state["x"], recipe)
     aw, run_w = delayed_amax(w, state["w"], recipe)
+    # The per-tensor kernel chooses ax, aw itself from these (`operand_pair`).
+    delayed_x, delayed_w = ((state[r], recipe.amax_compute_algo)
+                            for r in ("x", "w"))
     new_state = {"x": state["x"]._replace(amax=run_x),
                  "w": state["w"]._replace(amax=run_w), "g": state["g"]}
   # The copies of x and w for two GEMMs each (x: Fprop, then Wgrad's if
@@ -159,12 +162,14 @@ def _qmm_forward(plan: Plan, x, w, state, key, gather=()):
   else:
     qx, x_saved = operand_pair(
         x, fprop.lhs, plan.wgrad.lhs if plan.save_x == "wgrad" else None,
-        amax=ax, keys=(kx, kwx), dtype=recipe.dtype)
+        amax=ax, delayed=delayed_x, keys=(kx, kwx),
+        dtype=recipe.dtype)
   dgrad_w = None if plan.share_w else plan.dgrad.rhs
   if not gather and (plan.share_w or pairable(w, dgrad_w, fprop.rhs)):
     w_saved, qw = operand_pair(w, dgrad_w or fprop.rhs,
                                None if plan.share_w else fprop.rhs,
-                               amax=aw, keys=(kw, None), dtype=recipe.dtype)
+                               amax=aw, delayed=delayed_w,
+                               keys=(kw, None), dtype=recipe.dtype)
   else:
     qw = operand(w, fprop.rhs, amax=aw, key=kw, dtype=recipe.dtype,
                  gather=gather)
@@ -202,9 +207,10 @@ def _qmm_bwd(plan: Plan, dtypes, res, cts):
   if isinstance(g, SymbolicZero):  # the output is not used
     return None, None, _g_amax_ct(later), None
   kd, kwg = _keys(key, 2)
-  ag = state_ct = None
+  ag = state_ct = delayed_g = None
   if recipe.delayed:
     ag, run_g = delayed_amax(g, g_state, recipe)
+    delayed_g = (g_state, recipe.amax_compute_algo)
     # Only the gradient role's running amax leaves the backward pass (the
     # forward roles left through the output), max-combined with the later
     # uses' (a chain of uses: JAX never adds two of them).
@@ -214,7 +220,8 @@ def _qmm_bwd(plan: Plan, dtypes, res, cts):
   # N first if the recipe says so: (g Q.T) @ (w Q.T).T = g @ w.T).
   # g's copies for Dgrad and Wgrad (one if shared), in one pass where it can.
   qg, qg_w = operand_pair(g, dgrad.lhs, None if plan.share_g else wgrad.rhs,
-                          amax=ag, keys=(kd, kwg), dtype=recipe.dtype)
+                          amax=ag, delayed=delayed_g,
+                          keys=(kd, kwg), dtype=recipe.dtype)
   qw = w_saved if isinstance(w_saved, scaling.QTensor) else operand(
       w_saved, dgrad.rhs, amax=aw, dtype=recipe.dtype, gather=gather)
   dx = dispatch.run(dgrad, qg, qw).reshape(x_shape)

@@ -2,6 +2,7 @@
 operand pairs built on it (qlayers/operands.py: operand_pair)."""
 
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
@@ -65,6 +66,50 @@ def test_both_layouts_and_the_scale_are_unit_scales_bit_for_bit(
                                   str(amax))
     if t is special:  # NaN is not saturated
       assert np.isnan(np.asarray(q[0, 0], np.float32))
+
+
+# Delayed-scaling states (history, running amax before the use) against
+# data of amax 5e3: the first step (empty history; the running amax below
+# and above the data's), a history whose max is not its latest entry, a
+# history of one entry (an algorithm's amax computed outside), a history
+# of zeros but for the oldest entry.
+_STATES = [(np.zeros(16), 0.0), (np.zeros(16), 7e3),
+           (np.zeros(16), 3e2),
+           ([0.0, 0.0, 0.0, 896.0] + [2.0] * 12, 1e9),
+           ([327.0], 0.0), ([0.0] * 7 + [1.5], 2.0)]
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("margin, pow2", [(0, False), (1, True)])
+def test_delayed_scale_is_delayed_amax_bit_for_bit(fmt, margin, pow2):
+  """With a delayed role's state the kernel scales by `delayed_amax`'s amax
+  of that state and the data's own amax, whether it reduces the data's amax
+  itself or takes the magnitude bits' max; Inf/NaN data scale by Inf."""
+  finite = _data((128, 192), jnp.bfloat16).at[:3, :6].set(-5e3)
+  finite = finite.at[0, 0].set(1.0).at[1, 3].set(2.0).at[2, 5].set(3.0)
+  special = _data((128, 192), jnp.bfloat16)
+  spec = qlayers.scaling.QuantSpec(format=fmt, margin=margin, pow2=pow2)
+  bits = qlayers.blocks._magnitude_bits  # noqa: SLF001
+  for t in (finite, special):
+    for history, running in _STATES:
+      history = jnp.asarray(history, jnp.float32)
+      state = qlayers.scaling.ScaleState(history, jnp.float32(running))
+      use, _ = qlayers.scaling.delayed_amax(state, qlayers.scaling.amax(t))
+      mult, want_scale = qlayers.scale_rules.unit_scales(use, spec)
+      want = _bits(formats.cast(t.astype(jnp.float32) * mult, fmt))
+      for amax in (None, jnp.max(bits(t))):
+        q, qt, scale = ct.cast_transpose(
+            t, fmt, amax=amax, delayed=(history, jnp.float32(running)),
+            margin=margin, pow2=pow2, interpret=True)
+        what = f"{history[:4]} {running} {amax is None} {t is special}"
+        np.testing.assert_array_equal(_bits(q), want, what)
+        np.testing.assert_array_equal(_bits(qt), want.T, what)
+        np.testing.assert_array_equal(np.float32(scale).view(np.uint32),
+                                      np.float32(want_scale).view(np.uint32),
+                                      what)
+  with pytest.raises(ValueError, match="power of two"):
+    ct.cast_transpose(finite, fmt, delayed=(jnp.zeros(3), jnp.float32(0)),
+                      interpret=True)
 
 
 def test_refuses_what_it_cannot_cast():
@@ -284,3 +329,49 @@ def test_gpu_targeted_gemm_equals_the_cpu_one_on_cpu(recipe, arch, kernels):
   assert text.count("__gpu$xla.gpu.triton") == kernels
   for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_delayed_pairs_run_the_kernel_on_the_roles_state(monkeypatch, algo):
+  """fp8_delayed traced for Hopper, with the pair kernels run in Pallas'
+  interpreter on CPU: each kernel takes its own role's history and running
+  amax, and output, gradients and state keep the bits of the unpaired
+  matmul, on the first step and on one whose history decides."""
+  def kernel_branch(*args, cuda, **_):
+    return cuda(*args)
+
+  monkeypatch.setattr(qlayers.operands, "lax", types.SimpleNamespace(
+      **{**vars(jax.lax), "platform_dependent": kernel_branch}))
+  calls, kernel = [], ct.cast_transpose
+
+  def interpreted(*args, delayed=None, **kw):
+    calls.append(delayed is not None)
+    return kernel(*args, delayed=delayed, interpret=True, **kw)
+
+  monkeypatch.setattr(qlayers.operands.cast_transpose, "cast_transpose",
+                      interpreted)
+  x = jax.random.normal(jax.random.key(1), (2, 64, 128), jnp.float32)
+  w = jax.random.normal(jax.random.key(2), (128, 256), jnp.float32) * 0.1
+  recipe = qlayers.recipe("fp8_delayed").replace(amax_history_len=8,
+                                                 amax_compute_algo=algo)
+  first = ops.init_state(recipe)
+  # Histories whose max is far from the data's amax, per role: the wrong
+  # role's state would change the scale, and so the bits.
+  later = {role: st._replace(
+      amax_history=st.amax_history.at[1].set(a / 2).at[3].set(a),
+      amax=jnp.float32(a / 4))
+           for (role, st), a in zip(first.items(), (9.0, 0.3, 0.02))}
+
+  def loss(x, w, state):
+    y, new_state = ops.quantized_matmul(x, w, recipe, state)
+    return jnp.sum(y * jnp.cos(y)), new_state
+
+  grad = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
+  for state in (first, later):
+    want = grad(x, w, state)
+    calls.clear()
+    with table.target_arch("sm_90"):
+      got = grad(x, w, state)
+    assert calls == [True] * 3  # x, w, then g
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
