@@ -40,11 +40,20 @@ passes (block amax, scale, unpacked codes, packing). With stochastic
 rounding each copy draws, in the kernel, the uniforms `qlayers.formats`
 draws from its key (`qlayers.threefry`), so no random-bits array is
 written or read.
+
+`nvfp4_cast_transpose` makes NVFP4's two copies (E2M1 with E4M3 scales per
+16 under a per-tensor FP32 scale): 1 x 16 tiles along each axis, the one
+along the rows (Wgrad's) of the 16-point Hadamard transform if asked, or
+16 x 16 blocks in both layouts (the weights). The per-tensor scales need
+the whole tensor's amax first: `nvfp4_amaxes` finds those of the tensor and
+of its transform in one read. `transform` is the Hadamard transform alone
+in one pass, for the recipes whose transformed operands XLA quantizes.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -52,13 +61,15 @@ import numpy as np
 
 from qlayers import blocks
 from qlayers import formats
+from qlayers import hadamard as hadamard_lib
 from qlayers import scale_rules
 from qlayers import threefry
 from qlayers.formats import Format
 
 __all__ = ["TILE", "supported", "cast_transpose", "mx_supported",
            "mx_cast_transpose", "block_cast_transpose", "fp4_supported",
-           "fp4_cast_transpose"]
+           "fp4_cast_transpose", "nvfp4_supported", "nvfp4_cast_transpose",
+           "nvfp4_amaxes", "transform_supported", "transform"]
 
 # Rows and columns of one tile; both dims of ``t`` must be multiples of it.
 TILE = 64
@@ -561,3 +572,367 @@ def fp4_cast_transpose(t: jax.Array, rule: str = "mx_rceil", *,
       compiler_params=plt.CompilerParams(num_warps=4),
       interpret=interpret, name="qlayers_fp4_cast_transpose")
   return tuple(call(*args))
+
+
+# NVFP4: E2M1 in blocks of 16 with E4M3 scales under a per-tensor FP32 scale.
+NV_BLOCK = 16
+
+
+def nvfp4_supported(shape: tuple[int, ...], stochastic: bool = False
+                    ) -> bool:
+  """Whether `nvfp4_cast_transpose` takes a 2-D ``shape`` tensor: both dims
+  multiples of 16; with stochastic rounding, fewer than 2**32 elements
+  (the kernel counts them in 32 bits)."""
+  return (len(shape) == 2
+          and all(d >= NV_BLOCK and d % NV_BLOCK == 0 for d in shape)
+          and not (stochastic and shape[0] * shape[1] >= 2**32))
+
+
+def _encode_scales(amax, interpret: bool):
+  """NVFP4's per-tensor ``(S_enc, S_dec, amax finite)`` in a kernel:
+  `qlayers.scale_rules.nvfp4_encode_scale` and its correctly rounded
+  reciprocal."""
+  s = jnp.minimum(_divide(scale_rules.NVFP4_RANGE, amax, interpret),
+                  scale_rules._F32_MAX)  # noqa: SLF001
+  s_enc = jnp.where((amax == 0) | (s == 0), 1.0, s)
+  return s_enc, _divide(1.0, s_enc, interpret), jnp.isfinite(amax)
+
+
+def _nvfp4_blocks(mag_max, levels, interpret: bool):
+  """(multiplier, E4M3 scale) of blocks whose largest magnitude bits are
+  ``mag_max``: `qlayers.scale_rules.nvfp4_scales`, in a kernel."""
+  s_enc, s_dec, finite_tensor = levels
+  amax = blocks._amax_from_bits(mag_max, jnp.float32)  # noqa: SLF001
+  block = amax * (s_enc * scale_rules._F32_SIXTH)  # noqa: SLF001
+  e4m3 = _saturating_cast(block, formats.E4M3).astype(jnp.float32)
+  mult = jnp.minimum(_divide(1.0, e4m3 * s_dec, interpret),
+                     scale_rules._F32_MAX)  # noqa: SLF001
+  finite = jnp.isfinite(amax) & finite_tensor
+  return (jnp.where(finite, mult, 0.0),
+          jnp.where(finite, e4m3, jnp.nan).astype(jnp.float8_e4m3fn))
+
+
+def _e2m1_codes(x, u=None):
+  """`qlayers.formats.cast` of FP32 ``x`` to E2M1 codes (uint32), rounding
+  to nearest even, or stochastically with uniforms ``u``, in a kernel."""
+  grid = formats.round_on_grid(x, formats.E2M1, u, rint=formats.rint_by_floor)
+  return formats.encode(grid, formats.E2M1).astype(jnp.uint32)
+
+
+def _fp32_bits(v):
+  return jax.lax.bitcast_convert_type(v, jnp.uint32) & 0x7FFFFFFF
+
+
+def _pack_last(codes):
+  """Unpacked uint32 codes ``(..., 2m)`` -> ``(..., m)`` bytes, low nibble
+  first."""
+  pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
+  weight = jax.lax.broadcasted_iota(jnp.uint32, pairs.shape, pairs.ndim - 1)
+  return jnp.sum(pairs << (weight * 4), axis=-1).astype(jnp.uint8)
+
+
+def _butterfly_last(y):
+  """`qlayers.hadamard.butterfly` along the last axis (16) of a kernel's
+  array, with the same pairs and order of additions: each stage pairs
+  elements ``r`` and ``r + 8`` and writes their sum and difference to
+  ``2r`` and ``2r + 1``, so after the four stages (the pairs ``h = 8, 4,
+  2, 1`` apart of the in-place transform, in turn) each element is back in
+  its place. Splits and joins of a trailing axis of 2 are what Triton has
+  instead of slices."""
+  lead, n = y.shape[:-1], y.shape[-1]
+  for _ in range(n.bit_length() - 1):
+    pairs = jnp.swapaxes(y.reshape(*lead, 2, n // 2), -1, -2)
+    a, b = (p[..., 0] for p in jnp.split(pairs, 2, axis=-1))
+    y = jnp.stack([a + b, a - b], axis=-1).reshape(*lead, n)
+  return y
+
+
+def _signs_last(shape):
+  """`qlayers.hadamard.random_signs` (of the last axis' length) along the
+  last axis of ``shape``, from an iota and 32-bit masks (a kernel has no
+  array constants)."""
+  size = shape[-1]
+  negative = hadamard_lib.random_signs(size) < 0
+  k = jax.lax.broadcasted_iota(jnp.uint32, shape, len(shape) - 1)
+  flip = jnp.zeros(shape, jnp.uint32)
+  for word in range(0, size, 32):
+    mask = sum(1 << i for i in range(min(32, size - word))
+               if negative[word + i])
+    bits = (jnp.uint32(mask) >> ((k - word) & 31)) & 1
+    flip = jnp.where((k >= word) & (k < word + 32), bits, flip) if size > 32 \
+        else bits
+  return 1.0 - 2.0 * flip.astype(jnp.float32)
+
+
+def _transform_last(y):
+  """`qlayers.hadamard.transform` along the last axis of a kernel's FP32
+  array: the signs, the butterfly, the factor."""
+  size = y.shape[-1]
+  return _butterfly_last(y * _signs_last(y.shape)) * hadamard_lib._norm(size)  # noqa: SLF001
+
+
+def _nvfp4_kernel(*refs, square: bool, hadamard: bool, stochastic: bool,
+                  interpret: bool):
+  """One ``(n, 16, 16)`` tile of ``t`` seen as ``(R / 16, 16, C)``: ``[g, k,
+  c]`` is row ``16 g + k``, so a 16-row block (the transform's and the
+  ``t.T`` copy's scale block) is the middle axis, made the last one by one
+  transpose."""
+  if stochastic:
+    key_ref, *refs = refs
+  if square:
+    amax_ref, t_ref, q_ref, s_ref, qt_ref, st_ref = refs
+  else:
+    amax_ref, amax_t_ref, t_ref, q_ref, s_ref, qt_ref, st_ref = refs
+  pl, _ = _pallas()
+  v = t_ref[...].astype(jnp.float32)
+  n, b, width = v.shape
+  levels = _encode_scales(jnp.reshape(amax_ref[...], (1, 1, 1)), interpret)
+  if square:  # 16 x 16 blocks: one scale and the same codes for both copies
+    mag = jnp.max(jnp.max(_fp32_bits(v), axis=2, keepdims=True), axis=1,
+                  keepdims=True)
+    mult, e4m3 = _nvfp4_blocks(mag, levels, interpret)
+    codes = _e2m1_codes(v * mult)
+    q_ref[...] = _pack_last(codes)
+    s_ref[...] = jnp.reshape(e4m3, (n, 1))
+    st_ref[...] = jnp.reshape(e4m3, (1, n))
+    codes_t = jnp.transpose(codes, (0, 2, 1))
+  else:
+    # The copy along C, 1 x 16 blocks.
+    mult, e4m3 = _nvfp4_blocks(jnp.max(_fp32_bits(v), axis=2, keepdims=True),
+                               levels, interpret)
+    u = u_t = None
+    if stochastic:  # each copy's flat index, in the layout it is drawn in
+      rows = jnp.uint32(pl.num_programs(0) * n * b)
+      cols = jnp.uint32(pl.num_programs(1) * width)
+      i0 = pl.program_id(0).astype(jnp.uint32) * (n * b)
+      j0 = pl.program_id(1).astype(jnp.uint32) * width
+      g, k, c = (jax.lax.broadcasted_iota(jnp.uint32, v.shape, a)
+                 for a in range(3))
+      u = threefry.uniform_at(key_ref[0], key_ref[1],
+                              (i0 + g * b + k) * cols + j0 + c)
+      g, c, k = (jax.lax.broadcasted_iota(jnp.uint32, (n, width, b), a)
+                 for a in range(3))
+      u_t = threefry.uniform_at(key_ref[2], key_ref[3],
+                                (j0 + c) * rows + i0 + g * b + k)
+    q_ref[...] = _pack_last(_e2m1_codes(v * mult, u))
+    s_ref[...] = e4m3
+    # The copy of t.T (of its transform) along the rows: [g, c, k].
+    y = jnp.transpose(v, (0, 2, 1))
+    if hadamard:  # `qlayers.hadamard.transform`'s signs, stages and factor
+      y = _transform_last(y)
+    levels = _encode_scales(jnp.reshape(amax_t_ref[...], (1, 1, 1)),
+                            interpret)
+    mult, e4m3 = _nvfp4_blocks(jnp.max(_fp32_bits(y), axis=2, keepdims=True),
+                               levels, interpret)
+    codes_t = _e2m1_codes(y * mult, u_t)
+    st_ref[...] = jnp.reshape(e4m3, (n, width)).T
+  # [g, c, m] -> t.T's rows c, bytes 8 g + m.
+  qt_ref[...] = jnp.transpose(_pack_last(codes_t), (1, 0, 2)).reshape(
+      width, n * b // 2)
+
+
+def _tile_rows(rows: int) -> int:
+  """Rows of one `nvfp4_cast_transpose` tile: 16 times the largest power of
+  two up to 16 that divides ``rows / 16``."""
+  n = rows // NV_BLOCK
+  return NV_BLOCK * math.gcd(n, NV_BLOCK)
+
+
+@functools.partial(jax.jit, static_argnames=("square", "hadamard",
+                                             "interpret"))
+def nvfp4_cast_transpose(t: jax.Array, amax: jax.Array | None = None,
+                         amax_t: jax.Array | None = None, *,
+                         square: bool = False, hadamard: bool = False,
+                         keys: tuple[jax.Array, jax.Array] | None = None,
+                         interpret: bool = False):
+  """NVFP4's two copies of ``t (R, C)`` in one pass: ``(q, s, qt, st)``,
+  E2M1 codes packed two per byte and their E4M3 block scales.
+
+  ``q (R, C / 2)`` is `qlayers.scaling.quantize` of ``t`` along axis 1 with
+  the ``nvfp4`` rule; ``qt (C, R / 2)`` that of ``t.T`` (the copy packed
+  along ``t``'s rows, as the GEMM contracting them takes it), of the
+  16-point `qlayers.hadamard.transform` of ``t`` along its rows if
+  ``hadamard``. Blocks of 1 x 16 (``s (R, C / 16)``, ``st (C, R / 16)``),
+  or with ``square`` 16 x 16 blocks shared by both copies (``s (R / 16,
+  C / 16)``, ``st`` its transpose). The kernel computes the per-tensor
+  scales from the amaxes (IEEE divisions) and each block's scale.
+
+  Args:
+    t: 2-D BF16/FP16/FP32 array, both dims multiples of 16.
+    amax: the tensor amax that scales ``q`` (FP32 scalar); None: ``t``'s.
+    amax_t: that of ``qt`` (not with ``square``); None: that of the
+      tensor it is made of (``t``, or its transform).
+    square: 16 x 16 blocks (NVFP4's weights); round to nearest even only.
+    hadamard: ``qt`` of the transformed ``t`` (not with ``square``).
+    keys: None (round to nearest even) or the PRNG keys of the two copies
+      (Threefry, as `qlayers.formats.rounding_key` makes them).
+    interpret: run in Pallas' interpreter (any platform; for tests).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> q, s, qt, st = nvfp4_cast_transpose(jnp.ones((32, 64)),
+    ...                                     interpret=True)
+    >>> q.shape, s.shape, qt.shape, st.shape, int(q[0, 0]), float(s[0, 0])
+    ((32, 32), (32, 4), (64, 16), (64, 2), 119, 448.0)
+  """
+  if not nvfp4_supported(t.shape, keys is not None):
+    raise ValueError(f"nvfp4_cast_transpose takes a 2-D tensor whose dims "
+                     f"are multiples of {NV_BLOCK} (with stochastic rounding "
+                     f"fewer than 2**32 elements); got {t.shape}.")
+  if square and (hadamard or keys is not None or amax_t is not None):
+    raise ValueError("nvfp4_cast_transpose with square blocks takes one "
+                     "amax and rounds to nearest even, with no transform.")
+  if keys is not None and len(keys) != 2:
+    raise ValueError(f"nvfp4_cast_transpose takes one PRNG key per copy "
+                     f"(2), got {len(keys)}.")
+  pl, plt = _pallas()
+  rows, cols = t.shape
+  rt, b, h = _tile_rows(rows), NV_BLOCK, NV_BLOCK // 2
+  n = rt // b
+  one = pl.BlockSpec((1,), lambda i, j: (0,))
+
+  def tensor_amax(a, of):
+    return blocks.amax(of()) if a is None else jnp.asarray(a, jnp.float32)
+
+  args = [jnp.reshape(tensor_amax(amax, lambda: t), (1,))]
+  in_specs = [one]
+  if not square:
+    args.append(jnp.reshape(tensor_amax(amax_t, lambda: (
+        hadamard_lib.transform(t, b) if hadamard else t)), (1,)))
+    in_specs.append(one)
+  if keys is not None:
+    in_specs.insert(0, pl.BlockSpec((4,), lambda i, j: (0,)))
+    args.insert(0, jnp.concatenate([threefry.key_words(k) for k in keys]))
+  e4m3 = jnp.float8_e4m3fn
+  if square:
+    scale_specs = [pl.BlockSpec((n, 1), lambda i, j: (i, j)),
+                   pl.BlockSpec((1, n), lambda i, j: (j, i))]
+    scale_shapes = [jax.ShapeDtypeStruct((rows // b, cols // b), e4m3),
+                    jax.ShapeDtypeStruct((cols // b, rows // b), e4m3)]
+  else:
+    scale_specs = [pl.BlockSpec((n, b, 1), lambda i, j: (i, 0, j)),
+                   pl.BlockSpec((b, n), lambda i, j: (j, i))]
+    scale_shapes = [jax.ShapeDtypeStruct((rows // b, b, cols // b), e4m3),
+                    jax.ShapeDtypeStruct((cols, rows // b), e4m3)]
+  call = pl.pallas_call(
+      functools.partial(_nvfp4_kernel, square=square, hadamard=hadamard,
+                        stochastic=keys is not None, interpret=interpret),
+      grid=(rows // rt, cols // b),
+      in_specs=in_specs + [pl.BlockSpec((n, b, b), lambda i, j: (i, 0, j))],
+      out_specs=[pl.BlockSpec((n, b, h), lambda i, j: (i, 0, j)),
+                 scale_specs[0],
+                 pl.BlockSpec((b, n * h), lambda i, j: (j, i)),
+                 scale_specs[1]],
+      out_shape=[jax.ShapeDtypeStruct((rows // b, b, cols // 2), jnp.uint8),
+                 scale_shapes[0],
+                 jax.ShapeDtypeStruct((cols, rows // 2), jnp.uint8),
+                 scale_shapes[1]],
+      compiler_params=plt.CompilerParams(num_warps=4),
+      interpret=interpret, name="qlayers_nvfp4_cast_transpose")
+  q, s, qt, st = call(*args, t.reshape(rows // b, b, cols))
+  return (q.reshape(rows, cols // 2),
+          s if square else s.reshape(rows, cols // b), qt, st)
+
+
+def _nvfp4_amax_kernel(t_ref, a_ref, at_ref):
+  v = t_ref[...].astype(jnp.float32)
+  y = _transform_last(jnp.transpose(v, (0, 2, 1)))
+  for ref, x in ((a_ref, v), (at_ref, y)):
+    ref[...] = jnp.reshape(jnp.max(_fp32_bits(x)), (1, 1))
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def nvfp4_amaxes(t: jax.Array, *, interpret: bool = False
+                 ) -> tuple[jax.Array, jax.Array]:
+  """The amaxes of ``t (R, C)`` and of its 16-point
+  `qlayers.hadamard.transform` along the rows (FP32; +Inf where either
+  holds Inf or NaN, as `qlayers.blocks.amax`), in one pass: the two
+  tensor amaxes `nvfp4_cast_transpose` scales NVFP4's Wgrad-transformed
+  pair by. XLA would write the transform's stages before reducing them.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> a, at = nvfp4_amaxes(jnp.ones((16, 16)).at[3, 5].set(-8.0),
+    ...                      interpret=True)
+    >>> float(a), float(at)
+    (8.0, 3.25)
+  """
+  if not nvfp4_supported(t.shape):
+    raise ValueError(f"nvfp4_amaxes takes a 2-D tensor whose dims are "
+                     f"multiples of {NV_BLOCK}; got {t.shape}.")
+  pl, plt = _pallas()
+  rows, cols = t.shape
+  rt, b = _tile_rows(rows), NV_BLOCK
+  n, grid = rt // b, (rows // rt, cols // b)
+  one = pl.BlockSpec((1, 1), lambda i, j: (i, j))
+  partial = jax.ShapeDtypeStruct(grid, jnp.uint32)
+  a, at = pl.pallas_call(
+      _nvfp4_amax_kernel, grid=grid,
+      in_specs=[pl.BlockSpec((n, b, b), lambda i, j: (i, 0, j))],
+      out_specs=[one, one], out_shape=[partial, partial],
+      compiler_params=plt.CompilerParams(num_warps=4),
+      interpret=interpret, name="qlayers_nvfp4_amaxes")(
+          t.reshape(rows // b, b, cols))
+  return tuple(blocks._amax_from_bits(jnp.max(x), jnp.float32)  # noqa: SLF001
+               for x in (a, at))
+
+
+def transform_supported(shape: tuple[int, ...], size: int, axis: int
+                        ) -> bool:
+  """Whether `transform` takes a ``shape`` tensor: 2-D, the transformed
+  axis a multiple of ``size`` (one of `qlayers.hadamard.SIZES`), the other
+  (axis 0) a multiple of 16."""
+  return (len(shape) == 2 and axis in (0, 1) and size in hadamard_lib.SIZES
+          and shape[axis] % size == 0
+          and (axis == 1 or shape[1] % NV_BLOCK == 0))
+
+
+def _transform_kernel(t_ref, o_ref, *, axis: int):
+  v = t_ref[...].astype(jnp.float32)
+  if axis == 1:
+    o_ref[...] = _transform_last(v)
+  else:  # [g, k, c]: the transformed axis made the last one and back
+    o_ref[...] = jnp.transpose(
+        _transform_last(jnp.transpose(v, (0, 2, 1))), (0, 2, 1))
+
+
+@functools.partial(jax.jit, static_argnames=("size", "axis", "interpret"))
+def transform(t: jax.Array, size: int, axis: int = 0, *,
+              interpret: bool = False) -> jax.Array:
+  """`qlayers.hadamard.transform` of ``t`` in one pass, bit for bit: FP32
+  ``Q t`` along ``axis``. XLA writes each stage of the butterfly to memory
+  (it will not fuse one into the next: every output would recompute its
+  whole tree), so on NVIDIA GPUs the transformed operand of a recipe's
+  Hadamard GEMMs is this kernel's, read once and written once.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from qlayers import hadamard
+    >>> t = jnp.arange(64.0 * 32).reshape(64, 32)
+    >>> bool((transform(t, 32, interpret=True)
+    ...       == hadamard.transform(t, 32)).all())
+    True
+  """
+  if not transform_supported(t.shape, size, axis):
+    raise ValueError(f"transform takes a 2-D tensor whose axis {axis} is a "
+                     f"multiple of {size} (a size of "
+                     f"{hadamard_lib.SIZES}) and, for axis 0, whose columns "
+                     f"are a multiple of {NV_BLOCK}; got {t.shape}.")
+  pl, plt = _pallas()
+  rows, cols = t.shape
+  if axis == 1:
+    rt = math.gcd(rows, max(1, 1024 // size))
+    spec = pl.BlockSpec((rt, size), lambda i, j: (i, j))
+    grid, view = (rows // rt, cols // size), t
+  else:
+    n = math.gcd(rows // size, max(1, 256 // size))
+    spec = pl.BlockSpec((n, size, NV_BLOCK), lambda i, j: (i, 0, j))
+    grid = (rows // (n * size), cols // NV_BLOCK)
+    view = t.reshape(rows // size, size, cols)
+  out = pl.pallas_call(
+      functools.partial(_transform_kernel, axis=axis), grid=grid,
+      in_specs=[spec], out_specs=spec,
+      out_shape=jax.ShapeDtypeStruct(view.shape, jnp.float32),
+      compiler_params=plt.CompilerParams(num_warps=4),
+      interpret=interpret, name="qlayers_hadamard_transform")(view)
+  return out.reshape(rows, cols)

@@ -15,7 +15,10 @@ get ``H_size @ diag(signs)``, with ``H_size`` the normalised Sylvester
 Hadamard matrix and ``signs`` a fixed pseudo-random +-1 vector (the same for
 both operands, or the product would change). A length that is not a
 multiple of ``size`` is zero-padded first; zero rows add nothing to the
-product.
+product. ``Q t`` is computed as a fast Walsh-Hadamard `butterfly` in FP32
+(exact sign flips, one fixed chain of additions per element, then the
+``1 / sqrt(size)`` factor), so a GPU kernel that fuses the transform into a
+quantize reproduces it bit for bit.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["SIZES", "hadamard_matrix", "random_signs", "transform"]
+__all__ = ["SIZES", "hadamard_matrix", "random_signs", "transform",
+           "butterfly"]
 
 SIZES = (2, 4, 8, 16, 32, 64, 128, 256)
 """Block sizes `transform` accepts (powers of two)."""
@@ -94,8 +98,39 @@ def transform(t: jax.Array, size: int, axis: int = 0) -> jax.Array:
   t = t.astype(jnp.float32)
   if padded != m:
     t = jnp.pad(t, ((0, padded - m), (0, 0)))
-  signs = random_signs(size)[None, :, None]
-  blocks = t.reshape(padded // size, size, k) * signs
-  out = jnp.einsum("ij,bjk->bik", hadamard_matrix(size), blocks,
-                   precision=lax.Precision.HIGHEST)
-  return out.reshape(padded, k)
+  y = t.reshape(padded // size, size, k) * random_signs(size)[None, :, None]
+  y = butterfly(y, axis=1)
+  return (y * _norm(size)).reshape(padded, k)
+
+
+def _norm(size: int) -> np.float32:
+  """``1 / sqrt(size)`` in FP32 (a power of two, so exact, for 4, 16, 64,
+  256)."""
+  return np.float32(1.0 / np.sqrt(size))
+
+
+def butterfly(y: jax.Array, axis: int) -> jax.Array:
+  """The unnormalised Walsh-Hadamard transform of ``y`` along ``axis``
+  (length a power of two): ``log2(n)`` stages, the first pairing elements
+  ``n / 2`` apart, each writing ``a + b`` to the first of a pair and ``a -
+  b`` to the second. Every element is one fixed chain of FP32 additions, so
+  a kernel that runs the same stages (`qlayers.cast_transpose`) gets the
+  same bits; an FP32 matrix product would sum in whatever order its backend
+  picks.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> butterfly(jnp.array([1.0, 2.0, 3.0, 4.0]), axis=0).tolist()
+    [10.0, -2.0, -4.0, 0.0]
+  """
+  axis = axis % y.ndim
+  n = y.shape[axis]
+  before, after = y.shape[:axis], y.shape[axis + 1:]
+  h = n // 2
+  while h:
+    pairs = y.reshape(*before, n // (2 * h), 2, h, *after)
+    a, b = (lax.index_in_dim(pairs, i, axis + 1, keepdims=False)
+            for i in (0, 1))
+    y = jnp.stack([a + b, a - b], axis=axis + 1).reshape(y.shape)
+    h //= 2
+  return y

@@ -84,7 +84,7 @@ def operand(t: jax.Array, op: Operand, *, amax=None, key=None,
   if not elementwise:
     t = _rows(t)
     if op.hadamard:
-      t = hadamard.transform(t, op.hadamard, axis=op.axis)
+      t = _transformed(t, op.hadamard, op.axis)
   per_tensor = spec.granularity == "tensor" or spec.scale_rule == "nvfp4"
   if amax is None and per_tensor and sharding.varying_axes(t):
     amax = sharding.global_amax(scaling.amax(t), t)
@@ -102,6 +102,20 @@ def operand(t: jax.Array, op: Operand, *, amax=None, key=None,
   return scaling.quantize(t, spec, op.axis, amax=amax, key=key)
 
 
+def _transformed(t, size: int, axis: int):
+  """`hadamard.transform` of 2-D ``t``; where the program may run on an
+  NVIDIA GPU, in one pass there (`qlayers.cast_transpose.transform`, the
+  same bits), not in XLA's pass per butterfly stage. Not under an automatic
+  mesh: the kernel has no partitioning rule."""
+  def xla(t):
+    return hadamard.transform(t, size, axis=axis)
+  if not (table.targets_gpu() and sharding.auto_mesh() is None
+          and cast_transpose.transform_supported(t.shape, size, axis)):
+    return xla(t)
+  return lax.platform_dependent(
+      t, cuda=lambda t: cast_transpose.transform(t, size, axis), default=xla)
+
+
 def pairable(t: jax.Array, last: Operand, first: Operand | None = None
              ) -> bool:
   """Whether `operand_pair` makes ``t``'s two copies in one pass here.
@@ -116,7 +130,9 @@ def pairable(t: jax.Array, last: Operand, first: Operand | None = None
   the ``tn`` copy, of ``t.T``). Block-scaled pairs on Hopper and Blackwell
   (`_block_pairs`); rows of whole tiles, round to nearest (MXFP4: or
   stochastic), no Hadamard transform, and no mesh (the kernels have no
-  partitioning rule).
+  partitioning rule). NVFP4 (from Hopper on): ``last`` along axis 1 and
+  ``first`` the ``tn`` copy, optionally of the 16-point transform (1 x 16
+  tiles, x and g), or both of 16 x 16 blocks rounded to nearest (w).
   """
   spec = last.spec
   if (spec is None or last.hadamard or last.tn
@@ -127,6 +143,13 @@ def pairable(t: jax.Array, last: Operand, first: Operand | None = None
   rows = (math.prod(t.shape[:-1]), t.shape[-1])
   arch = table.gpu_arch("cuda")
   version = table.sm_version(arch)
+  if spec.scale_rule == "nvfp4":
+    return (first is not None and first.spec == spec and version >= 90
+            and last.axis == 1 and first.axis == 0 and first.tn
+            and first.hadamard in (0, cast_transpose.NV_BLOCK)
+            and not (spec.granularity == "block"
+                     and (first.hadamard or spec.stochastic))
+            and cast_transpose.nvfp4_supported(rows, spec.stochastic))
   if first is None:
     if _square(spec):
       return (_block_pairs(spec, version)
@@ -249,6 +272,8 @@ def operand_pair(t: jax.Array, last: Operand, first: Operand | None = None,
                         rows)
     return q, dataclasses.replace(q, payload=pt.T)
 
+  if spec.scale_rule == "nvfp4":
+    return _nvfp4_pair(t, last, first, keys)
   if spec.fmt.packed:
     return _fp4_pair(t, spec, keys)
 
@@ -304,6 +329,57 @@ def _fp4_pair(t, spec, keys):
           scaling.QTensor(pt, st, spec.fmt.name, spec.granularity,
                           blocks.block_shape((c, m), spec, 1), 1, (c, m),
                           transposed=True))
+
+
+def _nvfp4_pair(t, last: Operand, first: Operand, keys):
+  """`operand_pair`'s NVFP4 copies: ``last`` along axis 1 and ``first``, the
+  ``tn`` copy of ``t.T`` (of its 16-point transform along the rows if
+  ``first.hadamard``), in 1 x 16 tiles, or 16 x 16 blocks for both
+  (``block`` granularity, the weights), by
+  `qlayers.cast_transpose.nvfp4_cast_transpose` on NVIDIA GPUs. The two
+  tensor amaxes come first: of ``t`` and of its transform from one read
+  (`qlayers.cast_transpose.nvfp4_amaxes`), or without the transform XLA's
+  reduction of ``t``. Each copy's values and scales are `operand`'s."""
+  spec, rows = last.spec, _rows(t)
+  square = spec.granularity == "block"
+  if spec.stochastic:  # missing keys derived as `operand` derives them
+    keys = (_data_key(rows) if keys[0] is None else keys[0],
+            keys[1] if keys[1] is not None else _data_key(
+                _transformed(rows, first.hadamard, 0)
+                if first.hadamard else rows))
+  else:
+    keys = ()
+
+  def levels(amax, e4m3):
+    s_dec = scale_rules.rdivide_rn(1.0, scale_rules.nvfp4_encode_scale(amax))
+    return e4m3.astype(jnp.float32) * s_dec, e4m3, s_dec
+
+  def xla(t, *keys):
+    a, b = (operand(t, op, key=k) for op, k in
+            zip((last, first), keys or (None, None)))
+    return tuple(v for q in (a, b) for v in
+                 (q.payload, q.scale, q.block_scale, q.tensor_scale))
+
+  def cuda(t, *keys):
+    if first.hadamard:
+      amax, amax_t = cast_transpose.nvfp4_amaxes(t)
+    else:
+      amax = amax_t = blocks.amax(t)
+    p, s, pt, st = cast_transpose.nvfp4_cast_transpose(
+        t, amax, None if square else amax_t, square=square,
+        hadamard=bool(first.hadamard), keys=keys or None)
+    return (p, *levels(amax, s), pt, *levels(amax_t, st))
+
+  p, s, bs, ts, pt, st, bst, tst = lax.platform_dependent(
+      rows, *keys, cuda=cuda, default=xla)
+  m, c = rows.shape
+
+  def copy(payload, scale, block_scale, tensor_scale, shape, transposed):
+    return scaling.QTensor(payload, scale, spec.fmt.name, spec.granularity,
+                           blocks.block_shape(shape, spec, 1), 1, shape,
+                           transposed, block_scale, tensor_scale)
+  return (copy(p, s, bs, ts, (m, c), False),
+          copy(pt, st, bst, tst, (c, m), True))
 
 
 def _gathered(t, op: Operand, axes, **kw):

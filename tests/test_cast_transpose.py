@@ -2,6 +2,7 @@
 operand pairs built on it (qlayers/operands.py: operand_pair)."""
 
 import dataclasses
+import functools
 import types
 
 import jax
@@ -375,3 +376,188 @@ def test_delayed_pairs_run_the_kernel_on_the_roles_state(monkeypatch, algo):
     assert calls == [True] * 3  # x, w, then g
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _nvfp4_spec(granularity="tile"):
+  return qlayers.scaling.QuantSpec(format="e2m1", granularity=granularity,
+                                   scale_rule="nvfp4")
+
+
+def _nvfp4_data(dtype):
+  # Scaled values on E2M1 ties and between them, a zero row, a block far
+  # under the tensor's amax (its E4M3 scale underflows to 0), tiny values.
+  t = jax.random.normal(jax.random.key(4), (64, 96), jnp.float32) * 30.0
+  t = t.at[9, :].set(0.0).at[40, 16:32].set(1e-6).at[17, 70].set(-2e-30)
+  ties = jnp.arange(0.0, 4.0, 0.25)
+  return t.at[16, 32:48].set(ties).at[48:64, 64].set(-ties).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("hadamard", [False, True])
+def test_nvfp4_copies_are_quantize_of_t_and_t_transposed_bit_for_bit(
+    dtype, hadamard):
+  """Both 1 x 16 copies, payloads and E4M3 scales, equal
+  `scaling.quantize` of ``t`` and of ``t.T`` (of its 16-point transform if
+  ``hadamard``), rounded to nearest and stochastically; a non-finite
+  element makes its own block's scale NaN, and a non-finite tensor amax
+  every block's."""
+  from qlayers import hadamard as rht
+  spec = _nvfp4_spec()
+  keys = (formats.rounding_key(jnp.uint32(5), jnp.uint32(1)),
+          formats.rounding_key(jnp.uint32(6), jnp.uint32(1)))
+  t = _nvfp4_data(dtype)
+  src = rht.transform(t, 16) if hadamard else t
+  inf = t.at[3, 7].set(jnp.inf)
+  for amaxes in ((None, None), (jnp.float32(500.0), jnp.float32(90.0)),
+                 (jnp.float32(jnp.inf), jnp.float32(jnp.nan))):
+    nearest = None
+    for k in (None, keys):
+      q, s, qt, st = ct.nvfp4_cast_transpose(t, *amaxes, hadamard=hadamard,
+                                             keys=k, interpret=True)
+      rows, cols = (qlayers.scaling.quantize(a, spec, 1, amax=am, key=kk)
+                    for a, am, kk in zip((t, src.T), amaxes, k or (None,) * 2))
+      for got, want in ((q, rows.payload), (s, rows.block_scale),
+                        (qt, cols.payload), (st, cols.block_scale)):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(_bits(got), _bits(want))
+      nearest = q if nearest is None else nearest
+    assert (np.asarray(q) != np.asarray(nearest)).mean() > 0.1  # it rounded
+  assert np.isnan(np.asarray(s, np.float32)).all()  # Inf tensor amax
+  for data in (t, inf, t.at[60, 90].set(jnp.nan)):
+    got = ct.nvfp4_amaxes(data, interpret=True)
+    want = (qlayers.blocks.amax(data),
+            qlayers.blocks.amax(rht.transform(data, 16)))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  q, s, qt, st = ct.nvfp4_cast_transpose(inf, hadamard=hadamard,
+                                         interpret=True)
+  assert np.isnan(np.asarray(s, np.float32)).all()  # the amax is Inf
+  q, s, _, _ = ct.nvfp4_cast_transpose(inf, jnp.float32(100.0),
+                                       jnp.float32(100.0), interpret=True)
+  nan = np.isnan(np.asarray(s, np.float32))
+  assert nan[3, 0] and nan.sum() == 1  # only the Inf's block
+
+
+def test_nvfp4_square_blocks_are_one_quantize_in_both_layouts():
+  spec = _nvfp4_spec("block")
+  t = _nvfp4_data(jnp.float32)
+  q, s, qt, st = ct.nvfp4_cast_transpose(t, square=True, interpret=True)
+  for got, want in zip((q, s, qt, st), (
+      *(lambda a: (a.payload, a.block_scale))(
+          qlayers.scaling.quantize(t, spec, 1)),
+      *(lambda a: (a.payload, a.block_scale))(
+          qlayers.scaling.quantize(t.T, spec, 1)))):
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+  with pytest.raises(ValueError, match="multiples of 16"):
+    ct.nvfp4_cast_transpose(t[:40], interpret=True)
+  with pytest.raises(ValueError, match="square blocks"):
+    ct.nvfp4_cast_transpose(t, square=True, hadamard=True, interpret=True)
+  with pytest.raises(ValueError, match="one PRNG key per copy"):
+    ct.nvfp4_cast_transpose(t, keys=(jax.random.key(0),), interpret=True)
+
+
+def test_nvfp4_matmul_runs_the_pair_kernels_with_the_operands_bits(
+    monkeypatch):
+  """nvfp4 traced for Blackwell with the pair kernels run in Pallas'
+  interpreter on CPU: x (transformed Wgrad copy), w (16 x 16 blocks) and g
+  (stochastic, transformed) each take one kernel, and the output and
+  gradients keep the bits of the unpaired matmul; the lowering for CUDA
+  holds the three kernels."""
+  x = jax.random.normal(jax.random.key(1), (2, 64, 128), jnp.float32)
+  w = jax.random.normal(jax.random.key(2), (128, 256), jnp.float32) * 0.1
+  recipe = qlayers.recipe("nvfp4")
+  state = ops.init_state(recipe)
+
+  def loss(x, w, state):  # g's rounding keys from the call's key, as layers
+    y, new_state = ops.quantized_matmul(x, w, recipe, state,
+                                        key=jax.random.key(3))
+    return jnp.sum(y * jnp.cos(y)), new_state
+
+  grad = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
+  want = grad(x, w, state)
+  with table.target_arch("sm_100"):
+    text = jax.jit(grad).trace(x, w, state).lower(
+        lowering_platforms=("cuda",)).as_text()
+  # x and g: both amaxes in one kernel, then the pair; w: the pair.
+  assert text.count("__gpu$xla.gpu.triton") == 5
+  assert text.count("qlayers_nvfp4_amaxes") == text.count(
+      "qlayers_nvfp4_cast_transpose") * 2 // 3
+
+  monkeypatch.setattr(qlayers.operands, "lax", types.SimpleNamespace(
+      **{**vars(jax.lax), "platform_dependent":
+         lambda *args, cuda, **_: cuda(*args)}))
+  calls, kernel = [], ct.nvfp4_cast_transpose
+
+  def interpreted(*args, **kw):
+    calls.append((kw["square"], kw["hadamard"], kw["keys"] is not None))
+    return kernel(*args, interpret=True, **kw)
+
+  monkeypatch.setattr(qlayers.operands.cast_transpose, "nvfp4_cast_transpose",
+                      interpreted)
+  monkeypatch.setattr(qlayers.operands.cast_transpose, "nvfp4_amaxes",
+                      functools.partial(ct.nvfp4_amaxes, interpret=True))
+  with table.target_arch("sm_100"):
+    got = grad(x, w, state)
+  assert calls == [(False, True, False), (True, False, False),
+                   (False, True, True)]  # x, w, then g
+  for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("size,axis,shape", [
+    (16, 0, (512, 48)), (32, 0, (64, 32)), (256, 0, (256, 16)),
+    (32, 1, (24, 96)), (128, 1, (8, 256))])
+def test_transform_kernel_is_the_hadamard_transform_bit_for_bit(size, axis,
+                                                                 shape):
+  from qlayers import hadamard as rht
+  t = (jax.random.normal(jax.random.key(size), shape) * 3).astype(
+      jnp.bfloat16)
+  t = t.at[1, 1].set(jnp.inf)  # its block's outputs Inf or NaN, as XLA's
+  got = ct.transform(t, size, axis, interpret=True)
+  want = rht.transform(t, size, axis)
+  assert got.dtype == want.dtype == jnp.float32
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  with pytest.raises(ValueError, match="multiple of"):
+    ct.transform(t[:, :-1] if axis else t[:-1], size, axis, interpret=True)
+
+
+def test_hadamard_recipe_runs_the_transform_kernel_with_its_bits(
+    monkeypatch):
+  """mxfp4_mlperf (Dgrad and Wgrad transformed) traced for Blackwell:
+  each transformed operand is the one-pass kernel's (in the CUDA
+  lowering), and with the kernels interpreted on CPU the output and
+  gradients keep the bits of the CPU program."""
+  x = jax.random.normal(jax.random.key(1), (2, 32, 64), jnp.float32)
+  w = jax.random.normal(jax.random.key(2), (64, 96), jnp.float32) * 0.1
+  recipe = qlayers.recipe("mxfp4_mlperf")
+  state = ops.init_state(recipe)
+
+  def loss(x, w, state):
+    y, _ = ops.quantized_matmul(x, w, recipe, state)
+    return jnp.sum(y * jnp.cos(y))
+
+  grad = jax.value_and_grad(loss, argnums=(0, 1))
+  want = grad(x, w, state)
+  with table.target_arch("sm_100"):
+    text = jax.jit(grad).trace(x, w, state).lower(
+        lowering_platforms=("cuda",)).as_text()
+  assert "qlayers_hadamard_transform" in text
+  monkeypatch.setattr(qlayers.operands, "lax", types.SimpleNamespace(
+      **{**vars(jax.lax), "platform_dependent":
+         lambda *args, cuda, **_: cuda(*args)}))
+  calls, kernel = [], ct.transform
+
+  def interpreted(t, size, axis):
+    calls.append((size, axis))
+    return kernel(t, size, axis, interpret=True)
+
+  monkeypatch.setattr(qlayers.operands.cast_transpose, "transform",
+                      interpreted)
+  monkeypatch.setattr(qlayers.operands.cast_transpose, "fp4_cast_transpose",
+                      functools.partial(ct.fp4_cast_transpose,
+                                        interpret=True))
+  with table.target_arch("sm_100"):
+    got = grad(x, w, state)
+  assert sorted(calls) == [(16, 0), (16, 0), (16, 1), (16, 1)]  # x, g; g, w
+  for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

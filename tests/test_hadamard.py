@@ -41,6 +41,25 @@ def test_transform_keeps_the_product(m):
                              qa.T, atol=1e-6)
 
 
+@pytest.mark.parametrize("size", [2, 16, 128])
+def test_butterfly_is_the_sylvester_matrix_product(size):
+  """Small integers sum exactly, so the butterfly equals the matrix product
+  to the bit; the transform is the butterfly of the signed rows times
+  1 / sqrt(size), a fixed order of FP32 operations (so a kernel can
+  reproduce it)."""
+  h = np.round(hadamard.hadamard_matrix(size) * np.sqrt(size))
+  y = jax.random.randint(jax.random.key(size), (3, size, 5), -50, 50)
+  got = hadamard.butterfly(y.astype(jnp.float32), axis=1)
+  np.testing.assert_array_equal(np.asarray(got),
+                                np.einsum("ij,bjk->bik", h, np.asarray(y)))
+  t = jax.random.normal(jax.random.key(1), (2 * size, 3))
+  signed = t.reshape(2, size, 3) * hadamard.random_signs(size)[None, :, None]
+  want = hadamard.butterfly(signed, axis=1).reshape(2 * size, 3) * np.float32(
+      1 / np.sqrt(size))
+  np.testing.assert_array_equal(np.asarray(hadamard.transform(t, size)),
+                                np.asarray(want))
+
+
 def test_transform_spreads_an_outlier():
   t = jnp.zeros((32, 1)).at[3, 0].set(32.0)
   out = np.asarray(hadamard.transform(t, 32))

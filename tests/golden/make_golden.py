@@ -2,7 +2,9 @@
 
 Run from the repository root to (re)write ``tests/golden/golden.npz``::
 
-  .venv/bin/python tests/golden/make_golden.py
+  .venv/bin/python tests/golden/make_golden.py [RECIPE ...]
+
+(with recipe names, only their entries are rewritten)
 
 `tests/test_golden.py` recomputes the same values and compares them (state
 bit for bit, GEMM results to within the host's summation order): the
@@ -14,6 +16,7 @@ qlayers.Optimizer, qlayers.ops), on small shapes.
 from __future__ import annotations
 
 import pathlib
+import sys
 import warnings
 
 import jax
@@ -109,16 +112,27 @@ def _ops(name: str) -> dict[str, np.ndarray]:
   return out
 
 
-def compute() -> dict[str, np.ndarray]:
-  """``{recipe/what: array}`` for every recipe of `available_recipes`."""
+def compute(names=None) -> dict[str, np.ndarray]:
+  """``{recipe/what: array}`` for the recipes ``names`` (default: every
+  recipe of `available_recipes`)."""
   out = {}
-  for name in qlayers.available_recipes():
+  for name in names or qlayers.available_recipes():
     for part in (_layer(name), _ops(name)):
       out.update({f"{name}/{k}": v for k, v in part.items()})
   return out
 
 
 if __name__ == "__main__":
-  data = compute()
+  # Recipe names as arguments: rewrite only their entries (a change meant
+  # to move those recipes' numerics), keeping every other recorded value.
+  names = sys.argv[1:]
+  unknown = set(names) - set(qlayers.available_recipes())
+  if unknown:
+    raise SystemExit(f"unknown recipes: {sorted(unknown)}")
+  data = {}
+  if names:
+    data = {k: v for k, v in np.load(PATH).items()
+            if k.split("/", 1)[0] not in names}
+  data.update(compute(names))
   np.savez_compressed(PATH, **data)
   print(f"{PATH}: {len(data)} arrays, {PATH.stat().st_size} bytes")
