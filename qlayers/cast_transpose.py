@@ -466,6 +466,14 @@ def fp4_supported(shape: tuple[int, ...], fmt: Format, block_size: int,
           and not (stochastic and shape[0] * shape[1] >= 2**32))
 
 
+def fp4_transforms(hadamard) -> bool:
+  """Whether `fp4_cast_transpose` takes these ``(size, size)`` transforms:
+  each 0 or a Hadamard block size that divides a 32 x 32 tile."""
+  return (len(tuple(hadamard)) == 2
+          and all(s == 0 or (s in hadamard_lib.SIZES and s <= MX_BLOCK)
+                  for s in hadamard))
+
+
 def _pack_rows(codes):
   """Unpacked uint32 codes ``(n, 2m)`` -> ``(n, m)`` bytes, low nibble
   first."""
@@ -475,7 +483,16 @@ def _pack_rows(codes):
   return jnp.sum(pairs << weight, axis=2).astype(jnp.uint8)
 
 
-def _fp4_kernel(*refs, rule: str, stochastic: bool):
+def _transform_blocks(y, size: int):
+  """`_transform_last` of each ``size`` consecutive elements of the rows
+  of a square tile (``size`` divides its width)."""
+  b = y.shape[-1]
+  if size == b:
+    return _transform_last(y)
+  return _transform_last(y.reshape(b, b // size, size)).reshape(b, b)
+
+
+def _fp4_kernel(*refs, rule: str, stochastic: bool, hadamard=(0, 0)):
   if stochastic:
     key_ref, t_ref, q_ref, s_ref, qt_ref, st_ref = refs
   else:
@@ -483,6 +500,11 @@ def _fp4_kernel(*refs, rule: str, stochastic: bool):
   pl, _ = _pallas()
   b = t_ref.shape[0]
   v = t_ref[...].astype(jnp.float32)
+  if any(hadamard):  # each copy of its own transform (`_fp4_transformed`)
+    _fp4_transformed(v, q_ref, s_ref, qt_ref, st_ref, rule=rule,
+                     hadamard=hadamard,
+                     keys=key_ref if stochastic else None)
+    return
   mag = jax.lax.bitcast_convert_type(v, jnp.uint32) & 0x7FFFFFFF
   u_rows = u_cols = None
   if stochastic:
@@ -514,9 +536,38 @@ def _fp4_kernel(*refs, rule: str, stochastic: bool):
   st_ref[...] = c.T
 
 
-@functools.partial(jax.jit, static_argnames=("rule", "interpret"))
+def _fp4_transformed(v, q_ref, s_ref, qt_ref, st_ref, *, rule: str,
+                     hadamard, keys):
+  """`_fp4_kernel`'s copies where either is of a Hadamard transform: the
+  copy along axis 1 of ``v`` transformed along its rows' blocks of
+  ``hadamard[0]``, the copy of ``v.T`` along ``v``'s columns' blocks of
+  ``hadamard[1]`` (0: none), each drawn, rounded and packed in its own
+  layout."""
+  pl, _ = _pallas()
+  b = v.shape[0]
+  copies = [_transform_blocks(v, hadamard[0]) if hadamard[0] else v,
+            _transform_blocks(v.T, hadamard[1]) if hadamard[1] else v.T]
+  outs = ((q_ref, s_ref), (qt_ref, st_ref))
+  rows, cols = (jnp.uint32(pl.num_programs(a) * b) for a in (0, 1))
+  i, j = (pl.program_id(a).astype(jnp.uint32) * b for a in (0, 1))
+  down, across = (jax.lax.broadcasted_iota(jnp.uint32, (b, b), a)
+                  for a in (0, 1))
+  for c, (y, (q, sc)) in enumerate(zip(copies, outs)):
+    u = None
+    if keys is not None:  # each copy's flat index in its own layout
+      index = ((i + down) * cols + j + across if c == 0
+               else (j + down) * rows + i + across)
+      u = threefry.uniform_at(keys[2 * c], keys[2 * c + 1], index)
+    mult, code = _pow2_multiplier(jnp.max(_fp32_bits(y), axis=1,
+                                          keepdims=True), formats.E2M1, rule)
+    q[...] = _pack_rows(_e2m1_codes(y * mult, u))
+    sc[...] = code
+
+
+@functools.partial(jax.jit, static_argnames=("rule", "hadamard", "interpret"))
 def fp4_cast_transpose(t: jax.Array, rule: str = "mx_rceil", *,
                        keys: tuple[jax.Array, jax.Array] | None = None,
+                       hadamard: tuple[int, int] = (0, 0),
                        interpret: bool = False):
   """Both MXFP4 copies of ``t (R, C)`` in one pass: ``(q, s, qt, st)``.
 
@@ -525,13 +576,18 @@ def fp4_cast_transpose(t: jax.Array, rule: str = "mx_rceil", *,
   ``st (C, R / 32)`` is that of ``t.T`` along axis 1 (the copy packed along
   ``t``'s rows, as the GEMM contracting them takes it). With ``keys``
   each copy rounds stochastically with the uniforms
-  `qlayers.formats.round_to_format` draws from its key.
+  `qlayers.formats.round_to_format` draws from its key. ``hadamard``: the
+  block sizes of `qlayers.hadamard.transform` applied to each copy first
+  (``q``'s along ``t``'s columns, ``qt``'s along its rows; 0: none), as the
+  Hadamard recipes' gradient GEMMs take them.
 
   Args:
     t: 2-D BF16/FP16/FP32 array, both dims multiples of 32.
     rule: ``"mx_rceil"`` or ``"mx_floor"``.
     keys: None (round to nearest even) or the PRNG keys of the two copies
       (Threefry, as `qlayers.formats.rounding_key` makes them).
+    hadamard: ``(size for q, size for qt)``, each 0 or a power of two from
+      2 to 32.
     interpret: run in Pallas' interpreter (any platform; for tests).
 
   Example:
@@ -550,6 +606,10 @@ def fp4_cast_transpose(t: jax.Array, rule: str = "mx_rceil", *,
   if rule not in ("mx_rceil", "mx_floor"):
     raise ValueError(f"fp4_cast_transpose takes an MX scale rule "
                      f"('mx_rceil', 'mx_floor'), got {rule!r}.")
+  if not fp4_transforms(hadamard):
+    raise ValueError(f"fp4_cast_transpose's hadamard takes two sizes, each "
+                     f"0 or a power of two up to {MX_BLOCK}; got "
+                     f"{hadamard!r}.")
   pl, plt = _pallas()
   rows, cols = t.shape
   b, h = MX_BLOCK, MX_BLOCK // 2
@@ -558,7 +618,8 @@ def fp4_cast_transpose(t: jax.Array, rule: str = "mx_rceil", *,
     in_specs.insert(0, pl.BlockSpec((4,), lambda i, j: (0,)))
     args.insert(0, jnp.concatenate([threefry.key_words(k) for k in keys]))
   call = pl.pallas_call(
-      functools.partial(_fp4_kernel, rule=rule, stochastic=keys is not None),
+      functools.partial(_fp4_kernel, rule=rule, stochastic=keys is not None,
+                        hadamard=tuple(hadamard)),
       grid=(rows // b, cols // b),
       in_specs=in_specs,
       out_specs=[pl.BlockSpec((b, h), lambda i, j: (i, j)),

@@ -81,6 +81,10 @@ def operand(t: jax.Array, op: Operand, *, amax=None, key=None,
     return _rows(t.astype(dtype))
   elementwise = (t.ndim > 2 and spec.granularity == "tensor"
                  and not (op.tn or spec.stochastic or op.hadamard))
+  if not spec.stochastic:
+    key = None
+  elif key is None:  # of the rows as given (a transform would cost a pass)
+    key = _data_key(_rows(t))
   if not elementwise:
     t = _rows(t)
     if op.hadamard:
@@ -92,10 +96,6 @@ def operand(t: jax.Array, op: Operand, *, amax=None, key=None,
     q = scaling.quantize(t, spec, -1, amax=amax)
     rows = _rows(q.payload)
     return dataclasses.replace(q, payload=rows, axis=op.axis, shape=rows.shape)
-  if not spec.stochastic:
-    key = None
-  elif key is None:
-    key = _data_key(t)
   if op.tn:
     q = scaling.quantize(t.T, spec, 1, amax=amax, key=key)
     return dataclasses.replace(q, transposed=True)
@@ -129,13 +129,14 @@ def pairable(t: jax.Array, last: Operand, first: Operand | None = None
   MXFP8 with blocks of 32, DeepSeek-V3 tiles of 128, MXFP4 (its ``first``
   the ``tn`` copy, of ``t.T``). Block-scaled pairs on Hopper and Blackwell
   (`_block_pairs`); rows of whole tiles, round to nearest (MXFP4: or
-  stochastic), no Hadamard transform, and no mesh (the kernels have no
-  partitioning rule). NVFP4 (from Hopper on): ``last`` along axis 1 and
+  stochastic, and either copy of a Hadamard transform of up to 32 points),
+  and no mesh (the kernels have no partitioning rule). NVFP4 (from Hopper on): ``last`` along axis 1 and
   ``first`` the ``tn`` copy, optionally of the 16-point transform (1 x 16
   tiles, x and g), or both of 16 x 16 blocks rounded to nearest (w).
   """
   spec = last.spec
-  if (spec is None or last.hadamard or last.tn
+  if (spec is None or last.tn
+      or (last.hadamard and not (spec.fmt.packed and first is not None))
       or (spec.stochastic and not spec.fmt.packed)
       or not table.targets_gpu() or sharding.varying_axes(t)
       or sharding.auto_mesh() is not None):
@@ -159,12 +160,16 @@ def pairable(t: jax.Array, last: Operand, first: Operand | None = None
             and table.fp8_gemm_transposes(arch)
             and cast_transpose.supported(rows, spec.fmt))
   if spec.fmt.packed:  # MXFP4: the copy along axis 0 is t.T's (tn)
-    supported = cast_transpose.fp4_supported(rows, spec.fmt, spec.block_size,
-                                             spec.stochastic)
+    supported = (cast_transpose.fp4_supported(rows, spec.fmt,
+                                              spec.block_size,
+                                              spec.stochastic)
+                 and cast_transpose.fp4_transforms((last.hadamard,
+                                                    first.hadamard)))
   else:
-    supported = cast_transpose.mx_supported(rows, spec.fmt, spec.block_size)
+    supported = (cast_transpose.mx_supported(rows, spec.fmt, spec.block_size)
+                 and not (last.hadamard or first.hadamard))
   return (first.spec == spec and _block_rule(spec) is not None
-          and last.axis == 1 and first.axis == 0 and not first.hadamard
+          and last.axis == 1 and first.axis == 0
           and first.tn == spec.fmt.packed
           and _block_pairs(spec, version) and supported)
 
@@ -275,7 +280,7 @@ def operand_pair(t: jax.Array, last: Operand, first: Operand | None = None,
   if spec.scale_rule == "nvfp4":
     return _nvfp4_pair(t, last, first, keys)
   if spec.fmt.packed:
-    return _fp4_pair(t, spec, keys)
+    return _fp4_pair(t, last, first, keys)
 
   def xla_mx(t):
     a, b = (scaling.quantize(_rows(t), spec, axis) for axis in (1, 0))
@@ -304,23 +309,24 @@ def _kernel_state(state: ScaleState, algo: str):
   return history, state.amax
 
 
-def _fp4_pair(t, spec, keys):
+def _fp4_pair(t, last: Operand, first: Operand, keys):
   """`operand_pair`'s MXFP4 copies: along axis 1, and of ``t.T`` along its
-  axis 1 (`operand`'s ``tn`` copy), each rounded stochastically with its
-  key if ``spec`` says so (derived from the data where None, as `operand`
-  derives it)."""
-  rows = _rows(t)
-  keys = tuple(_data_key(rows) if k is None else k
-               for k in keys) if spec.stochastic else ()
+  axis 1 (`operand`'s ``tn`` copy), each of its Hadamard transform if its
+  operand says so and rounded stochastically with its key if ``spec``
+  says so (derived from the data where None, as `operand` derives it)."""
+  spec, rows = last.spec, _rows(t)
+  keys = _pair_keys(rows, keys) if spec.stochastic else ()
+  sizes = (last.hadamard, first.hadamard)
 
   def xla(t, *keys):
-    a, b = (scaling.quantize(c, spec, 1, key=k)
-            for c, k in zip((t, t.T), keys or (None, None)))
+    a, b = (operand(t, op, key=k) for op, k in
+            zip((last, first), keys or (None, None)))
     return a.payload, a.scale, b.payload, b.scale
 
   def cuda(t, *keys):
     return cast_transpose.fp4_cast_transpose(t, spec.scale_rule,
-                                             keys=keys or None)
+                                             keys=keys or None,
+                                             hadamard=sizes)
 
   p, s, pt, st = lax.platform_dependent(rows, *keys, cuda=cuda, default=xla)
   m, c = rows.shape
@@ -329,6 +335,12 @@ def _fp4_pair(t, spec, keys):
           scaling.QTensor(pt, st, spec.fmt.name, spec.granularity,
                           blocks.block_shape((c, m), spec, 1), 1, (c, m),
                           transposed=True))
+
+
+def _pair_keys(rows, keys):
+  """A pair's two stochastic-rounding keys; a missing one derived from the
+  data, as `operand` derives it."""
+  return tuple(_data_key(rows) if k is None else k for k in keys)
 
 
 def _nvfp4_pair(t, last: Operand, first: Operand, keys):
@@ -342,13 +354,7 @@ def _nvfp4_pair(t, last: Operand, first: Operand, keys):
   reduction of ``t``. Each copy's values and scales are `operand`'s."""
   spec, rows = last.spec, _rows(t)
   square = spec.granularity == "block"
-  if spec.stochastic:  # missing keys derived as `operand` derives them
-    keys = (_data_key(rows) if keys[0] is None else keys[0],
-            keys[1] if keys[1] is not None else _data_key(
-                _transformed(rows, first.hadamard, 0)
-                if first.hadamard else rows))
-  else:
-    keys = ()
+  keys = _pair_keys(rows, keys) if spec.stochastic else ()
 
   def levels(amax, e4m3):
     s_dec = scale_rules.rdivide_rn(1.0, scale_rules.nvfp4_encode_scale(amax))

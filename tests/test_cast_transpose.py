@@ -181,6 +181,30 @@ def test_mx_copies_are_quantize_along_each_axis_bit_for_bit(fmt, rule):
   assert int(s[0, 0]) == 255  # the NaN's block
 
 
+@pytest.mark.parametrize("hadamard", [(16, 32), (0, 32)])
+def test_fp4_copies_of_transforms_are_quantize_bit_for_bit(hadamard):
+  """With Hadamard transforms (the gradient GEMMs of `mxfp4_rht`,
+  `mxfp4_mlperf`): each copy is `scaling.quantize` of its own transform,
+  of t along its columns and of t.T along t's rows, rounded to nearest and
+  stochastically."""
+  from qlayers import hadamard as rht
+  t = _data((64, 96), jnp.bfloat16).at[0, 0].set(1.0)
+  spec = qlayers.scaling.QuantSpec(format="e2m1", granularity="mx")
+  keys = (formats.rounding_key(jnp.uint32(5), jnp.uint32(1)),
+          formats.rounding_key(jnp.uint32(6), jnp.uint32(1)))
+  srcs = [rht.transform(t, size, axis) if size else t
+          for size, axis in zip(hadamard, (1, 0))]
+  for k in (None, keys):
+    got = ct.fp4_cast_transpose(t, keys=k, hadamard=hadamard, interpret=True)
+    rows, cols = (qlayers.scaling.quantize(a, spec, 1, key=kk) for a, kk in
+                  zip((srcs[0], srcs[1].T), k or (None, None)))
+    for g, w in zip(got, (rows.payload, rows.scale, cols.payload,
+                          cols.scale)):
+      np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+  with pytest.raises(ValueError, match="hadamard takes two sizes"):
+    ct.fp4_cast_transpose(t, hadamard=(64, 0), interpret=True)
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("rule", ["mx_rceil", "mx_floor"])
 def test_fp4_copies_are_quantize_of_t_and_t_transposed_bit_for_bit(dtype,
@@ -308,6 +332,7 @@ def test_mx_pair_for_blackwell_holds_operands_values():
 @pytest.mark.parametrize("recipe,arch,kernels", [
     ("fp8_current", "sm_90", 3), ("fp8_delayed", "sm_90", 3),
     ("mxfp8", "sm_100", 3), ("mxfp4", "sm_100", 3),
+    ("mxfp4_rht", "sm_100", 3),
     ("deepseek_v3_ue8m0", "sm_100", 3), ("deepseek_v3", "sm_90", 3)])
 def test_gpu_targeted_gemm_equals_the_cpu_one_on_cpu(recipe, arch, kernels):
   """Traced for a GPU target, a quantized matmul takes the operand pairs;
@@ -527,8 +552,10 @@ def test_hadamard_recipe_runs_the_transform_kernel_with_its_bits(
   each transformed operand is the one-pass kernel's (in the CUDA
   lowering), and with the kernels interpreted on CPU the output and
   gradients keep the bits of the CPU program."""
-  x = jax.random.normal(jax.random.key(1), (2, 32, 64), jnp.float32)
-  w = jax.random.normal(jax.random.key(2), (64, 96), jnp.float32) * 0.1
+  # Dims that are multiples of 16, not 32: no MXFP4 pair kernel, so each
+  # transformed operand is quantized in XLA's passes, from the kernel's.
+  x = jax.random.normal(jax.random.key(1), (2, 24, 48), jnp.float32)
+  w = jax.random.normal(jax.random.key(2), (48, 80), jnp.float32) * 0.1
   recipe = qlayers.recipe("mxfp4_mlperf")
   state = ops.init_state(recipe)
 
@@ -553,9 +580,6 @@ def test_hadamard_recipe_runs_the_transform_kernel_with_its_bits(
 
   monkeypatch.setattr(qlayers.operands.cast_transpose, "transform",
                       interpreted)
-  monkeypatch.setattr(qlayers.operands.cast_transpose, "fp4_cast_transpose",
-                      functools.partial(ct.fp4_cast_transpose,
-                                        interpret=True))
   with table.target_arch("sm_100"):
     got = grad(x, w, state)
   assert sorted(calls) == [(16, 0), (16, 0), (16, 1), (16, 1)]  # x, g; g, w
