@@ -44,9 +44,12 @@ def _rows(t):
 
 
 def _data_key(t):
-  """A PRNG key derived from the bits of ``t`` (for stateless callers)."""
-  bits = lax.bitcast_convert_type(jnp.sum(t.astype(jnp.float32)), jnp.uint32)
-  return jax.random.key(bits)
+  """A PRNG key derived from the bits of 2-D ``t`` (for stateless callers).
+  Its sum is of ``t`` as given: behind a barrier XLA cannot rewrite the sum
+  of a reshape into a sum over the caller's leading dims, which adds in
+  another order (so ``x (B, S, K)`` and its rows would round apart)."""
+  total = jnp.sum(lax.optimization_barrier(t).astype(jnp.float32))
+  return jax.random.key(lax.bitcast_convert_type(total, jnp.uint32))
 
 
 def operand(t: jax.Array, op: Operand, *, amax=None, key=None,

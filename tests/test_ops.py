@@ -288,7 +288,7 @@ def test_quant_gemm_as_stock_dot_general_keeps_delayed_state():
 
 
 @pytest.mark.parametrize("name", ["fp8_current", "fp8_delayed",
-                                  "fp8_rowwise", "mxfp8", "mxfp4_rht",
+                                  "fp8_rowwise", "mxfp8", "mxfp4_rht", "mxfp4",
                                   "bf16"])
 def test_leading_dims_equal_the_flattened_rows(name, data):
   """``x (B, S, K)`` gives, bit for bit, what ``x (B * S, K)`` gives: output,
