@@ -44,11 +44,14 @@ def _rows(t):
 
 
 def _data_key(t):
-  """A PRNG key derived from the bits of 2-D ``t`` (for stateless callers).
-  Its sum is of ``t`` as given: behind a barrier XLA cannot rewrite the sum
-  of a reshape into a sum over the caller's leading dims, which adds in
-  another order (so ``x (B, S, K)`` and its rows would round apart)."""
-  total = jnp.sum(lax.optimization_barrier(t).astype(jnp.float32))
+  """A PRNG key derived from the bits of 2-D ``t`` (for stateless callers):
+  the sum of its row sums. XLA rewrites a whole-array sum of a reshape into
+  one over the caller's leading dims, which adds in another order (so ``x
+  (B, S, K)`` and its rows would round apart); the row sums are the same
+  either way, and behind a barrier (on a vector, so the row sums still
+  fuse with ``t``'s producer) they are summed as one vector."""
+  rows = jnp.sum(t.astype(jnp.float32), axis=1)
+  total = jnp.sum(lax.optimization_barrier(rows))
   return jax.random.key(lax.bitcast_convert_type(total, jnp.uint32))
 
 
