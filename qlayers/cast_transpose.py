@@ -493,71 +493,33 @@ def _transform_blocks(y, size: int):
 
 
 def _fp4_kernel(*refs, rule: str, stochastic: bool, hadamard=(0, 0)):
+  """One 32 x 32 tile: the copy along axis 1 of ``v`` (transformed along its
+  rows' blocks of ``hadamard[0]``) and the copy of ``v.T`` (along ``v``'s
+  columns' blocks of ``hadamard[1]``; 0: none)."""
   if stochastic:
     key_ref, t_ref, q_ref, s_ref, qt_ref, st_ref = refs
   else:
     t_ref, q_ref, s_ref, qt_ref, st_ref = refs
   pl, _ = _pallas()
-  b = t_ref.shape[0]
   v = t_ref[...].astype(jnp.float32)
-  if any(hadamard):  # each copy of its own transform (`_fp4_transformed`)
-    _fp4_transformed(v, q_ref, s_ref, qt_ref, st_ref, rule=rule,
-                     hadamard=hadamard,
-                     keys=key_ref if stochastic else None)
-    return
-  mag = jax.lax.bitcast_convert_type(v, jnp.uint32) & 0x7FFFFFFF
-  u_rows = u_cols = None
-  if stochastic:
-    rows, cols = (jnp.uint32(pl.num_programs(a) * b) for a in (0, 1))
-    i, j = (pl.program_id(a).astype(jnp.uint32) * b for a in (0, 1))
-    down, across = (jax.lax.broadcasted_iota(jnp.uint32, (b, b), a)
-                    for a in (0, 1))
-    # Each copy draws the uniform of its own flat index (`threefry`), in
-    # its own layout (the t.T copy's transposed): a transpose after the 20
-    # rounds makes Triton's layout passes replay them (its sm_100 compile
-    # then exhausts host memory).
-    u_rows = threefry.uniform_at(key_ref[0], key_ref[1],
-                                 (i + down) * cols + j + across)
-    u_cols = threefry.uniform_at(key_ref[2], key_ref[3],
-                                 (j + down) * rows + i + across)
-
-  def codes(x, u):
-    grid = formats.round_on_grid(x, formats.E2M1, u,
-                                 rint=formats.rint_by_floor)
-    return formats.encode(grid, formats.E2M1).astype(jnp.uint32)
-
-  mult, c = _pow2_multiplier(jnp.max(mag, axis=1, keepdims=True),
-                             formats.E2M1, rule)
-  q_ref[...] = _pack_rows(codes(v * mult, u_rows))
-  s_ref[...] = c
-  mult, c = _pow2_multiplier(jnp.max(mag, axis=0, keepdims=True),
-                             formats.E2M1, rule)
-  qt_ref[...] = _pack_rows(codes(v.T * mult.T, u_cols))
-  st_ref[...] = c.T
-
-
-def _fp4_transformed(v, q_ref, s_ref, qt_ref, st_ref, *, rule: str,
-                     hadamard, keys):
-  """`_fp4_kernel`'s copies where either is of a Hadamard transform: the
-  copy along axis 1 of ``v`` transformed along its rows' blocks of
-  ``hadamard[0]``, the copy of ``v.T`` along ``v``'s columns' blocks of
-  ``hadamard[1]`` (0: none), each drawn, rounded and packed in its own
-  layout."""
-  pl, _ = _pallas()
   b = v.shape[0]
   copies = [_transform_blocks(v, hadamard[0]) if hadamard[0] else v,
             _transform_blocks(v.T, hadamard[1]) if hadamard[1] else v.T]
-  outs = ((q_ref, s_ref), (qt_ref, st_ref))
   rows, cols = (jnp.uint32(pl.num_programs(a) * b) for a in (0, 1))
   i, j = (pl.program_id(a).astype(jnp.uint32) * b for a in (0, 1))
   down, across = (jax.lax.broadcasted_iota(jnp.uint32, (b, b), a)
                   for a in (0, 1))
-  for c, (y, (q, sc)) in enumerate(zip(copies, outs)):
+  for c, (y, q, sc) in enumerate(zip(copies, (q_ref, qt_ref),
+                                     (s_ref, st_ref))):
     u = None
-    if keys is not None:  # each copy's flat index in its own layout
+    if stochastic:
+      # Each copy draws the uniform of its own flat index (`threefry`), in
+      # its own layout (the t.T copy's transposed): a transpose after the 20
+      # rounds makes Triton's layout passes replay them (its sm_100 compile
+      # then exhausts host memory).
       index = ((i + down) * cols + j + across if c == 0
                else (j + down) * rows + i + across)
-      u = threefry.uniform_at(keys[2 * c], keys[2 * c + 1], index)
+      u = threefry.uniform_at(key_ref[2 * c], key_ref[2 * c + 1], index)
     mult, code = _pow2_multiplier(jnp.max(_fp32_bits(y), axis=1,
                                           keepdims=True), formats.E2M1, rule)
     q[...] = _pack_rows(_e2m1_codes(y * mult, u))
@@ -710,18 +672,16 @@ def _butterfly_last(y):
 
 def _signs_last(shape):
   """`qlayers.hadamard.random_signs` (of the last axis' length) along the
-  last axis of ``shape``, from an iota and 32-bit masks (a kernel has no
-  array constants)."""
-  size = shape[-1]
-  negative = hadamard_lib.random_signs(size) < 0
+  last axis of ``shape``, from an iota and a 32-bit mask per 32 signs (a
+  kernel has no array constants)."""
+  negative = hadamard_lib.random_signs(shape[-1]) < 0
   k = jax.lax.broadcasted_iota(jnp.uint32, shape, len(shape) - 1)
   flip = jnp.zeros(shape, jnp.uint32)
-  for word in range(0, size, 32):
-    mask = sum(1 << i for i in range(min(32, size - word))
-               if negative[word + i])
+  for word in range(0, shape[-1], 32):
+    mask = sum(1 << i for i, neg in enumerate(negative[word:word + 32])
+               if neg)
     bits = (jnp.uint32(mask) >> ((k - word) & 31)) & 1
-    flip = jnp.where((k >= word) & (k < word + 32), bits, flip) if size > 32 \
-        else bits
+    flip = jnp.where((k >= word) & (k < word + 32), bits, flip)
   return 1.0 - 2.0 * flip.astype(jnp.float32)
 
 
