@@ -136,9 +136,10 @@ def pairable(t: jax.Array, last: Operand, first: Operand | None = None
   the ``tn`` copy, of ``t.T``). Block-scaled pairs on Hopper and Blackwell
   (`_block_pairs`); rows of whole tiles, round to nearest (MXFP4: or
   stochastic, and either copy of a Hadamard transform of up to 32 points),
-  and no mesh (the kernels have no partitioning rule). NVFP4 (from Hopper on): ``last`` along axis 1 and
-  ``first`` the ``tn`` copy, optionally of the 16-point transform (1 x 16
-  tiles, x and g), or both of 16 x 16 blocks rounded to nearest (w).
+  and no mesh (the kernels have no partitioning rule). NVFP4 (from Hopper
+  on): ``last`` along axis 1 and ``first`` the ``tn`` copy, optionally of
+  the 16-point transform (1 x 16 tiles, x and g), or both of 16 x 16 blocks
+  rounded to nearest (w).
   """
   spec = last.spec
   if (spec is None or last.tn
@@ -315,83 +316,76 @@ def _kernel_state(state: ScaleState, algo: str):
   return history, state.amax
 
 
-def _fp4_pair(t, last: Operand, first: Operand, keys):
-  """`operand_pair`'s MXFP4 copies: along axis 1, and of ``t.T`` along its
-  axis 1 (`operand`'s ``tn`` copy), each of its Hadamard transform if its
-  operand says so and rounded stochastically with its key if ``spec``
-  says so (derived from the data where None, as `operand` derives it)."""
-  spec, rows = last.spec, _rows(t)
-  keys = _pair_keys(rows, keys) if spec.stochastic else ()
-  sizes = (last.hadamard, first.hadamard)
+def _packed_pair(t, last: Operand, first: Operand, keys, kernel):
+  """`operand_pair`'s FP4 copies (MXFP4, NVFP4): ``last`` along axis 1 and
+  ``first``, the ``tn`` copy of ``t.T``, each of its Hadamard transform if
+  its operand says so and rounded stochastically with its key if the spec
+  says so (derived from the data where None, as `operand` derives it).
+  On NVIDIA GPUs ``kernel(rows, keys)`` makes both (`_fp4_kernel_pair`,
+  `_nvfp4_kernel_pair`); elsewhere they are `operand`'s, with its values."""
+  rows = _rows(t)
+  keys = (tuple(_data_key(rows) if k is None else k for k in keys)
+          if last.spec.stochastic else ())
 
   def xla(t, *keys):
-    a, b = (operand(t, op, key=k) for op, k in
-            zip((last, first), keys or (None, None)))
-    return a.payload, a.scale, b.payload, b.scale
+    return tuple(operand(t, op, key=k)
+                 for op, k in zip((last, first), keys or (None, None)))
 
-  def cuda(t, *keys):
-    return cast_transpose.fp4_cast_transpose(t, spec.scale_rule,
-                                             keys=keys or None,
-                                             hadamard=sizes)
+  return lax.platform_dependent(rows, *keys, default=xla,
+                                cuda=lambda t, *keys: kernel(t, keys))
 
-  p, s, pt, st = lax.platform_dependent(rows, *keys, cuda=cuda, default=xla)
+
+def _fp4_copies(spec, rows, p, s, pt, st, levels=((None,) * 2,) * 2):
+  """The two `QTensor` of a packed pair's payloads ``p``, ``pt`` (of
+  ``t.T``) and scales ``s``, ``st``; ``levels``: NVFP4's ``(block_scale,
+  tensor_scale)`` of each."""
   m, c = rows.shape
-  return (scaling.QTensor(p, s, spec.fmt.name, spec.granularity,
-                          blocks.block_shape((m, c), spec, 1), 1, (m, c)),
-          scaling.QTensor(pt, st, spec.fmt.name, spec.granularity,
-                          blocks.block_shape((c, m), spec, 1), 1, (c, m),
-                          transposed=True))
+  return tuple(
+      scaling.QTensor(payload, scale, spec.fmt.name, spec.granularity,
+                      blocks.block_shape(shape, spec, 1), 1, shape,
+                      transposed, *level)
+      for payload, scale, shape, transposed, level in
+      ((p, s, (m, c), False, levels[0]), (pt, st, (c, m), True, levels[1])))
 
 
-def _pair_keys(rows, keys):
-  """A pair's two stochastic-rounding keys; a missing one derived from the
-  data, as `operand` derives it."""
-  return tuple(_data_key(rows) if k is None else k for k in keys)
+def _fp4_pair(t, last: Operand, first: Operand, keys):
+  """`_packed_pair` of MXFP4 by `qlayers.cast_transpose.fp4_cast_transpose`
+  (the transforms in the kernel)."""
+  spec = last.spec
+
+  def kernel(rows, keys):
+    return _fp4_copies(spec, rows, *cast_transpose.fp4_cast_transpose(
+        rows, spec.scale_rule, keys=keys or None,
+        hadamard=(last.hadamard, first.hadamard)))
+  return _packed_pair(t, last, first, keys, kernel)
 
 
 def _nvfp4_pair(t, last: Operand, first: Operand, keys):
-  """`operand_pair`'s NVFP4 copies: ``last`` along axis 1 and ``first``, the
-  ``tn`` copy of ``t.T`` (of its 16-point transform along the rows if
-  ``first.hadamard``), in 1 x 16 tiles, or 16 x 16 blocks for both
-  (``block`` granularity, the weights), by
-  `qlayers.cast_transpose.nvfp4_cast_transpose` on NVIDIA GPUs. The two
-  tensor amaxes come first: of ``t`` and of its transform from one read
-  (`qlayers.cast_transpose.nvfp4_amaxes`), or without the transform XLA's
-  reduction of ``t``. Each copy's values and scales are `operand`'s."""
-  spec, rows = last.spec, _rows(t)
+  """`_packed_pair` of NVFP4 by `qlayers.cast_transpose.nvfp4_cast_transpose`:
+  1 x 16 tiles (``first`` of the 16-point transform along the rows if
+  ``first.hadamard``), or 16 x 16 blocks for both (``block`` granularity,
+  the weights). The two tensor amaxes come first: of ``t`` and of its
+  transform from one read (`qlayers.cast_transpose.nvfp4_amaxes`), or
+  without the transform XLA's reduction of ``t``."""
+  spec = last.spec
   square = spec.granularity == "block"
-  keys = _pair_keys(rows, keys) if spec.stochastic else ()
 
-  def levels(amax, e4m3):
-    s_dec = scale_rules.rdivide_rn(1.0, scale_rules.nvfp4_encode_scale(amax))
-    return e4m3.astype(jnp.float32) * s_dec, e4m3, s_dec
-
-  def xla(t, *keys):
-    a, b = (operand(t, op, key=k) for op, k in
-            zip((last, first), keys or (None, None)))
-    return tuple(v for q in (a, b) for v in
-                 (q.payload, q.scale, q.block_scale, q.tensor_scale))
-
-  def cuda(t, *keys):
+  def kernel(rows, keys):
     if first.hadamard:
-      amax, amax_t = cast_transpose.nvfp4_amaxes(t)
+      amax, amax_t = cast_transpose.nvfp4_amaxes(rows)
     else:
-      amax = amax_t = blocks.amax(t)
-    p, s, pt, st = cast_transpose.nvfp4_cast_transpose(
-        t, amax, None if square else amax_t, square=square,
+      amax = amax_t = blocks.amax(rows)
+    p, e4m3, pt, e4m3_t = cast_transpose.nvfp4_cast_transpose(
+        rows, amax, None if square else amax_t, square=square,
         hadamard=bool(first.hadamard), keys=keys or None)
-    return (p, *levels(amax, s), pt, *levels(amax_t, st))
-
-  p, s, bs, ts, pt, st, bst, tst = lax.platform_dependent(
-      rows, *keys, cuda=cuda, default=xla)
-  m, c = rows.shape
-
-  def copy(payload, scale, block_scale, tensor_scale, shape, transposed):
-    return scaling.QTensor(payload, scale, spec.fmt.name, spec.granularity,
-                           blocks.block_shape(shape, spec, 1), 1, shape,
-                           transposed, block_scale, tensor_scale)
-  return (copy(p, s, bs, ts, (m, c), False),
-          copy(pt, st, bst, tst, (c, m), True))
+    # `scaling.quantize`'s stored scale: the E4M3 block scale times S_dec.
+    s_dec, s_dec_t = (scale_rules.rdivide_rn(
+        1.0, scale_rules.nvfp4_encode_scale(a)) for a in (amax, amax_t))
+    return _fp4_copies(
+        spec, rows, p, e4m3.astype(jnp.float32) * s_dec,
+        pt, e4m3_t.astype(jnp.float32) * s_dec_t,
+        levels=((e4m3, s_dec), (e4m3_t, s_dec_t)))
+  return _packed_pair(t, last, first, keys, kernel)
 
 
 def _gathered(t, op: Operand, axes, **kw):
