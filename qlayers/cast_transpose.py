@@ -27,7 +27,9 @@ more than layout: one has a scale per 32 elements of a row, the other per
 32 of a column. Each is otherwise a second pass over the wide tensor; the
 kernel reads a 32 x 32 tile once and writes both copies (the column-blocked
 one transposed, contraction-last as cuDNN's block-scaled GEMM takes it) and
-their E8M0 scales, with `qlayers.scaling.quantize`'s values. With 128 x 128
+their E8M0 scales, with `qlayers.scaling.quantize`'s values; for MXFP6
+it writes each FP6 value as the E4M3 value it is, the payload cuDNN's
+block-scaled GEMM takes (`qlayers.scaling.widened`). With 128 x 128
 tiles it makes DeepSeek-V3's 1 x 128 tile copies, with power-of-two scales
 (`deepseek_v3_ue8m0`, which Blackwell runs as MXFP8) or with DeepSeek-V3's
 own (`deepseek_v3` on Hopper's blockwise GEMM: the scale's division by the
@@ -83,24 +85,43 @@ def _pallas():
   return pallas, triton
 
 
-def _whole_tiles(shape: tuple[int, ...], fmt: Format, tile: int) -> bool:
-  """A 2-D ``shape`` of whole ``tile`` x ``tile`` tiles, cast to an unpacked
-  signed 8-bit format (FP8)."""
-  return (len(shape) == 2 and fmt.signed and not fmt.packed
-          and fmt.dtype is not None and jnp.dtype(fmt.dtype).itemsize == 1
-          and all(d >= tile and d % tile == 0 for d in shape))
+def _whole_tiles(shape: tuple[int, ...], tile: int) -> bool:
+  """A 2-D ``shape`` of whole ``tile`` x ``tile`` tiles."""
+  return len(shape) == 2 and all(d >= tile and d % tile == 0 for d in shape)
+
+
+def _fp8(fmt: Format) -> bool:
+  """An unpacked signed 8-bit format (FP8)."""
+  return (fmt.signed and not fmt.packed and fmt.dtype is not None
+          and jnp.dtype(fmt.dtype).itemsize == 1)
 
 
 def supported(shape: tuple[int, ...], fmt: Format) -> bool:
   """Whether `cast_transpose` takes a 2-D ``shape`` tensor cast to ``fmt``:
   whole tiles, an unpacked FP8 format."""
-  return _whole_tiles(shape, fmt, TILE)
+  return _fp8(fmt) and _whole_tiles(shape, TILE)
+
+
+def _payload_dtype(fmt: Format):
+  """The dtype a kernel writes ``fmt``'s values in: its own (FP8), or E4M3
+  for FP6, which holds every E2M3 and E3M2 value (the widened payload of
+  `qlayers.scaling.widened`)."""
+  return jnp.float8_e4m3fn if fmt.bits == 6 else fmt.dtype
 
 
 def _saturating_cast(v, fmt: Format):
   """`formats.cast` of FP32 ``v`` in a kernel: clip to [-max, max] (NaN
   stays NaN, said explicitly: the kernel's min/max need not propagate it),
-  then round to nearest even."""
+  then round to nearest even. FP6: onto its grid and written as E4M3, a
+  NaN as the signed zero its code holds (`formats.encode`), so the values
+  are those of `qlayers.scaling.widened`."""
+  if fmt.bits == 6:
+    sign = jax.lax.bitcast_convert_type(
+        jax.lax.bitcast_convert_type(v, jnp.uint32) & jnp.uint32(0x80000000),
+        jnp.float32)
+    v = formats.round_on_grid(jnp.where(jnp.isnan(v), sign, v), fmt,
+                              rint=formats.rint_by_floor)
+    return v.astype(jnp.float8_e4m3fn)
   v = jnp.where(jnp.isnan(v), v, jnp.minimum(jnp.maximum(v, -fmt.max),
                                              fmt.max))
   return v.astype(fmt.dtype)
@@ -254,11 +275,13 @@ def cast_transpose(t: jax.Array, fmt: Format | str, *,
 
 
 def mx_supported(shape: tuple[int, ...], fmt: Format, block_size: int) -> bool:
-  """Whether `mx_cast_transpose` takes a 2-D ``shape`` tensor: blocks of 32
-  (MX) or 128 (DeepSeek-V3 tiles), whole ``block_size`` x ``block_size``
-  tiles, an unpacked FP8 element format."""
-  return (block_size in (MX_BLOCK, TILE_BLOCK)
-          and _whole_tiles(shape, fmt, block_size))
+  """Whether `mx_cast_transpose` takes a 2-D ``shape`` tensor: whole
+  ``block_size`` x ``block_size`` tiles of an FP8 element format in blocks
+  of 32 (MX) or 128 (DeepSeek-V3 tiles), or of an FP6 one in blocks of 32
+  (MXFP6)."""
+  return (_whole_tiles(shape, block_size)
+          and ((block_size in (MX_BLOCK, TILE_BLOCK) and _fp8(fmt))
+               or (block_size == MX_BLOCK and fmt.bits == 6)))
 
 
 MX_BLOCK = 32
@@ -356,7 +379,9 @@ def mx_cast_transpose(t: jax.Array, fmt: Format | str, rule: str, *,
 
   Args:
     t: 2-D BF16/FP16/FP32 array, both dims multiples of ``block_size``.
-    fmt: an FP8 element format (``"e4m3"``, ``"e5m2"``).
+    fmt: an FP8 element format (``"e4m3"``, ``"e5m2"``), or FP6
+      (``"e2m3"``, ``"e3m2"``; MX rules), whose values are written as E4M3:
+      `qlayers.scaling.widened`'s payload.
     rule: ``"mx_floor"``/``"mx_rceil"`` (MX: E8M0 codes, blocks of 32),
       ``"deepseek"`` (DeepSeek-V3 tiles of 128, `deepseek_v3`: FP32 scales)
       or ``"deepseek_pow2"`` (the same with power-of-two scales,
@@ -376,8 +401,11 @@ def mx_cast_transpose(t: jax.Array, fmt: Format | str, rule: str, *,
   if not mx_supported(t.shape, fmt, b):
     raise ValueError(f"mx_cast_transpose takes a 2-D tensor whose dims are "
                      f"multiples of its blocks ({MX_BLOCK} or {TILE_BLOCK}, "
-                     f"got {b}) and an FP8 format; got {t.shape} and "
-                     f"{fmt.name}.")
+                     f"got {b}) and an FP8 format (FP6: blocks of "
+                     f"{MX_BLOCK}); got {t.shape} and {fmt.name}.")
+  if fmt.bits == 6 and not rule.startswith("mx_"):
+    raise ValueError(f"mx_cast_transpose takes FP6 with an MX scale rule "
+                     f"('mx_rceil', 'mx_floor'), got {rule!r}.")
   pl, plt = _pallas()
   rows, cols = t.shape
   sdtype = jnp.float32 if rule.startswith("deepseek") else jnp.uint8
@@ -390,9 +418,9 @@ def mx_cast_transpose(t: jax.Array, fmt: Format | str, rule: str, *,
                  pl.BlockSpec((b, 1), lambda i, j: (i, j)),
                  pl.BlockSpec((b, b), lambda i, j: (j, i)),
                  pl.BlockSpec((b, 1), lambda i, j: (j, i))],
-      out_shape=[jax.ShapeDtypeStruct((rows, cols), fmt.dtype),
+      out_shape=[jax.ShapeDtypeStruct((rows, cols), _payload_dtype(fmt)),
                  jax.ShapeDtypeStruct((rows, cols // b), sdtype),
-                 jax.ShapeDtypeStruct((cols, rows), fmt.dtype),
+                 jax.ShapeDtypeStruct((cols, rows), _payload_dtype(fmt)),
                  jax.ShapeDtypeStruct((cols, rows // b), sdtype)],
       compiler_params=plt.CompilerParams(num_warps=4 if b <= 32 else 8),
       interpret=interpret, name="qlayers_mx_cast_transpose")

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from qlayers import scaling
 from qlayers.scaling import QTensor
 
 __all__ = ["FORMS", "scaled_dot_mx", "contraction_last", "as_mx",
@@ -223,25 +224,18 @@ def contraction_last(q: QTensor) -> QTensor:
       block_scale=None if q.block_scale is None else q.block_scale.T)
 
 
-def _e4m3_payload(q: QTensor) -> jax.Array:
-  """The FP8 payload of an MX operand: packed FP6/FP4 codes widened to E4M3,
-  exactly (every E2M1, E2M3 and E3M2 value is an E4M3 value)."""
-  if not q.fmt.packed:
-    return q.payload
-  return q.elements(jnp.float32).astype(jnp.float8_e4m3fn)
-
-
 def _mx_cudnn(a, b, out_dtype, axes):
   """MX on sm_100: ``jax.nn.scaled_matmul`` on 3-D contraction-last
   operands with E8M0 scales, which XLA lowers to cuDNN's block-scaled GEMM
   (with Triton GEMMs on or off; ``lax.scaled_dot`` fails with them off).
-  FP6/FP4 payloads are widened to E4M3 first (`_e4m3_payload`): the pinned
-  XLA sends no MXFP4 to cuDNN and cannot compile FP6 operands."""
+  FP6/FP4 payloads are widened to E4M3 first (`qlayers.scaling.widened`,
+  unless the operand was made so): the pinned XLA sends no MXFP4 to cuDNN
+  and cannot compile FP6 operands."""
   del axes
-  qa, qb = contraction_last(a), contraction_last(b)
+  qa, qb = (scaling.widened(contraction_last(q)) for q in (a, b))
   e8m0 = lambda q: lax.bitcast_convert_type(q.scale, jnp.float8_e8m0fnu)[None]  # noqa: E731
   pet = jnp.float32 if jnp.dtype(out_dtype) == jnp.float32 else out_dtype
-  out = jax.nn.scaled_matmul(_e4m3_payload(qa)[None], _e4m3_payload(qb)[None],
+  out = jax.nn.scaled_matmul(qa.payload[None], qb.payload[None],
                              e8m0(qa), e8m0(qb), preferred_element_type=pet)[0]
   return out[:a.shape[1 - a.axis], :b.shape[1 - b.axis]].astype(out_dtype)
 

@@ -132,8 +132,9 @@ def pairable(t: jax.Array, last: Operand, first: Operand | None = None
   contraction-minor operands (Hopper, Ada:
   `qlayers.table.fp8_gemm_transposes`), DeepSeek-V3's 128 x 128 blocks.
   Two copies (``last`` along axis 1, ``first`` along axis 0, one spec):
-  MXFP8 with blocks of 32, DeepSeek-V3 tiles of 128, MXFP4 (its ``first``
-  the ``tn`` copy, of ``t.T``). Block-scaled pairs on Hopper and Blackwell
+  MXFP8 with blocks of 32, DeepSeek-V3 tiles of 128, MXFP4 and MXFP6 (their
+  ``first`` the ``tn`` copy, of ``t.T``; MXFP6's payloads in E4M3,
+  `scaling.widened`). Block-scaled pairs on Hopper and Blackwell
   (`_block_pairs`); rows of whole tiles, round to nearest (MXFP4: or
   stochastic, and either copy of a Hadamard transform of up to 32 points),
   and no mesh (the kernels have no partitioning rule). NVFP4 (from Hopper
@@ -143,8 +144,8 @@ def pairable(t: jax.Array, last: Operand, first: Operand | None = None
   """
   spec = last.spec
   if (spec is None or last.tn
-      or (last.hadamard and not (spec.fmt.packed and first is not None))
-      or (spec.stochastic and not spec.fmt.packed)
+      or (last.hadamard and not (spec.fmt.bits == 4 and first is not None))
+      or (spec.stochastic and spec.fmt.bits != 4)
       or not table.targets_gpu() or sharding.varying_axes(t)
       or sharding.auto_mesh() is not None):
     return False
@@ -166,13 +167,13 @@ def pairable(t: jax.Array, last: Operand, first: Operand | None = None
     return (spec.granularity == "tensor" and spec.scale_rule == "te"
             and table.fp8_gemm_transposes(arch)
             and cast_transpose.supported(rows, spec.fmt))
-  if spec.fmt.packed:  # MXFP4: the copy along axis 0 is t.T's (tn)
+  if spec.fmt.bits == 4:  # MXFP4: the copy along axis 0 is t.T's (tn)
     supported = (cast_transpose.fp4_supported(rows, spec.fmt,
                                               spec.block_size,
                                               spec.stochastic)
                  and cast_transpose.fp4_transforms((last.hadamard,
                                                     first.hadamard)))
-  else:
+  else:  # MXFP8, tiles; MXFP6 (its copy along axis 0 t.T's, in E4M3)
     supported = (cast_transpose.mx_supported(rows, spec.fmt, spec.block_size)
                  and not (last.hadamard or first.hadamard))
   return (first.spec == spec and _block_rule(spec) is not None
@@ -223,7 +224,9 @@ def operand_pair(t: jax.Array, last: Operand, first: Operand | None = None,
 
   In one pass (`qlayers.cast_transpose`): per tensor, one cast writes the
   payload in both layouts; MXFP8 and UE8M0 tiles, one kernel writes both
-  block layouts and their scales; MXFP4, both packed copies and scales.
+  block layouts and their scales; MXFP4, both packed copies and scales;
+  MXFP6, both copies with their FP6 values in E4M3 (`scaling.widened`; off
+  NVIDIA GPUs `operand`'s copies widened, so the program's branches agree).
   The copy for ``first`` holds the transposed buffer seen as ``(M, C)`` (for
   MXFP4, the ``tn`` copy of ``t.T``), so the contraction-minor layout its
   GEMM takes is already there. The values are `operand`'s in either case;
@@ -286,8 +289,10 @@ def operand_pair(t: jax.Array, last: Operand, first: Operand | None = None,
 
   if spec.scale_rule == "nvfp4":
     return _nvfp4_pair(t, last, first, keys)
-  if spec.fmt.packed:
+  if spec.fmt.bits == 4:
     return _fp4_pair(t, last, first, keys)
+  if spec.fmt.packed:
+    return _fp6_pair(t, last, first)
 
   def xla_mx(t):
     a, b = (scaling.quantize(_rows(t), spec, axis) for axis in (1, 0))
@@ -316,27 +321,30 @@ def _kernel_state(state: ScaleState, algo: str):
   return history, state.amax
 
 
-def _packed_pair(t, last: Operand, first: Operand, keys, kernel):
-  """`operand_pair`'s FP4 copies (MXFP4, NVFP4): ``last`` along axis 1 and
-  ``first``, the ``tn`` copy of ``t.T``, each of its Hadamard transform if
-  its operand says so and rounded stochastically with its key if the spec
-  says so (derived from the data where None, as `operand` derives it).
-  On NVIDIA GPUs ``kernel(rows, keys)`` makes both (`_fp4_kernel_pair`,
-  `_nvfp4_kernel_pair`); elsewhere they are `operand`'s, with its values."""
+def _packed_pair(t, last: Operand, first: Operand, keys, kernel,
+                 wide: bool = False):
+  """`operand_pair`'s FP4/FP6 copies (MXFP4, NVFP4, MXFP6): ``last`` along
+  axis 1 and ``first``, the ``tn`` copy of ``t.T``, each of its Hadamard
+  transform if its operand says so and rounded stochastically with its key
+  if the spec says so (derived from the data where None, as `operand`
+  derives it). On NVIDIA GPUs ``kernel(rows, keys)`` makes both
+  (`_fp4_pair`, `_nvfp4_pair`, `_fp6_pair`); elsewhere they are `operand`'s,
+  with its values (``wide``: `scaling.widened`, as the kernel writes them)."""
   rows = _rows(t)
   keys = (tuple(_data_key(rows) if k is None else k for k in keys)
           if last.spec.stochastic else ())
 
   def xla(t, *keys):
-    return tuple(operand(t, op, key=k)
-                 for op, k in zip((last, first), keys or (None, None)))
+    copies = (operand(t, op, key=k)
+              for op, k in zip((last, first), keys or (None, None)))
+    return tuple(scaling.widened(q) if wide else q for q in copies)
 
   return lax.platform_dependent(rows, *keys, default=xla,
                                 cuda=lambda t, *keys: kernel(t, keys))
 
 
-def _fp4_copies(spec, rows, p, s, pt, st, levels=((None,) * 2,) * 2):
-  """The two `QTensor` of a packed pair's payloads ``p``, ``pt`` (of
+def _tn_copies(spec, rows, p, s, pt, st, levels=((None,) * 2,) * 2):
+  """The two `QTensor` of a `_packed_pair`'s payloads ``p``, ``pt`` (of
   ``t.T``) and scales ``s``, ``st``; ``levels``: NVFP4's ``(block_scale,
   tensor_scale)`` of each."""
   m, c = rows.shape
@@ -354,10 +362,24 @@ def _fp4_pair(t, last: Operand, first: Operand, keys):
   spec = last.spec
 
   def kernel(rows, keys):
-    return _fp4_copies(spec, rows, *cast_transpose.fp4_cast_transpose(
+    return _tn_copies(spec, rows, *cast_transpose.fp4_cast_transpose(
         rows, spec.scale_rule, keys=keys or None,
         hadamard=(last.hadamard, first.hadamard)))
   return _packed_pair(t, last, first, keys, kernel)
+
+
+def _fp6_pair(t, last: Operand, first: Operand):
+  """`_packed_pair` of MXFP6 by `qlayers.cast_transpose.mx_cast_transpose`,
+  whose copies' FP6 values are E4M3 payloads (`scaling.widened`): cuDNN's
+  MXFP8 GEMM takes them as they are, where packed codes would cost it a
+  widening pass per operand."""
+  spec = last.spec
+
+  def kernel(rows, keys):
+    del keys  # round to nearest (`pairable`)
+    return _tn_copies(spec, rows, *cast_transpose.mx_cast_transpose(
+        rows, spec.fmt, spec.scale_rule))
+  return _packed_pair(t, last, first, (None, None), kernel, wide=True)
 
 
 def _nvfp4_pair(t, last: Operand, first: Operand, keys):
@@ -381,7 +403,7 @@ def _nvfp4_pair(t, last: Operand, first: Operand, keys):
     # `scaling.quantize`'s stored scale: the E4M3 block scale times S_dec.
     s_dec, s_dec_t = (scale_rules.rdivide_rn(
         1.0, scale_rules.nvfp4_encode_scale(a)) for a in (amax, amax_t))
-    return _fp4_copies(
+    return _tn_copies(
         spec, rows, p, e4m3.astype(jnp.float32) * s_dec,
         pt, e4m3_t.astype(jnp.float32) * s_dec_t,
         levels=((e4m3, s_dec), (e4m3_t, s_dec_t)))

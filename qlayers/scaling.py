@@ -46,6 +46,7 @@ __all__ = [
     "QuantSpec",
     "QTensor",
     "quantize",
+    "widened",
     "bytes_per_element",
     # Re-exported from qlayers.blocks, scale_rules, delayed and fields.
     "amax",
@@ -192,7 +193,9 @@ class QTensor:
 
   Attributes:
     payload: FP8 array, or packed uint8 codes for FP6/FP4 (packed along the
-      last axis), in the padded shape.
+      last axis), in the padded shape; or an FP6/FP4 tensor's values
+      widened to an unpacked E4M3 array (`widened`), the payload cuDNN's
+      block-scaled GEMM takes.
     scale: dequantization factors: FP32 of shape ``()`` (tensor), a
       keep-dims block grid (row/tile/block), or uint8 E8M0 codes (mx).
     format: element format name.
@@ -245,7 +248,7 @@ class QTensor:
   def elements(self, dtype=jnp.float32) -> jax.Array:
     """The decoded payload (unscaled), in the padded shape."""
     fmt = self.fmt
-    if fmt.packed:
+    if fmt.packed and self.payload.dtype == jnp.uint8:
       return formats.decode(formats.unpack(self.payload, fmt), fmt, dtype)
     return self.payload.astype(dtype)
 
@@ -265,6 +268,27 @@ class QTensor:
       out = blocks.apply_blocks(values, scale, self.block, jnp.multiply)
       out = out[tuple(slice(0, n) for n in self.shape)]
     return out.astype(dtype)
+
+
+def widened(q: QTensor) -> QTensor:
+  """``q`` with its packed FP6/FP4 codes as an unpacked E4M3 payload, exactly
+  (every E2M1, E2M3 and E3M2 value is an E4M3 value): the operand cuDNN's
+  block-scaled GEMM takes for them, as the GPU's one-pass MXFP6 kernel
+  (`qlayers.cast_transpose.mx_cast_transpose`) writes it. Any other ``q``
+  is returned as it is.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> q = quantize(jnp.array([[1.5, -28.0] * 16]),
+    ...              QuantSpec(format="e3m2", granularity="mx"))
+    >>> w = widened(q)
+    >>> w.payload.dtype, w.payload.shape, bool((w.dequantize() == q.dequantize()).all())
+    (dtype(float8_e4m3fn), (1, 32), True)
+  """
+  if not q.fmt.packed or q.payload.dtype != jnp.uint8:
+    return q
+  return dataclasses.replace(
+      q, payload=q.elements(jnp.float32).astype(jnp.float8_e4m3fn))
 
 
 def _cast(values, fmt: Format, key):

@@ -182,6 +182,35 @@ def test_mx_copies_are_quantize_along_each_axis_bit_for_bit(fmt, rule):
   assert int(s[0, 0]) == 255  # the NaN's block
 
 
+@pytest.mark.parametrize("fmt", ["e2m3", "e3m2"])
+@pytest.mark.parametrize("rule", ["mx_rceil", "mx_floor"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_mxfp6_copies_are_widened_quantize_of_t_and_t_transposed(fmt, rule,
+                                                                 dtype):
+  """MXFP6's copies as E4M3 payloads: the values of `scaling.widened` of
+  the quantized rows of t and of t.T, bit for bit (the NaN block's zeros,
+  saturation past the format's max, values rounding to zero)."""
+  t = _data((96, 160), dtype).at[40, 70].set(1e-30)
+  spec = qlayers.scaling.QuantSpec(format=fmt, granularity="mx",
+                                   scale_rule=rule)
+  q, s, qt, st = ct.mx_cast_transpose(t, fmt, rule, interpret=True)
+  rows, cols = (qlayers.scaling.widened(qlayers.scaling.quantize(a, spec, 1))
+                for a in (t, t.T))
+  assert q.dtype == qt.dtype == rows.payload.dtype == jnp.float8_e4m3fn
+  for got, want in ((q, rows.payload), (s, rows.scale), (qt, cols.payload),
+                    (st, cols.scale)):
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+  assert int(s[0, 0]) == 255 and not np.asarray(q[0, :32], np.float32).any()
+  # Every payload value is on the FP6 grid (an E4M3 value off it would be
+  # another number to the GEMM).
+  grid = formats.round_to_format(np.asarray(q, np.float32), fmt)
+  np.testing.assert_array_equal(np.asarray(q, np.float32), np.asarray(grid))
+  with pytest.raises(ValueError, match="MX scale rule"):
+    ct.mx_cast_transpose(t, fmt, "deepseek", interpret=True)
+  with pytest.raises(ValueError, match="blocks of 32"):
+    ct.mx_cast_transpose(t, fmt, rule, block_size=128, interpret=True)
+
+
 @pytest.mark.parametrize("hadamard", [(16, 32), (0, 32)])
 def test_fp4_copies_of_transforms_are_quantize_bit_for_bit(hadamard):
   """With Hadamard transforms (the gradient GEMMs of `mxfp4_rht`,
@@ -332,7 +361,8 @@ def test_mx_pair_for_blackwell_holds_operands_values():
 
 @pytest.mark.parametrize("recipe,arch,kernels", [
     ("fp8_current", "sm_90", 3), ("fp8_delayed", "sm_90", 3),
-    ("mxfp8", "sm_100", 3), ("mxfp4", "sm_100", 3),
+    ("mxfp8", "sm_100", 3), ("mxfp4", "sm_100", 3), ("mxfp6", "sm_100", 3),
+    ("mxfp6", "sm_90", 3),
     ("mxfp4_rht", "sm_100", 3),
     ("deepseek_v3_ue8m0", "sm_100", 3), ("deepseek_v3", "sm_90", 3)])
 def test_gpu_targeted_gemm_equals_the_cpu_one_on_cpu(recipe, arch, kernels):
@@ -526,6 +556,41 @@ def test_nvfp4_matmul_runs_the_pair_kernels_with_the_operands_bits(
     got = grad(x, w, state)
   assert calls == [(False, True, False), (True, False, False),
                    (False, True, True)]  # x, w, then g
+  for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("arch", ["sm_100", "sm_90"])
+def test_mxfp6_matmul_runs_the_pair_kernels_with_the_operands_bits(
+    monkeypatch, arch):
+  """mxfp6 traced for Blackwell (cuDNN's MXFP8 GEMM) and Hopper (BF16
+  dequantize), with the pair kernels run in Pallas' interpreter on CPU: x,
+  w and g each take one kernel, whose E4M3 copies hand the GEMMs the values
+  of the packed ones: output and gradients keep the unpaired matmul's
+  bits."""
+  x = jax.random.normal(jax.random.key(1), (2, 64, 128), jnp.float32)
+  w = jax.random.normal(jax.random.key(2), (128, 256), jnp.float32) * 0.1
+
+  def loss(x, w):
+    y, _ = ops.quantized_matmul(x, w, "mxfp6")
+    return jnp.sum(y * jnp.cos(y))
+
+  grad = jax.value_and_grad(loss, argnums=(0, 1))
+  want = grad(x, w)
+  monkeypatch.setattr(qlayers.operands, "lax", types.SimpleNamespace(
+      **{**vars(jax.lax), "platform_dependent":
+         lambda *args, cuda, **_: cuda(*args)}))
+  formats_seen, kernel = [], ct.mx_cast_transpose
+
+  def interpreted(t, fmt, rule, **kw):
+    formats_seen.append(formats.get_format(fmt).name)
+    return kernel(t, fmt, rule, interpret=True, **kw)
+
+  monkeypatch.setattr(qlayers.operands.cast_transpose, "mx_cast_transpose",
+                      interpreted)
+  with table.target_arch(arch):
+    got = grad(x, w)
+  assert formats_seen == ["e2m3", "e2m3", "e3m2"]  # x, w, then g
   for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

@@ -105,9 +105,9 @@ def test_widened_mx_payload_is_exact(fmt, monkeypatch):
   spec = S.QuantSpec(format=fmt, granularity="mx")
   codes = jnp.arange(2 ** spec.fmt.bits, dtype=jnp.uint8)
   values = formats.decode(codes, spec.fmt)
-  wide = jax.jit(lambda codes: forms._e4m3_payload(S.QTensor(  # pylint: disable=protected-access
+  wide = jax.jit(lambda codes: S.widened(S.QTensor(
       formats.pack(codes[None], spec.fmt), jnp.zeros((1, 1), jnp.uint8),
-      fmt, "mx", (1, 32), 1, (1, codes.size))))(codes)
+      fmt, "mx", (1, 32), 1, (1, codes.size))).payload)(codes)
   assert wide.dtype == jnp.float8_e4m3fn
   np.testing.assert_array_equal(_bits(wide[0].astype(jnp.float32)),
                                 _bits(values))
@@ -116,11 +116,15 @@ def test_widened_mx_payload_is_exact(fmt, monkeypatch):
   @jax.jit
   def products(x, w):
     a, b = S.quantize(x, spec, 1), S.quantize(w, spec, 1)
+    wa, wb = S.widened(a), S.widened(b)  # as the GPU pair kernels make them
     return (forms.FORMS["mx_cudnn"](a, b, jnp.float32, (1, 1)),
+            forms.FORMS["mx_cudnn"](wa, wb, jnp.float32, (1, 1)),
+            forms.FORMS["f32_emulation"](wa, wb, jnp.float32, (1, 1)),
             forms.FORMS["f32_emulation"](a, b, jnp.float32, (1, 1)))
-  got, want = products(jax.random.normal(jax.random.key(0), (64, 96)),
-                       jax.random.normal(jax.random.key(1), (40, 96)))
-  np.testing.assert_array_equal(_bits(got), _bits(want))
+  *got, want = products(jax.random.normal(jax.random.key(0), (64, 96)),
+                        jax.random.normal(jax.random.key(1), (40, 96)))
+  for g in got:
+    np.testing.assert_array_equal(_bits(g), _bits(want))
 
 
 @pytest.mark.parametrize("fmt,dtype", [("e4m3", ml_dtypes.float8_e4m3fn),
