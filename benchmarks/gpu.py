@@ -29,6 +29,13 @@ so a part that runs out of time still reports what it measured:
            recipe against the BF16 step (``qlayers.quantize`` +
            ``qlayers.Optimizer``), with the loss after the warm-up steps as a
            sanity check. Target: >= 1.4x.
+``kernels`` the one-pass cast kernels (``qlayers.cast_transpose``: Pallas
+           Triton) on this GPU against the CPU: each recipe's operand pairs
+           of x, w and g, as the layer makes them (``operand_pair``), on
+           data with NaN, Inf, overflow and underflow, compared bit for bit
+           with the same call on the CPU, which makes them in XLA's passes
+           (the values the CPU tests check the kernels against in Pallas'
+           interpreter). A mismatch is an error row.
 ``block``  one train step of the Llama-3-8B block of ``gpu_compile.py``
            (d 4096, 32/8 heads, SwiGLU 14336, 4096 tokens, cuDNN fused
            attention) per recipe against BF16: the measurement that the
@@ -53,6 +60,7 @@ median over repeats; each sample runs back-to-back calls for at least
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -71,13 +79,14 @@ if str(_HERE) not in sys.path:
 
 import mdtable  # noqa: E402
 
-PARTS = ("env", "gemm", "layer", "step", "block")
+PARTS = ("env", "kernels", "gemm", "layer", "step", "block")
 BUDGET_S = 480.0
 # Seconds per part; they add up to less than BUDGET_S (checked below).
-TIMEOUTS = {"env": 25, "gemm": 120, "layer": 75, "step": 110, "block": 145}
+TIMEOUTS = {"env": 25, "kernels": 45, "gemm": 95, "layer": 70, "step": 100,
+            "block": 140}
 SMOKE_BUDGET_S = 1200.0
-SMOKE_TIMEOUTS = {"env": 60, "gemm": 320, "layer": 240, "step": 300,
-                  "block": 270}
+SMOKE_TIMEOUTS = {"env": 60, "kernels": 120, "gemm": 280, "layer": 220,
+                  "step": 270, "block": 240}
 assert sum(TIMEOUTS.values()) < BUDGET_S
 assert sum(SMOKE_TIMEOUTS.values()) < SMOKE_BUDGET_S
 TARGETS = {"gemm_fp8_8192": 1.85, "step": 1.4}
@@ -115,6 +124,14 @@ BLOCK_RECIPES = ("bf16", "fp8_current", "mxfp8", "nvfp4", "mxfp4",
 # DotThunk::Execute: BF16 x BF16 = F32"; jax 0.10.2).
 SMOKE_BLOCK = dict(batch=1, seq=64, d=128, heads=2, kv_heads=2, ff=256,
                    attention="materialized")
+# Recipes whose operand pairs `kernels` compares (each has a pair kernel on
+# Hopper or Blackwell), and the shapes: x (tokens, K), w (K, N), g (tokens,
+# N), multiples of 128 (DeepSeek-V3 tiles).
+KERNEL_RECIPES = ("fp8_current", "fp8_delayed", "deepseek_v3",
+                  "deepseek_v3_ue8m0", "mxfp8", "mxfp6", "mxfp4", "mxfp4_rht",
+                  "nvfp4")
+KERNEL_DIMS = (1024, 512, 768)
+SMOKE_KERNEL_DIMS = (256, 128, 256)
 # A small transformer that still gives the GEMMs real work (about 0.25B
 # parameters, 8k tokens per step).
 STEP_CONFIG = dict(d_model=2048, n_heads=16, n_layers=2, d_ff=8192,
@@ -304,6 +321,137 @@ def _quantized_operands(kind: str, m: int, k: int, n: int):
   sx, sw = (scaling.QuantSpec(**s) for s in specs)
   return jax.jit(lambda x, w: (scaling.quantize(x, sx, 1),
                                scaling.quantize(w, sw, 0)))(x, w)
+
+
+def _kernel_data(shape, seed: int, nonfinite: bool = False):
+  """Normal data over a wide range with values past every format's max and
+  values that round to zero, and (``nonfinite``) a NaN and +-Inf, in the
+  first rows (so the other blocks stay finite), as NumPy FP32."""
+  import numpy as np
+  rng = np.random.default_rng(seed)
+  t = (rng.standard_normal(shape) * np.exp2(rng.integers(-8, 9, shape))
+       ).astype(np.float32)
+  t[3, shape[1] // 2], t[shape[0] // 2, 7], t[5, 11] = -1e30, 1e-12, 3e-4
+  if nonfinite:
+    t[0, 0], t[1, 3], t[2, 5] = np.nan, np.inf, -np.inf
+  return t
+
+
+def _kernel_cases(name: str, dims):
+  """(role, t, last, first, arrays, static) of the three pairs a layer of
+  recipe ``name`` makes (`qlayers.ops`): x for Fprop and Wgrad, w for Dgrad
+  and Fprop, g for Dgrad and Wgrad, with its plan's operands, rounding keys
+  and delayed state (``arrays``: ``operand_pair``'s array arguments,
+  ``static``: the delayed role's ``amax_compute_algo``). g holds NaN and
+  Inf unless it is scaled per tensor (a per-tensor copy is then all NaN)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import qlayers
+  from qlayers import dispatch
+  m, k, n = dims
+  recipe = qlayers.recipe(name)
+  p = dispatch.plan(recipe, (m, k), jnp.bfloat16, (k, n), jnp.bfloat16)
+  per_tensor = p.dgrad.lhs.spec.granularity == "tensor"
+  x = _kernel_data((m, k), 1).astype(jnp.bfloat16)
+  w = _kernel_data((k, n), 2) * np.float32(0.02)
+  g = _kernel_data((m, n), 3, nonfinite=not per_tensor).astype(jnp.bfloat16)
+  keys = (jax.random.key(7), jax.random.key(8))
+  state = qlayers.ops.init_state(recipe)
+  rng = np.random.default_rng(4)
+  cases = []
+  for role, t, last, first in (
+      ("x", x, p.fprop.lhs, p.wgrad.lhs if p.save_x == "wgrad" else None),
+      ("w", w, None if p.share_w else p.dgrad.rhs,
+       None if p.share_w else p.fprop.rhs),
+      ("g", g, p.dgrad.lhs, None if p.share_g else p.wgrad.rhs)):
+    arrays = {"keys": keys} if role != "w" else {}
+    if state is not None:
+      st = state[role]._replace(amax_history=jnp.asarray(
+          rng.uniform(1.0, 300.0, state[role].amax_history.shape),
+          jnp.float32))
+      arrays["amax"], _ = qlayers.operands.delayed_amax(jnp.asarray(t), st,
+                                                        recipe)
+      arrays["state"] = st
+    cases.append((role, t, last, first, arrays, recipe.amax_compute_algo))
+  return cases
+
+
+def _bit_mismatches(a, b) -> int:
+  """Elements whose bits differ (every NaN counted as one value)."""
+  import numpy as np
+  a, b = np.asarray(a), np.asarray(b)
+  if a.shape != b.shape or a.dtype != b.dtype:
+    return max(a.size, b.size)
+  if a.dtype.kind == "f" or "float" in str(a.dtype):
+    nan_a, nan_b = (np.isnan(v.astype(np.float32)) for v in (a, b))
+    same = (a.view(np.uint8 if a.itemsize == 1 else f"u{a.itemsize}")
+            == b.view(np.uint8 if b.itemsize == 1 else f"u{b.itemsize}"))
+    return int(np.sum(~((nan_a & nan_b) | (same & ~nan_a & ~nan_b))))
+  return int(np.sum(a != b))
+
+
+def part_kernels(cfg) -> dict[str, Any]:
+  """The operand pairs made on this GPU (the one-pass kernels where
+  ``pairable``) against the same call on the CPU (XLA's passes)."""
+  import jax
+  from qlayers import table
+  rows = Rows(cfg, "kernels")
+  cpu = jax.devices("cpu")[0]
+  gpu = jax.devices()[0]
+  dims = SMOKE_KERNEL_DIMS if cfg.cpu_smoke else KERNEL_DIMS
+  rows.info = {"dims": dims, "device": str(gpu)}
+  # The smoke plans for Blackwell, so the kernel column names what a B200
+  # would run (both sides then take XLA's branch, on the CPU).
+  with (table.target_arch("sm_100") if cfg.cpu_smoke
+        else contextlib.nullcontext()):
+    _compare_pairs(rows, gpu, cpu, dims)
+  return {"rows": rows.rows, "info": rows.info}
+
+
+def _compare_pairs(rows, gpu, cpu, dims) -> None:
+  import re
+  import jax
+  from qlayers import operands
+  for name in _shipped(KERNEL_RECIPES):
+    try:
+      cases = _kernel_cases(name, dims)
+    except Exception as e:  # noqa: BLE001 - reported
+      rows.add({"item": f"{name}", "error": _err(e)})
+      continue
+    for role, t, last, first, arrays, algo in cases:
+      item = f"{name} {role}"
+      if last is None:
+        rows.add({"item": item, "value": "one copy shared (no pair)"})
+        continue
+      try:
+        def pair(t, arrays, last=last, first=first, algo=algo):
+          kw = dict(arrays)
+          if "state" in kw:
+            kw["delayed"] = (kw.pop("state"), algo)
+          return operands.operand_pair(t, last, first, **kw)
+        paired = operands.pairable(jax.numpy.asarray(t), last, first)
+        fn = jax.jit(pair)
+        kernels = sorted(set(re.findall(
+            r'name = "(qlayers_\w+)"', fn.trace(t, arrays).lower(
+                lowering_platforms=("cuda",)).as_text())))
+        on = {d: jax.device_put((t, arrays), d) for d in (gpu, cpu)}
+        got = jax.tree.leaves(fn(*on[gpu]))
+        with jax.default_device(cpu):
+          want = jax.tree.leaves(fn(*on[cpu]))
+        bad = sum(_bit_mismatches(a, b) for a, b in zip(got, want))
+        size = sum(a.size for a in want)
+      except Exception as e:  # noqa: BLE001 - reported
+        rows.add({"item": item, "error": _err(e)})
+        continue
+      what = (f"{', '.join(kernels) or 'no kernel'}"
+              f"{'' if paired else ' (not paired on this target)'}")
+      if bad:
+        rows.add({"item": item, "error": f"{bad} of {size} elements differ "
+                  f"from the CPU's bits: {what}"})
+      else:
+        rows.add({"item": item, "value": f"bit-identical to the CPU "
+                  f"({size} elements): {what}"})
 
 
 def part_gemm(cfg) -> dict[str, Any]:

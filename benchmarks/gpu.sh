@@ -6,7 +6,8 @@
 #   2. checks that jax sees the GPU (exit 2 if not);
 #   3. builds the native cuBLASLt kernels (ffi/build_cuda.sh) when nvcc is
 #      there, for the attached GPU's architecture only;
-#   4. runs benchmarks/gpu.py: GEMMs, the layer, a small train step and one
+#   4. runs benchmarks/gpu.py: the one-pass cast kernels' bits against the
+#      CPU's, GEMMs, the layer, a small train step and one
 #      train step of the Llama-3-8B block, every shipped recipe (nvfp4 and
 #      deepseek_v3_ue8m0 included once they exist), inside its 8-minute
 #      budget (hard stop a little after it).

@@ -526,6 +526,31 @@ def test_gpu_check_counts_fp8_by_what_the_mma_reads():
   assert gpu.classify(CUDNN_MX)["fp8_gemms"] == 1
 
 
+def test_gpu_kernel_check_compares_bits_and_pairs_each_role():
+  """benchmarks/gpu.py's kernel check: bits compared with NaNs as one value
+  (but -0 against +0, a changed dtype or shape counted), and for a
+  Blackwell target the mxfp6 layer's three pairs are its kernel's."""
+  import gpu  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import ml_dtypes  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import qlayers  # pylint: disable=g-import-not-at-top
+  a = np.array([1.0, np.nan, 0.0, 2.0], np.float32)
+  assert gpu._bit_mismatches(a, a.copy()) == 0  # pylint: disable=protected-access
+  b = a.copy()
+  b[1] = -np.nan
+  b[2] = -0.0
+  assert gpu._bit_mismatches(a, b) == 1  # pylint: disable=protected-access
+  e4m3 = a.astype(ml_dtypes.float8_e4m3fn)
+  assert gpu._bit_mismatches(e4m3, e4m3.copy()) == 0  # pylint: disable=protected-access
+  assert gpu._bit_mismatches(e4m3, a) == 4  # pylint: disable=protected-access
+  with qlayers.table.target_arch("sm_100"):
+    cases = gpu._kernel_cases("mxfp6", (128, 64, 96))  # pylint: disable=protected-access
+    assert [c[0] for c in cases] == ["x", "w", "g"]
+    assert all(qlayers.operands.pairable(jnp.asarray(t), last, first)
+               for _, t, last, first, _, _ in cases)
+
+
 def test_compare_puts_runs_side_by_side():
   gemm = {"role": "dense Fprop", "issues": ["emulated", "writes f32"]}
   def rec(recipe, time_us, kernels, gemms=(), status="ok"):
