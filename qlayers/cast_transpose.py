@@ -279,9 +279,9 @@ def mx_supported(shape: tuple[int, ...], fmt: Format, block_size: int) -> bool:
   ``block_size`` x ``block_size`` tiles of an FP8 element format in blocks
   of 32 (MX) or 128 (DeepSeek-V3 tiles), or of an FP6 one in blocks of 32
   (MXFP6)."""
-  return (_whole_tiles(shape, block_size)
-          and ((block_size in (MX_BLOCK, TILE_BLOCK) and _fp8(fmt))
-               or (block_size == MX_BLOCK and fmt.bits == 6)))
+  return (((block_size in (MX_BLOCK, TILE_BLOCK) and _fp8(fmt))
+           or (block_size == MX_BLOCK and fmt.bits == 6))
+          and _whole_tiles(shape, block_size))
 
 
 MX_BLOCK = 32
