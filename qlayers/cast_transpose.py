@@ -351,31 +351,44 @@ def _scales_out(codes, rule: str):
 
 
 def _block_kernel(t_ref, q_ref, s_ref, qt_ref, st_ref, *, fmt: Format,
-                  rule: str, interpret: bool):
+                  rule: str, interpret: bool, dequantized=(False, False)):
   v = t_ref[...].astype(jnp.float32)
   # Block amaxes from the magnitude bits, as qlayers.blocks does: exact, and
   # an Inf or NaN element gives the 0xFF code.
   mag = jax.lax.bitcast_convert_type(v, jnp.uint32) & 0x7FFFFFFF
   q, s = _block_copy(v, jnp.max(mag, axis=1, keepdims=True), fmt, rule,
                      interpret)
-  q_ref[...] = q
+  q_ref[...] = _dequantized(q, s) if dequantized[0] else q
   s_ref[...] = _scales_out(s, rule)
   qc, sc = _block_copy(v, jnp.max(mag, axis=0, keepdims=True), fmt, rule,
                        interpret)
-  qt_ref[...] = qc.T
+  qt_ref[...] = (_dequantized(qc, sc) if dequantized[1] else qc).T
   st_ref[...] = _scales_out(sc, rule).T
 
 
+def _dequantized(q, codes):
+  """BF16 ``q * 2**(code - 127)`` (its block's E8M0 scale; NaN for code
+  255), as `qlayers.scaling.dequantized` computes it: the product in FP32,
+  then rounded to BF16."""
+  return (q.astype(jnp.float32) * scale_rules.e8m0_decode(codes)
+          ).astype(jnp.bfloat16)
+
+
 @functools.partial(jax.jit, static_argnames=("fmt", "rule", "block_size",
-                                             "interpret"))
+                                             "dequantized", "interpret"))
 def mx_cast_transpose(t: jax.Array, fmt: Format | str, rule: str, *,
-                      block_size: int = MX_BLOCK, interpret: bool = False):
+                      block_size: int = MX_BLOCK,
+                      dequantized: tuple[bool, bool] = (False, False),
+                      interpret: bool = False):
   """Both block-scaled copies of ``t (R, C)`` in one pass: ``(q, s, qt, st)``.
 
   ``q (R, C)`` with scales ``s (R, C / b)`` is ``t`` quantized along its
   rows' ``b``-blocks (`qlayers.scaling.quantize` along axis 1); ``qt (C, R)``
   with ``st (C, R / b)`` is ``t`` quantized along its columns' blocks (along
-  axis 0), transposed.
+  axis 0), transposed. ``dequantized`` (for ``q``, for ``qt``; MX rules):
+  that copy holds its BF16 dequantized values instead
+  (`qlayers.scaling.dequantized`), for a GEMM on a GPU without MX tensor
+  cores.
 
   Args:
     t: 2-D BF16/FP16/FP32 array, both dims multiples of ``block_size``.
@@ -403,24 +416,31 @@ def mx_cast_transpose(t: jax.Array, fmt: Format | str, rule: str, *,
                      f"multiples of its blocks ({MX_BLOCK} or {TILE_BLOCK}, "
                      f"got {b}) and an FP8 format (FP6: blocks of "
                      f"{MX_BLOCK}); got {t.shape} and {fmt.name}.")
-  if fmt.bits == 6 and not rule.startswith("mx_"):
-    raise ValueError(f"mx_cast_transpose takes FP6 with an MX scale rule "
-                     f"('mx_rceil', 'mx_floor'), got {rule!r}.")
+  dequantized = tuple(bool(d) for d in dequantized)
+  if len(dequantized) != 2:
+    raise ValueError(f"mx_cast_transpose's dequantized takes one flag per "
+                     f"copy (2), got {dequantized!r}.")
+  if (fmt.bits == 6 or any(dequantized)) and not rule.startswith("mx_"):
+    raise ValueError(f"mx_cast_transpose takes FP6 or dequantized copies "
+                     f"with an MX scale rule ('mx_rceil', 'mx_floor'), got "
+                     f"{rule!r}.")
+  payload = tuple(jnp.bfloat16 if d else _payload_dtype(fmt)
+                  for d in dequantized)
   pl, plt = _pallas()
   rows, cols = t.shape
   sdtype = jnp.float32 if rule.startswith("deepseek") else jnp.uint8
   call = pl.pallas_call(
       functools.partial(_block_kernel, fmt=fmt, rule=rule,
-                        interpret=interpret),
+                        interpret=interpret, dequantized=dequantized),
       grid=(rows // b, cols // b),
       in_specs=[pl.BlockSpec((b, b), lambda i, j: (i, j))],
       out_specs=[pl.BlockSpec((b, b), lambda i, j: (i, j)),
                  pl.BlockSpec((b, 1), lambda i, j: (i, j)),
                  pl.BlockSpec((b, b), lambda i, j: (j, i)),
                  pl.BlockSpec((b, 1), lambda i, j: (j, i))],
-      out_shape=[jax.ShapeDtypeStruct((rows, cols), _payload_dtype(fmt)),
+      out_shape=[jax.ShapeDtypeStruct((rows, cols), payload[0]),
                  jax.ShapeDtypeStruct((rows, cols // b), sdtype),
-                 jax.ShapeDtypeStruct((cols, rows), _payload_dtype(fmt)),
+                 jax.ShapeDtypeStruct((cols, rows), payload[1]),
                  jax.ShapeDtypeStruct((cols, rows // b), sdtype)],
       compiler_params=plt.CompilerParams(num_warps=4 if b <= 32 else 8),
       interpret=interpret, name="qlayers_mx_cast_transpose")

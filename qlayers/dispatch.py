@@ -237,6 +237,25 @@ def _plan(recipe: Recipe, requested, targets, lowered, mesh: bool,
 # Running a GEMM
 
 
+# Forms that read nothing of their operands but ``dequantize(bfloat16)``.
+_BF16_READERS = frozenset({"bf16_dequant", "cpu_mx"})
+
+
+def reads_bf16(*gemms: Gemm) -> bool:
+  """Whether every form of ``gemms``, on every platform lowered for, reads
+  only its operands' BF16 dequantized values (MX without MX tensor cores):
+  a copy they share can then hold just those (`scaling.dequantized`).
+
+  Example:
+    >>> import jax.numpy as jnp, qlayers
+    >>> p = plan(qlayers.recipe("mxfp8"), (4, 64), jnp.float32, (64, 32),
+    ...          jnp.float32)
+    >>> reads_bf16(p.fprop, p.wgrad)  # CPU only: the BF16 emulation
+    True
+  """
+  return all(c.form in _BF16_READERS for g in gemms for _, c in g.choices)
+
+
 def run(step: Gemm, a, b) -> jax.Array:
   """One GEMM of a `Plan` on its 2-D operands (`QTensor` or wide arrays):
   ``(free dim of a, free dim of b)`` in ``step.out_dtype``, FP32

@@ -216,7 +216,8 @@ def _block_rule(spec) -> str | None:
 
 def operand_pair(t: jax.Array, last: Operand, first: Operand | None = None,
                  *, amax=None, delayed: tuple[ScaleState, str] | None = None,
-                 keys=(None, None), dtype=jnp.float32):
+                 keys=(None, None), dtype=jnp.float32,
+                 dequantized: tuple[bool, bool] = (False, False)):
   """The copies of ``t (..., C)`` for two GEMMs, ``(for last, for first)``:
   the `operand` ``last`` for the GEMM that contracts the last axis and
   ``first`` (default: ``last``'s copy, per tensor) for the one that
@@ -234,7 +235,11 @@ def operand_pair(t: jax.Array, last: Operand, first: Operand | None = None,
   stochastic-rounding keys). ``delayed``: ``(state, amax_compute_algo)`` of
   a delayed-scaling role whose `delayed_amax` is ``amax``; the per-tensor
   kernel then chooses that amax itself, from the state and ``t``'s amax, so
-  ``amax`` is computed only where the kernel does not run.
+  ``amax`` is computed only where the kernel does not run. ``dequantized``
+  (for ``last``, for ``first``): that copy's GEMM only dequantizes it to
+  BF16 (MX without MX tensor cores); an MXFP8/MXFP6 pair's copy then holds
+  those values (`scaling.dequantized`), so no dequantize pass is left
+  between the kernel and the GEMM.
 
   Example:
     >>> import jax.numpy as jnp, qlayers
@@ -291,22 +296,28 @@ def operand_pair(t: jax.Array, last: Operand, first: Operand | None = None,
     return _nvfp4_pair(t, last, first, keys)
   if spec.fmt.bits == 4:
     return _fp4_pair(t, last, first, keys)
+  dequantized = tuple(bool(d) and spec.granularity == "mx"
+                      for d in dequantized)
   if spec.fmt.packed:
-    return _fp6_pair(t, last, first)
+    return _fp6_pair(t, last, first, dequantized)
 
   def xla_mx(t):
     a, b = (scaling.quantize(_rows(t), spec, axis) for axis in (1, 0))
+    a, b = (scaling.dequantized(q) if d else q
+            for q, d in zip((a, b), dequantized))
     return a.payload, a.scale, b.payload.T, b.scale.T
 
   def cuda_mx(t):
     return cast_transpose.mx_cast_transpose(
-        _rows(t), spec.fmt, _block_rule(spec), block_size=spec.block_size)
+        _rows(t), spec.fmt, _block_rule(spec), block_size=spec.block_size,
+        dequantized=dequantized)
 
   p, s, pt, st = lax.platform_dependent(t, cuda=cuda_mx, default=xla_mx)
 
   def mx(payload, scale, axis):
     return scaling.QTensor(payload, scale, spec.fmt.name, spec.granularity,
-                           blocks.block_shape(rows, spec, axis), axis, rows)
+                           blocks.block_shape(rows, spec, axis), axis, rows,
+                           dequantized=dequantized[1 - axis])
   return mx(p, s, 1), mx(pt.T, st.T, 0)
 
 
@@ -322,14 +333,15 @@ def _kernel_state(state: ScaleState, algo: str):
 
 
 def _packed_pair(t, last: Operand, first: Operand, keys, kernel,
-                 wide: bool = False):
+                 finish=(None, None)):
   """`operand_pair`'s FP4/FP6 copies (MXFP4, NVFP4, MXFP6): ``last`` along
   axis 1 and ``first``, the ``tn`` copy of ``t.T``, each of its Hadamard
   transform if its operand says so and rounded stochastically with its key
   if the spec says so (derived from the data where None, as `operand`
   derives it). On NVIDIA GPUs ``kernel(rows, keys)`` makes both
   (`_fp4_pair`, `_nvfp4_pair`, `_fp6_pair`); elsewhere they are `operand`'s,
-  with its values (``wide``: `scaling.widened`, as the kernel writes them)."""
+  with its values, each as its ``finish`` returns it (where not None:
+  `scaling.widened` or `scaling.dequantized`, as the kernel writes it)."""
   rows = _rows(t)
   keys = (tuple(_data_key(rows) if k is None else k for k in keys)
           if last.spec.stochastic else ())
@@ -337,23 +349,26 @@ def _packed_pair(t, last: Operand, first: Operand, keys, kernel,
   def xla(t, *keys):
     copies = (operand(t, op, key=k)
               for op, k in zip((last, first), keys or (None, None)))
-    return tuple(scaling.widened(q) if wide else q for q in copies)
+    return tuple(q if f is None else f(q) for q, f in zip(copies, finish))
 
   return lax.platform_dependent(rows, *keys, default=xla,
                                 cuda=lambda t, *keys: kernel(t, keys))
 
 
-def _tn_copies(spec, rows, p, s, pt, st, levels=((None,) * 2,) * 2):
+def _tn_copies(spec, rows, p, s, pt, st, levels=((None,) * 2,) * 2,
+               dequantized=(False, False)):
   """The two `QTensor` of a `_packed_pair`'s payloads ``p``, ``pt`` (of
   ``t.T``) and scales ``s``, ``st``; ``levels``: NVFP4's ``(block_scale,
-  tensor_scale)`` of each."""
+  tensor_scale)`` of each; ``dequantized``: of each (`scaling.dequantized`
+  payloads)."""
   m, c = rows.shape
   return tuple(
       scaling.QTensor(payload, scale, spec.fmt.name, spec.granularity,
                       blocks.block_shape(shape, spec, 1), 1, shape,
-                      transposed, *level)
-      for payload, scale, shape, transposed, level in
-      ((p, s, (m, c), False, levels[0]), (pt, st, (c, m), True, levels[1])))
+                      transposed, *level, dequantized=d)
+      for payload, scale, shape, transposed, level, d in
+      ((p, s, (m, c), False, levels[0], dequantized[0]),
+       (pt, st, (c, m), True, levels[1], dequantized[1])))
 
 
 def _fp4_pair(t, last: Operand, first: Operand, keys):
@@ -368,18 +383,21 @@ def _fp4_pair(t, last: Operand, first: Operand, keys):
   return _packed_pair(t, last, first, keys, kernel)
 
 
-def _fp6_pair(t, last: Operand, first: Operand):
+def _fp6_pair(t, last: Operand, first: Operand, dequantized):
   """`_packed_pair` of MXFP6 by `qlayers.cast_transpose.mx_cast_transpose`,
   whose copies' FP6 values are E4M3 payloads (`scaling.widened`): cuDNN's
   MXFP8 GEMM takes them as they are, where packed codes would cost it a
-  widening pass per operand."""
+  widening pass per operand. ``dequantized`` (per copy): its BF16 values
+  instead (`scaling.dequantized`)."""
   spec = last.spec
 
   def kernel(rows, keys):
     del keys  # round to nearest (`pairable`)
     return _tn_copies(spec, rows, *cast_transpose.mx_cast_transpose(
-        rows, spec.fmt, spec.scale_rule))
-  return _packed_pair(t, last, first, (None, None), kernel, wide=True)
+        rows, spec.fmt, spec.scale_rule, dequantized=dequantized),
+                      dequantized=dequantized)
+  return _packed_pair(t, last, first, (None, None), kernel, tuple(
+      scaling.dequantized if d else scaling.widened for d in dequantized))
 
 
 def _nvfp4_pair(t, last: Operand, first: Operand, keys):

@@ -47,6 +47,7 @@ __all__ = [
     "QTensor",
     "quantize",
     "widened",
+    "dequantized",
     "bytes_per_element",
     # Re-exported from qlayers.blocks, scale_rules, delayed and fields.
     "amax",
@@ -211,6 +212,9 @@ class QTensor:
       FP32 decode scale ``S_dec``; ``scale`` is ``f32(block_scale) *
       tensor_scale`` bit for bit. Code that replaces ``scale`` must
       replace or clear them too (``dataclasses.replace`` keeps them).
+    dequantized: the payload holds ``dequantize(bfloat16)``'s values (in
+      the padded shape; `dequantized`), for GEMMs that only ever read
+      those: MX emulated without MX tensor cores. ``scale`` is kept.
 
   Example:
     >>> import jax.numpy as jnp
@@ -230,6 +234,8 @@ class QTensor:
                                        metadata=dict(static=True))
   block_scale: jax.Array | None = None
   tensor_scale: jax.Array | None = None
+  dequantized: bool = dataclasses.field(default=False,
+                                        metadata=dict(static=True))
 
   @property
   def fmt(self) -> Format:
@@ -247,6 +253,9 @@ class QTensor:
 
   def elements(self, dtype=jnp.float32) -> jax.Array:
     """The decoded payload (unscaled), in the padded shape."""
+    if self.dequantized:
+      raise ValueError("this QTensor holds dequantized values (`dequantized`)"
+                       ", not its format's elements: use dequantize().")
     fmt = self.fmt
     if fmt.packed and self.payload.dtype == jnp.uint8:
       return formats.decode(formats.unpack(self.payload, fmt), fmt, dtype)
@@ -260,14 +269,37 @@ class QTensor:
 
   def dequantize(self, dtype=jnp.float32) -> jax.Array:
     """``decode(payload) * scale`` in ``dtype``, cropped to ``shape``."""
+    out = self._padded_values() if not self.dequantized else self.payload
+    if self.block is not None:
+      out = out[tuple(slice(0, n) for n in self.shape)]
+    return out.astype(dtype)
+
+  def _padded_values(self) -> jax.Array:
+    """``decode(payload) * scale`` in FP32, in the padded shape."""
     values = self.elements(jnp.float32)
     scale = self.scale_values()
     if self.block is None:
-      out = values * scale
-    else:
-      out = blocks.apply_blocks(values, scale, self.block, jnp.multiply)
-      out = out[tuple(slice(0, n) for n in self.shape)]
-    return out.astype(dtype)
+      return values * scale
+    return blocks.apply_blocks(values, scale, self.block, jnp.multiply)
+
+
+def dequantized(q: QTensor) -> QTensor:
+  """``q`` with its payload replaced by its BF16 dequantized values (the
+  padded shape), for GEMMs that read nothing else (`QTensor.dequantized`):
+  on GPUs the one-pass MX kernel writes them so, and the GEMM reads them
+  without a dequantize pass of its own.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> q = quantize(jnp.full((1, 32), 3.0), QuantSpec(granularity="mx"))
+    >>> d = dequantized(q)
+    >>> d.payload.dtype, float(d.dequantize()[0, 0]), int(d.scale[0, 0])
+    (dtype(bfloat16), 3.0, 120)
+  """
+  if q.dequantized:
+    return q
+  return dataclasses.replace(
+      q, payload=q._padded_values().astype(jnp.bfloat16), dequantized=True)  # noqa: SLF001
 
 
 def widened(q: QTensor) -> QTensor:
@@ -285,7 +317,7 @@ def widened(q: QTensor) -> QTensor:
     >>> w.payload.dtype, w.payload.shape, bool((w.dequantize() == q.dequantize()).all())
     (dtype(float8_e4m3fn), (1, 32), True)
   """
-  if not q.fmt.packed or q.payload.dtype != jnp.uint8:
+  if not q.fmt.packed or q.payload.dtype != jnp.uint8 or q.dequantized:
     return q
   return dataclasses.replace(
       q, payload=q.elements(jnp.float32).astype(jnp.float8_e4m3fn))

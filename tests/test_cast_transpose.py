@@ -560,19 +560,22 @@ def test_nvfp4_matmul_runs_the_pair_kernels_with_the_operands_bits(
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.parametrize("recipe,formats_made", [
+    ("mxfp6", ["e2m3", "e2m3", "e3m2"]), ("mxfp8", ["e4m3"] * 3)])
 @pytest.mark.parametrize("arch", ["sm_100", "sm_90"])
-def test_mxfp6_matmul_runs_the_pair_kernels_with_the_operands_bits(
-    monkeypatch, arch):
-  """mxfp6 traced for Blackwell (cuDNN's MXFP8 GEMM) and Hopper (BF16
-  dequantize), with the pair kernels run in Pallas' interpreter on CPU: x,
-  w and g each take one kernel, whose E4M3 copies hand the GEMMs the values
-  of the packed ones: output and gradients keep the unpaired matmul's
-  bits."""
+def test_mx_matmul_runs_the_pair_kernels_with_the_operands_bits(
+    monkeypatch, recipe, formats_made, arch):
+  """mxfp6 and mxfp8 traced for Blackwell (cuDNN's MXFP8 GEMM) and Hopper
+  (BF16 GEMMs on dequantized copies), with the pair kernels run in Pallas'
+  interpreter on CPU: x, w and g each take one kernel, whose copies (MXFP6
+  in E4M3; on Hopper the BF16 dequantized values where a GEMM reads them at
+  once) hand the GEMMs the unpaired operands' values: output and gradients
+  keep the unpaired matmul's bits."""
   x = jax.random.normal(jax.random.key(1), (2, 64, 128), jnp.float32)
   w = jax.random.normal(jax.random.key(2), (128, 256), jnp.float32) * 0.1
 
   def loss(x, w):
-    y, _ = ops.quantized_matmul(x, w, "mxfp6")
+    y, _ = ops.quantized_matmul(x, w, recipe)
     return jnp.sum(y * jnp.cos(y))
 
   grad = jax.value_and_grad(loss, argnums=(0, 1))
@@ -580,19 +583,63 @@ def test_mxfp6_matmul_runs_the_pair_kernels_with_the_operands_bits(
   monkeypatch.setattr(qlayers.operands, "lax", types.SimpleNamespace(
       **{**vars(jax.lax), "platform_dependent":
          lambda *args, cuda, **_: cuda(*args)}))
-  formats_seen, kernel = [], ct.mx_cast_transpose
+  made, kernel = [], ct.mx_cast_transpose
 
   def interpreted(t, fmt, rule, **kw):
-    formats_seen.append(formats.get_format(fmt).name)
+    made.append((formats.get_format(fmt).name, kw["dequantized"]))
     return kernel(t, fmt, rule, interpret=True, **kw)
 
   monkeypatch.setattr(qlayers.operands.cast_transpose, "mx_cast_transpose",
                       interpreted)
   with table.target_arch(arch):
     got = grad(x, w)
-  assert formats_seen == ["e2m3", "e2m3", "e3m2"]  # x, w, then g
+  # x, w, then g; dequantized where no MX tensor cores read them, but the
+  # copies kept for the backward pass (x's for Wgrad, w's for Dgrad) stay
+  # quantized.
+  hopper = arch == "sm_90"
+  assert made == [(f, d) for f, d in zip(formats_made, [
+      (hopper, False), (False, hopper), (hopper, hopper)])]
   for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "e2m3", "e3m2"])
+def test_dequantized_mx_copies_are_the_bf16_values_bit_for_bit(fmt):
+  """``dequantized`` copies: `scaling.dequantized` of the quantized rows of
+  t and t.T (NaN for the NaN's block, the subnormal scale of a block of
+  tiny values), with the same E8M0 scales."""
+  t = _data((96, 160), jnp.float32).at[64:, 128:].set(1e-39)
+  spec = qlayers.scaling.QuantSpec(format=fmt, granularity="mx")
+  q, s, qt, st = ct.mx_cast_transpose(t, fmt, "mx_rceil",
+                                      dequantized=(True, True),
+                                      interpret=True)
+  rows, cols = (qlayers.scaling.dequantized(
+      qlayers.scaling.quantize(a, spec, 1)) for a in (t, t.T))
+  assert q.dtype == qt.dtype == jnp.bfloat16
+  for got, want in ((q, rows.payload), (s, rows.scale), (qt, cols.payload),
+                    (st, cols.scale)):
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint8),
+                                  np.asarray(want).view(np.uint8))
+  assert np.isnan(np.asarray(q[0, 0], np.float32))
+  assert rows.dequantized
+  np.testing.assert_array_equal(
+      np.asarray(rows.dequantize()),
+      np.asarray(qlayers.scaling.quantize(t, spec, 1).dequantize(
+          jnp.bfloat16), np.float32))
+  with pytest.raises(ValueError, match="dequantized values"):
+    rows.elements()
+  with pytest.raises(ValueError, match="MX scale rule"):
+    ct.mx_cast_transpose(jnp.ones((128, 128)), "e4m3", "deepseek_pow2",
+                         block_size=128, dequantized=(True, False),
+                         interpret=True)
+  # One copy dequantized, the other as quantized.
+  q2, _, qt2, _ = ct.mx_cast_transpose(t, fmt, "mx_rceil",
+                                       dequantized=(False, True),
+                                       interpret=True)
+  np.testing.assert_array_equal(np.asarray(qt2).view(np.uint8),
+                                np.asarray(qt).view(np.uint8))
+  assert q2.dtype == (jnp.float8_e4m3fn if fmt in ("e4m3", "e2m3", "e3m2")
+                      else jnp.float8_e5m2)
 
 
 @pytest.mark.parametrize("size,axis,shape", [
