@@ -340,9 +340,10 @@ def _kernel_data(shape, seed: int, nonfinite: bool = False):
 def _kernel_cases(name: str, dims):
   """(role, t, last, first, arrays, static) of the three pairs a layer of
   recipe ``name`` makes (`qlayers.ops`): x for Fprop and Wgrad, w for Dgrad
-  and Fprop, g for Dgrad and Wgrad, with its plan's operands, rounding keys
-  and delayed state (``arrays``: ``operand_pair``'s array arguments,
-  ``static``: the delayed role's ``amax_compute_algo``). g holds NaN and
+  and Fprop, g for Dgrad and Wgrad, with its plan's operands, rounding keys,
+  delayed state and dequantized copies (``arrays``: ``operand_pair``'s
+  array arguments; ``static``: the delayed role's ``amax_compute_algo``
+  and `Plan.dequantized`'s flags). g holds NaN and
   Inf unless it is scaled per tensor (a per-tensor copy is then all NaN)."""
   import jax
   import jax.numpy as jnp
@@ -373,7 +374,9 @@ def _kernel_cases(name: str, dims):
       arrays["amax"], _ = qlayers.operands.delayed_amax(jnp.asarray(t), st,
                                                         recipe)
       arrays["state"] = st
-    cases.append((role, t, last, first, arrays, recipe.amax_compute_algo))
+    cases.append((role, t, last, first, arrays,
+                  {"algo": recipe.amax_compute_algo,
+                   "dequantized": p.dequantized[role]}))
   return cases
 
 
@@ -419,16 +422,16 @@ def _compare_pairs(rows, gpu, cpu, dims) -> None:
     except Exception as e:  # noqa: BLE001 - reported
       rows.add({"item": f"{name}", "error": _err(e)})
       continue
-    for role, t, last, first, arrays, algo in cases:
+    for role, t, last, first, arrays, static in cases:
       item = f"{name} {role}"
       if last is None:
         rows.add({"item": item, "value": "one copy shared (no pair)"})
         continue
       try:
-        def pair(t, arrays, last=last, first=first, algo=algo):
-          kw = dict(arrays)
+        def pair(t, arrays, last=last, first=first, static=static):
+          kw = dict(arrays, dequantized=static["dequantized"])
           if "state" in kw:
-            kw["delayed"] = (kw.pop("state"), algo)
+            kw["delayed"] = (kw.pop("state"), static["algo"])
           return operands.operand_pair(t, last, first, **kw)
         paired = operands.pairable(jax.numpy.asarray(t), last, first)
         fn = jax.jit(pair)

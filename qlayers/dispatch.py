@@ -129,6 +129,19 @@ class Plan:
   share_w: bool
   share_g: bool
 
+  @property
+  def dequantized(self) -> dict[str, tuple[bool, bool]]:
+    """Per role (``x``, ``w``, ``g``), which of its two copies (as
+    `qlayers.operands.operand_pair` orders them: x for Fprop, Wgrad; w for
+    Dgrad, Fprop; g for Dgrad, Wgrad) hold their BF16 dequantized values
+    (`qlayers.scaling.dequantized`): those read at once by GEMMs that read
+    nothing else (`reads_bf16`: MX without MX tensor cores). The copies
+    kept for the backward pass (x's for Wgrad, w's for Dgrad) stay
+    quantized, for their memory."""
+    return {"x": (reads_bf16(self.fprop), False),
+            "w": (False, reads_bf16(self.fprop)),
+            "g": (reads_bf16(self.dgrad), reads_bf16(self.wgrad))}
+
 
 def plan(recipe: Recipe, x_shape, x_dtype, w_shape, out_dtype, *,
          backend: str | None = None) -> Plan:

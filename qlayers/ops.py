@@ -155,10 +155,8 @@ def _qmm_forward(plan: Plan, x, w, state, key, gather=()):
                  "w": state["w"]._replace(amax=run_w), "g": state["g"]}
   # The copies of x and w for two GEMMs each (x: Fprop, then Wgrad's if
   # `Plan.save_x` says; w: Dgrad's, Fprop's), in one pass where
-  # `operand_pair` can; elsewhere each made as before. A copy whose GEMM
-  # reads only its BF16 values (MX without MX tensor cores) is made as those
-  # where that GEMM runs now (Fprop's); the copies kept for the backward
-  # pass stay quantized, for their memory.
+  # `operand_pair` can; elsewhere each made as before (`Plan.dequantized`:
+  # the copies made as BF16 values).
   if plan.save_x == "wide":
     qx, x_saved = operand(x, fprop.lhs, amax=ax, key=kx,
                           dtype=recipe.dtype), x
@@ -167,15 +165,14 @@ def _qmm_forward(plan: Plan, x, w, state, key, gather=()):
         x, fprop.lhs, plan.wgrad.lhs if plan.save_x == "wgrad" else None,
         amax=ax, delayed=delayed_x, keys=(kx, kwx),
         dtype=recipe.dtype,
-        dequantized=(dispatch.reads_bf16(fprop), False))
+        dequantized=plan.dequantized["x"])
   dgrad_w = None if plan.share_w else plan.dgrad.rhs
   if not gather and (plan.share_w or pairable(w, dgrad_w, fprop.rhs)):
     w_saved, qw = operand_pair(w, dgrad_w or fprop.rhs,
                                None if plan.share_w else fprop.rhs,
                                amax=aw, delayed=delayed_w,
                                keys=(kw, None), dtype=recipe.dtype,
-                               dequantized=(False,
-                                            dispatch.reads_bf16(fprop)))
+                               dequantized=plan.dequantized["w"])
   else:
     qw = operand(w, fprop.rhs, amax=aw, key=kw, dtype=recipe.dtype,
                  gather=gather)
@@ -228,8 +225,7 @@ def _qmm_bwd(plan: Plan, dtypes, res, cts):
   qg, qg_w = operand_pair(g, dgrad.lhs, None if plan.share_g else wgrad.rhs,
                           amax=ag, delayed=delayed_g,
                           keys=(kd, kwg), dtype=recipe.dtype,
-                          dequantized=(dispatch.reads_bf16(dgrad),
-                                       dispatch.reads_bf16(wgrad)))
+                          dequantized=plan.dequantized["g"])
   qw = w_saved if isinstance(w_saved, scaling.QTensor) else operand(
       w_saved, dgrad.rhs, amax=aw, dtype=recipe.dtype, gather=gather)
   dx = dispatch.run(dgrad, qg, qw).reshape(x_shape)

@@ -528,8 +528,9 @@ def test_gpu_check_counts_fp8_by_what_the_mma_reads():
 
 def test_gpu_kernel_check_compares_bits_and_pairs_each_role():
   """benchmarks/gpu.py's kernel check: bits compared with NaNs as one value
-  (but -0 against +0, a changed dtype or shape counted), and for a
-  Blackwell target the mxfp6 layer's three pairs are its kernel's."""
+  (but -0 against +0, a changed dtype or shape counted); for a Blackwell
+  target the mxfp6 layer's three pairs are its kernel's, and for Hopper
+  the mxfp8 pairs carry the layer's dequantized copies."""
   import gpu  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import ml_dtypes  # pylint: disable=g-import-not-at-top
@@ -549,6 +550,11 @@ def test_gpu_kernel_check_compares_bits_and_pairs_each_role():
     assert [c[0] for c in cases] == ["x", "w", "g"]
     assert all(qlayers.operands.pairable(jnp.asarray(t), last, first)
                for _, t, last, first, _, _ in cases)
+    assert not any(any(c[5]["dequantized"]) for c in cases)
+  with qlayers.table.target_arch("sm_90"):  # MX emulated: as the layer makes
+    cases = gpu._kernel_cases("mxfp8", (128, 64, 96))  # pylint: disable=protected-access
+    assert [c[5]["dequantized"] for c in cases] == [
+        (True, False), (False, True), (True, True)]
 
 
 def test_compare_puts_runs_side_by_side():
