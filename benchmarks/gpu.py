@@ -127,7 +127,7 @@ SMOKE_BLOCK = dict(batch=1, seq=64, d=128, heads=2, kv_heads=2, ff=256,
 # Recipes whose operand pairs `kernels` compares (each has a pair kernel on
 # Hopper or Blackwell), and the shapes: x (tokens, K), w (K, N), g (tokens,
 # N), multiples of 128 (DeepSeek-V3 tiles).
-KERNEL_RECIPES = ("fp8_current", "fp8_delayed", "deepseek_v3",
+KERNEL_RECIPES = ("fp8_current", "fp8_delayed", "fp8_rowwise", "deepseek_v3",
                   "deepseek_v3_ue8m0", "mxfp8", "mxfp6", "mxfp4", "mxfp4_rht",
                   "nvfp4")
 KERNEL_DIMS = (1024, 512, 768)

@@ -68,7 +68,8 @@ from qlayers import scale_rules
 from qlayers import threefry
 from qlayers.formats import Format
 
-__all__ = ["TILE", "supported", "cast_transpose", "mx_supported",
+__all__ = ["TILE", "supported", "cast_transpose", "row_cast_transpose",
+           "mx_supported",
            "mx_cast_transpose", "block_cast_transpose", "fp4_supported",
            "fp4_cast_transpose", "nvfp4_supported", "nvfp4_cast_transpose",
            "nvfp4_amaxes", "transform_supported", "transform"]
@@ -272,6 +273,88 @@ def cast_transpose(t: jax.Array, fmt: Format | str, *,
       interpret=interpret, name="qlayers_cast_transpose")
   q, qt, scale = call(jnp.reshape(a, (1,)), *inputs, t)
   return q, qt, scale[0]
+
+
+def _row_amax_kernel(t_ref, r_ref, c_ref):
+  mag = _fp32_bits(t_ref[...].astype(jnp.float32))
+  r_ref[...] = jnp.max(mag, axis=1, keepdims=True)
+  c_ref[...] = jnp.max(mag, axis=0, keepdims=True)
+
+
+def _row_kernel(r_ref, c_ref, t_ref, q_ref, s_ref, qt_ref, st_ref, *,
+                fmt: Format, margin: int, pow2: bool, interpret: bool):
+  v = t_ref[...].astype(jnp.float32)
+  for bits, out, scale, transposed in ((r_ref, q_ref, s_ref, False),
+                                       (c_ref, qt_ref, st_ref, True)):
+    a = blocks._amax_from_bits(bits[...], jnp.float32)  # noqa: SLF001
+    mult = scale_rules.te_multiplier(
+        a, fmt, margin=margin, pow2=pow2,
+        divide=functools.partial(_divide, interpret=interpret))
+    # NaN for a non-finite amax, said explicitly (the kernel's min need not
+    # propagate it).
+    mult = jnp.where(jnp.isfinite(a), mult, jnp.nan)
+    q = _saturating_cast(v * mult, fmt)
+    inverse = _divide(1.0, mult, interpret)
+    out[...] = q.T if transposed else q
+    scale[...] = inverse.T if transposed else inverse
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "margin", "pow2",
+                                             "interpret"))
+def row_cast_transpose(t: jax.Array, fmt: Format | str, *, margin: int = 0,
+                       pow2: bool = False, interpret: bool = False):
+  """Both row-wise copies of ``t (R, C)``: ``(q, s, qt, st)``, in two reads
+  of ``t`` (one for the row and column amaxes, one for the copies).
+
+  ``q (R, C)`` with FP32 scales ``s (R, 1)`` is ``t`` scaled per row (TE's
+  rule, `qlayers.scaling.quantize` along axis 1); ``qt (C, R)`` with ``st
+  (C, 1)`` is ``t`` scaled per column (along axis 0), transposed: the
+  contraction-minor copy of the Wgrad (x, g) or Dgrad (w) GEMM.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> t = jnp.ones((64, 128)).at[0, 5].set(4.0)
+    >>> q, s, qt, st = row_cast_transpose(t, "e4m3", pow2=True,
+    ...                                   interpret=True)
+    >>> float(s[0, 0]), float(s[1, 0]), float(st[5, 0]), qt.shape
+    (0.015625, 0.00390625, 0.015625, (128, 64))
+  """
+  fmt = formats.get_format(fmt)
+  if not supported(t.shape, fmt):
+    raise ValueError(f"row_cast_transpose takes a 2-D tensor whose dims are "
+                     f"multiples of {TILE} and an FP8 format; got "
+                     f"{t.shape} and {fmt.name}.")
+  pl, plt = _pallas()
+  rows, cols = t.shape
+  grid, tile = (rows // TILE, cols // TILE), (TILE, TILE)
+  r, c = pl.pallas_call(
+      _row_amax_kernel, grid=grid,
+      in_specs=[pl.BlockSpec(tile, lambda i, j: (i, j))],
+      out_specs=[pl.BlockSpec((TILE, 1), lambda i, j: (i, j)),
+                 pl.BlockSpec((1, TILE), lambda i, j: (i, j))],
+      out_shape=[jax.ShapeDtypeStruct((rows, grid[1]), jnp.uint32),
+                 jax.ShapeDtypeStruct((grid[0], cols), jnp.uint32)],
+      compiler_params=plt.CompilerParams(num_warps=4),
+      interpret=interpret, name="qlayers_row_amaxes")(t)
+  r = jnp.max(r, axis=1, keepdims=True)
+  c = jnp.max(c, axis=0, keepdims=True)
+  return tuple(pl.pallas_call(
+      functools.partial(_row_kernel, fmt=fmt, margin=margin, pow2=pow2,
+                        interpret=interpret),
+      grid=grid,
+      in_specs=[pl.BlockSpec((TILE, 1), lambda i, j: (i, 0)),
+                pl.BlockSpec((1, TILE), lambda i, j: (0, j)),
+                pl.BlockSpec(tile, lambda i, j: (i, j))],
+      out_specs=[pl.BlockSpec(tile, lambda i, j: (i, j)),
+                 pl.BlockSpec((TILE, 1), lambda i, j: (i, 0)),
+                 pl.BlockSpec(tile, lambda i, j: (j, i)),
+                 pl.BlockSpec((TILE, 1), lambda i, j: (j, 0))],
+      out_shape=[jax.ShapeDtypeStruct((rows, cols), fmt.dtype),
+                 jax.ShapeDtypeStruct((rows, 1), jnp.float32),
+                 jax.ShapeDtypeStruct((cols, rows), fmt.dtype),
+                 jax.ShapeDtypeStruct((cols, 1), jnp.float32)],
+      compiler_params=plt.CompilerParams(num_warps=4),
+      interpret=interpret, name="qlayers_row_cast_transpose")(r, c, t))
 
 
 def mx_supported(shape: tuple[int, ...], fmt: Format, block_size: int) -> bool:

@@ -132,7 +132,8 @@ def pairable(t: jax.Array, last: Operand, first: Operand | None = None
   contraction-minor operands (Hopper, Ada:
   `qlayers.table.fp8_gemm_transposes`), DeepSeek-V3's 128 x 128 blocks.
   Two copies (``last`` along axis 1, ``first`` along axis 0, one spec):
-  MXFP8 with blocks of 32, DeepSeek-V3 tiles of 128, MXFP4 and MXFP6 (their
+  row-wise FP8 (TE's rule), MXFP8 with blocks of 32, DeepSeek-V3 tiles of
+  128, MXFP4 and MXFP6 (their
   ``first`` the ``tn`` copy, of ``t.T``; MXFP6's payloads in E4M3,
   `scaling.widened`). Block-scaled pairs on Hopper and Blackwell
   (`_block_pairs`); rows of whole tiles, round to nearest (MXFP4: or
@@ -173,10 +174,14 @@ def pairable(t: jax.Array, last: Operand, first: Operand | None = None
                                               spec.stochastic)
                  and cast_transpose.fp4_transforms((last.hadamard,
                                                     first.hadamard)))
+  elif spec.granularity == "row":  # TE's rule per row and per column
+    supported = (spec.scale_rule == "te" and not first.tn
+                 and cast_transpose.supported(rows, spec.fmt))
   else:  # MXFP8, tiles; MXFP6 (its copy along axis 0 t.T's, in E4M3)
     supported = (cast_transpose.mx_supported(rows, spec.fmt, spec.block_size)
                  and not (last.hadamard or first.hadamard))
-  return (first.spec == spec and _block_rule(spec) is not None
+  return (first.spec == spec
+          and (_block_rule(spec) is not None or spec.granularity == "row")
           and last.axis == 1 and first.axis == 0
           and first.tn == spec.fmt.packed
           and _block_pairs(spec, version) and supported)
@@ -224,7 +229,9 @@ def operand_pair(t: jax.Array, last: Operand, first: Operand | None = None,
   contracts the rows, made in one pass where `pairable` says so.
 
   In one pass (`qlayers.cast_transpose`): per tensor, one cast writes the
-  payload in both layouts; MXFP8 and UE8M0 tiles, one kernel writes both
+  payload in both layouts; row-wise, one kernel writes the copy scaled per
+  row and the one scaled per column (transposed), after one that finds both
+  amaxes; MXFP8 and UE8M0 tiles, one kernel writes both
   block layouts and their scales; MXFP4, both packed copies and scales;
   MXFP6, both copies with their FP6 values in E4M3 (`scaling.widened`; off
   NVIDIA GPUs `operand`'s copies widened, so the program's branches agree).
@@ -308,6 +315,9 @@ def operand_pair(t: jax.Array, last: Operand, first: Operand | None = None,
     return a.payload, a.scale, b.payload.T, b.scale.T
 
   def cuda_mx(t):
+    if spec.granularity == "row":
+      return cast_transpose.row_cast_transpose(
+          _rows(t), spec.fmt, margin=spec.margin, pow2=spec.pow2)
     return cast_transpose.mx_cast_transpose(
         _rows(t), spec.fmt, _block_rule(spec), block_size=spec.block_size,
         dequantized=dequantized)

@@ -298,8 +298,9 @@ def dequantized(q: QTensor) -> QTensor:
   """
   if q.dequantized:
     return q
-  return dataclasses.replace(
-      q, payload=q._padded_values().astype(jnp.bfloat16), dequantized=True)  # noqa: SLF001
+  values = q._padded_values()  # noqa: SLF001
+  return dataclasses.replace(q, payload=values.astype(jnp.bfloat16),
+                             dequantized=True)
 
 
 def widened(q: QTensor) -> QTensor:
@@ -314,7 +315,8 @@ def widened(q: QTensor) -> QTensor:
     >>> q = quantize(jnp.array([[1.5, -28.0] * 16]),
     ...              QuantSpec(format="e3m2", granularity="mx"))
     >>> w = widened(q)
-    >>> w.payload.dtype, w.payload.shape, bool((w.dequantize() == q.dequantize()).all())
+    >>> same = bool((w.dequantize() == q.dequantize()).all())
+    >>> w.payload.dtype, w.payload.shape, same
     (dtype(float8_e4m3fn), (1, 32), True)
   """
   if not q.fmt.packed or q.payload.dtype != jnp.uint8 or q.dequantized:

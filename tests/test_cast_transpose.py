@@ -182,6 +182,64 @@ def test_mx_copies_are_quantize_along_each_axis_bit_for_bit(fmt, rule):
   assert int(s[0, 0]) == 255  # the NaN's block
 
 
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("margin,pow2,dtype", [(0, True, jnp.bfloat16),
+                                               (2, False, jnp.float32)])
+def test_row_copies_are_quantize_along_each_axis_bit_for_bit(fmt, margin,
+                                                             pow2, dtype):
+  """Row-wise copies: scaled per row and per column (transposed), with
+  TE's rule, equal `scaling.quantize` along axis 1 and axis 0 bit for bit:
+  a NaN and an Inf row and column, a zero row, a column of values that
+  round to zero, overflow past the format's max."""
+  t = _data((192, 256), dtype).at[70, :].set(0.0).at[:, 200].set(1e-38)
+  spec = qlayers.scaling.QuantSpec(format=fmt, granularity="row",
+                                   margin=margin, pow2=pow2)
+  q, s, qt, st = ct.row_cast_transpose(t, fmt, margin=margin, pow2=pow2,
+                                       interpret=True)
+  rows, cols = (qlayers.scaling.quantize(t, spec, a) for a in (1, 0))
+  for got, want in ((q, rows.payload), (qt, cols.payload.T)):
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+  np.testing.assert_array_equal(np.asarray(s), np.asarray(rows.scale))
+  np.testing.assert_array_equal(np.asarray(st), np.asarray(cols.scale).T)
+  assert np.isnan(np.asarray(s[0, 0])) and float(s[70, 0]) == 1.0
+  with pytest.raises(ValueError, match="multiples of"):
+    ct.row_cast_transpose(t[:100], fmt, interpret=True)
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
+def test_rowwise_matmul_runs_the_pair_kernels_with_the_operands_bits(
+    monkeypatch, arch):
+  """fp8_rowwise traced for Hopper and Blackwell with the row-wise pair
+  kernels run in Pallas' interpreter on CPU: x, w and g each take one pair
+  (two kernels: the amaxes, then both copies), and the output and
+  gradients keep the unpaired matmul's bits."""
+  x = jax.random.normal(jax.random.key(1), (2, 64, 128), jnp.float32)
+  w = jax.random.normal(jax.random.key(2), (128, 256), jnp.float32) * 0.1
+
+  def loss(x, w):
+    y, _ = ops.quantized_matmul(x, w, "fp8_rowwise")
+    return jnp.sum(y * jnp.cos(y))
+
+  grad = jax.value_and_grad(loss, argnums=(0, 1))
+  want = grad(x, w)
+  monkeypatch.setattr(qlayers.operands, "lax", types.SimpleNamespace(
+      **{**vars(jax.lax), "platform_dependent":
+         lambda *args, cuda, **_: cuda(*args)}))
+  shapes, kernel = [], ct.row_cast_transpose
+
+  def interpreted(t, *args, **kw):
+    shapes.append(t.shape)
+    return kernel(t, *args, interpret=True, **kw)
+
+  monkeypatch.setattr(qlayers.operands.cast_transpose, "row_cast_transpose",
+                      interpreted)
+  with table.target_arch(arch):
+    got = grad(x, w)
+  assert shapes == [(128, 128), (128, 256), (128, 256)]  # x, w, then g
+  for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 @pytest.mark.parametrize("fmt,dtype", [("e2m3", jnp.bfloat16),
                                        ("e3m2", jnp.float32)])
 @pytest.mark.parametrize("rule", ["mx_rceil", "mx_floor"])
@@ -364,7 +422,8 @@ def test_mx_pair_for_blackwell_holds_operands_values():
     ("mxfp8", "sm_100", 3), ("mxfp4", "sm_100", 3), ("mxfp6", "sm_100", 3),
     ("mxfp6", "sm_90", 3),
     ("mxfp4_rht", "sm_100", 3),
-    ("deepseek_v3_ue8m0", "sm_100", 3), ("deepseek_v3", "sm_90", 3)])
+    ("deepseek_v3_ue8m0", "sm_100", 3), ("deepseek_v3", "sm_90", 3),
+    ("fp8_rowwise", "sm_90", 6), ("fp8_rowwise", "sm_100", 6)])
 def test_gpu_targeted_gemm_equals_the_cpu_one_on_cpu(recipe, arch, kernels):
   """Traced for a GPU target, a quantized matmul takes the operand pairs;
   run on CPU, its output and all gradients keep their bits."""
