@@ -22,6 +22,10 @@ by, so XLA keeps no per-operand kernel for either. Its values are those of
 compare bits); the transposed copy is handed to its GEMM as ``copy.T``, a
 view XLA lays out over the kernel's buffer, so no transpose pass is left.
 
+`row_cast_transpose` does it for row-wise FP8, whose copies are scaled per
+row and per column: one kernel finds both amaxes of each tile, a second
+writes the two copies.
+
 `mx_cast_transpose` does the same for MXFP8, whose two copies differ in
 more than layout: one has a scale per 32 elements of a row, the other per
 32 of a column. Each is otherwise a second pass over the wide tensor; the
