@@ -133,12 +133,12 @@ def pairable(t: jax.Array, last: Operand, first: Operand | None = None
   `qlayers.table.fp8_gemm_transposes`), DeepSeek-V3's 128 x 128 blocks.
   Two copies (``last`` along axis 1, ``first`` along axis 0, one spec):
   row-wise FP8 (TE's rule), MXFP8 with blocks of 32, DeepSeek-V3 tiles of
-  128, MXFP4 and MXFP6 (their
-  ``first`` the ``tn`` copy, of ``t.T``; MXFP6's payloads in E4M3,
-  `scaling.widened`). Block-scaled pairs on Hopper and Blackwell
-  (`_block_pairs`); rows of whole tiles, round to nearest (MXFP4: or
-  stochastic, and either copy of a Hadamard transform of up to 32 points),
-  and no mesh (the kernels have no partitioning rule). NVFP4 (from Hopper
+  128, MXFP4 and MXFP6 (their ``first`` the ``tn`` copy, of ``t.T``;
+  MXFP6's payloads in E4M3, `scaling.widened`). Row-wise and block-scaled
+  pairs on Hopper and Blackwell (`_block_pairs`); rows of whole tiles,
+  round to nearest (MXFP4: or stochastic, and either copy of a Hadamard
+  transform of up to 32 points), and no mesh (the kernels have no
+  partitioning rule). NVFP4 (from Hopper
   on): ``last`` along axis 1 and ``first`` the ``tn`` copy, optionally of
   the 16-point transform (1 x 16 tiles, x and g), or both of 16 x 16 blocks
   rounded to nearest (w).
@@ -231,8 +231,8 @@ def operand_pair(t: jax.Array, last: Operand, first: Operand | None = None,
   In one pass (`qlayers.cast_transpose`): per tensor, one cast writes the
   payload in both layouts; row-wise, one kernel writes the copy scaled per
   row and the one scaled per column (transposed), after one that finds both
-  amaxes; MXFP8 and UE8M0 tiles, one kernel writes both
-  block layouts and their scales; MXFP4, both packed copies and scales;
+  amaxes; MXFP8 and UE8M0 tiles, one kernel writes both block layouts and
+  their scales; MXFP4, both packed copies and scales;
   MXFP6, both copies with their FP6 values in E4M3 (`scaling.widened`; off
   NVIDIA GPUs `operand`'s copies widened, so the program's branches agree).
   The copy for ``first`` holds the transposed buffer seen as ``(M, C)`` (for
@@ -308,13 +308,13 @@ def operand_pair(t: jax.Array, last: Operand, first: Operand | None = None,
   if spec.fmt.packed:
     return _fp6_pair(t, last, first, dequantized)
 
-  def xla_mx(t):
+  def xla_copies(t):
     a, b = (scaling.quantize(_rows(t), spec, axis) for axis in (1, 0))
     a, b = (scaling.dequantized(q) if d else q
             for q, d in zip((a, b), dequantized))
     return a.payload, a.scale, b.payload.T, b.scale.T
 
-  def cuda_mx(t):
+  def cuda_copies(t):
     if spec.granularity == "row":
       return cast_transpose.row_cast_transpose(
           _rows(t), spec.fmt, margin=spec.margin, pow2=spec.pow2)
@@ -322,13 +322,14 @@ def operand_pair(t: jax.Array, last: Operand, first: Operand | None = None,
         _rows(t), spec.fmt, _block_rule(spec), block_size=spec.block_size,
         dequantized=dequantized)
 
-  p, s, pt, st = lax.platform_dependent(t, cuda=cuda_mx, default=xla_mx)
+  p, s, pt, st = lax.platform_dependent(t, cuda=cuda_copies,
+                                        default=xla_copies)
 
-  def mx(payload, scale, axis):
+  def copy(payload, scale, axis):
     return scaling.QTensor(payload, scale, spec.fmt.name, spec.granularity,
                            blocks.block_shape(rows, spec, axis), axis, rows,
                            dequantized=dequantized[1 - axis])
-  return mx(p, s, 1), mx(pt.T, st.T, 0)
+  return copy(p, s, 1), copy(pt.T, st.T, 0)
 
 
 def _kernel_state(state: ScaleState, algo: str):
