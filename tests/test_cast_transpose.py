@@ -206,18 +206,16 @@ def test_row_copies_are_quantize_along_each_axis_bit_for_bit(fmt, margin,
     ct.row_cast_transpose(t[:100], fmt, interpret=True)
 
 
-@pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
-def test_rowwise_matmul_runs_the_pair_kernels_with_the_operands_bits(
-    monkeypatch, arch):
-  """fp8_rowwise traced for Hopper and Blackwell with the row-wise pair
-  kernels run in Pallas' interpreter on CPU: x, w and g each take one pair
-  (two kernels: the amaxes, then both copies), and the output and
-  gradients keep the unpaired matmul's bits."""
+def _paired_against_unpaired(monkeypatch, recipe, arch, kernel, record):
+  """(unpaired, paired) value and gradients of a ``recipe`` matmul, the
+  paired one traced for ``arch`` with every pair's CUDA branch taken and
+  ``cast_transpose.<kernel>`` run in Pallas' interpreter on CPU;
+  ``record(t, args, kw)`` sees each of its calls."""
   x = jax.random.normal(jax.random.key(1), (2, 64, 128), jnp.float32)
   w = jax.random.normal(jax.random.key(2), (128, 256), jnp.float32) * 0.1
 
   def loss(x, w):
-    y, _ = ops.quantized_matmul(x, w, "fp8_rowwise")
+    y, _ = ops.quantized_matmul(x, w, recipe)
     return jnp.sum(y * jnp.cos(y))
 
   grad = jax.value_and_grad(loss, argnums=(0, 1))
@@ -225,16 +223,29 @@ def test_rowwise_matmul_runs_the_pair_kernels_with_the_operands_bits(
   monkeypatch.setattr(qlayers.operands, "lax", types.SimpleNamespace(
       **{**vars(jax.lax), "platform_dependent":
          lambda *args, cuda, **_: cuda(*args)}))
-  shapes, kernel = [], ct.row_cast_transpose
+  original = getattr(ct, kernel)
 
   def interpreted(t, *args, **kw):
-    shapes.append(t.shape)
-    return kernel(t, *args, interpret=True, **kw)
+    record(t, args, kw)
+    return original(t, *args, interpret=True, **kw)
 
-  monkeypatch.setattr(qlayers.operands.cast_transpose, "row_cast_transpose",
-                      interpreted)
+  monkeypatch.setattr(qlayers.operands.cast_transpose, kernel, interpreted)
   with table.target_arch(arch):
     got = grad(x, w)
+  return want, got
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
+def test_rowwise_matmul_runs_the_pair_kernels_with_the_operands_bits(
+    monkeypatch, arch):
+  """fp8_rowwise traced for Hopper and Blackwell with the row-wise pair
+  kernels run in Pallas' interpreter on CPU: x, w and g each take one pair
+  (two kernels: the amaxes, then both copies), and the output and
+  gradients keep the unpaired matmul's bits."""
+  shapes = []
+  want, got = _paired_against_unpaired(
+      monkeypatch, "fp8_rowwise", arch, "row_cast_transpose",
+      lambda t, args, kw: shapes.append(t.shape))
   assert shapes == [(128, 128), (128, 256), (128, 256)]  # x, w, then g
   for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -630,28 +641,11 @@ def test_mx_matmul_runs_the_pair_kernels_with_the_operands_bits(
   in E4M3; on Hopper the BF16 dequantized values where a GEMM reads them at
   once) hand the GEMMs the unpaired operands' values: output and gradients
   keep the unpaired matmul's bits."""
-  x = jax.random.normal(jax.random.key(1), (2, 64, 128), jnp.float32)
-  w = jax.random.normal(jax.random.key(2), (128, 256), jnp.float32) * 0.1
-
-  def loss(x, w):
-    y, _ = ops.quantized_matmul(x, w, recipe)
-    return jnp.sum(y * jnp.cos(y))
-
-  grad = jax.value_and_grad(loss, argnums=(0, 1))
-  want = grad(x, w)
-  monkeypatch.setattr(qlayers.operands, "lax", types.SimpleNamespace(
-      **{**vars(jax.lax), "platform_dependent":
-         lambda *args, cuda, **_: cuda(*args)}))
-  made, kernel = [], ct.mx_cast_transpose
-
-  def interpreted(t, fmt, rule, **kw):
-    made.append((formats.get_format(fmt).name, kw["dequantized"]))
-    return kernel(t, fmt, rule, interpret=True, **kw)
-
-  monkeypatch.setattr(qlayers.operands.cast_transpose, "mx_cast_transpose",
-                      interpreted)
-  with table.target_arch(arch):
-    got = grad(x, w)
+  made = []
+  want, got = _paired_against_unpaired(
+      monkeypatch, recipe, arch, "mx_cast_transpose",
+      lambda t, args, kw: made.append(
+          (formats.get_format(args[0]).name, kw["dequantized"])))
   # x, w, then g; dequantized where no MX tensor cores read them, but the
   # copies kept for the backward pass (x's for Wgrad, w's for Dgrad) stay
   # quantized.
