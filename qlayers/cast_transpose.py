@@ -107,6 +107,17 @@ def supported(shape: tuple[int, ...], fmt: Format) -> bool:
   return _fp8(fmt) and _whole_tiles(shape, TILE)
 
 
+def _fp8_tiles(name: str, t: jax.Array, fmt: Format | str) -> Format:
+  """``fmt`` as a `Format`, once `supported` says ``t`` and it are whole
+  tiles of an FP8 format; else a ValueError naming kernel ``name``."""
+  fmt = formats.get_format(fmt)
+  if not supported(t.shape, fmt):
+    raise ValueError(f"{name} takes a 2-D tensor whose dims are multiples "
+                     f"of {TILE} and an FP8 format; got {t.shape} and "
+                     f"{fmt.name}.")
+  return fmt
+
+
 def _payload_dtype(fmt: Format):
   """The dtype a kernel writes ``fmt``'s values in: its own (FP8), or E4M3
   for FP6, which holds every E2M3 and E3M2 value (the widened payload of
@@ -237,11 +248,7 @@ def cast_transpose(t: jax.Array, fmt: Format | str, *,
     >>> float(scale)
     2.0
   """
-  fmt = formats.get_format(fmt)
-  if not supported(t.shape, fmt):
-    raise ValueError(f"cast_transpose takes a 2-D tensor whose dims are "
-                     f"multiples of {TILE} and an FP8 format; got "
-                     f"{t.shape} and {fmt.name}.")
+  fmt = _fp8_tiles("cast_transpose", t, fmt)
   pl, plt = _pallas()
   one = pl.BlockSpec((1,), lambda i, j: (0,))
   inputs, in_specs = [], [one]
@@ -323,11 +330,7 @@ def row_cast_transpose(t: jax.Array, fmt: Format | str, *, margin: int = 0,
     >>> float(s[0, 0]), float(s[1, 0]), float(st[5, 0]), qt.shape
     (0.015625, 0.00390625, 0.015625, (128, 64))
   """
-  fmt = formats.get_format(fmt)
-  if not supported(t.shape, fmt):
-    raise ValueError(f"row_cast_transpose takes a 2-D tensor whose dims are "
-                     f"multiples of {TILE} and an FP8 format; got "
-                     f"{t.shape} and {fmt.name}.")
+  fmt = _fp8_tiles("row_cast_transpose", t, fmt)
   pl, plt = _pallas()
   rows, cols = t.shape
   grid, tile = (rows // TILE, cols // TILE), (TILE, TILE)
