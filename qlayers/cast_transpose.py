@@ -186,17 +186,24 @@ def _kernel(*refs, fmt: Format, margin: int, pow2: bool, delayed: bool,
     running = jnp.where(finite, jnp.maximum(running, a), running)
     stored = jnp.max(history_ref[...], keepdims=True)
     a = jnp.where(finite, jnp.where(stored > 0, stored, running), a)
+  q, scale = _te_copy(t_ref[...].astype(jnp.float32), jnp.reshape(a, (1, 1)),
+                      fmt, margin, pow2, interpret)
+  q_ref[...] = q
+  qt_ref[...] = q.T
+  s_ref[...] = jnp.reshape(scale, (1,))  # the same in every program
+
+
+def _te_copy(v, a, fmt: Format, margin: int, pow2: bool, interpret: bool):
+  """(payload, stored scale ``1 / s``) of FP32 ``v`` scaled by TE's
+  multiplier ``s`` of amax ``a`` (`scale_rules.unit_scales`, its divisions
+  the kernel's), ``a`` broadcasting against ``v``."""
   mult = scale_rules.te_multiplier(
       a, fmt, margin=margin, pow2=pow2,
       divide=functools.partial(_divide, interpret=interpret))
   # NaN for a non-finite amax, said explicitly: the kernel's min need not
   # propagate it.
   mult = jnp.where(jnp.isfinite(a), mult, jnp.nan)
-  q = _saturating_cast(
-      t_ref[...].astype(jnp.float32) * jnp.reshape(mult, (1, 1)), fmt)
-  q_ref[...] = q
-  qt_ref[...] = q.T
-  s_ref[...] = _divide(1.0, mult, interpret)  # the same in every program
+  return _saturating_cast(v * mult, fmt), _divide(1.0, mult, interpret)
 
 
 # Each kernel entry point is jitted with its settings static: a train step
@@ -298,14 +305,7 @@ def _row_kernel(r_ref, c_ref, t_ref, q_ref, s_ref, qt_ref, st_ref, *,
   for bits, out, scale, transposed in ((r_ref, q_ref, s_ref, False),
                                        (c_ref, qt_ref, st_ref, True)):
     a = blocks._amax_from_bits(bits[...], jnp.float32)  # noqa: SLF001
-    mult = scale_rules.te_multiplier(
-        a, fmt, margin=margin, pow2=pow2,
-        divide=functools.partial(_divide, interpret=interpret))
-    # NaN for a non-finite amax, said explicitly (the kernel's min need not
-    # propagate it).
-    mult = jnp.where(jnp.isfinite(a), mult, jnp.nan)
-    q = _saturating_cast(v * mult, fmt)
-    inverse = _divide(1.0, mult, interpret)
+    q, inverse = _te_copy(v, a, fmt, margin, pow2, interpret)
     out[...] = q.T if transposed else q
     scale[...] = inverse.T if transposed else inverse
 
