@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from qlayers import scaling
+from qlayers.block_scaled_dot import block_scaled_dot
 from qlayers.scaling import QTensor
 
 __all__ = ["FORMS", "scaled_dot_mx", "contraction_last", "as_mx",
@@ -338,28 +339,21 @@ def _e2m1(q: QTensor) -> jax.Array:
 
 
 def _nvfp4_cudnn(a, b, out_dtype, axes):
-  """E2M1 x E2M1 on sm_100 (NVFP4; MXFP4 as NVFP4, `as_nvfp4`):
-  ``jax.nn.scaled_matmul`` of the ``float4_e2m1fn`` payloads with E4M3
-  scales per 16, which XLA lowers to cuDNN's NVFP4 block-scaled GEMM, FP32
-  output; the per-tensor scales are one multiply of that output (XLA's
-  cuDNN block-scaled call takes no alpha), which XLA fuses with the cast
-  to ``out_dtype`` and with the output's consumers where it can. The
-  emulation rounds each block's ``e4m3 * S_dec`` to FP32 and this applies
-  ``S_dec_a * S_dec_b`` once: the two differ by FP32 rounding. MXFP4's
-  per-tensor scales are powers of two: its GEMM writes ``out_dtype`` and
-  the multiply after it is exact (BF16 has FP32's exponent range)."""
+  """E2M1 x E2M1 on sm_100 (NVFP4; MXFP4 as NVFP4, `as_nvfp4`): cuDNN's
+  NVFP4 block-scaled GEMM of the ``float4_e2m1fn`` payloads with E4M3
+  scales per 16, the per-tensor scales' product passed into it as its
+  global scale (`qlayers.block_scaled_dot`), so it writes ``out_dtype``
+  directly. That scale has the output's type: a BF16 output is scaled by
+  the product rounded to BF16, as `_fp8_folded`'s per-tensor FP8 GEMMs are
+  (within 2**-8 of the FP32 product: one factor on the whole
+  output); exact for MXFP4, whose per-tensor scales are powers of two, and
+  for an FP32 output."""
   del axes
   qa, qb = as_nvfp4(a), as_nvfp4(b)
-  alpha = qa.tensor_scale * qb.tensor_scale
-  pow2 = a.granularity == b.granularity == "mx"
-  pet = out_dtype if pow2 else jnp.float32
-  out = jax.nn.scaled_matmul(_e2m1(qa)[None], _e2m1(qb)[None],
-                             qa.block_scale[None], qb.block_scale[None],
-                             preferred_element_type=pet)[0]
-  out = out[:a.shape[1 - a.axis], :b.shape[1 - b.axis]]
-  if pow2:
-    return out * alpha.astype(out_dtype)
-  return (out * alpha).astype(out_dtype)
+  out = block_scaled_dot(_e2m1(qa)[None], _e2m1(qb)[None],
+                         qa.block_scale[None], qb.block_scale[None],
+                         qa.tensor_scale * qb.tensor_scale, out_dtype)[0]
+  return out[:a.shape[1 - a.axis], :b.shape[1 - b.axis]]
 
 
 def _ue8m0_scaled_dot(a, b, out_dtype, axes):

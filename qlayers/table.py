@@ -227,8 +227,8 @@ TABLE: tuple[Rule, ...] = (
          "MXFP4 as NVFP4 (forms.as_nvfp4: a block of 32 with E8M0 scale 2^k "
          "is two of 16 with E4M3 scale 2^(k-c) under a per-tensor 2^c, c = "
          "the largest k - 8) + cuDNN NVFP4 block-scaled GEMM (E2M1 x E2M1) "
-         "at the FP4 rate, the per-tensor scales one multiply of its output: "
-         "exact, but blocks more than 2^17 below the largest (values under "
+         "at the FP4 rate, the per-tensor scales its global scale: exact, "
+         "but blocks more than 2^17 below the largest (values under "
          "2^-17 of the amax) are flushed to zero; the pinned XLA (jaxlib "
          "0.10.2) turns MXFP4 with E8M0 scales into a BF16 dequantize",
          arch_ok=_MX_CORES),
@@ -245,10 +245,11 @@ TABLE: tuple[Rule, ...] = (
          "block-scaled GEMM: bit-identical to the emulation",
          arch_ok=_MX_CORES, pow2=True),
     Rule("cuda", "sm_100+", ("blockwise",), ("fp4",), "xla", "nvfp4_cudnn",
-         "jax.nn.scaled_matmul -> cuDNN's NVFP4 GEMM (block-scaled, E2M1 x "
-         "E2M1, the E4M3 scales per 16; a 16x16 weight block's repeated per "
-         "row) at the FP4 rate, the per-tensor FP32 scales one multiply of "
-         "its FP32 output (XLA's cuDNN call takes no alpha)",
+         "cuDNN's NVFP4 GEMM (block-scaled, E2M1 x E2M1, the E4M3 scales "
+         "per 16; a 16x16 weight block's repeated per row) at the FP4 rate, "
+         "the per-tensor scales' product its global scale (cuDNN's alpha, in "
+         "the output dtype: BF16 outputs are scaled by it rounded to BF16, "
+         "as per-tensor FP8 GEMMs are), output written in its final dtype",
          arch_ok=_MX_CORES, levels=True),
     Rule("cuda", "sm_100+", ("blockwise",), ("fp4",), "xla", "f32_dequant",
          "FP32 dequantize + TF32 dot: these NVFP4 operands were rebuilt "

@@ -14,6 +14,7 @@ import pytest
 
 import qlayers
 from qlayers import dispatch, forms, partition, scaling
+from qlayers.block_scaled_dot import block_scaled_dot
 
 # One compiled program per case (eager ops compile one by one).
 quantize = jax.jit(scaling.quantize, static_argnums=(1, 2))
@@ -113,18 +114,64 @@ def test_table_needs_the_levels_apart():
   assert dispatch.choose(ma, mb, "cuda", "sm_90").form == "bf16_dequant"
 
 
-def test_cudnn_output_dtype_nvfp4_f32_mxfp4_its_own():
-  """NVFP4's GEMM writes FP32 (its per-tensor scales are arbitrary FP32, one
-  rounding after them); MXFP4's writes BF16 directly (powers of two)."""
-  def lowered(name):
-    a, b = _operands(name, 0)
-    f = lambda a, b: forms.FORMS["nvfp4_cudnn"](a, b, jnp.bfloat16, (1, 1))  # noqa: E731
-    text = jax.jit(f).trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
-    call = [l for l in text.splitlines() if "__op$block_scaled_dot" in l]
-    assert len(call) == 1, text
-    return call[0].split("->")[-1].strip()
-  assert lowered("nvfp4").endswith("xf32>")
-  assert lowered("mxfp4").endswith("xbf16>")
+def _cudnn_call(name, out_dtype):
+  """The one block-scaled call the CUDA lowering of the form makes."""
+  a, b = _operands(name, 0)
+  f = lambda a, b: forms.FORMS["nvfp4_cudnn"](a, b, out_dtype, (1, 1))  # noqa: E731
+  text = jax.jit(f).trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
+  call = [l for l in text.splitlines() if "__op$block_scaled_dot" in l]
+  assert len(call) == 1, text
+  return call[0], text
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4"])
+def test_cudnn_takes_the_tensor_scales_and_writes_the_output_dtype(name):
+  """The per-tensor scales' product is the call's fifth operand (cuDNN's
+  global scale, in the output's type), so the GEMM writes BF16 itself and
+  nothing multiplies its output."""
+  call, text = _cudnn_call(name, jnp.bfloat16)
+  operands = call.split("->")[0].split(":")[-1]
+  assert operands.count("tensor<") == 5 and "tensor<bf16>)" in operands
+  assert call.strip().endswith("xbf16>")
+  after = text[text.index("__op$block_scaled_dot"):]
+  assert "stablehlo.multiply" not in after.split("return")[0]
+  call, _ = _cudnn_call(name, jnp.float32)   # Wgrad: FP32 out, FP32 scale
+  assert "tensor<f32>)" in call and call.strip().endswith("xf32>")
+
+
+def test_global_scale_rounds_to_the_output_dtype_once():
+  """The call's definition (its lowering off CUDA): the FP32 accumulator of
+  the block-scaled operands times the global scale in the output's type,
+  rounded once; a BF16 output is within 2**-8 (the scale's rounding) plus
+  one rounding of the FP32 one."""
+  a, b = _operands("nvfp4", 1)
+  qa, qb = as_nvfp4(a), as_nvfp4(b)
+  alpha = qa.tensor_scale * qb.tensor_scale
+  gemm = jax.jit(lambda a, b, g, dt: block_scaled_dot(  # noqa: E731
+      forms._e2m1(a)[None], forms._e2m1(b)[None], a.block_scale[None],
+      b.block_scale[None], g, dt)[0], static_argnums=3)
+  raw = np.asarray(gemm(qa, qb, jnp.float32(1.0), jnp.float32))
+  wide = np.asarray(gemm(qa, qb, alpha, jnp.float32))
+  got = np.asarray(gemm(qa, qb, alpha, jnp.bfloat16), np.float32)
+  scale = np.float32(jnp.asarray(alpha, jnp.bfloat16).astype(jnp.float32))
+  want = np.asarray(jnp.asarray(raw * scale).astype(jnp.bfloat16), np.float32)
+  np.testing.assert_array_equal(_bits(got), _bits(want))
+  np.testing.assert_array_equal(_bits(wide), _bits(raw * np.float32(alpha)))
+  np.testing.assert_allclose(got, wide, rtol=2.0**-7, atol=0)
+  assert scale != np.float32(alpha)  # the case the bound is about
+
+
+def test_block_scaled_dot_names_bad_operands():
+  e2m1, e4m3 = jnp.float4_e2m1fn, jnp.float8_e4m3fn
+  a, s = jnp.zeros((1, 4, 32), e2m1), jnp.zeros((1, 4, 2), e4m3)
+  with pytest.raises(TypeError, match="bfloat16, float16 or float32"):
+    block_scaled_dot(a, a, s, s, 1.0, jnp.int32)
+  with pytest.raises(ValueError, match=r"\(batch, m, k\)"):
+    block_scaled_dot(a[0], a[0], s, s, 1.0, jnp.bfloat16)
+  with pytest.raises(ValueError, match="scales"):
+    block_scaled_dot(a, a, s[:, :2], s, 1.0, jnp.bfloat16)
+  with pytest.raises(ValueError, match="scalar"):
+    block_scaled_dot(a, a, s, s, jnp.ones(2), jnp.bfloat16)
 
 
 def test_partitioned_gemm_carries_the_levels():
