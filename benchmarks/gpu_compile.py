@@ -1490,7 +1490,7 @@ def recipe_formats(name: str) -> dict:
 def hlo_path(item: dict) -> pathlib.Path:
   return pathlib.Path(item["hlo_dir"]) / (
       f"{item['target']}_{'triton' if item['triton'] else 'notriton'}_"
-      f"{item['program']}_{item['recipe']}.hlo")
+      f"{item['program']}_{pathlib.Path(item['recipe']).stem}.hlo")
 
 
 def analyse(text: str, item: dict, layers, cts) -> dict:
@@ -1852,7 +1852,8 @@ def main(argv=None) -> int:
   p.add_argument("--targets", default="h200,b200")
   p.add_argument("--triton", default="on,off",
                  help="Triton GEMMs: on, off or on,off")
-  p.add_argument("--recipes", default=",".join(RECIPES))
+  p.add_argument("--recipes", default=",".join(RECIPES),
+                 help="recipe names or recipe .toml files, comma-separated")
   p.add_argument("--programs", default=",".join(PROGRAMS))
   p.add_argument("--tokens", type=int, default=4096)
   p.add_argument("--in-features", type=int, default=4096)
@@ -1925,8 +1926,10 @@ def main(argv=None) -> int:
   targets = _csv(args.targets, TARGETS, "target")
   tritons = _csv(args.triton, ("on", "off"), "--triton value")
   from qlayers.recipe import available_recipes  # pylint: disable=g-import-not-at-top
-  recipes = _csv(args.recipes, tuple(dict.fromkeys(
-      RECIPES + tuple(available_recipes()))), "recipe")
+  known = tuple(dict.fromkeys(RECIPES + tuple(available_recipes())))
+  recipes = _csv(args.recipes, known + tuple(
+      r for r in args.recipes.split(",") if r.strip().endswith(".toml")
+      and pathlib.Path(r.strip()).is_file()), "recipe (or .toml file)")
   programs = _csv(args.programs, PROGRAMS, "program")
   targets_dir = pathlib.Path(args.targets_dir)
   for t in targets:

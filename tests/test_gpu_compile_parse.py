@@ -743,3 +743,20 @@ def test_block_presets_are_llama_shapes_with_gqa():
   assert state[0]["k"]["kernel"].shape == (64, 32) and x.shape == (1, 8, 64)
   with pytest.raises(ValueError, match="multiple of kv_heads"):
     gc.block_program("bf16", batch=1, seq=8, d=64, heads=4, kv_heads=3, ff=96)
+
+
+def test_recipe_files_are_taken_and_named_by_their_stem(tmp_path):
+  """``--recipes`` takes a recipe .toml beside the names; its optimized HLO
+  is kept under the file's stem. An unknown name still stops the run."""
+  toml = tmp_path / "fp8_current_bf16_wgrad.toml"
+  toml.write_text("[fprop]\nx = {}\n")
+  item = {"hlo_dir": str(tmp_path), "target": "h200", "triton": False,
+          "program": "layer", "recipe": str(toml)}
+  assert gc.hlo_path(item).name == "h200_notriton_layer_fp8_current_bf16_wgrad.hlo"
+  # Past the recipe check, the run stops at the missing target config.
+  with pytest.raises(SystemExit, match="not found; pass --targets-dir"):
+    gc.main(["--recipes", f"bf16,{toml}", "--targets", "h200",
+             "--targets-dir", str(tmp_path)])
+  with pytest.raises(SystemExit, match="unknown recipe"):
+    gc.main(["--recipes", f"bf16,{tmp_path / 'missing.toml'}",
+             "--targets", "h200", "--targets-dir", str(tmp_path)])

@@ -257,3 +257,31 @@ def test_recipes_are_found_by_name_or_path_only(tmp_path, monkeypatch):
   with pytest.raises(ValueError, match="Unknown recipe 'mine'"):
     qlayers.recipe("mine")
   assert qlayers.recipe(tmp_path / "mine.toml").name == "mine"
+
+
+def test_wgrad_out_dtype_bfloat16_rounds_the_weight_gradient():
+  """``[wgrad] out_dtype = "bfloat16"`` stores the weight gradient as a BF16
+  layer does (half the bytes the optimizer reads); the default is FP32."""
+  import dataclasses
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from flax import nnx
+  base = qlayers.recipe("fp8_current")
+  narrow = base.replace(wgrad=dataclasses.replace(base.wgrad,
+                                                  out_dtype="bfloat16"))
+  x = jax.random.normal(jax.random.key(0), (32, 64))
+
+  def kernel_grad(recipe):
+    layer = qlayers.QuantDense(64, 48, recipe=recipe, rngs=nnx.Rngs(1))
+    loss = lambda m, x: jnp.sum(m(x) ** 2)  # noqa: E731
+    _, grads = qlayers.value_and_grad(loss)(layer, x)
+    return np.asarray(grads["kernel"][...], np.float32)
+
+  wide, bf16 = kernel_grad(base), kernel_grad(narrow)
+  assert bf16.dtype == wide.dtype == np.float32
+  as_bf16 = np.asarray(jnp.asarray(bf16).astype(jnp.bfloat16), np.float32)
+  np.testing.assert_array_equal(bf16, as_bf16)       # BF16 values
+  assert (np.asarray(jnp.asarray(wide).astype(jnp.bfloat16), np.float32)
+          != wide).any()                              # the default is not
+  np.testing.assert_allclose(bf16, wide, rtol=2.0**-8, atol=0)
