@@ -6,9 +6,10 @@ per-tensor scales are then a multiply of its output, which must be written
 in FP32 to be exact. XLA's block-scaling rewriter also takes a fifth
 operand, a scalar "global scale" of the result's type, which it passes into
 the cuDNN graph when cuDNN is 9.13 or newer (older: a multiply after the
-call). `block_scaled_dot` binds that five-operand call: cuDNN multiplies its
-FP32 accumulator by the global scale and writes the output type once, as
-Transformer Engine's NVFP4 GEMM does with cuBLASLt's alpha.
+call). `block_scaled_dot` binds that five-operand call, so the scale is
+applied inside the GEMM and its output is written once, in its final type,
+as Transformer Engine's NVFP4 GEMM does with cuBLASLt's alpha. (Checked in
+XLA's optimized HLO for sm_100, not yet on a device.)
 
 The scale has the output's type, so a BF16 output is scaled by the scale
 rounded to BF16, as `qlayers.forms`' per-tensor FP8 GEMMs are (XLA folds
