@@ -285,3 +285,19 @@ def test_wgrad_out_dtype_bfloat16_rounds_the_weight_gradient():
   assert (np.asarray(jnp.asarray(wide).astype(jnp.bfloat16), np.float32)
           != wide).any()                              # the default is not
   np.testing.assert_allclose(bf16, wide, rtol=2.0**-8, atol=0)
+
+
+def test_benchmark_recipe_variants_differ_from_theirs_only_in_wgrad_dtype():
+  """benchmarks/recipes/NAME_bf16_wgrad.toml is NAME with BF16 weight
+  gradients (RESULTS.md, "What FP32 weight gradients cost")."""
+  import dataclasses
+  files = sorted((pathlib.Path(__file__).parent.parent / "benchmarks"
+                  / "recipes").glob("*_bf16_wgrad.toml"))
+  assert len(files) == 3
+  for f in files:
+    variant = qlayers.recipe(str(f))
+    base = qlayers.recipe(f.stem.removesuffix("_bf16_wgrad"))
+    assert variant.wgrad.out_dtype == "bfloat16" and base.wgrad.out_dtype is None
+    assert dataclasses.replace(variant, name=base.name,
+                               description=base.description,
+                               wgrad=base.wgrad) == base
