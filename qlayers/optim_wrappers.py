@@ -465,7 +465,10 @@ def mixed_precision(
     master_dtype: Params narrower than this get masters of it (None: none).
     moment_dtype: storage dtype of ``inner``'s floating state (None: as
       ``inner`` keeps it).
-    skip_nonfinite: skip steps whose gradients hold NaN/Inf.
+    skip_nonfinite: skip steps whose gradients hold NaN/Inf. The check
+      reads every gradient once (a reduction per matrix); compiling it
+      for a GPU adds about 0.2x of a small model's stock step
+      (benchmarks/RESULTS.md, "What the finiteness check costs").
     dynamic_loss_scale: unscale the gradients by a dynamic loss scale
       (needs ``skip_nonfinite``: an overflowing step must not be applied).
     init_loss_scale, growth_interval, growth_factor, backoff_factor: see
