@@ -21,6 +21,10 @@ by, so XLA keeps no per-operand kernel for either. Its values are those of
 `qlayers.formats.cast` (the CPU tests run it in Pallas' interpreter and
 compare bits); the transposed copy is handed to its GEMM as ``copy.T``, a
 view XLA lays out over the kernel's buffer, so no transpose pass is left.
+Blackwell's FP8 GEMM reads either layout of one copy; there
+``transpose=False`` writes that copy alone, the scale (and a delayed
+role's amax) still computed in the kernel rather than in XLA kernels of
+their own.
 
 `row_cast_transpose` does it for row-wise FP8, whose copies are scaled per
 row and per column: one kernel finds both amaxes of each tile, a second
@@ -171,11 +175,13 @@ def _divide(numerator: float, b, interpret: bool):
 
 
 def _kernel(*refs, fmt: Format, margin: int, pow2: bool, delayed: bool,
-            interpret: bool):
+            transpose: bool, interpret: bool):
+  *refs, s_ref = refs
+  qt_ref = refs.pop() if transpose else None
   if delayed:
-    amax_ref, history_ref, running_ref, t_ref, q_ref, qt_ref, s_ref = refs
+    amax_ref, history_ref, running_ref, t_ref, q_ref = refs
   else:
-    amax_ref, t_ref, q_ref, qt_ref, s_ref = refs
+    amax_ref, t_ref, q_ref = refs
   a = amax_ref[...]
   if not jnp.issubdtype(a.dtype, jnp.floating):
     # The max of t's magnitude bits (see `cast_transpose`): as blocks.amax.
@@ -189,7 +195,8 @@ def _kernel(*refs, fmt: Format, margin: int, pow2: bool, delayed: bool,
   q, scale = _te_copy(t_ref[...].astype(jnp.float32), jnp.reshape(a, (1, 1)),
                       fmt, margin, pow2, interpret)
   q_ref[...] = q
-  qt_ref[...] = q.T
+  if transpose:
+    qt_ref[...] = q.T
   s_ref[...] = jnp.reshape(scale, (1,))  # the same in every program
 
 
@@ -210,13 +217,13 @@ def _te_copy(v, a, fmt: Format, margin: int, pow2: bool, interpret: bool):
 # calls it once per operand of every layer, and jit traces and lowers one
 # kernel per shape instead of one per call.
 @functools.partial(jax.jit, static_argnames=("fmt", "margin", "pow2",
-                                             "interpret"))
+                                             "transpose", "interpret"))
 def cast_transpose(t: jax.Array, fmt: Format | str, *,
                    amax: jax.Array | None = None,
                    delayed: tuple[jax.Array, jax.Array] | None = None,
                    margin: int = 0, pow2: bool = False,
-                   interpret: bool = False
-                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                   transpose: bool = True, interpret: bool = False
+                   ) -> tuple[jax.Array, jax.Array | None, jax.Array]:
   """Per-tensor FP8 ``(q, q.T, scale)`` of ``t (R, C)``, in one pass.
 
   ``q`` is the saturating cast of ``t * s``, ``s`` Transformer Engine's
@@ -240,6 +247,9 @@ def cast_transpose(t: jax.Array, fmt: Format | str, *,
       kernel, so no XLA kernel reduces the history or picks between it and
       the running amax.
     margin, pow2: the spec's (`te_multiplier`).
+    transpose: False: ``q.T`` is not written (None in its place), for GPUs
+      whose FP8 GEMM reads either layout of one copy (Blackwell): the
+      kernel then only spares XLA's scale and history kernels.
     interpret: run in Pallas' interpreter (any platform; for tests).
       Otherwise the kernel is lowered for NVIDIA GPUs only.
 
@@ -277,20 +287,24 @@ def cast_transpose(t: jax.Array, fmt: Format | str, *,
     a = jnp.asarray(amax, jnp.float32)
   rows, cols = t.shape
   tile = (TILE, TILE)
+  copies = [((rows, cols), lambda i, j: (i, j))]
+  if transpose:
+    copies.append(((cols, rows), lambda i, j: (j, i)))
   call = pl.pallas_call(
       functools.partial(_kernel, fmt=fmt, margin=margin, pow2=pow2,
-                        delayed=delayed is not None, interpret=interpret),
+                        delayed=delayed is not None, transpose=transpose,
+                        interpret=interpret),
       grid=(rows // TILE, cols // TILE),
       in_specs=in_specs + [pl.BlockSpec(tile, lambda i, j: (i, j))],
-      out_specs=[pl.BlockSpec(tile, lambda i, j: (i, j)),
-                 pl.BlockSpec(tile, lambda i, j: (j, i)), one],
-      out_shape=[jax.ShapeDtypeStruct((rows, cols), fmt.dtype),
-                 jax.ShapeDtypeStruct((cols, rows), fmt.dtype),
-                 jax.ShapeDtypeStruct((1,), jnp.float32)],
+      out_specs=[pl.BlockSpec(tile, index) for _, index in copies] + [one],
+      out_shape=[jax.ShapeDtypeStruct(shape, fmt.dtype)
+                 for shape, _ in copies]
+      + [jax.ShapeDtypeStruct((1,), jnp.float32)],
       compiler_params=plt.CompilerParams(num_warps=4),
-      interpret=interpret, name="qlayers_cast_transpose")
-  q, qt, scale = call(jnp.reshape(a, (1,)), *inputs, t)
-  return q, qt, scale[0]
+      interpret=interpret,
+      name="qlayers_cast_transpose" if transpose else "qlayers_cast")
+  *outs, scale = call(jnp.reshape(a, (1,)), *inputs, t)
+  return outs[0], outs[1] if transpose else None, scale[0]
 
 
 def _row_amax_kernel(t_ref, r_ref, c_ref):

@@ -126,11 +126,12 @@ def pairable(t: jax.Array, last: Operand, first: Operand | None = None
              ) -> bool:
   """Whether `operand_pair` makes ``t``'s two copies in one pass here.
 
-  One copy in two layouts (``first`` None): per-tensor FP8 with
-  Transformer Engine's scale rule (the one the kernel computes) where the
-  program may run on an NVIDIA GPU whose FP8 GEMM takes only
-  contraction-minor operands (Hopper, Ada:
-  `qlayers.table.fp8_gemm_transposes`), DeepSeek-V3's 128 x 128 blocks.
+  One copy (``first`` None): per-tensor FP8 with Transformer Engine's scale
+  rule (the one the kernel computes) where the program may run on an
+  NVIDIA GPU with FP8 GEMMs, written in two layouts where that GEMM takes
+  only contraction-minor operands (Ada, Hopper:
+  `qlayers.table.fp8_gemm_transposes`) and in one on Blackwell, whose GEMM
+  reads either; DeepSeek-V3's 128 x 128 blocks in two layouts.
   Two copies (``last`` along axis 1, ``first`` along axis 0, one spec):
   row-wise FP8 (TE's rule), MXFP8 with blocks of 32, DeepSeek-V3 tiles of
   128, MXFP4 and MXFP6 (their ``first`` the ``tn`` copy, of ``t.T``;
@@ -166,8 +167,7 @@ def pairable(t: jax.Array, last: Operand, first: Operand | None = None
               and cast_transpose.mx_supported(rows, spec.fmt,
                                               spec.block_size))
     return (spec.granularity == "tensor" and spec.scale_rule == "te"
-            and table.fp8_gemm_transposes(arch)
-            and cast_transpose.supported(rows, spec.fmt))
+            and version >= 89 and cast_transpose.supported(rows, spec.fmt))
   if spec.fmt.bits == 4:  # MXFP4: the copy along axis 0 is t.T's (tn)
     supported = (cast_transpose.fp4_supported(rows, spec.fmt,
                                               spec.block_size,
@@ -229,7 +229,8 @@ def operand_pair(t: jax.Array, last: Operand, first: Operand | None = None,
   contracts the rows, made in one pass where `pairable` says so.
 
   In one pass (`qlayers.cast_transpose`): per tensor, one cast writes the
-  payload in both layouts; row-wise, one kernel writes the copy scaled per
+  payload in both layouts (in one on Blackwell, both GEMMs reading it, the
+  kernel computing the scale); row-wise, one kernel writes the copy scaled per
   row and the one scaled per column (transposed), after one that finds both
   amaxes; MXFP8 and UE8M0 tiles, one kernel writes both block layouts and
   their scales; MXFP4, both packed copies and scales;
@@ -278,11 +279,13 @@ def operand_pair(t: jax.Array, last: Operand, first: Operand | None = None,
                         last.axis, rows)
     return q, dataclasses.replace(q, payload=pt.T)
   if first is None:
+    transpose = table.fp8_gemm_transposes(table.gpu_arch("cuda"))
+
     def xla(t):
       a = blocks.amax(t) if amax is None else jnp.asarray(amax, jnp.float32)
       mult, scale = scale_rules.unit_scales(a, spec)
       p = _rows(formats.cast(t.astype(jnp.float32) * mult, spec.fmt))
-      return p, p.T, scale
+      return p, p.T if transpose else None, scale
 
     def cuda(t):  # the amax's last step and the scale in the kernel
       if delayed is not None:  # t's amax: `delayed_amax`'s reduction
@@ -290,14 +293,15 @@ def operand_pair(t: jax.Array, last: Operand, first: Operand | None = None,
         return cast_transpose.cast_transpose(
             _rows(t), spec.fmt, amax=bits,
             delayed=_kernel_state(*delayed), margin=spec.margin,
-            pow2=spec.pow2)
+            pow2=spec.pow2, transpose=transpose)
       return cast_transpose.cast_transpose(_rows(t), spec.fmt, amax=amax,
-                                           margin=spec.margin, pow2=spec.pow2)
+                                           margin=spec.margin, pow2=spec.pow2,
+                                           transpose=transpose)
 
     p, pt, scale = lax.platform_dependent(t, cuda=cuda, default=xla)
     q = scaling.QTensor(p, scale, spec.fmt.name, "tensor", None, last.axis,
                         rows)
-    return q, dataclasses.replace(q, payload=pt.T)
+    return q, q if pt is None else dataclasses.replace(q, payload=pt.T)
 
   if spec.scale_rule == "nvfp4":
     return _nvfp4_pair(t, last, first, keys)

@@ -114,6 +114,23 @@ def test_delayed_scale_is_delayed_amax_bit_for_bit(fmt, margin, pow2):
                       interpret=True)
 
 
+def test_one_layout_is_the_first_of_the_two_bit_for_bit():
+  """``transpose=False`` (Blackwell) writes the same copy and scale, and no
+  transposed one, from the data's amax or a delayed role's state."""
+  t = _data((128, 192), jnp.bfloat16)
+  finite = t.at[0, 0].set(1.0).at[1, 3].set(2.0).at[2, 5].set(3.0)
+  for data, delayed in [(finite, None), (t, None),
+                        (finite, (jnp.asarray(_STATES[3][0], jnp.float32),
+                                  jnp.float32(_STATES[3][1])))]:
+    two = ct.cast_transpose(data, "e4m3", delayed=delayed, interpret=True)
+    q, none, scale = ct.cast_transpose(data, "e4m3", delayed=delayed,
+                                       transpose=False, interpret=True)
+    assert none is None
+    np.testing.assert_array_equal(_bits(q), _bits(two[0]))
+    np.testing.assert_array_equal(np.float32(scale).view(np.uint32),
+                                  np.float32(two[2]).view(np.uint32))
+
+
 def test_refuses_what_it_cannot_cast():
   assert ct.supported((64, 128), formats.get_format("e4m3"))
   assert not ct.supported((64, 100), formats.get_format("e4m3"))
@@ -154,7 +171,12 @@ def test_pair_for_a_gpu_holds_the_same_values_and_lowers_to_the_kernel():
   assert "qlayers_cast_transpose" in cuda
   with table.target_arch("sm_100"):  # Blackwell's FP8 GEMM takes any layout
     last, first = operand_pair(t, Operand(_spec(), 1))
-  assert last is first
+    cuda = jax.jit(lambda t: operand_pair(t, Operand(_spec(), 1))).trace(
+        t).lower(lowering_platforms=("cuda",)).as_text()
+  assert last is first  # one copy, the kernel's, in one layout
+  np.testing.assert_array_equal(_bits(last.payload), _bits(ref.payload))
+  assert cuda.count("__gpu$xla.gpu.triton") == 1
+  assert "qlayers_cast" in cuda and "qlayers_cast_transpose" not in cuda
 
 
 @pytest.mark.parametrize("shape", [(2, 64, 100), (2, 64, 128)])
