@@ -1,15 +1,15 @@
-"""A block-scaled GEMM whose per-tensor scale is applied inside cuDNN.
+"""cuDNN's block-scaled GEMM, with its per-tensor scale applied inside it.
 
-``jax.nn.scaled_matmul`` lowers on CUDA to XLA's ``__op$block_scaled_dot``
-with four operands (two payloads, two block-scale arrays); an NVFP4 GEMM's
-per-tensor scales are then a multiply of its output, which must be written
-in FP32 to be exact. XLA's block-scaling rewriter also takes a fifth
-operand, a scalar "global scale" of the result's type, which it passes into
-the cuDNN graph when cuDNN is 9.13 or newer (older: a multiply after the
-call). `block_scaled_dot` binds that five-operand call, so the scale is
-applied inside the GEMM and its output is written once, in its final type,
-as Transformer Engine's NVFP4 GEMM does with cuBLASLt's alpha. (Checked in
-XLA's optimized HLO for sm_100, not yet on a device.)
+XLA's ``__op$block_scaled_dot`` custom call takes two payloads and their
+block scales (MX: E8M0 per 32 elements, NVFP4: E4M3 per 16), and a fifth
+operand, a scalar "global scale" of the result's type, which XLA's
+block-scaling rewriter passes into the cuDNN graph when cuDNN is 9.13 or
+newer (older: a multiply after the call). `block_scaled_dot` binds that call
+with or without the fifth operand: the MX GEMMs have no per-tensor scale,
+and an NVFP4 GEMM's per-tensor scales are applied inside it, so its output
+is written once, in its final type, as Transformer Engine's NVFP4 GEMM does
+with cuBLASLt's alpha. (Checked in XLA's optimized HLO for sm_100, not yet
+on a device.)
 
 The scale has the output's type, so a BF16 output is scaled by the scale
 rounded to BF16, as `qlayers.forms`' per-tensor FP8 GEMMs are (XLA folds
@@ -18,7 +18,8 @@ cuBLASLt the same way); exact for power-of-two scales.
 
 On other platforms the primitive lowers to its definition: each payload
 times its block scales (repeated along K), an FP32 dot, the global scale,
-one rounding to the output type.
+one rounding to the output type. So the sm_100 GEMM forms run on CPU as
+they are, and tests compare them with the emulation bit for bit.
 """
 
 from __future__ import annotations
@@ -39,12 +40,12 @@ __all__ = ["block_scaled_dot"]
 _p = jcore.Primitive("qlayers_block_scaled_dot")
 
 # XLA's custom-call target (xla/service/gpu/cublas_cudnn.h,
-# kBlockScaledDotCustomCallTarget), as `jax.nn.scaled_matmul` emits it.
+# kBlockScaledDotCustomCallTarget), the one `jax.nn.scaled_matmul` emits.
 _TARGET = "__op$block_scaled_dot"
 
 
 def block_scaled_dot(a: jax.Array, b: jax.Array, a_scale: jax.Array,
-                     b_scale: jax.Array, global_scale: jax.Array,
+                     b_scale: jax.Array, global_scale: jax.Array | None,
                      out_dtype) -> jax.Array:
   """``(a * a_scale) @ (b * b_scale).T * global_scale`` per batch, in
   ``out_dtype``, FP32 accumulation.
@@ -55,7 +56,7 @@ def block_scaled_dot(a: jax.Array, b: jax.Array, a_scale: jax.Array,
     a_scale, b_scale: ``(batch, m, k // block)`` / ``(batch, n, k //
       block)`` block scales (E4M3 for NVFP4, E8M0 for MX).
     global_scale: a scalar, cast to ``out_dtype`` (the type XLA's call
-      takes).
+      takes), or None: no per-tensor scale (MX), four operands.
     out_dtype: BF16, F16 or F32.
 
   Example:
@@ -78,6 +79,8 @@ def block_scaled_dot(a: jax.Array, b: jax.Array, a_scale: jax.Array,
     if s.shape[:2] != x.shape[:2] or s.ndim != 3 or x.shape[2] % s.shape[2]:
       raise ValueError(f"block_scaled_dot needs scales (batch, rows, k // "
                        f"block) for a payload {x.shape}, got {s.shape}")
+  if global_scale is None:
+    return _p.bind(a, b, a_scale, b_scale, out_dtype=out_dtype)
   if jnp.shape(global_scale) != ():
     raise ValueError(f"block_scaled_dot's global scale is a scalar, got shape "
                      f"{jnp.shape(global_scale)}")
@@ -87,12 +90,12 @@ def block_scaled_dot(a: jax.Array, b: jax.Array, a_scale: jax.Array,
 
 
 @_p.def_abstract_eval
-def _abstract(a, b, a_scale, b_scale, global_scale, *, out_dtype):
-  del a_scale, b_scale, global_scale
+def _abstract(a, b, *scales, out_dtype):
+  del scales
   return jax.core.ShapedArray((a.shape[0], a.shape[1], b.shape[1]), out_dtype)
 
 
-def _definition(a, b, a_scale, b_scale, global_scale, *, out_dtype):
+def _definition(a, b, a_scale, b_scale, *global_scale, out_dtype):
   def wide(x, s):
     block = x.shape[2] // s.shape[2]
     return x.astype(jnp.float32) * jnp.repeat(s.astype(jnp.float32), block,
@@ -100,17 +103,18 @@ def _definition(a, b, a_scale, b_scale, global_scale, *, out_dtype):
   out = lax.dot_general(wide(a, a_scale), wide(b, b_scale),
                         (((2,), (2,)), ((0,), (0,))),
                         preferred_element_type=jnp.float32)
-  return (out * global_scale.astype(jnp.float32)).astype(out_dtype)
+  for scale in global_scale:
+    out = out * scale.astype(jnp.float32)
+  return out.astype(out_dtype)
 
 
-def _lower_cuda(ctx, a, b, a_scale, b_scale, global_scale, *, out_dtype):
+def _lower_cuda(ctx, *operands, out_dtype):
   (aval,) = ctx.avals_out
   result = ir.RankedTensorType.get(aval.shape,
                                    mlir.dtype_to_ir_type(aval.dtype))
   layout = lambda n: ir.DenseIntElementsAttr.get(  # noqa: E731
       np.arange(n - 1, -1, -1, dtype=np.int64),
       type=ir.IndexType.get())
-  operands = (a, b, a_scale, b_scale, global_scale)
   op = stablehlo.CustomCallOp(
       [result], operands, call_target_name=_TARGET,
       operand_layouts=ir.ArrayAttr.get(

@@ -226,18 +226,19 @@ def contraction_last(q: QTensor) -> QTensor:
 
 
 def _mx_cudnn(a, b, out_dtype, axes):
-  """MX on sm_100: ``jax.nn.scaled_matmul`` on 3-D contraction-last
-  operands with E8M0 scales, which XLA lowers to cuDNN's block-scaled GEMM
-  (with Triton GEMMs on or off; ``lax.scaled_dot`` fails with them off).
-  FP6/FP4 payloads are widened to E4M3 first (`qlayers.scaling.widened`,
-  unless the operand was made so): the pinned XLA sends no MXFP4 to cuDNN
-  and cannot compile FP6 operands."""
+  """MX on sm_100: XLA's block-scaled dot (`qlayers.block_scaled_dot`, no
+  global scale) of 3-D contraction-last operands with E8M0 scales, which
+  XLA lowers to cuDNN's block-scaled GEMM (with Triton GEMMs on or off;
+  ``lax.scaled_dot`` fails with them off). FP6/FP4 payloads are widened to
+  E4M3 first (`qlayers.scaling.widened`, unless the operand was made so):
+  the pinned XLA sends no MXFP4 to cuDNN and cannot compile FP6 operands."""
   del axes
   qa, qb = (scaling.widened(contraction_last(q)) for q in (a, b))
   e8m0 = lambda q: lax.bitcast_convert_type(q.scale, jnp.float8_e8m0fnu)[None]  # noqa: E731
-  pet = jnp.float32 if jnp.dtype(out_dtype) == jnp.float32 else out_dtype
-  out = jax.nn.scaled_matmul(qa.payload[None], qb.payload[None],
-                             e8m0(qa), e8m0(qb), preferred_element_type=pet)[0]
+  pet = (out_dtype if jnp.dtype(out_dtype) in (jnp.bfloat16, jnp.float16)
+         else jnp.float32)
+  out = block_scaled_dot(qa.payload[None], qb.payload[None], e8m0(qa),
+                         e8m0(qb), None, pet)[0]
   return out[:a.shape[1 - a.axis], :b.shape[1 - b.axis]].astype(out_dtype)
 
 

@@ -221,7 +221,8 @@ TABLE: tuple[Rule, ...] = (
          "cuBLASLt VEC128_32F / BLK128x128_32F block-scaled FP8 (sm_90, "
          "cuBLAS >= 12.9): XLA has no blockwise route", arch_ok=_HOPPER),
     Rule("cuda", "sm_100+", ("mx",), ("fp8",), "xla", "mx_cudnn",
-         "jax.nn.scaled_matmul -> cuDNN block-scaled MXFP8 GEMM",
+         "XLA's block-scaled dot (qlayers.block_scaled_dot) -> cuDNN "
+         "block-scaled MXFP8 GEMM",
          arch_ok=_MX_CORES),
     Rule("cuda", "sm_100+", ("mx",), ("fp4",), "xla", "nvfp4_cudnn",
          "MXFP4 as NVFP4 (forms.as_nvfp4: a block of 32 with E8M0 scale 2^k "
@@ -236,8 +237,8 @@ TABLE: tuple[Rule, ...] = (
          "FP6 (and FP4 beside FP6/FP8) payloads widened exactly to E4M3 "
          "(every E2M1, E2M3 and E3M2 value is one) + cuDNN MXFP8 "
          "block-scaled GEMM, at the FP8 (= FP6) MMA rate: the pinned XLA "
-         "(jaxlib 0.10.2) fails to compile FP6 operands of "
-         "jax.nn.scaled_matmul ('Invalid bitcast i6 to i8')",
+         "(jaxlib 0.10.2) fails to compile FP6 operands of its "
+         "block-scaled dot ('Invalid bitcast i6 to i8')",
          arch_ok=_MX_CORES),
     Rule("cuda", "sm_100+", ("blockwise",), ("fp8",), "xla", "ue8m0_cudnn",
          "UE8M0 tiles/blocks as MXFP8 (a 1x128 tile scale is four equal "

@@ -3,8 +3,8 @@
 DeepSeek-V3 tiles/blocks with UE8M0 scales become MXFP8 operands of cuDNN's
 block-scaled GEMM on sm_100 (`forms.as_mx`), FP6/FP4 payloads are widened to
 E4M3 for it, and OCP FP8 payloads become FNUZ on gfx942 (`forms.to_fnuz`).
-``jax.nn.scaled_matmul`` has no CPU lowering, so its documented semantics
-stand in for it here.
+The sm_100 forms run here as they are: `qlayers.block_scaled_dot` lowers to
+its definition off CUDA.
 """
 
 import jax
@@ -12,7 +12,6 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from jax import lax
 
 import qlayers
 from qlayers import formats
@@ -25,17 +24,6 @@ BLOCK = S.QuantSpec(granularity="block", scale_rule="deepseek", pow2=True)
 
 def _bits(x):
   return np.asarray(x, np.float32).view(np.uint32)
-
-
-def _scaled_matmul(a, b, sa, sb, preferred_element_type=jnp.float32):
-  """``jax.nn.scaled_matmul`` as its docstring defines it, in FP32."""
-  def scaled(v, s):
-    return v.astype(jnp.float32) * jnp.repeat(
-        s.astype(jnp.float32), v.shape[-1] // s.shape[-1], axis=-1)
-  return jnp.einsum("BMK,BNK->BMN", scaled(a, sa), scaled(b, sb),
-                    precision=lax.Precision.HIGHEST,
-                    preferred_element_type=jnp.float32
-                    ).astype(preferred_element_type)
 
 
 def _operands(m, k, n):
@@ -71,11 +59,10 @@ def test_mx_codes_are_the_scale_exponents_and_nan_stays_nan():
     forms.as_mx(S.quantize(x, S.QuantSpec(granularity="mx"), 1))
 
 
-def test_cudnn_route_equals_the_emulation_bit_for_bit(monkeypatch):
-  """Every GEMM of the recipe through the sm_100 form (scaled_matmul
-  emulated) equals the CPU emulation bit for bit (whole tiles: the same sum
-  order), in FP32 and BF16 outputs."""
-  monkeypatch.setattr(jax.nn, "scaled_matmul", _scaled_matmul)
+def test_cudnn_route_equals_the_emulation_bit_for_bit():
+  """Every GEMM of the recipe through the sm_100 form equals the CPU
+  emulation bit for bit (whole tiles: the same sum order), in FP32 and BF16
+  outputs."""
 
   @jax.jit
   def products():
@@ -99,7 +86,7 @@ def test_recipe_scales_are_powers_of_two():
 
 
 @pytest.mark.parametrize("fmt", ["e2m1", "e2m3", "e3m2"])
-def test_widened_mx_payload_is_exact(fmt, monkeypatch):
+def test_widened_mx_payload_is_exact(fmt):
   """FP6/FP4 payloads widened to E4M3 for cuDNN keep every value; the GEMM
   of the widened operands is the FP32 emulation's, bit for bit."""
   spec = S.QuantSpec(format=fmt, granularity="mx")
@@ -111,7 +98,6 @@ def test_widened_mx_payload_is_exact(fmt, monkeypatch):
   assert wide.dtype == jnp.float8_e4m3fn
   np.testing.assert_array_equal(_bits(wide[0].astype(jnp.float32)),
                                 _bits(values))
-  monkeypatch.setattr(jax.nn, "scaled_matmul", _scaled_matmul)
 
   @jax.jit
   def products(x, w):
