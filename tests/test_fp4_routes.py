@@ -161,6 +161,29 @@ def test_global_scale_rounds_to_the_output_dtype_once():
   assert scale != np.float32(alpha)  # the case the bound is about
 
 
+def test_mx_call_has_four_operands_and_the_mx_values():
+  """Without a global scale (MX) the call has four operands, and off CUDA
+  its definition is each payload times its E8M0 block scales, an FP32
+  dot, one rounding."""
+  e8m0 = jnp.float8_e8m0fnu
+  a = jax.random.normal(jax.random.key(0), (1, 8, 64)).astype(
+      jnp.float8_e4m3fn)
+  b = jax.random.normal(jax.random.key(1), (1, 16, 64)).astype(
+      jnp.float8_e5m2)
+  sa = jnp.full((1, 8, 2), 2.0**-3, e8m0).at[0, 1, 1].set(2.0**5)
+  sb = jnp.full((1, 16, 2), 2.0**4, e8m0)
+  f = lambda a, b, sa, sb: block_scaled_dot(a, b, sa, sb, None,  # noqa: E731
+                                            jnp.float32)
+  text = jax.jit(f).trace(a, b, sa, sb).lower(
+      lowering_platforms=("cuda",)).as_text()
+  call, = [l for l in text.splitlines() if "__op$block_scaled_dot" in l]
+  assert call.split("->")[0].split(":")[-1].count("tensor<") == 4
+  wide = lambda x, s: (np.asarray(x, np.float32)  # noqa: E731
+                       * np.repeat(np.asarray(s, np.float32), 32, axis=2))
+  want = np.einsum("bmk,bnk->bmn", wide(a, sa), wide(b, sb))
+  np.testing.assert_allclose(np.asarray(f(a, b, sa, sb)), want, rtol=1e-6)
+
+
 def test_block_scaled_dot_names_bad_operands():
   e2m1, e4m3 = jnp.float4_e2m1fn, jnp.float8_e4m3fn
   a, s = jnp.zeros((1, 4, 32), e2m1), jnp.zeros((1, 4, 2), e4m3)
