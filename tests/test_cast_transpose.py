@@ -480,12 +480,15 @@ def test_gpu_targeted_gemm_equals_the_cpu_one_on_cpu(recipe, arch, kernels):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
 @pytest.mark.parametrize("algo", ["max", "most_recent"])
-def test_delayed_pairs_run_the_kernel_on_the_roles_state(monkeypatch, algo):
-  """fp8_delayed traced for Hopper, with the pair kernels run in Pallas'
-  interpreter on CPU: each kernel takes its own role's history and running
-  amax, and output, gradients and state keep the bits of the unpaired
-  matmul, on the first step and on one whose history decides."""
+def test_delayed_pairs_run_the_kernel_on_the_roles_state(monkeypatch, algo,
+                                                         arch):
+  """fp8_delayed traced for Hopper (two layouts) and Blackwell (one), with
+  the kernels run in Pallas' interpreter on CPU: each kernel takes its own
+  role's history and running amax, and output, gradients and state keep
+  the bits of the unpaired matmul, on the first step and on one whose
+  history decides."""
   def kernel_branch(*args, cuda, **_):
     return cuda(*args)
 
@@ -494,7 +497,7 @@ def test_delayed_pairs_run_the_kernel_on_the_roles_state(monkeypatch, algo):
   calls, kernel = [], ct.cast_transpose
 
   def interpreted(*args, delayed=None, **kw):
-    calls.append(delayed is not None)
+    calls.append((delayed is not None, kw.get("transpose", True)))
     return kernel(*args, delayed=delayed, interpret=True, **kw)
 
   monkeypatch.setattr(qlayers.operands.cast_transpose, "cast_transpose",
@@ -519,9 +522,9 @@ def test_delayed_pairs_run_the_kernel_on_the_roles_state(monkeypatch, algo):
   for state in (first, later):
     want = grad(x, w, state)
     calls.clear()
-    with table.target_arch("sm_90"):
+    with table.target_arch(arch):
       got = grad(x, w, state)
-    assert calls == [True] * 3  # x, w, then g
+    assert calls == [(True, arch == "sm_90")] * 3  # x, w, then g
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
