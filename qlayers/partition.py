@@ -280,6 +280,9 @@ def _plan(ma: _Meta, mb: _Meta, mesh, arg_shapes, result_shape) -> _Plan:
   return _Plan(k, m, n, tuple(scatter))
 
 
+_NO_MESH = jax.sharding.AbstractMesh((), ())
+
+
 def _partition(ma, mb, axes, out_dtype, local, mesh, arg_shapes,
                result_shape):
   plan = _plan(ma, mb, mesh, arg_shapes, result_shape)
@@ -303,6 +306,12 @@ def _partition(ma, mb, axes, out_dtype, local, mesh, arg_shapes,
   eb = shard_elements(mb, plan.k, plan.n)
 
   def lower(a_payload, a_scale, b_payload, b_scale, *levels):
+    # Traced when XLA compiles, maybe under the caller's `jax.set_mesh`
+    # (jax >= 0.11 keeps it); the shards are local, so no mesh.
+    with jax.sharding.use_abstract_mesh(_NO_MESH):
+      return local_gemm(a_payload, a_scale, b_payload, b_scale, *levels)
+
+  def local_gemm(a_payload, a_scale, b_payload, b_scale, *levels):
     qa = ma.qtensor(a_payload, a_scale, ea, levels[:2])
     qb = mb.qtensor(b_payload, b_scale, eb, levels[2:])
     if not plan.k:
