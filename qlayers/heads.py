@@ -91,8 +91,13 @@ class _Flow:
       self.fed.update(src)
       return [(None, frozenset({layer}))] * n
     if name == "scan":
-      return self._loop(p["jaxpr"].jaxpr, vals, p["num_consts"],
-                        p["num_carry"])
+      body = getattr(p["jaxpr"], "jaxpr", p["jaxpr"])
+      if "num_consts" in p:
+        first, n_carry = p["num_consts"], p["num_carry"]
+      else:  # jax >= 0.11: the flat inputs as groups (consts, carry, xs)
+        consts, carry, _ = p["ft_in"].unpack()
+        first, n_carry = len(consts), len(carry)
+      return self._loop(body, vals, first, n_carry)
     if name == "while":
       body = vals[p["cond_nconsts"]:]
       return self._loop(p["body_jaxpr"].jaxpr, body, p["body_nconsts"], n)
