@@ -50,6 +50,9 @@ def target_arch(arch: str) -> Iterator[None]:
   """GEMMs traced inside are chosen for GPU ``arch`` (``"sm_90"``, ``"sm_100"``,
   ``"gfx942"``, ``"gfx950"``): for compiling for a GPU that is not attached.
   The target is part of jax's cache keys, so jitted functions retrace.
+  Where no GPU is attached and no mesh is set, its GPU is also jax's
+  abstract device (``jax.sharding.AbstractMesh(abstract_device=...)``),
+  which jax >= 0.11 needs to lower the Pallas kernels for it.
 
   Example:
     >>> with target_arch("sm_100"):
@@ -59,8 +62,29 @@ def target_arch(arch: str) -> Iterator[None]:
   if not _ARCH.match(arch):
     raise ValueError(f"Unknown GPU architecture {arch!r}; expected e.g. "
                      "'sm_90', 'sm_100', 'gfx942' or 'gfx950'.")
-  with _TARGET(arch):
+  with _TARGET(arch), _abstract_gpu(arch):
     yield
+
+
+# A GPU of each generation by the name jax knows it (jax >= 0.11 lowers a
+# Pallas kernel for the GPU its abstract device names, when none is attached).
+_GPU_KIND = {"sm_80": "NVIDIA A100", "sm_89": "NVIDIA L4",
+             "sm_90": "NVIDIA H100", "sm_100": "NVIDIA B200",
+             "sm_103": "NVIDIA B300", "sm_120": "NVIDIA RTX PRO 6000"}
+
+
+def _abstract_gpu(arch: str):
+  """Names ``arch``'s GPU as jax's abstract device, where no GPU is attached
+  and no mesh is set (a mesh's own device stays)."""
+  kind = arch if arch.startswith("gfx") else _GPU_KIND.get(arch)
+  if (kind is None or not jax.sharding.get_abstract_mesh().empty
+      or not hasattr(jax.sharding, "AbstractDevice")
+      or jax.default_backend() != "cpu"):
+    return contextlib.nullcontext()
+  device = jax.sharding.AbstractDevice(device_kind=kind, num_cores=None,
+                                       platform="gpu")
+  return jax.sharding.use_abstract_mesh(
+      jax.sharding.AbstractMesh((), (), abstract_device=device))
 
 
 def targets_gpu() -> bool:

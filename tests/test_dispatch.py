@@ -174,11 +174,20 @@ def test_gpu_arch_follows_the_target_then_the_environment(monkeypatch):
   monkeypatch.setenv("QLAYERS_GPU_ARCH", "gfx950")
   assert dispatch.gpu_arch("rocm") == "gfx950"
   assert dispatch.gpu_arch("cuda") is None  # no CUDA device here
+  device = lambda: jax.sharding.get_abstract_mesh().abstract_device  # noqa: E731
   with dispatch.target_arch("sm_100"):
     assert dispatch.gpu_arch("cuda") == "sm_100"
+    assert device().device_kind == "NVIDIA B200"  # for Pallas' lowering
     with dispatch.target_arch("sm_90"):
       assert dispatch.gpu_arch("cuda") == "sm_90"
+      assert device().device_kind == "NVIDIA H100"
     assert dispatch.gpu_arch("cuda") == "sm_100"
+    assert device().device_kind == "NVIDIA B200"
+  assert device() is None
+  with jax.set_mesh(jax.make_mesh((1,), ("data",))):  # a mesh stays as set
+    mesh = jax.sharding.get_abstract_mesh()
+    with dispatch.target_arch("gfx950"):
+      assert jax.sharding.get_abstract_mesh() == mesh
   with pytest.raises(ValueError, match="Unknown GPU architecture"):
     with dispatch.target_arch("hopper"):
       pass
