@@ -18,6 +18,8 @@ def pytest_configure(config):
       "ignore::DeprecationWarning:google.protobuf.*",
       "ignore::DeprecationWarning:tunix.*",
       "ignore:.*jax.tree_util.register_keypaths.*:DeprecationWarning",
+      # jax >= 0.11 lowering the one-pass kernels for CUDA (Pallas on Triton).
+      "ignore:The Pallas Triton backend is deprecated:DeprecationWarning",
   ):
     config.addinivalue_line("filterwarnings", pattern)
 
