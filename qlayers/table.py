@@ -78,7 +78,6 @@ def _abstract_gpu(arch: str):
   and no mesh is set (a mesh's own device stays)."""
   kind = arch if arch.startswith("gfx") else _GPU_KIND.get(arch)
   if (kind is None or not jax.sharding.get_abstract_mesh().empty
-      or not hasattr(jax.sharding, "AbstractDevice")
       or jax.default_backend() != "cpu"):
     return contextlib.nullcontext()
   device = jax.sharding.AbstractDevice(device_kind=kind, num_cores=None,
