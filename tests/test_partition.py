@@ -94,6 +94,40 @@ def test_k_split_into_partial_mx_blocks_is_gathered():
   assert (a, b) == (P(None, "fsdp"), P("fsdp", None))
 
 
+def test_local_gemm_is_traced_without_the_callers_mesh(monkeypatch):
+  """XLA calls the rule's lowering while compiling, and jax 0.11 does so
+  under the caller's `jax.set_mesh`. The local GEMM works on shards: under
+  an explicit-axes mesh its ops would carry sharding annotations that
+  nothing partitions after the SPMD pass, and the program would not
+  compile."""
+  seen = []
+
+  def local(a, b, axes, out_dtype):
+    seen.append(jax.sharding.get_abstract_mesh())
+    return jnp.zeros((a.shape[1 - a.axis], b.shape[1 - b.axis]), out_dtype)
+
+  monkeypatch.setitem(partition._LOCAL, "probe", local)
+  x, w = _q((32, 64), E4M3, 1), _q((64, 128), E4M3, 0)
+  out = jax.ShapeDtypeStruct((32, 128), jnp.float32,
+                             sharding=NamedSharding(MESH, P("fsdp", None)))
+  args = (_struct(x, P("fsdp", None)), None, _struct(w, P("fsdp", None)),
+          None)
+  _, lower, _, shardings = partition._partition(
+      partition._meta(x), partition._meta(w), (1, 0), "float32", "probe",
+      MESH, args, out)
+  assert shardings[0].spec == P("fsdp", None)  # x's rows stay split
+  shards = (jax.ShapeDtypeStruct((16, 64), jnp.uint8),
+            jax.ShapeDtypeStruct((), jnp.float32),
+            jax.ShapeDtypeStruct((64, 128), jnp.uint8),
+            jax.ShapeDtypeStruct((), jnp.float32),
+            *partition._levels(x), *partition._levels(w))
+  explicit = AbstractMesh((2, 4), ("fsdp", "model"),
+                          axis_types=(AxisType.Explicit, AxisType.Explicit))
+  with jax.sharding.use_abstract_mesh(explicit):
+    jax.make_jaxpr(lower)(*shards)
+  assert len(seen) == 1 and seen[0].empty
+
+
 @pytest.mark.parametrize("dtype", [ml_dtypes.float8_e4m3fn,
                                    ml_dtypes.float8_e5m2])
 def test_payloads_travel_as_their_bytes(dtype):
