@@ -281,11 +281,15 @@ def part_env(cfg) -> dict[str, Any]:
     info["gpu"] = q.stdout.strip() or q.stderr.strip()
   else:
     info["gpu"] = "nvidia-smi not found"
+  import flax
   import jax
   import jaxlib
-  info["jax"] = f"{jax.__version__} (jaxlib {jaxlib.__version__})"
+  info["jax"] = (f"{jax.__version__} (jaxlib {jaxlib.__version__}, flax "
+                 f"{flax.__version__})")
   info["devices"] = [f"{d} {getattr(d, 'compute_capability', '')}"
                      for d in jax.devices()]
+  # Before qlayers' import, which needs flax >= 0.12.8 (pyproject.toml).
+  print(f"jax {info['jax']}", file=sys.stderr, flush=True)
   import qlayers
   from qlayers import dispatch
   rep = qlayers.backends()
