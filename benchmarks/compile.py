@@ -190,6 +190,14 @@ def _smollm2(blocks: int):
   return llama.Llama(cfg, rngs=nnx.Rngs(0))
 
 
+def _examples_tx():
+  # examples/train_lm.py's defaults (lr 3e-3, 300 steps, clip 1.0, ...).
+  *_, training = _examples()
+  return training.adamw_cosine(lr=3e-3, steps=300, warmup=30,
+                               weight_decay=0.1, min_lr_ratio=0.1, clip=1.0,
+                               b2=0.95)
+
+
 def _smollm2_tx():
   # examples/finetune_smollm2.py's defaults (lr 1e-4, warmup 10, ...).
   *_, training = _examples()
@@ -292,7 +300,7 @@ def _end_delayed_step(model, grads) -> None:
 
 
 def build_parts(model_name: str, variant: str, *, blocks: int | None = None,
-                rules: str = "all") -> Parts:
+                rules: str = "all", optimizer: str = "model") -> Parts:
   """The model (converted for quantized variants) and optimizer of a variant."""
   import qlayers
   spec = MODELS[model_name]
@@ -310,7 +318,7 @@ def build_parts(model_name: str, variant: str, *, blocks: int | None = None,
               else qlayers.quantize(model, recipe))
     info.update(converted=len(report.converted), skipped=len(report.skipped),
                 kept_wide=len(report.kept_wide), delayed=rec.delayed)
-  tx = spec.tx()
+  tx = spec.tx() if optimizer == "model" else _examples_tx()
   if flavour in ("stock", "stock-opt"):
     opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
   else:
@@ -336,14 +344,15 @@ def functional(fn: Callable, *nodes):
 
 
 def build_step(model_name: str, variant: str, *, blocks: int | None = None,
-               rules: str = "all"):
+               rules: str = "all", optimizer: str = "model"):
   """The functional train step of ``variant`` and its inputs.
 
   Returns ``(step, state, batch, info)``: ``step(state, batch) -> (state,
   loss)`` is a pure function (``nnx.merge`` inside), ``info`` says what was
   converted.
   """
-  parts = build_parts(model_name, variant, blocks=blocks, rules=rules)
+  parts = build_parts(model_name, variant, blocks=blocks, rules=rules,
+                      optimizer=optimizer)
   step, state = functional(parts.train_step, parts.model, parts.opt)
   return step, state, parts.batch, parts.info
 
@@ -434,7 +443,8 @@ def _gpu_target(target: str, targets_dir: str | None):
 
 def measure(model_name: str, variant: str, *, blocks: int | None = None,
             rules: str = "all", target: str = "cpu",
-            targets_dir: str | None = None) -> dict[str, Any]:
+            targets_dir: str | None = None,
+            optimizer: str = "model") -> dict[str, Any]:
   """Builds, traces, lowers and compiles one variant; never runs it.
 
   ``target`` ``h200``/``b200``: compiled for that GPU without one (the
@@ -443,7 +453,8 @@ def measure(model_name: str, variant: str, *, blocks: int | None = None,
   res: dict[str, Any] = {"model": model_name, "variant": variant,
                          "target": target}
   (step, state, batch, info), res["build_s"], _ = _timed(
-      lambda: build_step(model_name, variant, blocks=blocks, rules=rules))
+      lambda: build_step(model_name, variant, blocks=blocks, rules=rules,
+                         optimizer=optimizer))
   res.update(info)
   jitted = jax.jit(step)
   arch = contextlib.nullcontext()
@@ -472,11 +483,12 @@ def measure(model_name: str, variant: str, *, blocks: int | None = None,
 
 def _measure_isolated(model_name: str, variant: str, *, blocks, rules,
                       timeout: float, target: str = "cpu",
-                      targets_dir: str | None = None) -> dict[str, Any]:
+                      targets_dir: str | None = None,
+                      optimizer: str = "model") -> dict[str, Any]:
   """`measure` in a fresh interpreter (no shared caches)."""
   cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "measure",
          "--model", model_name, "--variant", variant, "--rules", rules,
-         "--target", target]
+         "--target", target, "--optimizer", optimizer]
   if targets_dir:
     cmd += ["--targets-dir", targets_dir]
   if blocks is not None:
@@ -635,7 +647,9 @@ def _run(args: argparse.Namespace) -> int:
       "rules": ("qlayers.quantize(model, recipe, rules=()): every nnx.Linear"
                 if args.rules == "all" else
                 "qlayers.quantize(model, recipe): default rules"),
-      "isolate": args.isolate,
+      "isolate": args.isolate, "optimizer": (
+          "the model's" if args.optimizer == "model" else
+          "the examples' (global-norm clipping + AdamW, warmup/cosine)"),
       "command": "python benchmarks/compile.py " + " ".join(sys.argv[1:]),
   }
   runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
@@ -681,11 +695,13 @@ def _measure_one(args: argparse.Namespace, name: str) -> dict[str, Any]:
   if args.isolate:
     r = _measure_isolated(args.model, name, blocks=args.blocks,
                           rules=args.rules, timeout=args.timeout,
-                          target=args.target, targets_dir=args.targets_dir)
+                          target=args.target, targets_dir=args.targets_dir,
+                          optimizer=args.optimizer)
   else:
     try:
       r = measure(args.model, name, blocks=args.blocks, rules=args.rules,
-                  target=args.target, targets_dir=args.targets_dir)
+                  target=args.target, targets_dir=args.targets_dir,
+                  optimizer=args.optimizer)
     except Exception as e:  # noqa: BLE001 - reported, others go on
       r = {"model": args.model, "variant": name,
            "error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
@@ -707,7 +723,7 @@ def _report_cmd(args: argparse.Namespace) -> int:
 def _measure_cmd(args: argparse.Namespace) -> int:
   res = measure(args.model, args.variant, blocks=args.blocks,
                 rules=args.rules, target=args.target,
-                targets_dir=args.targets_dir)
+                targets_dir=args.targets_dir, optimizer=args.optimizer)
   print(_RESULT + json.dumps(res), flush=True)
   return 0
 
@@ -722,6 +738,11 @@ def _add_common(p: argparse.ArgumentParser) -> None:
   p.add_argument("--target", choices=("cpu", "h200", "b200"), default="cpu",
                  help="compile for this device: the host CPU, or an NVIDIA "
                  "GPU without one (deviceless; run with .venv-gpu's python)")
+  p.add_argument("--optimizer", choices=("model", "examples"),
+                 default="model",
+                 help="model: the model's own optax transformation (see "
+                 "the models); examples: examples/train_lm.py's (global-norm "
+                 "clipping + AdamW under warmup/cosine)")
   p.add_argument("--targets-dir", default=None,
                  help="folder with the GPU target configs (default: "
                  "gpu_compile.py's shared gpu-targets)")
