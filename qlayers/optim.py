@@ -23,7 +23,7 @@ from flax import nnx
 from qlayers.layers.core import gemms, update_scales
 from qlayers.optim_wrappers import (CastMomentsState, LossScaleState,
                                     MasterWeightsState, SkipState,
-                                    all_finite, cast_moments,
+                                    finite_norm, cast_moments,
                                     dynamic_loss_scaling, find_state,
                                     master_weights, mixed_precision,
                                     needs_master, skip_if_nonfinite)
@@ -31,7 +31,7 @@ from qlayers.optim_wrappers import (CastMomentsState, LossScaleState,
 __all__ = ["Optimizer", "mixed_precision", "master_weights", "cast_moments",
            "skip_if_nonfinite", "dynamic_loss_scaling", "MasterWeightsState",
            "CastMomentsState", "SkipState", "LossScaleState", "find_state",
-           "all_finite", "needs_master"]
+           "finite_norm", "needs_master"]
 
 
 def _wants_dynamic_loss_scale(model) -> bool:

@@ -28,14 +28,12 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import PartitionSpec as P
 
-from qlayers import sharding
 
 __all__ = ["MasterWeightsState", "master_weights", "CastMomentsState",
            "cast_moments", "SkipState", "skip_if_nonfinite",
            "LossScaleState", "dynamic_loss_scaling", "mixed_precision",
-           "all_finite", "find_state", "needs_master"]
+           "finite_norm", "find_state", "needs_master"]
 
 _COMPUTE = jnp.dtype(jnp.float32)  # what narrow state is computed in
 
@@ -76,42 +74,33 @@ def needs_master(x, dtype) -> bool:
   return _floating(x) and jnp.finfo(x.dtype).bits < jnp.finfo(dtype).bits
 
 
-def all_finite(tree) -> jax.Array:
-  """True iff no floating leaf of ``tree`` holds a NaN or an Inf.
+def finite_norm(tree) -> jax.Array:
+  """True iff the global L2 norm of ``tree``'s floating leaves is finite.
 
-  Each leaf of two or more axes is reduced over its last axis to one flag
-  per row (one kernel, which XLA:GPU often fuses into the kernel that wrote
-  the gradient); every leaf's flags then go through one reduction. XLA
-  rewrites a reduction of a concatenate into one reduction per operand and
-  splits a reduction to a scalar into two kernels, so an ``all`` per leaf
-  costs two kernels and a combining chain: 282 kernels and 2.0 s of a
-  7.9 s XLA:GPU compile on an 8-block GPT against 81 and 1.1 s this way
-  (benchmarks/RESULTS.md, "The finiteness check"). Under a mesh each leaf
-  is reduced to one flag where it lies.
+  A NaN or an Inf anywhere makes the norm NaN or Inf, and so does a norm
+  past FP32's range (about 1.8e19), which no usable gradient has: such a
+  step would be clipped to zero or to NaN. Leaves narrower than FP32 are
+  widened first (an FP16 gradient of 256 squares past FP16's range), as
+  `master_weights` widens the gradients it passes on.
+
+  The norm is ``optax.tree.norm`` of those arrays, the one
+  ``optax.clip_by_global_norm`` computes, so where the optimizer clips, XLA
+  computes it once for the clip and this check (the per-leaf reductions
+  are common subexpressions). Without a clip it costs one reduction per
+  leaf (benchmarks/RESULTS.md, "The finiteness check as the clip's norm").
 
   Example:
     >>> import jax.numpy as jnp
-    >>> all_finite({"w": jnp.ones((2, 3)), "b": jnp.zeros(3)})
+    >>> finite_norm({"w": jnp.ones((2, 3)), "b": jnp.zeros(3)})
     Array(True, dtype=bool)
-    >>> all_finite({"w": jnp.array([[1.0, jnp.inf]]), "b": jnp.zeros(3)})
+    >>> finite_norm({"w": jnp.array([[1.0, jnp.inf]]), "b": jnp.zeros(3)})
     Array(False, dtype=bool)
   """
-  leaves = [x for x in jax.tree.leaves(tree) if _floating(x) and x.size]
+  leaves = [x if jnp.finfo(x.dtype).bits >= 32 else x.astype(_COMPUTE)
+            for x in jax.tree.leaves(tree) if _floating(x) and x.size]
   if not leaves:
     return jnp.array(True)
-
-  def check(leaves):
-    if sharding.context_mesh() is not None:
-      # A flag per leaf, reduced where the leaf lies (then a scalar
-      # all-reduce): a concatenate of sharded flags would be gathered, and
-      # its sharding would propagate into the leaves.
-      return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
-    flags = [jnp.ravel(jnp.all(jnp.isfinite(x), axis=-1) if x.ndim > 1
-                       else jnp.isfinite(x)) for x in leaves]
-    # The barrier keeps the flags one array, reduced by one kernel.
-    return jnp.all(jax.lax.optimization_barrier(jnp.concatenate(flags)))
-
-  return sharding.auto_region(check, P())(leaves)
+  return jnp.isfinite(optax.tree.norm(leaves))
 
 
 def find_state(state, cls):
@@ -295,12 +284,15 @@ def skip_if_nonfinite(
 ) -> optax.GradientTransformationExtraArgs:
   """``inner``, except that a step with NaN/Inf gradients changes nothing.
 
-  On such a step the updates are ``-0.0`` (``p + -0.0 == p`` bit for bit for
-  every ``p``, signed zeros included: IEEE 754-2019 section 6.3), the inner
-  state is returned as it was, and ``skipped`` counts the step. Traced (under
-  ``jit``), one ``lax.cond`` chooses between the two branches (it compiles
-  smaller than a ``where`` per leaf); called eagerly, a Python ``if`` does,
-  so an eager update compiles nothing new after its first call.
+  The check is `finite_norm`: the gradients' global norm, which an
+  ``optax.clip_by_global_norm`` inside ``inner`` shares. On a skipped step
+  the updates are ``-0.0`` (``p + -0.0 == p`` bit for bit for every ``p``,
+  signed zeros included: IEEE 754-2019 section 6.3), the inner state is
+  returned as it was, and ``skipped`` counts the step. Traced (under
+  ``jit``), the step is computed either way and a ``where`` per array
+  keeps the old values (XLA fuses it into the step's own kernels); called
+  eagerly, a Python ``if`` chooses, so an eager update compiles nothing new
+  after its first call.
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -317,37 +309,30 @@ def skip_if_nonfinite(
     return SkipState(inner_init(params), jnp.zeros((), jnp.int32))
 
   def update_fn(updates, state: SkipState, params=None, **extra):
-    finite = all_finite(updates)
+    finite = finite_norm(updates)
 
     def step():
       return inner_update(updates, state.inner_state, params, **extra)
 
-    def skip(upd_type):
-      return lambda: (jax.tree.map(lambda t: jnp.full_like(t, -0.0),
-                                   upd_type), state.inner_state)
-
     if not isinstance(finite, jax.core.Tracer):
       # Called eagerly: a Python branch, as nnx.Optimizer's eager update
-      # runs op by op (a cond would compile its two fresh branches per call).
-      if finite:
-        upd, inner_state = step()
-        _state_dtypes(state.inner_state, inner_state)
-      else:
-        upd, inner_state = skip(jax.eval_shape(step)[0])()
+      # runs op by op (a traced choice would compile per call).
+      if not finite:
+        upd_type = jax.eval_shape(step)[0]
+        return (jax.tree.map(lambda t: jnp.full_like(t, -0.0), upd_type),
+                _skip_state(state.inner_state, state, finite))
+      upd, inner_state = step()
+      _state_dtypes(state.inner_state, inner_state)
       return upd, _skip_state(inner_state, state, finite)
-    try:
-      # Updates typed as the gradients (most transformations): the step is
-      # traced once, by the cond.
-      upd, inner_state = jax.lax.cond(finite, step, skip(updates))
-      return upd, _skip_state(inner_state, state, finite)
-    except TypeError:
-      pass
-    # The branches differ: the updates' types come from a trace of the step,
-    # and a state whose types change is named (outside the handler, so that
-    # an error of the step itself is reported on its own).
-    upd_type, state_type = jax.eval_shape(step)
-    _state_dtypes(state.inner_state, state_type)
-    upd, inner_state = jax.lax.cond(finite, step, skip(upd_type))
+    # Traced: the step is computed either way and `where` keeps the old
+    # values. Inside a `lax.cond` branch an optax.clip_by_global_norm's norm
+    # could not be shared with the check (XLA:CPU keeps the cond).
+    upd, inner_state = step()
+    _state_dtypes(state.inner_state, inner_state)
+    upd = jax.tree.map(lambda u: jnp.where(finite, u, jnp.full_like(u, -0.0)),
+                       upd)
+    inner_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                               inner_state, state.inner_state)
     return upd, _skip_state(inner_state, state, finite)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -425,7 +410,7 @@ def dynamic_loss_scaling(
   def update_fn(updates, state: LossScaleState, params=None, **extra):
     inv = 1.0 / state.loss_scale
     grads = jax.tree.map(lambda g: unscale(g, inv), updates)
-    finite = all_finite(grads)
+    finite = finite_norm(grads)
     upd, inner_state = inner_update(grads, state.inner_state, params,
                                     **extra)
     good = jnp.where(finite, state.good_steps + 1, 0)
@@ -465,10 +450,9 @@ def mixed_precision(
     master_dtype: Params narrower than this get masters of it (None: none).
     moment_dtype: storage dtype of ``inner``'s floating state (None: as
       ``inner`` keeps it).
-    skip_nonfinite: skip steps whose gradients hold NaN/Inf. The check
-      reads every gradient once (a reduction per matrix); compiling it
-      for a GPU adds about 0.2x of a small model's stock step
-      (benchmarks/RESULTS.md, "What the finiteness check costs").
+    skip_nonfinite: skip steps whose gradients hold NaN/Inf (`finite_norm`:
+      their global norm, which ``optax.clip_by_global_norm`` in ``inner``
+      shares; without a clip it adds a reduction per leaf to the step).
     dynamic_loss_scale: unscale the gradients by a dynamic loss scale
       (needs ``skip_nonfinite``: an overflowing step must not be applied).
     init_loss_scale, growth_interval, growth_factor, backoff_factor: see
