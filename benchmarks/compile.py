@@ -34,8 +34,10 @@ Models (``--model``, ``--blocks N`` changes the number of blocks):
   4 x 128 tokens and the optimizer of ``examples/finetune_smollm2.py``
   (global-norm clipping + AdamW under warmup/cosine).
 
-gpt-d64, gpt-d64-fused and d512 use ``optax.adamw(3e-4, weight_decay=0.01)``
-(``models.make_tx``). Loop flavours (``--variants``, comma-separated):
+gpt-d64, gpt-d256, gpt-d64-fused and d512 use ``optax.adamw(3e-4,
+weight_decay=0.01)`` (``models.make_tx``); ``--optimizer examples`` gives
+every model ``examples/train_lm.py``'s chain instead (global-norm clip,
+AdamW, warmup/cosine), as qlayers' users and the examples train. Loop flavours (``--variants``, comma-separated):
 
 * ``stock``: the unquantized model, ``nnx.Optimizer(model, tx,
   wrt=nnx.Param)`` and ``nnx.value_and_grad``; the baseline of the ratios.
@@ -532,6 +534,7 @@ def render(results: list[dict[str, Any]], header: dict[str, Any]) -> str:
       f"- machine: {header['machine']}",
       f"- versions: {header['versions']}",
       f"- model: {header['describe']}",
+      f"- optimizer: {header.get('optimizer', 'the model' + chr(39) + 's')}",
       f"- conversion: {header['rules']}; each variant in "
       f"{'a fresh process' if header['isolate'] else 'one shared process'}",
       f"- command: `{header['command']}`", "",
@@ -738,14 +741,17 @@ def _add_common(p: argparse.ArgumentParser) -> None:
   p.add_argument("--target", choices=("cpu", "h200", "b200"), default="cpu",
                  help="compile for this device: the host CPU, or an NVIDIA "
                  "GPU without one (deviceless; run with .venv-gpu's python)")
+  p.add_argument("--targets-dir", default=None,
+                 help="folder with the GPU target configs (default: "
+                 "gpu_compile.py's shared gpu-targets)")
+
+
+def _add_optimizer(p: argparse.ArgumentParser) -> None:
   p.add_argument("--optimizer", choices=("model", "examples"),
                  default="model",
                  help="model: the model's own optax transformation (see "
                  "the models); examples: examples/train_lm.py's (global-norm "
                  "clipping + AdamW under warmup/cosine)")
-  p.add_argument("--targets-dir", default=None,
-                 help="folder with the GPU target configs (default: "
-                 "gpu_compile.py's shared gpu-targets)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -753,6 +759,7 @@ def _parser() -> argparse.ArgumentParser:
   sub = p.add_subparsers(dest="cmd", required=True)
   r = sub.add_parser("run", help="compile cost of every variant (default)")
   _add_common(r)
+  _add_optimizer(r)
   r.add_argument("--recipes", default=",".join(DEFAULT_RECIPES),
                  help="comma-separated recipe names, or 'all'")
   r.add_argument("--variants", default=None,
@@ -771,6 +778,7 @@ def _parser() -> argparse.ArgumentParser:
   r.add_argument("--append-md", default=None, metavar="PATH")
   m = sub.add_parser("measure", help="one variant, JSON on stdout (internal)")
   _add_common(m)
+  _add_optimizer(m)
   m.add_argument("--variant", required=True)
   rep = sub.add_parser("report", help="the tables of earlier --json files")
   rep.add_argument("paths", nargs="+", metavar="JSON")
