@@ -23,10 +23,10 @@ from flax import nnx
 from qlayers.layers.core import gemms, update_scales
 from qlayers.optim_wrappers import (CastMomentsState, LossScaleState,
                                     MasterWeightsState, SkipState,
-                                    finite_norm, cast_moments,
-                                    dynamic_loss_scaling, find_state,
-                                    master_weights, mixed_precision,
-                                    needs_master, skip_if_nonfinite)
+                                    cast_moments, dynamic_loss_scaling,
+                                    find_state, finite_norm, master_weights,
+                                    mixed_precision, needs_master,
+                                    skip_if_nonfinite)
 
 __all__ = ["Optimizer", "mixed_precision", "master_weights", "cast_moments",
            "skip_if_nonfinite", "dynamic_loss_scaling", "MasterWeightsState",

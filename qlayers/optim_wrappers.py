@@ -29,7 +29,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-
 __all__ = ["MasterWeightsState", "master_weights", "CastMomentsState",
            "cast_moments", "SkipState", "skip_if_nonfinite",
            "LossScaleState", "dynamic_loss_scaling", "mixed_precision",
