@@ -2,9 +2,9 @@
 no state change, no trace change when off, sensitivity, the training hook."""
 
 import csv
-import functools
 import json
 import math
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -300,23 +300,16 @@ def test_dot_general_callers_and_repeated_layers():
   assert "lin#1/x/sqnr_db" in rep.scalars()
 
 
-def test_identical_layers_share_one_statistics_program(monkeypatch):
+def test_identical_layers_share_one_statistics_program():
   """The statistics are measured outside the pass, one program per distinct
-  (shapes, recipe): a deep stack of equal layers traces them once, and
-  each layer still gets its own numbers."""
-  traces = {"forward_stats": 0, "backward_stats": 0}
-
-  def counted(name):
-    fn = getattr(numerics, name)
-
-    @functools.wraps(fn)
-    def wrapped(*args, **kwargs):
-      traces[name] += 1
-      return fn(*args, **kwargs)
-    monkeypatch.setattr(numerics, name, wrapped)
-
-  counted("forward_stats")
-  counted("backward_stats")
+  (shapes, recipe): a deep stack of equal layers compiles them once, each
+  layer still gets its own numbers, and a second `collect` (a `Monitor`'s
+  next record) compiles none."""
+  collect_module = sys.modules["qlayers.inspect.collect"]
+  programs = (collect_module._forward_stats,  # pylint: disable=protected-access
+              collect_module._backward_stats)  # pylint: disable=protected-access
+  for fn in programs:
+    fn.clear_cache()
 
   class Stack(nnx.Module):
     def __init__(self, rngs):
@@ -332,7 +325,10 @@ def test_identical_layers_share_one_statistics_program(monkeypatch):
   model = Stack(nnx.Rngs(0))
   x = jax.random.normal(jax.random.key(1), (16, 96), jnp.float32)
   rep = qlayers.inspect.collect(model, mse, x)
-  assert traces == {"forward_stats": 1, "backward_stats": 1}
+  assert [fn._cache_size() for fn in programs] == [1, 1]  # pylint: disable=protected-access
+  again = qlayers.inspect.collect(model, mse, x * 2)
+  assert [fn._cache_size() for fn in programs] == [1, 1]  # pylint: disable=protected-access
+  assert again.row("layers/0", "x").amax == 2 * rep.row("layers/0", "x").amax
   w = [rep.row(f"layers/{i}", "w").amax for i in range(4)]
   np.testing.assert_allclose(
       w, [float(jnp.max(jnp.abs(l.kernel[...]))) for l in model.layers])

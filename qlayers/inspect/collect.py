@@ -16,8 +16,9 @@ GEMM through a tap (`qlayers.inspect._tap`) that
 The statistics are measured afterwards, one small jitted program per
 distinct (operand shapes, recipe, backend) (`numerics.forward_stats`:
 the same specs, axes, delayed scales from the stored history, Hadamard
-transforms; `numerics.backward_stats`). A model of 30 identical blocks
-compiles them once, not 30 times inside the pass: the pass itself compiles
+transforms; `numerics.backward_stats`), kept by jax across calls: a model
+of 30 identical blocks compiles them once, not 30 times inside the pass,
+and a `Monitor` once per run, not at every record. The pass itself compiles
 like a training step's forward and backward. The tap exists only during
 that trace: a model that is not being inspected traces exactly as before.
 """
@@ -199,6 +200,16 @@ def collect(model: nnx.Module, loss_fn: Callable[..., jax.Array], *args,
 # Records -> statistics -> Report
 
 
+# One program per distinct (operand shapes and dtypes, recipe, backend, GPU
+# target), in jax's cache of these two functions: the keys are arrays'
+# shapes and qlayers' own values (a frozen `Recipe`, a backend name), never
+# the user's model or loss function.
+_forward_stats = jax.jit(numerics.forward_stats,
+                         static_argnames=("recipe", "backend"))
+_backward_stats = jax.jit(numerics.backward_stats,
+                          static_argnames=("recipe", "backend"))
+
+
 def _measure(records) -> tuple[dict, dict]:
   """The operands each site recorded -> ``(sites, stats)``, both keyed by
   ``(path, use)``; ``stats[key]`` holds ``"fwd"`` (and ``"bwd"`` when the
@@ -208,12 +219,6 @@ def _measure(records) -> tuple[dict, dict]:
   forward; a loop transform runs a layer once per iteration: the last one
   is measured).
   """
-  # Compiled for this call: one program per distinct (shapes, recipe,
-  # backend) among its sites.
-  forward = jax.jit(numerics.forward_stats, static_argnames=("recipe",
-                                                             "backend"))
-  backward = jax.jit(numerics.backward_stats, static_argnames=("recipe",
-                                                               "backend"))
   sites: dict[tuple[str, int], _Site] = {}
   raw: dict[tuple[str, int], dict[str, Any]] = {}
   for site, kind, arrays in records:
@@ -227,10 +232,10 @@ def _measure(records) -> tuple[dict, dict]:
     if "fwd" not in got:
       continue
     x, w, state = got["fwd"]
-    stats[key] = {"fwd": forward(x, w, recipe=site.recipe, state=state,
+    stats[key] = {"fwd": _forward_stats(x, w, recipe=site.recipe, state=state,
                                  backend=site.backend)}
     if "bwd" in got:
-      stats[key]["bwd"] = backward(got["bwd"], x, w, recipe=site.recipe,
+      stats[key]["bwd"] = _backward_stats(got["bwd"], x, w, recipe=site.recipe,
                                    state=state, backend=site.backend)
   stats = jax.tree.map(np.asarray, stats)
   return {key: sites[key] for key in stats}, stats
