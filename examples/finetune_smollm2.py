@@ -14,8 +14,9 @@
    ``nnx.jit`` step (``_common/lm.py``), measuring validation perplexity as
    it goes.
 4. Saves model and optimizer with ``qlayers.checkpoint.save`` (orbax),
-   restores them into a freshly loaded and converted model, and checks that
-   both give bit-identical logits.
+   restores them into a freshly initialised and converted model of the same
+   shape (random weights, none read from the checkpoint file), and checks
+   that both give bit-identical logits.
 5. Generates a Shakespeare continuation with the restored model.
 """
 
@@ -99,10 +100,9 @@ def parse_args(argv=None) -> Config:
 
 
 def load_model(cfg: Config):
-  """SmolLM2 in FP32 parameters (``cfg.blocks`` first blocks if set)."""
-  model, tokenizer, _ = llama.load_smollm2(dtype=DTYPES[cfg.dtype],
-                                           blocks=cfg.blocks)
-  return model, tokenizer
+  """SmolLM2 in FP32 parameters (``cfg.blocks`` first blocks if set):
+  ``(model, tokenizer, config)``."""
+  return llama.load_smollm2(dtype=DTYPES[cfg.dtype], blocks=cfg.blocks)
 
 
 def make_tx(cfg: Config) -> optax.GradientTransformation:
@@ -177,7 +177,7 @@ def main(argv=None) -> dict[str, Any]:
     timings[name] = round(now - clock, 1)
     clock = now
 
-  model, tokenizer = load_model(cfg)
+  model, tokenizer, config = load_model(cfg)
   n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   train_ids = np.asarray(
       tokenizer.encode(shakespeare.load_text("train")).ids, np.int32)
@@ -246,7 +246,7 @@ def main(argv=None) -> dict[str, Any]:
   # 4. Save, restore into a fresh model, compare logits.
   ckpt = qlayers.checkpoint.save(out / "checkpoint", model,
                                  optimizer=optimizer, overwrite=True)
-  fresh, _ = load_model(cfg)
+  fresh = llama.Llama(config, rngs=nnx.Rngs(cfg.seed + 1))
   qlayers.quantize(fresh, cfg.recipe)
   fresh_opt = qlayers.Optimizer(fresh, make_tx(cfg))
   meta = qlayers.checkpoint.restore(ckpt, fresh, optimizer=fresh_opt)
@@ -259,7 +259,7 @@ def main(argv=None) -> dict[str, Any]:
       "optimizer_step": int(fresh_opt.step[...]),
   }
   print(f"saved to {ckpt}; restored ({meta['restored']}) into a freshly "
-        f"loaded, converted model: logits identical = "
+        f"initialised, converted model: logits identical = "
         f"{results['restore']['identical_logits']} (max |diff| "
         f"{results['restore']['max_abs_diff']:.3g}), optimizer step "
         f"{results['restore']['optimizer_step']}")

@@ -145,7 +145,7 @@ def smollm2_setup(cfg: Config, recipe: str):
   b, t = cfg.sizes()
   fcfg = finetune_smollm2.Config(recipe=recipe, steps=cfg.steps, batch_size=b,
                                  seq_len=t, blocks=cfg.blocks, seed=cfg.seed)
-  model, tok = finetune_smollm2.load_model(fcfg)
+  model, tok, _ = finetune_smollm2.load_model(fcfg)
   qlayers.quantize(model, recipe)
   opt = qlayers.Optimizer(model, finetune_smollm2.make_tx(fcfg))
   train = np.asarray(tok.encode(shakespeare.load_text("train")).ids, np.int32)
