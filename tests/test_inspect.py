@@ -305,9 +305,9 @@ def test_identical_layers_share_one_statistics_program():
   (shapes, recipe): a deep stack of equal layers compiles them once, each
   layer still gets its own numbers, and a second `collect` (a `Monitor`'s
   next record) compiles none."""
+  # pylint: disable=protected-access
   collect_module = sys.modules["qlayers.inspect.collect"]
-  programs = (collect_module._forward_stats,  # pylint: disable=protected-access
-              collect_module._backward_stats)  # pylint: disable=protected-access
+  programs = (collect_module._forward_stats, collect_module._backward_stats)
   for fn in programs:
     fn.clear_cache()
 
@@ -325,9 +325,9 @@ def test_identical_layers_share_one_statistics_program():
   model = Stack(nnx.Rngs(0))
   x = jax.random.normal(jax.random.key(1), (16, 96), jnp.float32)
   rep = qlayers.inspect.collect(model, mse, x)
-  assert [fn._cache_size() for fn in programs] == [1, 1]  # pylint: disable=protected-access
+  assert [fn._cache_size() for fn in programs] == [1, 1]
   again = qlayers.inspect.collect(model, mse, x * 2)
-  assert [fn._cache_size() for fn in programs] == [1, 1]  # pylint: disable=protected-access
+  assert [fn._cache_size() for fn in programs] == [1, 1]
   assert again.row("layers/0", "x").amax == 2 * rep.row("layers/0", "x").amax
   w = [rep.row(f"layers/{i}", "w").amax for i in range(4)]
   np.testing.assert_allclose(

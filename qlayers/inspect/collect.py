@@ -232,11 +232,12 @@ def _measure(records) -> tuple[dict, dict]:
     if "fwd" not in got:
       continue
     x, w, state = got["fwd"]
-    stats[key] = {"fwd": _forward_stats(x, w, recipe=site.recipe, state=state,
-                                 backend=site.backend)}
+    stats[key] = {"fwd": _forward_stats(x, w, recipe=site.recipe,
+                                        state=state, backend=site.backend)}
     if "bwd" in got:
-      stats[key]["bwd"] = _backward_stats(got["bwd"], x, w, recipe=site.recipe,
-                                   state=state, backend=site.backend)
+      stats[key]["bwd"] = _backward_stats(got["bwd"], x, w,
+                                          recipe=site.recipe, state=state,
+                                          backend=site.backend)
   stats = jax.tree.map(np.asarray, stats)
   return {key: sites[key] for key in stats}, stats
 

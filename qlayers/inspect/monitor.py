@@ -4,9 +4,10 @@
 the step itself is never changed or recompiled (it is compiled without any
 of this, whether the monitor is on or off); the inspection pass is
 compiled at each recorded step (`collect` caches nothing on the loss
-function or the model), the statistics programs once per run. Each record is a plain dict of floats (`Report.scalars`)
-handed to a callback -- a TensorBoard writer, a CSV row -- and kept for
-`Monitor.to_csv` and `Monitor.plot`.
+function or the model), the statistics programs once per run. Each record
+is a plain dict of floats (`Report.scalars`) handed to a callback -- a
+TensorBoard writer, a CSV row -- and kept for `Monitor.to_csv` and
+`Monitor.plot`.
 
 `plot_amax_history` draws what delayed scaling already stores: each
 layer's amax history (one entry per completed step).
