@@ -15,6 +15,7 @@ import qlayers
 import qlayers.scaling
 from qlayers import cast_transpose as ct
 from qlayers import formats
+from qlayers import hadamard
 from qlayers import ops
 from qlayers import table
 from qlayers.dispatch import Operand
@@ -29,6 +30,12 @@ def _bits(a):
   return np.where(np.isnan(a.astype(np.float32)), np.iinfo(u.dtype).max, u)
 
 
+# Jitted: one compile per shape, where eager calls compile each of the
+# butterfly's stages (a few ops each) one by one.
+_transform = jax.jit(hadamard.transform, static_argnums=(1, 2))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))  # one compile, not seven
 def _data(shape, dtype):
   x = jax.random.normal(jax.random.key(0), shape, jnp.float32) * 300.0
   # NaN, +-Inf, overflow past the format's max, values rounding to zero and
@@ -46,9 +53,13 @@ _AMAXES = [None, 327.0, 448.0 * 2.0**-20, float(np.nextafter(
            np.inf, np.nan]
 
 
-@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("margin, pow2", [(0, False), (2, False), (1, True)])
+# Every pair of values of any two of format, input dtype and (margin, pow2)
+# (each its own part of the kernel: the cast, the load, the multiplier) in
+# 6 cases, not all 12 combinations: each case compiles the kernel anew.
+@pytest.mark.parametrize("fmt, dtype, margin, pow2", [
+    ("e4m3", jnp.bfloat16, 0, False), ("e5m2", jnp.float32, 0, False),
+    ("e4m3", jnp.float32, 2, False), ("e5m2", jnp.bfloat16, 2, False),
+    ("e4m3", jnp.float32, 1, True), ("e5m2", jnp.bfloat16, 1, True)])
 def test_both_layouts_and_the_scale_are_unit_scales_bit_for_bit(
     fmt, dtype, margin, pow2):
   special = _data((128, 192), dtype)
@@ -83,8 +94,10 @@ _STATES = [(np.zeros(16), 0.0), (np.zeros(16), 7e3),
            ([327.0], 0.0), ([0.0] * 7 + [1.5], 2.0)]
 
 
-@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-@pytest.mark.parametrize("margin, pow2", [(0, False), (1, True)])
+# Each format and each (margin, pow2) once (their cross product is
+# test_both_layouts_and_the_scale_are_unit_scales_bit_for_bit's).
+@pytest.mark.parametrize("fmt, margin, pow2", [("e4m3", 0, False),
+                                               ("e5m2", 1, True)])
 def test_delayed_scale_is_delayed_amax_bit_for_bit(fmt, margin, pow2):
   """With a delayed role's state the kernel scales by `delayed_amax`'s amax
   of that state and the data's own amax, whether it reduces the data's amax
@@ -191,8 +204,10 @@ def test_pair_keeps_operand_where_the_kernel_does_not_apply(shape):
       assert (last is first) == bool(one_copy)
 
 
-@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-@pytest.mark.parametrize("rule", ["mx_rceil", "mx_floor"])
+# Each format and each rule once: the rule sets the scale, the format the
+# cast, apart in the kernel.
+@pytest.mark.parametrize("fmt, rule", [("e4m3", "mx_rceil"),
+                                       ("e5m2", "mx_floor")])
 def test_mx_copies_are_quantize_along_each_axis_bit_for_bit(fmt, rule):
   t = _data((96, 160), jnp.bfloat16).at[40, 70].set(1e-30)
   spec = qlayers.scaling.QuantSpec(format=fmt, granularity="mx",
@@ -206,9 +221,8 @@ def test_mx_copies_are_quantize_along_each_axis_bit_for_bit(fmt, rule):
   assert int(s[0, 0]) == 255  # the NaN's block
 
 
-@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-@pytest.mark.parametrize("margin,pow2,dtype", [(0, True, jnp.bfloat16),
-                                               (2, False, jnp.float32)])
+@pytest.mark.parametrize("fmt,margin,pow2,dtype", [
+    ("e4m3", 0, True, jnp.bfloat16), ("e5m2", 2, False, jnp.float32)])
 def test_row_copies_are_quantize_along_each_axis_bit_for_bit(fmt, margin,
                                                              pow2, dtype):
   """Row-wise copies: scaled per row and per column (transposed), with
@@ -242,8 +256,10 @@ def _paired_against_unpaired(monkeypatch, recipe, arch, kernel, record):
     y, _ = ops.quantized_matmul(x, w, recipe)
     return jnp.sum(y * jnp.cos(y))
 
+  # Jitted: one compile each, where eager calls compile every op one by
+  # one. The kernels' calls are recorded as the paired one is traced.
   grad = jax.value_and_grad(loss, argnums=(0, 1))
-  want = grad(x, w)
+  want = jax.jit(grad)(x, w)
   monkeypatch.setattr(qlayers.operands, "lax", types.SimpleNamespace(
       **{**vars(jax.lax), "platform_dependent":
          lambda *args, cuda, **_: cuda(*args)}))
@@ -255,7 +271,7 @@ def _paired_against_unpaired(monkeypatch, recipe, arch, kernel, record):
 
   monkeypatch.setattr(qlayers.operands.cast_transpose, kernel, interpreted)
   with table.target_arch(arch):
-    got = grad(x, w)
+    got = jax.jit(grad)(x, w)
   return want, got
 
 
@@ -275,9 +291,8 @@ def test_rowwise_matmul_runs_the_pair_kernels_with_the_operands_bits(
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("fmt,dtype", [("e2m3", jnp.bfloat16),
-                                       ("e3m2", jnp.float32)])
-@pytest.mark.parametrize("rule", ["mx_rceil", "mx_floor"])
+@pytest.mark.parametrize("fmt,dtype,rule", [
+    ("e2m3", jnp.bfloat16, "mx_rceil"), ("e3m2", jnp.float32, "mx_floor")])
 def test_mxfp6_copies_are_widened_quantize_of_t_and_t_transposed(fmt, rule,
                                                                  dtype):
   """MXFP6's copies as E4M3 payloads: the values of `scaling.widened` of
@@ -310,12 +325,11 @@ def test_fp4_copies_of_transforms_are_quantize_bit_for_bit(hadamard):
   `mxfp4_mlperf`): each copy is `scaling.quantize` of its own transform,
   of t along its columns and of t.T along t's rows, rounded to nearest and
   stochastically."""
-  from qlayers import hadamard as rht
   t = _data((64, 96), jnp.bfloat16).at[0, 0].set(1.0)
   spec = qlayers.scaling.QuantSpec(format="e2m1", granularity="mx")
   keys = (formats.rounding_key(jnp.uint32(5), jnp.uint32(1)),
           formats.rounding_key(jnp.uint32(6), jnp.uint32(1)))
-  srcs = [rht.transform(t, size, axis) if size else t
+  srcs = [_transform(t, size, axis) if size else t
           for size, axis in zip(hadamard, (1, 0))]
   for k in (None, keys):
     got = ct.fp4_cast_transpose(t, keys=k, hadamard=hadamard, interpret=True)
@@ -328,8 +342,9 @@ def test_fp4_copies_of_transforms_are_quantize_bit_for_bit(hadamard):
     ct.fp4_cast_transpose(t, hadamard=(64, 0), interpret=True)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("rule", ["mx_rceil", "mx_floor"])
+# Each dtype (the load) and each rule (the scale) once.
+@pytest.mark.parametrize("dtype,rule", [(jnp.bfloat16, "mx_rceil"),
+                                        (jnp.float32, "mx_floor")])
 def test_fp4_copies_are_quantize_of_t_and_t_transposed_bit_for_bit(dtype,
                                                                    rule):
   # Scaled values on every E2M1 rounding tie and between them, a zero row,
@@ -482,8 +497,10 @@ def test_gpu_targeted_gemm_equals_the_cpu_one_on_cpu(recipe, arch, kernels):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
-@pytest.mark.parametrize("algo", ["max", "most_recent"])
+# Each algorithm (the history the kernel takes: whole, or its amax) and each
+# arch (two layouts or one) once: the two are apart in the pair.
+@pytest.mark.parametrize("algo,arch", [("max", "sm_90"),
+                                       ("most_recent", "sm_100")])
 def test_delayed_pairs_run_the_kernel_on_the_roles_state(monkeypatch, algo,
                                                          arch):
   """fp8_delayed traced for Hopper (two layouts) and Blackwell (one), with
@@ -520,15 +537,17 @@ def test_delayed_pairs_run_the_kernel_on_the_roles_state(monkeypatch, algo,
     y, new_state = ops.quantized_matmul(x, w, recipe, state)
     return jnp.sum(y * jnp.cos(y)), new_state
 
+  # Jitted (one compile each, not one per op): both states run the one
+  # program, so the kernels' calls are recorded once, as it is traced.
   grad = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
+  unpaired, paired = jax.jit(grad), jax.jit(lambda *a: grad(*a))
   for state in (first, later):
-    want = grad(x, w, state)
-    calls.clear()
+    want = unpaired(x, w, state)
     with table.target_arch(arch):
-      got = grad(x, w, state)
-    assert calls == [(True, arch == "sm_90")] * 3  # x, w, then g
+      got = paired(x, w, state)
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert calls == [(True, arch == "sm_90")] * 3  # x, w, then g
 
 
 def _nvfp4_spec(granularity="tile"):
@@ -545,8 +564,9 @@ def _nvfp4_data(dtype):
   return t.at[16, 32:48].set(ties).at[48:64, 64].set(-ties).astype(dtype)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("hadamard", [False, True])
+# Each dtype (the load) and each layout of the transform once.
+@pytest.mark.parametrize("dtype,hadamard", [(jnp.float32, False),
+                                            (jnp.bfloat16, True)])
 def test_nvfp4_copies_are_quantize_of_t_and_t_transposed_bit_for_bit(
     dtype, hadamard):
   """Both 1 x 16 copies, payloads and E4M3 scales, equal
@@ -554,12 +574,11 @@ def test_nvfp4_copies_are_quantize_of_t_and_t_transposed_bit_for_bit(
   ``hadamard``), rounded to nearest and stochastically; a non-finite
   element makes its own block's scale NaN, and a non-finite tensor amax
   every block's."""
-  from qlayers import hadamard as rht
   spec = _nvfp4_spec()
   keys = (formats.rounding_key(jnp.uint32(5), jnp.uint32(1)),
           formats.rounding_key(jnp.uint32(6), jnp.uint32(1)))
   t = _nvfp4_data(dtype)
-  src = rht.transform(t, 16) if hadamard else t
+  src = _transform(t, 16, 0) if hadamard else t
   inf = t.at[3, 7].set(jnp.inf)
   for amaxes in ((None, None), (jnp.float32(500.0), jnp.float32(90.0)),
                  (jnp.float32(jnp.inf), jnp.float32(jnp.nan))):
@@ -579,7 +598,7 @@ def test_nvfp4_copies_are_quantize_of_t_and_t_transposed_bit_for_bit(
   for data in (t, inf, t.at[60, 90].set(jnp.nan)):
     got = ct.nvfp4_amaxes(data, interpret=True)
     want = (qlayers.blocks.amax(data),
-            qlayers.blocks.amax(rht.transform(data, 16)))
+            qlayers.blocks.amax(_transform(data, 16, 0)))
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   q, s, qt, st = ct.nvfp4_cast_transpose(inf, hadamard=hadamard,
                                          interpret=True)
@@ -627,7 +646,7 @@ def test_nvfp4_matmul_runs_the_pair_kernels_with_the_operands_bits(
     return jnp.sum(y * jnp.cos(y)), new_state
 
   grad = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
-  want = grad(x, w, state)
+  want = jax.jit(grad)(x, w, state)  # one compile, not one per op
   with table.target_arch("sm_100"):
     text = jax.jit(grad).trace(x, w, state).lower(
         lowering_platforms=("cuda",)).as_text()
@@ -649,17 +668,21 @@ def test_nvfp4_matmul_runs_the_pair_kernels_with_the_operands_bits(
                       interpreted)
   monkeypatch.setattr(qlayers.operands.cast_transpose, "nvfp4_amaxes",
                       functools.partial(ct.nvfp4_amaxes, interpret=True))
-  with table.target_arch("sm_100"):
-    got = grad(x, w, state)
+  with table.target_arch("sm_100"):  # a new function: traced anew
+    got = jax.jit(lambda *a: grad(*a))(x, w, state)
   assert calls == [(False, True, False), (True, False, False),
                    (False, True, True)]  # x, w, then g
   for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("recipe,formats_made", [
-    ("mxfp6", ["e2m3", "e2m3", "e3m2"]), ("mxfp8", ["e4m3"] * 3)])
-@pytest.mark.parametrize("arch", ["sm_100", "sm_90"])
+# Each recipe (the formats) and each arch (which copies are dequantized)
+# once; the kernel's copies of the other two pairs are pinned bit for bit
+# by test_mxfp6_copies_are_widened_quantize_of_t_and_t_transposed and
+# test_dequantized_mx_copies_are_the_bf16_values_bit_for_bit[e4m3].
+@pytest.mark.parametrize("recipe,formats_made,arch", [
+    ("mxfp6", ["e2m3", "e2m3", "e3m2"], "sm_90"),
+    ("mxfp8", ["e4m3"] * 3, "sm_100")])
 def test_mx_matmul_runs_the_pair_kernels_with_the_operands_bits(
     monkeypatch, recipe, formats_made, arch):
   """mxfp6 and mxfp8 traced for Blackwell (cuDNN's MXFP8 GEMM) and Hopper
@@ -683,7 +706,9 @@ def test_mx_matmul_runs_the_pair_kernels_with_the_operands_bits(
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "e2m3", "e3m2"])
+# E2M3's dequantized copies: test_mx_matmul_runs_the_pair_kernels_with_the_
+# operands_bits[mxfp6-...-sm_90] (x's, into the Fprop GEMM, bit for bit).
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "e3m2"])
 def test_dequantized_mx_copies_are_the_bf16_values_bit_for_bit(fmt):
   """``dequantized`` copies: `scaling.dequantized` of the quantized rows of
   t and t.T (NaN for the NaN's block, the subnormal scale of a block of
@@ -726,12 +751,11 @@ def test_dequantized_mx_copies_are_the_bf16_values_bit_for_bit(fmt):
     (32, 1, (24, 96)), (128, 1, (8, 256))])
 def test_transform_kernel_is_the_hadamard_transform_bit_for_bit(size, axis,
                                                                  shape):
-  from qlayers import hadamard as rht
   t = (jax.random.normal(jax.random.key(size), shape) * 3).astype(
       jnp.bfloat16)
   t = t.at[1, 1].set(jnp.inf)  # its block's outputs Inf or NaN, as XLA's
   got = ct.transform(t, size, axis, interpret=True)
-  want = rht.transform(t, size, axis)
+  want = _transform(t, size, axis)
   assert got.dtype == want.dtype == jnp.float32
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   with pytest.raises(ValueError, match="multiple of"):
@@ -756,7 +780,7 @@ def test_hadamard_recipe_runs_the_transform_kernel_with_its_bits(
     return jnp.sum(y * jnp.cos(y))
 
   grad = jax.value_and_grad(loss, argnums=(0, 1))
-  want = grad(x, w, state)
+  want = jax.jit(grad)(x, w, state)  # one compile, not one per op
   with table.target_arch("sm_100"):
     text = jax.jit(grad).trace(x, w, state).lower(
         lowering_platforms=("cuda",)).as_text()
@@ -772,8 +796,8 @@ def test_hadamard_recipe_runs_the_transform_kernel_with_its_bits(
 
   monkeypatch.setattr(qlayers.operands.cast_transpose, "transform",
                       interpreted)
-  with table.target_arch("sm_100"):
-    got = grad(x, w, state)
+  with table.target_arch("sm_100"):  # a new function: traced anew
+    got = jax.jit(lambda *a: grad(*a))(x, w, state)
   assert sorted(calls) == [(16, 0), (16, 0), (16, 1), (16, 1)]  # x, g; g, w
   for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -15,6 +15,11 @@ from qlayers.recipe import GemmRecipe
 from _support.numerics import sqnr_db
 from test_ops import M, K, N, outliers, run
 
+# Jitted: one compile per shape, where eager calls compile each of the
+# butterfly's stages (a few ops each) one by one.
+_transform = jax.jit(hadamard.transform, static_argnums=(1, 2))
+_butterfly = jax.jit(hadamard.butterfly, static_argnames="axis")
+
 
 @pytest.mark.parametrize("size", hadamard.SIZES)
 def test_transform_is_orthonormal(size):
@@ -33,12 +38,11 @@ def test_transform_keeps_the_product(m):
   k = jax.random.split(jax.random.key(0), 2)
   a = jax.random.normal(k[0], (m, 5))
   b = jax.random.normal(k[1], (m, 3))
-  qa, qb = hadamard.transform(a, 32), hadamard.transform(b, 32)
+  qa, qb = _transform(a, 32, 0), _transform(b, 32, 0)
   assert qa.shape == (32 * -(-m // 32), 5) and qa.dtype == jnp.float32
   np.testing.assert_allclose(qa.T @ qb, a.T @ b, rtol=2e-5, atol=2e-5)
   # Axis 1 is the transposed transform.
-  np.testing.assert_allclose(hadamard.transform(a.T, 32, axis=1),
-                             qa.T, atol=1e-6)
+  np.testing.assert_allclose(_transform(a.T, 32, 1), qa.T, atol=1e-6)
 
 
 @pytest.mark.parametrize("size", [2, 16, 128])
@@ -49,20 +53,20 @@ def test_butterfly_is_the_sylvester_matrix_product(size):
   reproduce it)."""
   h = np.round(hadamard.hadamard_matrix(size) * np.sqrt(size))
   y = jax.random.randint(jax.random.key(size), (3, size, 5), -50, 50)
-  got = hadamard.butterfly(y.astype(jnp.float32), axis=1)
+  got = _butterfly(y.astype(jnp.float32), axis=1)
   np.testing.assert_array_equal(np.asarray(got),
                                 np.einsum("ij,bjk->bik", h, np.asarray(y)))
   t = jax.random.normal(jax.random.key(1), (2 * size, 3))
   signed = t.reshape(2, size, 3) * hadamard.random_signs(size)[None, :, None]
-  want = hadamard.butterfly(signed, axis=1).reshape(2 * size, 3) * np.float32(
+  want = _butterfly(signed, axis=1).reshape(2 * size, 3) * np.float32(
       1 / np.sqrt(size))
-  np.testing.assert_array_equal(np.asarray(hadamard.transform(t, size)),
+  np.testing.assert_array_equal(np.asarray(_transform(t, size, 0)),
                                 np.asarray(want))
 
 
 def test_transform_spreads_an_outlier():
   t = jnp.zeros((32, 1)).at[3, 0].set(32.0)
-  out = np.asarray(hadamard.transform(t, 32))
+  out = np.asarray(_transform(t, 32, 0))
   np.testing.assert_allclose(np.abs(out), np.full((32, 1), 32 / np.sqrt(32)),
                              rtol=1e-6)
 
