@@ -433,17 +433,20 @@ def test_masked_matmul_all_on_is_the_op_and_all_off_is_wide(name):
   w = jax.random.normal(jax.random.key(1), (128, 128)) * 0.05
   state = ops.init_state(r)
 
-  def loss(fn, x, w, st):
-    return jnp.sum(fn(x, w, st)[0].astype(jnp.float32) ** 2)
+  def loss(fn, x, w, st, *mask):
+    return jnp.sum(fn(x, w, st, *mask)[0].astype(jnp.float32) ** 2)
 
   # The state is differentiated too, as a training step does (its gradient
   # amax leaves the backward pass of a delayed recipe).
   vg = jax.jit(jax.value_and_grad(loss, (1, 2, 3)), static_argnums=0)
 
+  def masked_fn(x, w, st, mask):
+    return masked.masked_matmul(x, w, r, st, mask)
+
   def masked_vg(mask):
-    mask = jnp.array(mask, jnp.float32)
-    return vg(lambda x, w, st: masked.masked_matmul(x, w, r, st, mask),
-              x, w, state)
+    # The mask is traced, as in `sensitivity`: one compilation of the
+    # switch serves every mask below.
+    return vg(masked_fn, x, w, state, jnp.array(mask, jnp.float32))
 
   def same(a, b):
     return all(bool(jnp.array_equal(u, v))
