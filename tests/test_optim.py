@@ -367,57 +367,61 @@ def axes(spec):  # a PartitionSpec without trailing Nones: P(None,) == P()
   return spec
 
 
-for axis_type in (AxisType.Auto, AxisType.Explicit):
-  for dtype in (jnp.float32, jnp.bfloat16):
-    mesh = jax.make_mesh((2, 4), ("data", "model"),
-                         axis_types=(axis_type,) * 2)
-    with jax.set_mesh(mesh):
-      m = Net(dtype, nnx.Rngs(0))
-      opt = qlayers.Optimizer(m, optax.adam(1e-2), moment_dtype=jnp.float32,
-                              loss_scaling="dynamic", init_loss_scale=2.0)
-      x = jnp.ones((8, 16), dtype)
+# Each axis type once, each Param dtype once (each pair costs a compile):
+# BF16 Params with FP32 masters under Auto, FP32 Params (no masters) under
+# Explicit. Explicit BF16 masters and moments are checked in
+# test_sharding_explicit.py::test_optimizer_masters_and_moments_follow_params.
+for axis_type, dtype in ((AxisType.Auto, jnp.bfloat16),
+                         (AxisType.Explicit, jnp.float32)):
+  mesh = jax.make_mesh((2, 4), ("data", "model"),
+                       axis_types=(axis_type,) * 2)
+  with jax.set_mesh(mesh):
+    m = Net(dtype, nnx.Rngs(0))
+    opt = qlayers.Optimizer(m, optax.adam(1e-2), moment_dtype=jnp.float32,
+                            loss_scaling="dynamic", init_loss_scale=2.0)
+    x = jnp.ones((8, 16), dtype)
 
-      @nnx.jit
-      def step(m, opt, x):
-        loss_fn = lambda m: jnp.mean((m(x).astype(jnp.float32) - 1.0) ** 2)
-        loss, g = nnx.value_and_grad(loss_fn)(m)
-        g = jax.tree.map(lambda a: a * jnp.asarray(2.0, a.dtype), g)
-        opt.update(m, g)
-        return loss
+    @nnx.jit
+    def step(m, opt, x):
+      loss_fn = lambda m: jnp.mean((m(x).astype(jnp.float32) - 1.0) ** 2)
+      loss, g = nnx.value_and_grad(loss_fn)(m)
+      g = jax.tree.map(lambda a: a * jnp.asarray(2.0, a.dtype), g)
+      opt.update(m, g)
+      return loss
 
-      losses = [float(step(m, opt, x)) for _ in range(3)]
-      assert losses[2] < losses[0], losses
-      assert int(opt.skipped_steps) == 0 and int(opt.step[...]) == 3
-      params = nnx.state(m, nnx.Param)
-      want = {"up/kernel": P(None, "model"), "up/bias": P("model"),
-              "gain": P()}
-      pflat = {"/".join(map(str, k)): v for k, v in nnx.to_flat_state(params)}
-      got = {k: axes(v.get_value().sharding.spec) for k, v in pflat.items()}
-      assert got == {k: axes(v) for k, v in want.items()}, got
-      adam = optim.find_state(opt.opt_state, optax.ScaleByAdamState)
-      mw = optim.find_state(opt.opt_state, optim.MasterWeightsState)
-      trees = {"mu": adam.mu, "nu": adam.nu}
-      if dtype == jnp.bfloat16:
-        trees["master"] = mw.master
-      else:
-        assert mw is None
-      for name, tree in trees.items():
-        flat = {"/".join(map(str, k)): v for k, v in nnx.to_flat_state(tree)}
-        assert flat.keys() == got.keys(), (name, flat.keys())
-        for k, v in flat.items():
-          assert axes(v.get_value().sharding.spec) == got[k], (name, k)
-          assert v.get_value().dtype == jnp.float32, (name, k)
-          assert v.get_metadata().get("out_sharding") == \
-              pflat[k].get_metadata().get("out_sharding"), (name, k)
-      if dtype == jnp.bfloat16:
-        for k, v in nnx.to_flat_state(mw.master):
-          np.testing.assert_array_equal(
-              v.get_value().astype(dtype),
-              pflat["/".join(map(str, k))].get_value())
-      print("ok", axis_type, jnp.dtype(dtype).name, losses)
+    losses = [float(step(m, opt, x)) for _ in range(3)]
+    assert losses[2] < losses[0], losses
+    assert int(opt.skipped_steps) == 0 and int(opt.step[...]) == 3
+    params = nnx.state(m, nnx.Param)
+    want = {"up/kernel": P(None, "model"), "up/bias": P("model"),
+            "gain": P()}
+    pflat = {"/".join(map(str, k)): v for k, v in nnx.to_flat_state(params)}
+    got = {k: axes(v.get_value().sharding.spec) for k, v in pflat.items()}
+    assert got == {k: axes(v) for k, v in want.items()}, got
+    adam = optim.find_state(opt.opt_state, optax.ScaleByAdamState)
+    mw = optim.find_state(opt.opt_state, optim.MasterWeightsState)
+    trees = {"mu": adam.mu, "nu": adam.nu}
+    if dtype == jnp.bfloat16:
+      trees["master"] = mw.master
+    else:
+      assert mw is None
+    for name, tree in trees.items():
+      flat = {"/".join(map(str, k)): v for k, v in nnx.to_flat_state(tree)}
+      assert flat.keys() == got.keys(), (name, flat.keys())
+      for k, v in flat.items():
+        assert axes(v.get_value().sharding.spec) == got[k], (name, k)
+        assert v.get_value().dtype == jnp.float32, (name, k)
+        assert v.get_metadata().get("out_sharding") == \
+            pflat[k].get_metadata().get("out_sharding"), (name, k)
+    if dtype == jnp.bfloat16:
+      for k, v in nnx.to_flat_state(mw.master):
+        np.testing.assert_array_equal(
+            v.get_value().astype(dtype),
+            pflat["/".join(map(str, k))].get_value())
+    print("ok", axis_type, jnp.dtype(dtype).name, losses)
 """
 
 
 def test_optimizer_under_auto_and_explicit_meshes():
   out = run_with_devices(_SHARDED)
-  assert out.count("ok ") == 4, out
+  assert out.count("ok ") == 2, out
