@@ -3,14 +3,7 @@
 and the all_to_all bytes of the compiled programs."""
 
 import functools
-import os
 import sys
-
-# The cases compare programs with each other, never their speed: XLA's
-# backend optimizations off halve their compile time (read when the CPU
-# backend starts, after this).
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_backend_optimization_level=0")
 
 import jax
 import jax.numpy as jnp

@@ -13,18 +13,12 @@ restored into fresh ones (or the error that stopped the checkpoint part).
 Process 1 writes the same to ``OUT.1``.
 """
 
-import os
 import pathlib
 import sys
 import traceback
 
-# The runs compare programs with each other, never their speed: XLA's
-# backend optimizations off cut their compile time by a third (read when
-# the CPU backend starts, after this).
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_backend_optimization_level=0")
 
-import jax  # noqa: E402
+import jax
 
 ARGS = sys.argv[1:]
 if len(ARGS) == 4:

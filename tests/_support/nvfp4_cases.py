@@ -2,14 +2,6 @@
 multidevice.py): NVFP4 operands with stochastic rounding keyed by the step
 are the same bits on one device and sharded, as is the per-tensor scale."""
 
-import os
-
-# The cases compare programs with each other, never their speed: XLA's
-# backend optimizations off cut their compile time by a third (read when
-# the CPU backend starts, after this).
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_backend_optimization_level=0")
-
 import jax
 import jax.numpy as jnp
 import numpy as np

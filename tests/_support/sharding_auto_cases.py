@@ -2,14 +2,6 @@
 multidevice.py): auto-axes meshes with arrays placed by ``jax.device_put``,
 ``shard_map``, and the ffi backend."""
 
-import os
-
-# The cases compare programs with each other, never their speed: XLA's
-# backend optimizations off cut their compile time by a third (read when
-# the CPU backend starts, after this).
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_backend_optimization_level=0")
-
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -2,14 +2,6 @@
 multidevice.py): explicit-axes meshes (``jax.set_mesh``), Params made with
 sharding metadata as in the Flax NNX sharding guide."""
 
-import os
-
-# The cases compare programs with each other, never their speed: XLA's
-# backend optimizations off cut their compile time by a third (read when
-# the CPU backend starts, after this).
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_backend_optimization_level=0")
-
 import contextlib
 import tempfile
 
