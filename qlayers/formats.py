@@ -291,8 +291,16 @@ def cast(x: jax.Array, fmt: Format | str, *,
     return encode(round_to_format(x, fmt, key=key), fmt)
   if key is None:
     # XLA's convert rounds to nearest even; saturating first avoids NaN/Inf.
-    return saturate(x, fmt).astype(fmt.dtype)
-  return round_to_format(x, fmt, key=key).astype(fmt.dtype)
+    y = saturate(x, fmt)
+  else:
+    y = round_to_format(x, fmt, key=key)
+  if fmt in (E4M3FNUZ, E5M2FNUZ):
+    # FNUZ has no -0 (its code 0x80 is NaN): whatever rounds to zero comes
+    # out +0, however a backend's convert treats the sign (XLA:CPU's older
+    # fusion emitter, jaxlib < 0.11, keeps it). Half the smallest
+    # subnormal is a tie, which rounds to even: 0.
+    y = jnp.where(jnp.abs(y) <= fmt.min_subnormal / 2, 0.0, y)
+  return y.astype(fmt.dtype)
 
 
 def encode(values: jax.Array, fmt: Format | str) -> jax.Array:
