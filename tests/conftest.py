@@ -1,6 +1,11 @@
-"""Test setup: strict dtype promotion, rank-promotion errors, warnings as errors."""
+"""Test setup: the suite's XLA flags (`_support.xla_flags`), strict dtype
+promotion, rank-promotion errors, warnings as errors."""
 
-import jax
+from _support import xla_flags
+
+xla_flags.apply()  # before JAX starts its backend
+
+import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import pytest
 
 from _support.numerics import sqnr_db

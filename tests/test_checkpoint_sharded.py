@@ -15,15 +15,13 @@ import sys
 
 import numpy as np
 
+from _support import multidevice
+
 MESH = (2, 4)  # ("data", "model")
 
 
 def _run(args, nproc: int, devices: int, timeout: float = 300):
-  # The workers run ~100 small eager programs and time none of them: XLA's
-  # backend optimizations off make their compiles about a third cheaper.
-  env = dict(os.environ, JAX_PLATFORMS="cpu", OPENBLAS_NUM_THREADS="1",
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} "
-             "--xla_backend_optimization_level=0")
+  env = dict(multidevice.env(devices), OPENBLAS_NUM_THREADS="1")
   procs = [subprocess.Popen([sys.executable, __file__, str(i), str(nproc),
                              *map(str, args)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -1,6 +1,9 @@
 """Outputs, gradients and state of every recipe against
-``tests/golden/golden.npz`` (written by ``tests/golden/make_golden.py``
-before the GEMM-plan refactoring): numerics must not move.
+``tests/golden/golden.npz`` (written by ``tests/golden/make_golden.py``):
+numerics must not move. The file was first written before the GEMM-plan
+refactoring, at XLA:CPU's default optimization level; it was rewritten
+under the suite's flags (`_support.xla_flags`: level 0), from a tree that
+still matched it at the default level.
 
 Quantization state (amax histories, the gradient amax) is compared bit for
 bit. A float32 value that comes out of an FP32-accumulated GEMM (outputs,

@@ -3,7 +3,6 @@ FP32 masters, moment dtypes, skipping, loss scaling, composition order and
 sharded Params."""
 
 import gc
-import os
 import subprocess
 import sys
 import textwrap
@@ -20,6 +19,7 @@ import qlayers
 from qlayers import ops
 from qlayers import optim
 from qlayers import scaling as S
+from _support import multidevice
 from _support.helpers import (
     DEFAULT_FLOOR, DENSE_FLOORS, delayed, optax_rules, pure, param_signature,
     train_step, weighted_sum)
@@ -325,13 +325,9 @@ def test_jitted_bf16_step_writes_params_from_masters():
 
 def run_with_devices(snippet: str, devices: int = 8, timeout: float = 600):
   """Runs ``snippet`` in a new interpreter with ``devices`` CPU devices."""
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                      f" --xla_force_host_platform_device_count={devices}")
-  env["JAX_PLATFORMS"] = "cpu"
   proc = subprocess.run([sys.executable, "-c", textwrap.dedent(snippet)],
-                        env=env, capture_output=True, text=True,
-                        timeout=timeout, check=False)
+                        env=multidevice.env(devices), capture_output=True,
+                        text=True, timeout=timeout, check=False)
   assert proc.returncode == 0, proc.stdout + proc.stderr
   return proc.stdout
 

@@ -17,7 +17,7 @@ def _launch(out, ckpt, *extra, devices):
   return subprocess.Popen(
       [sys.executable, str(multidevice.HERE / "multiprocess_cases.py"),
        str(out), str(ckpt), *map(str, extra)],
-      env=multidevice.env(devices, compare_only=True), cwd=ckpt,
+      env=multidevice.env(devices), cwd=ckpt,
       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

@@ -26,20 +26,13 @@ TESTS = HERE.parent
 ROOT = TESTS.parent
 
 
-def env(devices: int, *, compare_only: bool = False) -> dict[str, str]:
-  """The environment of a subprocess with ``devices`` CPU devices.
-
-  ``compare_only``: the subprocess only compares its programs with each
-  other (sharded against one device, never against stored bits or its
-  speed), so it runs with XLA's backend optimizations off, which cuts its
-  compile time by about a third.
-  """
+def env(devices: int) -> dict[str, str]:
+  """The environment of a subprocess with ``devices`` CPU devices (and the
+  parent's other XLA flags: the suite's, `xla_flags`)."""
   e = dict(os.environ)
   flags = [f for f in e.get("XLA_FLAGS", "").split()
            if not f.startswith("--xla_force_host_platform_device_count")]
   flags.append(f"--xla_force_host_platform_device_count={devices}")
-  if compare_only:
-    flags.append("--xla_backend_optimization_level=0")
   e["XLA_FLAGS"] = " ".join(flags)
   e["JAX_PLATFORMS"] = "cpu"
   e["PYTHONPATH"] = os.pathsep.join(
@@ -56,7 +49,7 @@ def run(script: str, *, devices: int = 8, timeout: float = 600,
     out = pathlib.Path(tmp) / "results.json"
     proc = subprocess.run(
         [sys.executable, str(TESTS / script), str(out), *args],
-        env=env(devices, compare_only=True), capture_output=True, text=True,
+        env=env(devices), capture_output=True, text=True,
         timeout=timeout,
         cwd=tmp, check=False)
     if proc.returncode or not out.exists():

@@ -11,6 +11,11 @@ bit for bit, GEMM results to within the host's summation order): the
 evidence that a refactoring changed no numerics. Only
 the public API is used (QuantDense, QuantEinsum, qlayers.value_and_grad,
 qlayers.Optimizer, qlayers.ops), on small shapes.
+
+The values are XLA:CPU's under the suite's flags (`_support.xla_flags`,
+backend optimizations off): the rounding of the test's loss,
+``sum(y * cos(y))``, and its gradient depends on them, and the gradient's
+amax is compared bit for bit.
 """
 
 from __future__ import annotations
@@ -19,7 +24,12 @@ import pathlib
 import sys
 import warnings
 
-import jax
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from _support import xla_flags  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+xla_flags.apply()  # before JAX starts its backend
+
+import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax.numpy as jnp
 import numpy as np
 import optax
