@@ -32,8 +32,8 @@ def env(devices: int) -> dict[str, str]:
   e = dict(os.environ)
   flags = [f for f in e.get("XLA_FLAGS", "").split()
            if not f.startswith("--xla_force_host_platform_device_count")]
-  flags.append(f"--xla_force_host_platform_device_count={devices}")
-  e["XLA_FLAGS"] = " ".join(flags)
+  e["XLA_FLAGS"] = " ".join(
+      flags + [f"--xla_force_host_platform_device_count={devices}"])
   e["JAX_PLATFORMS"] = "cpu"
   e["PYTHONPATH"] = os.pathsep.join(
       [str(HERE), str(ROOT)] + ([e["PYTHONPATH"]] if e.get("PYTHONPATH")
@@ -49,8 +49,7 @@ def run(script: str, *, devices: int = 8, timeout: float = 600,
     out = pathlib.Path(tmp) / "results.json"
     proc = subprocess.run(
         [sys.executable, str(TESTS / script), str(out), *args],
-        env=env(devices), capture_output=True, text=True,
-        timeout=timeout,
+        env=env(devices), capture_output=True, text=True, timeout=timeout,
         cwd=tmp, check=False)
     if proc.returncode or not out.exists():
       raise RuntimeError(f"{script} failed (exit {proc.returncode}):\n"

@@ -17,7 +17,6 @@ import pathlib
 import sys
 import traceback
 
-
 import jax
 
 ARGS = sys.argv[1:]
