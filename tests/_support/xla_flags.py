@@ -8,7 +8,8 @@ code generator in place of the MLIR one. That flag is set only where it is
 known to exist: jaxlib 0.11 removed it, and an unknown flag is fatal.
 Nothing in the suite times the programs it runs: every test compares
 programs compiled under these flags with each other, or with values stored
-from them.
+from them. tests/test_xla_flags.py checks that the flags change none of the
+encodings the library pins (`_support.pinned_encodings`).
 """
 
 from __future__ import annotations
