@@ -20,13 +20,9 @@ def test_encodings_are_the_same_under_xla_default_flags():
   """Every cast and every shipped operand spec's payload and scales, bit for
   bit: compiled here under the suite's flags, and in a fresh interpreter
   under XLA's defaults (the suite's flags removed)."""
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+  env = multidevice.env(devices=1)
+  env["XLA_FLAGS"] = " ".join(f for f in env["XLA_FLAGS"].split()
                               if f not in xla_flags.flags())
-  env["JAX_PLATFORMS"] = "cpu"
-  env["PYTHONPATH"] = os.pathsep.join(
-      [str(multidevice.TESTS), str(multidevice.ROOT)]
-      + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
   proc = subprocess.run([sys.executable, "-m", "_support.pinned_encodings"],
                         env=env, capture_output=True, text=True, timeout=600,
                         cwd=multidevice.TESTS, check=False)
