@@ -176,6 +176,8 @@ def _divide(numerator: float, b, interpret: bool):
 
 def _kernel(*refs, fmt: Format, margin: int, pow2: bool, delayed: bool,
             transpose: bool, interpret: bool):
+  if delayed:
+    *refs, run_ref = refs
   *refs, s_ref = refs
   qt_ref = refs.pop() if transpose else None
   if delayed:
@@ -190,6 +192,7 @@ def _kernel(*refs, fmt: Format, margin: int, pow2: bool, delayed: bool,
     finite = jnp.isfinite(a)
     running = running_ref[...]
     running = jnp.where(finite, jnp.maximum(running, a), running)
+    run_ref[...] = running  # the same in every program
     stored = jnp.max(history_ref[...], keepdims=True)
     a = jnp.where(finite, jnp.where(stored > 0, stored, running), a)
   q, scale = _te_copy(t_ref[...].astype(jnp.float32), jnp.reshape(a, (1, 1)),
@@ -223,7 +226,7 @@ def cast_transpose(t: jax.Array, fmt: Format | str, *,
                    delayed: tuple[jax.Array, jax.Array] | None = None,
                    margin: int = 0, pow2: bool = False,
                    transpose: bool = True, interpret: bool = False
-                   ) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+                   ) -> tuple[jax.Array, ...]:
   """Per-tensor FP8 ``(q, q.T, scale)`` of ``t (R, C)``, in one pass.
 
   ``q`` is the saturating cast of ``t * s``, ``s`` Transformer Engine's
@@ -245,7 +248,8 @@ def cast_transpose(t: jax.Array, fmt: Format | str, *,
       element) and the running amax ``()`` before this use. The amax to
       scale by is then `qlayers.delayed.delayed_amax`'s, chosen in the
       kernel, so no XLA kernel reduces the history or picks between it and
-      the running amax.
+      the running amax; the kernel also writes `delayed_amax`'s new
+      running amax, returned fourth, so no XLA kernel computes that either.
     margin, pow2: the spec's (`te_multiplier`).
     transpose: False: ``q.T`` is not written (None in its place), for GPUs
       whose FP8 GEMM reads either layout of one copy (Blackwell): the
@@ -260,10 +264,10 @@ def cast_transpose(t: jax.Array, fmt: Format | str, *,
     >>> q.shape, qt.shape, float(qt[0, 0]), float(scale)
     ((64, 128), (128, 64), 448.0, 0.5)
     >>> history = jnp.zeros(4).at[2].set(896.0)  # a delayed role's
-    >>> _, _, scale = cast_transpose(jnp.ones((64, 64)), "e4m3",
+    >>> _, _, scale, running = cast_transpose(jnp.ones((64, 64)), "e4m3",
     ...     delayed=(history, jnp.float32(0)), interpret=True)
-    >>> float(scale)
-    2.0
+    >>> float(scale), float(running)
+    (2.0, 1.0)
   """
   fmt = _fp8_tiles("cast_transpose", t, fmt)
   pl, plt = _pallas()
@@ -290,21 +294,26 @@ def cast_transpose(t: jax.Array, fmt: Format | str, *,
   copies = [((rows, cols), lambda i, j: (i, j))]
   if transpose:
     copies.append(((cols, rows), lambda i, j: (j, i)))
+  scalars = 1 if delayed is None else 2  # the scale, the running amax
   call = pl.pallas_call(
       functools.partial(_kernel, fmt=fmt, margin=margin, pow2=pow2,
                         delayed=delayed is not None, transpose=transpose,
                         interpret=interpret),
       grid=(rows // TILE, cols // TILE),
       in_specs=in_specs + [pl.BlockSpec(tile, lambda i, j: (i, j))],
-      out_specs=[pl.BlockSpec(tile, index) for _, index in copies] + [one],
+      out_specs=[pl.BlockSpec(tile, index) for _, index in copies]
+      + [one] * scalars,
       out_shape=[jax.ShapeDtypeStruct(shape, fmt.dtype)
                  for shape, _ in copies]
-      + [jax.ShapeDtypeStruct((1,), jnp.float32)],
+      + [jax.ShapeDtypeStruct((1,), jnp.float32)] * scalars,
       compiler_params=plt.CompilerParams(num_warps=4),
       interpret=interpret,
       name="qlayers_cast_transpose" if transpose else "qlayers_cast")
-  *outs, scale = call(jnp.reshape(a, (1,)), *inputs, t)
-  return outs[0], outs[1] if transpose else None, scale[0]
+  outs = call(jnp.reshape(a, (1,)), *inputs, t)
+  q, qt = outs[0], outs[1] if transpose else None
+  if delayed is None:
+    return q, qt, outs[-1][0]
+  return q, qt, outs[-2][0], outs[-1][0]
 
 
 def _row_amax_kernel(t_ref, r_ref, c_ref):

@@ -220,7 +220,8 @@ def _block_rule(spec) -> str | None:
 
 
 def operand_pair(t: jax.Array, last: Operand, first: Operand | None = None,
-                 *, amax=None, delayed: tuple[ScaleState, str] | None = None,
+                 *, amax=None,
+                 delayed: tuple[ScaleState, str, jax.Array] | None = None,
                  keys=(None, None), dtype=jnp.float32,
                  dequantized: tuple[bool, bool] = (False, False)):
   """The copies of ``t (..., C)`` for two GEMMs, ``(for last, for first)``:
@@ -240,10 +241,12 @@ def operand_pair(t: jax.Array, last: Operand, first: Operand | None = None,
   MXFP4, the ``tn`` copy of ``t.T``), so the contraction-minor layout its
   GEMM takes is already there. The values are `operand`'s in either case;
   elsewhere the copies are `operand`'s own (``keys``: their
-  stochastic-rounding keys). ``delayed``: ``(state, amax_compute_algo)`` of
-  a delayed-scaling role whose `delayed_amax` is ``amax``; the per-tensor
-  kernel then chooses that amax itself, from the state and ``t``'s amax, so
-  ``amax`` is computed only where the kernel does not run. ``dequantized``
+  stochastic-rounding keys). ``delayed``: ``(state, amax_compute_algo,
+  running)`` of a delayed-scaling role whose `delayed_amax` is ``(amax,
+  running)``; the per-tensor kernel then chooses that amax itself, from the
+  state and ``t``'s amax, and writes the running amax, so ``amax`` and
+  ``running`` are computed only where the kernel does not run. The running
+  amax is then returned third. ``dequantized``
   (for ``last``, for ``first``): that copy's GEMM only dequantizes it to
   BF16 (MX without MX tensor cores); an MXFP8/MXFP6 pair's copy then holds
   those values (`scaling.dequantized`), so no dequantize pass is left
@@ -257,6 +260,12 @@ def operand_pair(t: jax.Array, last: Operand, first: Operand | None = None,
     >>> last.payload.shape == first.payload.shape == (128, 64)
     True
   """
+  if delayed is not None:
+    *delayed, running = delayed
+    if not (first is None and pairable(t, last) and not _square(last.spec)):
+      # Only the per-tensor kernel takes the state and writes the running amax.
+      return (*operand_pair(t, last, first, amax=amax, keys=keys, dtype=dtype,
+                            dequantized=dequantized), running)
   if not pairable(t, last, first):
     q = operand(t, last, amax=amax, key=keys[0], dtype=dtype)
     return q, (q if first is None else
@@ -285,7 +294,8 @@ def operand_pair(t: jax.Array, last: Operand, first: Operand | None = None,
       a = blocks.amax(t) if amax is None else jnp.asarray(amax, jnp.float32)
       mult, scale = scale_rules.unit_scales(a, spec)
       p = _rows(formats.cast(t.astype(jnp.float32) * mult, spec.fmt))
-      return p, p.T if transpose else None, scale
+      return (p, p.T if transpose else None, scale,
+              *(() if delayed is None else (running,)))
 
     def cuda(t):  # the amax's last step and the scale in the kernel
       if delayed is not None:  # t's amax: `delayed_amax`'s reduction
@@ -298,10 +308,12 @@ def operand_pair(t: jax.Array, last: Operand, first: Operand | None = None,
                                            margin=spec.margin, pow2=spec.pow2,
                                            transpose=transpose)
 
-    p, pt, scale = lax.platform_dependent(t, cuda=cuda, default=xla)
+    p, pt, scale, *new_running = lax.platform_dependent(t, cuda=cuda,
+                                                        default=xla)
     q = scaling.QTensor(p, scale, spec.fmt.name, "tensor", None, last.axis,
                         rows)
-    return q, q if pt is None else dataclasses.replace(q, payload=pt.T)
+    second = q if pt is None else dataclasses.replace(q, payload=pt.T)
+    return (q, second, *new_running)
 
   if spec.scale_rule == "nvfp4":
     return _nvfp4_pair(t, last, first, keys)

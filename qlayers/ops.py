@@ -143,16 +143,14 @@ def _qmm(plan: Plan, dtypes, x, w, state, key):
 def _qmm_forward(plan: Plan, x, w, state, key, gather=()):
   recipe, fprop = plan.recipe, plan.fprop
   kx, kw, kwx, kb = _keys(key, 4)
-  ax = aw = delayed_x = delayed_w = None
-  new_state = state
+  ax = aw = delayed_x = delayed_w = run_x = run_w = None
   if recipe.delayed:
     ax, run_x = delayed_amax(x, state["x"], recipe)
     aw, run_w = delayed_amax(w, state["w"], recipe)
-    # The per-tensor kernel chooses ax, aw itself from these (`operand_pair`).
-    delayed_x, delayed_w = ((state[r], recipe.amax_compute_algo)
-                            for r in ("x", "w"))
-    new_state = {"x": state["x"]._replace(amax=run_x),
-                 "w": state["w"]._replace(amax=run_w), "g": state["g"]}
+    # The per-tensor kernel chooses ax, aw itself from these and writes the
+    # running amaxes (`operand_pair`).
+    delayed_x, delayed_w = ((state[r], recipe.amax_compute_algo, run)
+                            for r, run in (("x", run_x), ("w", run_w)))
   # The copies of x and w for two GEMMs each (x: Fprop, then Wgrad's if
   # `Plan.save_x` says; w: Dgrad's, Fprop's), in one pass where
   # `operand_pair` can; elsewhere each made as before (`Plan.dequantized`:
@@ -161,18 +159,20 @@ def _qmm_forward(plan: Plan, x, w, state, key, gather=()):
     qx, x_saved = operand(x, fprop.lhs, amax=ax, key=kx,
                           dtype=recipe.dtype), x
   else:
-    qx, x_saved = operand_pair(
+    qx, x_saved, *run = operand_pair(
         x, fprop.lhs, plan.wgrad.lhs if plan.save_x == "wgrad" else None,
         amax=ax, delayed=delayed_x, keys=(kx, kwx),
         dtype=recipe.dtype,
         dequantized=plan.dequantized["x"])
+    run_x = run[0] if run else run_x
   dgrad_w = None if plan.share_w else plan.dgrad.rhs
   if not gather and (plan.share_w or pairable(w, dgrad_w, fprop.rhs)):
-    w_saved, qw = operand_pair(w, dgrad_w or fprop.rhs,
-                               None if plan.share_w else fprop.rhs,
-                               amax=aw, delayed=delayed_w,
-                               keys=(kw, None), dtype=recipe.dtype,
-                               dequantized=plan.dequantized["w"])
+    w_saved, qw, *run = operand_pair(w, dgrad_w or fprop.rhs,
+                                     None if plan.share_w else fprop.rhs,
+                                     amax=aw, delayed=delayed_w,
+                                     keys=(kw, None), dtype=recipe.dtype,
+                                     dequantized=plan.dequantized["w"])
+    run_w = run[0] if run else run_w
   else:
     qw = operand(w, fprop.rhs, amax=aw, key=kw, dtype=recipe.dtype,
                  gather=gather)
@@ -187,7 +187,11 @@ def _qmm_forward(plan: Plan, x, w, state, key, gather=()):
   # (save_only_these_names) can keep just this.
   x_saved = jax.tree.map(lambda t: checkpoint_name(t, WGRAD_INPUT_NAME),
                          x_saved)
-  g_state = state["g"] if recipe.delayed else None
+  g_state, new_state = None, state
+  if recipe.delayed:
+    g_state = state["g"]
+    new_state = {"x": state["x"]._replace(amax=run_x),
+                 "w": state["w"]._replace(amax=run_w), "g": g_state}
   return y, new_state, (x_saved, w_saved, ax, aw, g_state, kb)
 
 
@@ -213,19 +217,22 @@ def _qmm_bwd(plan: Plan, dtypes, res, cts):
   ag = state_ct = delayed_g = None
   if recipe.delayed:
     ag, run_g = delayed_amax(g, g_state, recipe)
-    delayed_g = (g_state, recipe.amax_compute_algo)
-    # Only the gradient role's running amax leaves the backward pass (the
-    # forward roles left through the output), max-combined with the later
-    # uses' (a chain of uses: JAX never adds two of them).
-    state_ct = _g_amax_ct(run_g if later is None
-                          else jnp.maximum(later, run_g))
+    delayed_g = (g_state, recipe.amax_compute_algo, run_g)
   # Dgrad: dx = g @ w.T, contracted over N (both Hadamard-transformed along
   # N first if the recipe says so: (g Q.T) @ (w Q.T).T = g @ w.T).
   # g's copies for Dgrad and Wgrad (one if shared), in one pass where it can.
-  qg, qg_w = operand_pair(g, dgrad.lhs, None if plan.share_g else wgrad.rhs,
-                          amax=ag, delayed=delayed_g,
-                          keys=(kd, kwg), dtype=recipe.dtype,
-                          dequantized=plan.dequantized["g"])
+  qg, qg_w, *run = operand_pair(g, dgrad.lhs,
+                                None if plan.share_g else wgrad.rhs,
+                                amax=ag, delayed=delayed_g,
+                                keys=(kd, kwg), dtype=recipe.dtype,
+                                dequantized=plan.dequantized["g"])
+  if recipe.delayed:
+    # Only the gradient role's running amax leaves the backward pass (the
+    # forward roles left through the output), max-combined with the later
+    # uses' (a chain of uses: JAX never adds two of them).
+    run_g, = run
+    state_ct = _g_amax_ct(run_g if later is None
+                          else jnp.maximum(later, run_g))
   qw = w_saved if isinstance(w_saved, scaling.QTensor) else operand(
       w_saved, dgrad.rhs, amax=aw, dtype=recipe.dtype, gather=gather)
   dx = dispatch.run(dgrad, qg, qw).reshape(x_shape)

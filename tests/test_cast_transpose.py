@@ -100,8 +100,9 @@ _STATES = [(np.zeros(16), 0.0), (np.zeros(16), 7e3),
                                                ("e5m2", 1, True)])
 def test_delayed_scale_is_delayed_amax_bit_for_bit(fmt, margin, pow2):
   """With a delayed role's state the kernel scales by `delayed_amax`'s amax
-  of that state and the data's own amax, whether it reduces the data's amax
-  itself or takes the magnitude bits' max; Inf/NaN data scale by Inf."""
+  of that state and the data's own amax, and writes its new running amax,
+  whether it reduces the data's amax itself or takes the magnitude bits'
+  max; Inf/NaN data scale by Inf and leave the running amax as it was."""
   finite = _data((128, 192), jnp.bfloat16).at[:3, :6].set(-5e3)
   finite = finite.at[0, 0].set(1.0).at[1, 3].set(2.0).at[2, 5].set(3.0)
   special = _data((128, 192), jnp.bfloat16)
@@ -111,14 +112,18 @@ def test_delayed_scale_is_delayed_amax_bit_for_bit(fmt, margin, pow2):
     for history, running in _STATES:
       history = jnp.asarray(history, jnp.float32)
       state = qlayers.scaling.ScaleState(history, jnp.float32(running))
-      use, _ = qlayers.scaling.delayed_amax(state, qlayers.scaling.amax(t))
+      use, want_running = qlayers.scaling.delayed_amax(
+          state, qlayers.scaling.amax(t))
       mult, want_scale = qlayers.scale_rules.unit_scales(use, spec)
       want = _bits(formats.cast(t.astype(jnp.float32) * mult, fmt))
       for amax in (None, jnp.max(bits(t))):
-        q, qt, scale = ct.cast_transpose(
+        q, qt, scale, new_running = ct.cast_transpose(
             t, fmt, amax=amax, delayed=(history, jnp.float32(running)),
             margin=margin, pow2=pow2, interpret=True)
         what = f"{history[:4]} {running} {amax is None} {t is special}"
+        np.testing.assert_array_equal(
+            np.float32(new_running).view(np.uint32),
+            np.float32(want_running).view(np.uint32), what)
         np.testing.assert_array_equal(_bits(q), want, what)
         np.testing.assert_array_equal(_bits(qt), want.T, what)
         np.testing.assert_array_equal(np.float32(scale).view(np.uint32),
@@ -138,12 +143,13 @@ def test_one_layout_is_the_first_of_the_two_bit_for_bit():
                         (finite, (jnp.asarray(_STATES[3][0], jnp.float32),
                                   jnp.float32(_STATES[3][1])))]:
     two = ct.cast_transpose(data, "e4m3", delayed=delayed, interpret=True)
-    q, none, scale = ct.cast_transpose(data, "e4m3", delayed=delayed,
-                                       transpose=False, interpret=True)
-    assert none is None
-    np.testing.assert_array_equal(_bits(q), _bits(two[0]))
-    np.testing.assert_array_equal(np.float32(scale).view(np.uint32),
-                                  np.float32(two[2]).view(np.uint32))
+    one = ct.cast_transpose(data, "e4m3", delayed=delayed,
+                            transpose=False, interpret=True)
+    assert one[1] is None and len(one) == len(two) == 3 + (delayed is not None)
+    np.testing.assert_array_equal(_bits(one[0]), _bits(two[0]))
+    for a, b in zip(one[2:], two[2:]):  # the scale (and running amax)
+      np.testing.assert_array_equal(np.float32(a).view(np.uint32),
+                                    np.float32(b).view(np.uint32))
 
 
 def test_refuses_what_it_cannot_cast():
