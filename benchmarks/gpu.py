@@ -35,7 +35,9 @@ so a part that runs out of time still reports what it measured:
            data with NaN, Inf, overflow and underflow, compared bit for bit
            with the same call on the CPU, which makes them in XLA's passes
            (the values the CPU tests check the kernels against in Pallas'
-           interpreter). A mismatch is an error row.
+           interpreter); and a delayed GEMM's end of step
+           (``qlayers.history_roll``: one kernel rolling its three amax
+           histories) the same way. A mismatch is an error row.
 ``block``  one train step of the Llama-3-8B block of ``gpu_compile.py``
            (d 4096, 32/8 heads, SwiGLU 14336, 4096 tokens, cuDNN fused
            attention) per recipe against BF16: the measurement that the
@@ -375,8 +377,8 @@ def _kernel_cases(name: str, dims):
       st = state[role]._replace(amax_history=jnp.asarray(
           rng.uniform(1.0, 300.0, state[role].amax_history.shape),
           jnp.float32))
-      arrays["amax"], _ = qlayers.operands.delayed_amax(jnp.asarray(t), st,
-                                                        recipe)
+      arrays["amax"], arrays["running"] = qlayers.operands.delayed_amax(
+          jnp.asarray(t), st, recipe)
       arrays["state"] = st
     cases.append((role, t, last, first, arrays,
                   {"algo": recipe.amax_compute_algo,
@@ -413,7 +415,51 @@ def part_kernels(cfg) -> dict[str, Any]:
   with (table.target_arch("sm_100") if cfg.cpu_smoke
         else contextlib.nullcontext()):
     _compare_pairs(rows, gpu, cpu, dims)
+    _compare_rolls(rows, gpu, cpu)
   return {"rows": rows.rows, "info": rows.info}
+
+
+def _compare_rolls(rows, gpu, cpu) -> None:
+  """A GEMM's end of a delayed step (`qlayers.history_roll.end_step`: its
+  kernel on this GPU) against the same call on the CPU (XLA's ops): three
+  roles, the gradient's with an amax to merge, non-finite amaxes among
+  them."""
+  import re
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from qlayers import history_roll
+  from qlayers.delayed import ScaleState
+  rng = np.random.default_rng(5)
+  states = [ScaleState(jnp.asarray(rng.uniform(0, 300, 1024), jnp.float32),
+                       jnp.float32(a)) for a in (7.0, np.inf, 2.0)]
+  updates = [None, None, jnp.float32(np.nan)]
+  for item, ups in (("history roll", [None] * 3),
+                    ("history roll, gradient amax merged", updates)):
+    try:
+      fn = jax.jit(lambda states, ups=ups: history_roll.end_step(states, ups))
+      kernels = sorted(set(re.findall(
+          r'name = "(qlayers_\w+)"', fn.trace(states).lower(
+              lowering_platforms=("cuda",)).as_text())))
+      got = jax.tree.leaves(fn(jax.device_put(states, gpu)))
+      with jax.default_device(cpu):
+        want = jax.tree.leaves(fn(jax.device_put(states, cpu)))
+      bad = sum(_bit_mismatches(a, b) for a, b in zip(got, want))
+      size = sum(a.size for a in want)
+    except Exception as e:  # noqa: BLE001 - reported
+      rows.add({"item": item, "error": _err(e)})
+      continue
+    _bits_row(rows, item, bad, size, ", ".join(kernels) or "no kernel")
+
+
+def _bits_row(rows, item: str, bad: int, size: int, what: str) -> None:
+  """The row of one GPU-against-CPU comparison of ``size`` elements."""
+  if bad:
+    rows.add({"item": item, "error": f"{bad} of {size} elements differ "
+              f"from the CPU's bits: {what}"})
+  else:
+    rows.add({"item": item, "value": f"bit-identical to the CPU ({size} "
+              f"elements): {what}"})
 
 
 def _compare_pairs(rows, gpu, cpu, dims) -> None:
@@ -435,7 +481,8 @@ def _compare_pairs(rows, gpu, cpu, dims) -> None:
         def pair(t, arrays, last=last, first=first, static=static):
           kw = dict(arrays, dequantized=static["dequantized"])
           if "state" in kw:
-            kw["delayed"] = (kw.pop("state"), static["algo"])
+            kw["delayed"] = (kw.pop("state"), static["algo"],
+                             kw.pop("running"))
           return operands.operand_pair(t, last, first, **kw)
         paired = operands.pairable(jax.numpy.asarray(t), last, first)
         fn = jax.jit(pair)
@@ -451,14 +498,9 @@ def _compare_pairs(rows, gpu, cpu, dims) -> None:
       except Exception as e:  # noqa: BLE001 - reported
         rows.add({"item": item, "error": _err(e)})
         continue
-      what = (f"{', '.join(kernels) or 'no kernel'}"
-              f"{'' if paired else ' (not paired on this target)'}")
-      if bad:
-        rows.add({"item": item, "error": f"{bad} of {size} elements differ "
-                  f"from the CPU's bits: {what}"})
-      else:
-        rows.add({"item": item, "value": f"bit-identical to the CPU "
-                  f"({size} elements): {what}"})
+      _bits_row(rows, item, bad, size,
+                f"{', '.join(kernels) or 'no kernel'}"
+                f"{'' if paired else ' (not paired on this target)'}")
 
 
 def part_gemm(cfg) -> dict[str, Any]:

@@ -37,8 +37,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from qlayers import formats
+from qlayers import history_roll
 from qlayers import ops
-from qlayers import scaling
 from qlayers import sharding
 from qlayers.recipe import Recipe, recipe as load_recipe
 from qlayers.scaling import ScaleState
@@ -292,13 +292,19 @@ def update_scales(model: nnx.Module, grads: nnx.State | None = None) -> int:
   Writes the gradient amaxes from ``grads`` (where it holds `QuantGradState`
   values: `qlayers.value_and_grad` returns them, as does
   ``nnx.value_and_grad(..., argnums=nnx.DiffState(0, (nnx.Param,
-  qlayers.QuantGradState)))``), then rolls every amax history one step.
+  qlayers.QuantGradState)))``), then rolls every amax history one step:
+  one kernel per GEMM where the program may run on an NVIDIA GPU
+  (`qlayers.history_roll`), XLA's ops elsewhere, with the same values.
   `qlayers.Optimizer.update` calls it; with another optimizer, call it once
   per step after the update, or delayed scales never move (``model.eval()``
   then warns: a trained GEMM whose histories are all 0).
 
   Returns:
     The number of `QuantGemm` modules updated.
+
+  Raises:
+    ValueError: ``grads`` holds a gradient amax at a path where ``model``
+      has none (the grads of another model); nothing is written then.
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -317,25 +323,34 @@ def update_scales(model: nnx.Module, grads: nnx.State | None = None) -> int:
     True
   """
   found = list(gemms(model))
-  if grads is not None:
-    _write_grad_state(model, grads)
-  for _, gemm in found:
-    for role, st in (gemm.read() or {}).items():
-      new = scaling.update_scales(st)
-      getattr(gemm, f"{role}_amax_history").set_value(new.amax_history)
-      getattr(gemm, f"{role}_amax").set_value(new.amax)
+  updates = _grad_amaxes(model, grads)
+  for path, gemm in found:
+    states = gemm.read()
+    if not states:
+      continue
+    # The gradient amax (by max; a non-finite one carries no information),
+    # then the roll: one kernel per GEMM on NVIDIA GPUs.
+    new = history_roll.end_step(
+        list(states.values()),
+        [updates.get((*path, f"{role}_amax")) for role in states])
+    for role, st in zip(states, new):
+      getattr(gemm, f"{role}_amax_history").set_value(st.amax_history)
+      getattr(gemm, f"{role}_amax").set_value(st.amax)
   return len(found)
 
 
-def _write_grad_state(model: nnx.Module, grads: nnx.State) -> None:
-  """Writes the gradient amaxes in ``grads`` into ``model``, by max.
-
-  A value of -inf (an unused layer under max-combining) or any non-finite
-  value carries no information and is ignored.
-  """
-  updates = nnx.state(grads, QuantGradState)
-  if not updates:
-    return
-  current = nnx.state(model, QuantGradState)
-
-  nnx.update(model, jax.tree.map(scaling.merge_amax, current, updates))
+def _grad_amaxes(model: nnx.Module, grads: nnx.State | None
+                 ) -> dict[tuple, jax.Array]:
+  """The gradient amaxes in ``grads`` (`QuantGradState` values) by path;
+  an error where one has no place in ``model``."""
+  if grads is None:
+    return {}
+  updates = {path: v.get_value() for path, v in nnx.to_flat_state(
+      nnx.state(grads, QuantGradState))}
+  known = {path for path, _ in nnx.to_flat_state(
+      nnx.state(model, QuantGradState))}
+  if unknown := sorted(map(str, set(updates) - known)):
+    raise ValueError(
+        "update_scales: grads hold gradient amaxes at paths the model has "
+        f"none at: {', '.join(unknown[:3])}. Pass the grads of this model.")
+  return updates
