@@ -89,6 +89,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import importlib
 import json
 import os
 import pathlib
@@ -144,10 +145,11 @@ class ModelSpec:
   tx: Callable[[], optax.GradientTransformation]
 
 
-def _examples():
-  """``examples._common`` (gpt, llama, lm, training), imported on demand."""
-  from examples._common import gpt, llama, lm, training
-  return gpt, llama, lm, training
+def _example(name: str):
+  """The module ``examples._common.<name>``, imported on demand: each model
+  and optimizer needs only its own (``llama`` reads tokenizers, which the
+  GPU-compile environment of ``scripts/setup-gpu-compile`` lacks)."""
+  return importlib.import_module(f"examples._common.{name}")
 
 
 def _token_batch(batch: int, seq: int, vocab: int):
@@ -157,9 +159,8 @@ def _token_batch(batch: int, seq: int, vocab: int):
 
 
 def _lm_loss(model, batch):
-  _, _, lm, _ = _examples()
   inputs, targets = batch
-  return lm.next_token_loss(model(inputs), targets)
+  return _example("lm").next_token_loss(model(inputs), targets)
 
 
 def _d64_config(blocks: int) -> models.TransformerConfig:
@@ -169,7 +170,7 @@ def _d64_config(blocks: int) -> models.TransformerConfig:
 
 
 def _gpt(blocks: int):
-  gpt, *_ = _examples()
+  gpt = _example("gpt")
   cfg = gpt.GPTConfig(vocab_size=256, max_len=128, d_model=64,
                       n_layers=blocks, n_heads=4, d_ff=256,
                       dtype=jnp.bfloat16)
@@ -187,14 +188,14 @@ def _d512_config(blocks: int) -> models.TransformerConfig:
 
 
 def _smollm2(blocks: int):
-  _, llama, _, _ = _examples()
+  llama = _example("llama")
   cfg = llama.LlamaConfig(n_layers=blocks, dtype=jnp.bfloat16)
   return llama.Llama(cfg, rngs=nnx.Rngs(0))
 
 
 def _examples_tx():
   # examples/train_lm.py's defaults (lr 3e-3, 300 steps, clip 1.0, ...).
-  *_, training = _examples()
+  training = _example("training")
   return training.adamw_cosine(lr=3e-3, steps=300, warmup=30,
                                weight_decay=0.1, min_lr_ratio=0.1, clip=1.0,
                                b2=0.95)
@@ -202,7 +203,7 @@ def _examples_tx():
 
 def _smollm2_tx():
   # examples/finetune_smollm2.py's defaults (lr 1e-4, warmup 10, ...).
-  *_, training = _examples()
+  training = _example("training")
   return training.adamw_cosine(lr=1e-4, steps=100, warmup=10,
                                weight_decay=0.01, min_lr_ratio=0.1, clip=1.0)
 

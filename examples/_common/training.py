@@ -1,8 +1,9 @@
 """The optimizer and progress bar of the example training loops."""
 
+from __future__ import annotations
+
 import jax
 import optax
-from tqdm.auto import tqdm
 
 
 def _matrices(params):
@@ -39,7 +40,9 @@ def adamw_cosine(
                   mask=_matrices if decay_matrices_only else None))
 
 
-def progress(steps: int, desc: str, *, enabled: bool = True) -> tqdm:
-  """A progress bar over the steps ``1 .. steps``."""
+def progress(steps: int, desc: str, *, enabled: bool = True):
+  """A progress bar over the steps ``1 .. steps`` (tqdm, imported here: the
+  optimizer alone, as ``benchmarks/compile.py`` builds it, needs none)."""
+  from tqdm.auto import tqdm
   return tqdm(range(1, steps + 1), desc=desc, disable=not enabled,
               dynamic_ncols=True)
