@@ -261,7 +261,7 @@ def operand_pair(t: jax.Array, last: Operand, first: Operand | None = None,
     True
   """
   if delayed is not None:
-    *delayed, running = delayed
+    state, algo, running = delayed
     if not (first is None and pairable(t, last) and not _square(last.spec)):
       # Only the per-tensor kernel takes the state and writes the running amax.
       return (*operand_pair(t, last, first, amax=amax, keys=keys, dtype=dtype,
@@ -302,7 +302,7 @@ def operand_pair(t: jax.Array, last: Operand, first: Operand | None = None,
         bits = jnp.max(blocks._magnitude_bits(t))  # noqa: SLF001
         return cast_transpose.cast_transpose(
             _rows(t), spec.fmt, amax=bits,
-            delayed=_kernel_state(*delayed), margin=spec.margin,
+            delayed=_kernel_state(state, algo), margin=spec.margin,
             pow2=spec.pow2, transpose=transpose)
       return cast_transpose.cast_transpose(_rows(t), spec.fmt, amax=amax,
                                            margin=spec.margin, pow2=spec.pow2,

@@ -85,10 +85,8 @@ def test_update_scales_on_a_gpu_target_keeps_the_state_bit_for_bit(
   roles) leaves every history, running amax and gradient amax as XLA's ops
   do; stacked layers (nnx.vmap) keep XLA's ops."""
   def model():
-    m = nnx.Sequential(
-        qlayers.QuantDense(64, 128, rngs=nnx.Rngs(0)),
-        qlayers.QuantDense(128, 64, rngs=nnx.Rngs(1)))
-    return m
+    return nnx.Sequential(qlayers.QuantDense(64, 128, rngs=nnx.Rngs(0)),
+                          qlayers.QuantDense(128, 64, rngs=nnx.Rngs(1)))
 
   diff = nnx.DiffState(0, (nnx.Param, qlayers.QuantGradState))
   x = jax.random.normal(jax.random.key(2), (4, 64))
