@@ -1055,7 +1055,7 @@ def nvfp4_amaxes(t: jax.Array, *, interpret: bool = False
       compiler_params=plt.CompilerParams(num_warps=4),
       interpret=interpret, name="qlayers_nvfp4_amaxes")(
           t.reshape(rows // b, b, cols))
-  return tuple(blocks._amax_from_bits(jnp.max(x), jnp.float32)  # noqa: SLF001
+  return tuple(blocks._max_of_bits(x, jnp.float32)  # noqa: SLF001
                for x in (a, at))
 
 

@@ -131,6 +131,28 @@ def test_block_amax_matches_reference(dtype, block, shape):
   np.testing.assert_array_equal(bits(np.asarray(got0, np.float32)), 0)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("axes", [(0, 1), (1,), (0,)])
+def test_gpu_branch_of_the_amax_matches_the_cpu_one(monkeypatch, dtype, axes):
+  """The branch XLA:GPU runs (one integer max, the NaN clamp before it)
+  gives the CPU branch's bits: NaN of either sign as +Inf, -0.0 as 0."""
+  rng = np.random.default_rng(3)
+  x, _ = _values(dtype, 64 * 96, rng)
+  x = x.reshape(64, 96)
+  x[1, 2], x[40, 7], x[5, 90] = np.nan, -np.nan, -np.inf
+  x[:, 11] = -0.0
+  want = jax.jit(lambda v: B._max_magnitude(v, axes))(jnp.asarray(x))  # noqa: SLF001
+  monkeypatch.setattr(B.jax.lax, "platform_dependent",
+                      lambda *a, default, **_: default(*a))
+  got = jax.jit(lambda v: B._max_magnitude(v, axes))(jnp.asarray(x))  # noqa: SLF001
+  assert got.dtype == want.dtype
+  np.testing.assert_array_equal(bits(np.asarray(got, np.float32)),
+                                bits(np.asarray(want, np.float32)))
+  np.testing.assert_array_equal(
+      bits(np.asarray(got, np.float32)),
+      bits(ref_amax(x.astype(np.float32), axes)))
+
+
 def test_amax_under_transpose_and_grad():
   """Transposed operands (contraction-last layouts) and jvp traces."""
   x = jnp.asarray(np.random.default_rng(1).standard_normal((64, 96)),
