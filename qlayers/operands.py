@@ -270,6 +270,7 @@ def operand_pair(t: jax.Array, last: Operand, first: Operand | None = None,
     q = operand(t, last, amax=amax, key=keys[0], dtype=dtype)
     return q, (q if first is None else
                operand(t, first, amax=amax, key=keys[1], dtype=dtype))
+  sharding.warn_if_gpus_unmeshed()
   spec = last.spec
   rows = (math.prod(t.shape[:-1]), t.shape[-1])
   if first is None and _square(spec):

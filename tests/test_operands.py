@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import qlayers
 from qlayers import scaling as S
@@ -48,3 +49,24 @@ def test_given_amax_sets_the_per_tensor_scale():
   spec = S.QuantSpec(format="e4m3", granularity="tensor")
   q = operand(x, Operand(spec, 1), amax=jnp.float32(448.0 * 4))
   assert float(q.scale) == 4.0
+
+
+def test_a_gpu_pair_warns_when_several_gpus_have_no_mesh(monkeypatch):
+  """The one-pass kernels have no partitioning rule: traced with several GPUs
+  attached and no mesh set, the pair says how to keep the program sharded;
+  with one GPU, or where no kernel runs, it says nothing."""
+  from qlayers import operands, sharding, table  # noqa: PLC0415
+  spec = qlayers.recipe("fp8_current").fprop.lhs
+  t = jax.ShapeDtypeStruct((128, 64), jnp.bfloat16)
+
+  def trace():
+    return jax.jit(lambda t: operands.operand_pair(t, Operand(spec, 1))
+                   ).trace(t)
+
+  with table.target_arch("sm_90"):
+    assert operands.pairable(t, Operand(spec, 1))
+    trace()  # one GPU here: warnings are errors in this suite
+    monkeypatch.setattr(sharding, "_several_gpus", lambda: True)
+    with pytest.warns(UserWarning, match="jax.set_mesh"):
+      trace()
+  trace()  # no GPU target: no kernel, no warning
