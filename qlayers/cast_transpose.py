@@ -72,6 +72,7 @@ import numpy as np
 from qlayers import blocks
 from qlayers import formats
 from qlayers import hadamard as hadamard_lib
+from qlayers import partition
 from qlayers import scale_rules
 from qlayers import threefry
 from qlayers.formats import Format
@@ -216,6 +217,38 @@ def _te_copy(v, a, fmt: Format, margin: int, pow2: bool, interpret: bool):
   return _saturating_cast(v * mult, fmt), _divide(1.0, mult, interpret)
 
 
+def _cast_call(shape: tuple[int, int], fmt: Format, margin: int, pow2: bool,
+               history: int, transpose: bool, interpret: bool):
+  """`cast_transpose`'s kernel for a ``shape`` tensor (``history``: the
+  delayed role's history length, 0 without one): a function of the amax
+  ``(1,)``, the history and running amax if delayed, and the tensor."""
+  pl, plt = _pallas()
+  one = pl.BlockSpec((1,), lambda i, j: (0,))
+  in_specs = [one]
+  if history:
+    in_specs += [pl.BlockSpec((history,), lambda i, j: (0,)), one]
+  rows, cols = shape
+  tile = (TILE, TILE)
+  copies = [((rows, cols), lambda i, j: (i, j))]
+  if transpose:
+    copies.append(((cols, rows), lambda i, j: (j, i)))
+  scalars = 2 if history else 1  # the scale, the running amax
+  return pl.pallas_call(
+      functools.partial(_kernel, fmt=fmt, margin=margin, pow2=pow2,
+                        delayed=bool(history), transpose=transpose,
+                        interpret=interpret),
+      grid=(rows // TILE, cols // TILE),
+      in_specs=in_specs + [pl.BlockSpec(tile, lambda i, j: (i, j))],
+      out_specs=[pl.BlockSpec(tile, index) for _, index in copies]
+      + [one] * scalars,
+      out_shape=[jax.ShapeDtypeStruct(shape, fmt.dtype)
+                 for shape, _ in copies]
+      + [jax.ShapeDtypeStruct((1,), jnp.float32)] * scalars,
+      compiler_params=plt.CompilerParams(num_warps=4),
+      interpret=interpret,
+      name="qlayers_cast_transpose" if transpose else "qlayers_cast")
+
+
 # Each kernel entry point is jitted with its settings static: a train step
 # calls it once per operand of every layer, and jit traces and lowers one
 # kernel per shape instead of one per call.
@@ -270,9 +303,7 @@ def cast_transpose(t: jax.Array, fmt: Format | str, *,
     (2.0, 1.0)
   """
   fmt = _fp8_tiles("cast_transpose", t, fmt)
-  pl, plt = _pallas()
-  one = pl.BlockSpec((1,), lambda i, j: (0,))
-  inputs, in_specs = [], [one]
+  inputs = []
   if delayed is not None:
     history, running = (jnp.asarray(v, jnp.float32) for v in delayed)
     n = history.shape[-1] if history.ndim == 1 else 0
@@ -282,34 +313,18 @@ def cast_transpose(t: jax.Array, fmt: Format | str, *,
           "power of two and a scalar running amax; got history "
           f"{history.shape}, running {running.shape}.")
     inputs = [history, jnp.reshape(running, (1,))]
-    in_specs += [pl.BlockSpec((n,), lambda i, j: (0,)), one]
   if amax is None:
     a = jnp.max(blocks._magnitude_bits(t))  # noqa: SLF001
   elif jnp.issubdtype(jnp.asarray(amax).dtype, jnp.unsignedinteger):
     a = jnp.asarray(amax)
   else:
     a = jnp.asarray(amax, jnp.float32)
-  rows, cols = t.shape
-  tile = (TILE, TILE)
-  copies = [((rows, cols), lambda i, j: (i, j))]
-  if transpose:
-    copies.append(((cols, rows), lambda i, j: (j, i)))
-  scalars = 1 if delayed is None else 2  # the scale, the running amax
-  call = pl.pallas_call(
-      functools.partial(_kernel, fmt=fmt, margin=margin, pow2=pow2,
-                        delayed=delayed is not None, transpose=transpose,
-                        interpret=interpret),
-      grid=(rows // TILE, cols // TILE),
-      in_specs=in_specs + [pl.BlockSpec(tile, lambda i, j: (i, j))],
-      out_specs=[pl.BlockSpec(tile, index) for _, index in copies]
-      + [one] * scalars,
-      out_shape=[jax.ShapeDtypeStruct(shape, fmt.dtype)
-                 for shape, _ in copies]
-      + [jax.ShapeDtypeStruct((1,), jnp.float32)] * scalars,
-      compiler_params=plt.CompilerParams(num_warps=4),
-      interpret=interpret,
-      name="qlayers_cast_transpose" if transpose else "qlayers_cast")
-  outs = call(jnp.reshape(a, (1,)), *inputs, t)
+  n = inputs[0].shape[0] if inputs else 0
+  outs = partition.cast(_cast_call, (fmt, margin, pow2, n, transpose,
+                                     interpret),
+                        jnp.reshape(a, (1,)), *inputs, t,
+                        transpose=transpose, scalars_out=1 + bool(n),
+                        tile=TILE)
   q, qt = outs[0], outs[1] if transpose else None
   if delayed is None:
     return q, qt, outs[-1][0]

@@ -270,9 +270,10 @@ def operand_pair(t: jax.Array, last: Operand, first: Operand | None = None,
     q = operand(t, last, amax=amax, key=keys[0], dtype=dtype)
     return q, (q if first is None else
                operand(t, first, amax=amax, key=keys[1], dtype=dtype))
-  sharding.warn_if_gpus_unmeshed()
   spec = last.spec
   rows = (math.prod(t.shape[:-1]), t.shape[-1])
+  if not (first is None and not _square(spec)):
+    sharding.warn_if_gpus_unmeshed()  # no partitioning rule (`partition.cast`)
   if first is None and _square(spec):
     def xla_blocks(t):
       q = scaling.quantize(_rows(t), spec, 1)

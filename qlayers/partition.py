@@ -23,6 +23,9 @@ tiles/blocks 128) and the mesh axes divide it; otherwise it is gathered.
 An operand passed through `wire` once and given to two GEMMs (a per-tensor
 weight's Fprop and Dgrad) is gathered once for both.
 With one device or all axes manual, XLA inlines the GEMM unchanged.
+
+`cast` puts the per-tensor FP8 cast kernel (`qlayers.cast_transpose`) under
+a rule of its own: each device casts its shard with the global scale.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from qlayers import formats
 from qlayers.scaling import QTensor
 
-__all__ = ["gemm", "wire", "gather"]
+__all__ = ["gemm", "wire", "gather", "cast"]
 
 
 class _Meta(NamedTuple):
@@ -386,3 +389,73 @@ def gemm(a: QTensor, b: QTensor, axes: tuple[int, int], out_dtype,
   if out.shape != (rows, cols):
     out = out[:rows, :cols]
   return out
+
+
+# --------------------------------------------------------------------------
+# A per-tensor cast kernel under a partitioning rule
+
+
+def _whole_tiles(mesh, axes, n: int, tile: int) -> tuple[str, ...]:
+  """The longest prefix of ``axes`` that splits ``n`` into whole tiles."""
+  axes = tuple(axes)
+  while axes and n % (_size(mesh, axes) * tile):
+    axes = axes[:-1]
+  return axes
+
+
+def _cast_rule(build, params, transpose, scalars_out, tile, mesh,
+               value_types, result_types):
+  del build, params, tile, mesh, result_types
+  scalars_in = tuple(ArrayMapping(f"in{i}") for i in range(len(value_types) - 1))
+  copies = (ArrayMapping("i", "j"),) + (
+      (ArrayMapping("j", "i"),) if transpose else ())
+  return SdyShardingRule(
+      operand_mappings=(*scalars_in, ArrayMapping("i", "j")),
+      result_mappings=(*copies, *(ArrayMapping(f"out{k}")
+                                  for k in range(scalars_out))))
+
+
+def _cast_partition(build, params, transpose, scalars_out, tile, mesh,
+                    arg_shapes, result_shape):
+  del result_shape
+  t = arg_shapes[-1]
+  rows, cols = (_whole_tiles(mesh, axes, n, tile) for axes, n in
+                zip(_spec(t.sharding, mesh, t.shape), t.shape))
+  whole = NamedSharding(mesh, P())
+  copies = (P(_entry(rows), _entry(cols)),) + (
+      (P(_entry(cols), _entry(rows)),) if transpose else ())
+
+  def lower(*args):
+    # Each device casts its shard: the scale comes from the replicated
+    # scalars (the global amax, the delayed state), so every shard gets the
+    # same one.
+    with jax.sharding.use_abstract_mesh(_NO_MESH):
+      return build(args[-1].shape, *params)(*args)
+
+  return (mesh, lower,
+          (*(NamedSharding(mesh, s) for s in copies),
+           *(whole,) * scalars_out),
+          (*(whole,) * (len(arg_shapes) - 1), NamedSharding(mesh, copies[0])))
+
+
+@functools.partial(custom_partitioning, static_argnums=(0, 1, 2, 3, 4))
+def _cast(build, params, transpose, scalars_out, tile, *args):
+  return build(args[-1].shape, *params)(*args)
+
+
+_cast.def_partition(partition=_cast_partition, sharding_rule=_cast_rule,
+                    decode_shardings=False)
+
+
+def cast(build: Callable, params: tuple, *args, transpose: bool,
+         scalars_out: int, tile: int):
+  """``build(t.shape, *params)(*args)``, a per-tensor cast kernel of ``t``
+  (the last of ``args``; the others replicated scalars) that writes
+  ``t``'s copy, ``t.T``'s if ``transpose``, then ``scalars_out`` replicated
+  scalars, under a partitioning rule: each device casts its shard of ``t``
+  (kept sharded along a dim where its shards hold whole ``tile`` s, else
+  gathered), and the copy of ``t.T`` is sharded as ``t`` transposed. So a
+  program sharded only through ``jax.jit``'s shardings, which qlayers does
+  not see while tracing, never gathers ``t`` whole for the kernel. With one
+  device XLA inlines the kernel unchanged."""
+  return _cast(build, tuple(params), transpose, scalars_out, tile, *args)

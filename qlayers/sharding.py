@@ -6,7 +6,8 @@ a GEMM is traced, which kind of mesh it runs under and adapts to it:
 * no mesh, or one device: nothing changes (the single-device program).
   A program sharded only through ``jax.jit``'s shardings (or the
   deprecated ``with mesh:``) looks the same while traced; on GPUs the
-  one-pass cast kernels then have XLA gather their operands whole
+  per-tensor cast kernel then casts each shard (`qlayers.partition.cast`),
+  the other one-pass kernels have XLA gather their operands whole
   (`warn_if_gpus_unmeshed`).
 * auto axes (``jax.set_mesh(mesh)`` with ``AxisType.Auto``, arrays placed
   with ``jax.device_put``): amaxes are reductions over the whole array, so
@@ -88,21 +89,23 @@ def _several_gpus() -> bool:
 
 
 def warn_if_gpus_unmeshed() -> None:
-  """Warns, as a one-pass GPU cast kernel is traced, when several GPUs are
-  attached and no mesh is set. The kernels have no partitioning rule: in a
-  program sharded only through ``jax.jit``'s shardings (or the deprecated
-  ``with mesh:``, which sets no mesh JAX's tracing sees), XLA gathers each
-  quantized operand whole for them and every device computes whole GEMMs.
-  Under ``jax.set_mesh`` qlayers makes the copies with XLA's partitionable
-  ops instead. A one-device program on a host of several GPUs loses
-  nothing and can ignore it."""
+  """Warns, as a one-pass GPU cast kernel without a partitioning rule is
+  traced (all but the per-tensor one, `qlayers.partition.cast`), when
+  several GPUs are attached and no mesh is set. In a program sharded only
+  through ``jax.jit``'s shardings (or the deprecated ``with mesh:``, which
+  sets no mesh JAX's tracing sees), XLA gathers each operand whole for such
+  a kernel and every device computes whole GEMMs. Under ``jax.set_mesh``
+  qlayers makes the copies with XLA's partitionable ops instead. A
+  one-device program on a host of several GPUs loses nothing and can
+  ignore it."""
   if context_mesh() is None and _several_gpus():
     warnings.warn(
         f"qlayers: {jax.device_count()} GPUs and no mesh set: if this "
         "program is sharded through jax.jit's shardings or `with mesh:`, "
-        "the one-pass cast kernels make XLA gather each quantized operand "
-        "whole and every device computes whole GEMMs. Set the mesh with "
-        "`jax.set_mesh(mesh)`; a one-device program can ignore this.",
+        "the one-pass cast kernels of row-wise, block-scaled and 4-bit "
+        "recipes make XLA gather each operand whole and every device "
+        "computes whole GEMMs. Set the mesh with `jax.set_mesh(mesh)`; a "
+        "one-device program can ignore this.",
         stacklevel=2)
 
 

@@ -52,21 +52,25 @@ def test_given_amax_sets_the_per_tensor_scale():
 
 
 def test_a_gpu_pair_warns_when_several_gpus_have_no_mesh(monkeypatch):
-  """The one-pass kernels have no partitioning rule: traced with several GPUs
-  attached and no mesh set, the pair says how to keep the program sharded;
-  with one GPU, or where no kernel runs, it says nothing."""
+  """A one-pass kernel without a partitioning rule (MXFP8's), traced with
+  several GPUs attached and no mesh set, says how to keep the program
+  sharded; the per-tensor kernel (`partition.cast`), one GPU, or no kernel
+  say nothing."""
   from qlayers import operands, sharding, table  # noqa: PLC0415
-  spec = qlayers.recipe("fp8_current").fprop.lhs
+  mx = qlayers.recipe("mxfp8").fprop.lhs
+  fp8 = qlayers.recipe("fp8_current").fprop.lhs
   t = jax.ShapeDtypeStruct((128, 64), jnp.bfloat16)
 
-  def trace():
-    return jax.jit(lambda t: operands.operand_pair(t, Operand(spec, 1))
-                   ).trace(t)
+  def trace(spec, first):
+    return jax.jit(lambda t: operands.operand_pair(
+        t, Operand(spec, 1), first)).trace(t)
 
-  with table.target_arch("sm_90"):
-    assert operands.pairable(t, Operand(spec, 1))
-    trace()  # one GPU here: warnings are errors in this suite
+  with table.target_arch("sm_100"):
+    assert operands.pairable(t, Operand(mx, 1), Operand(mx, 0))
+    assert operands.pairable(t, Operand(fp8, 1))
+    trace(mx, Operand(mx, 0))  # one GPU here: warnings are errors
     monkeypatch.setattr(sharding, "_several_gpus", lambda: True)
     with pytest.warns(UserWarning, match="jax.set_mesh"):
-      trace()
-  trace()  # no GPU target: no kernel, no warning
+      trace(mx, Operand(mx, 0))
+    trace(fp8, None)  # partitionable: no warning
+  trace(mx, Operand(mx, 0))  # no GPU target: no kernel, no warning

@@ -182,6 +182,61 @@ def test_a_wired_weight_is_gathered_once_for_two_gemms(results):
   assert r["same_bits"]
 
 
+def test_the_cast_kernel_casts_each_shard_without_a_mesh_set(results):
+  """`partition.cast`: sharded only through jit's shardings (no mesh set),
+  the per-tensor cast kernel (interpreted) casts each device's shard with
+  the global scale: the single-device bits, the copy of ``t.T`` sharded as
+  ``t`` transposed, nothing gathered but the amax all-reduced; a dim whose
+  shards would split tiles is gathered first."""
+  r = multidevice.result(results, "cast_without_mesh")
+  assert r["rows"] == {"same_bits": True, "all-gather": None,
+                       "qt_spec": [None, "data"]}, r
+  assert r["cols"] == {"same_bits": True, "all-gather": None,
+                       "qt_spec": ["data", None]}, r
+  assert r["delayed"]["same_bits"] and r["delayed"]["all-gather"] is None, r
+  # 128 rows over 8 devices: 16-row shards, not whole 64-row tiles.
+  assert r["split_tiles"]["same_bits"], r
+  gathered = r["split_tiles"]["all-gather"]  # the whole tensor's bytes:
+  # BF16, or FP32 where XLA:CPU widens the collective
+  assert gathered in ({"bf16": 128 * 64 * 2}, {"f32": 128 * 64 * 4}), r
+
+
+def cast_without_mesh():
+  from jax.sharding import Mesh  # pylint: disable=g-import-not-at-top
+  import collectives  # pylint: disable=g-import-not-at-top
+  from qlayers import cast_transpose as ct  # pylint: disable=g-import-not-at-top
+  mesh = Mesh(np.array(jax.devices()), ("data",))
+  history = jnp.zeros(16).at[3].set(5.0)
+
+  def case(shape, spec, delayed=False):
+    t = jnp.asarray(np.random.default_rng(3).normal(size=shape) * 40,
+                    jnp.bfloat16)
+
+    def f(t):
+      kw = dict(delayed=(history, jnp.float32(1.0))) if delayed else {}
+      return ct.cast_transpose(t, "e4m3", interpret=True, **kw)
+
+    want = jax.jit(f)(t)
+    ts = jax.device_put(t, NamedSharding(mesh, spec))
+    compiled = jax.jit(f).lower(ts).compile()  # no jax.set_mesh
+    got = compiled(ts)
+    qt_spec = got[1].sharding.spec
+    return {"same_bits": all(
+        np.array_equal(np.asarray(a).view(np.uint8) if a.dtype.itemsize == 1
+                       else np.asarray(a), np.asarray(b).view(np.uint8)
+                       if b.dtype.itemsize == 1 else np.asarray(b))
+        for a, b in zip(got, want)),
+            "all-gather": collectives.summary(compiled.as_text()).get(
+                "all-gather"),
+            "qt_spec": [qt_spec[i] if i < len(qt_spec) else None
+                        for i in range(2)]}
+
+  return {"rows": case((1024, 128), P("data")),
+          "cols": case((128, 1024), P(None, "data")),
+          "delayed": case((1024, 128), P("data"), delayed=True),
+          "split_tiles": case((128, 64), P("data"))}
+
+
 def _gemm_case(x_spec, w_spec, mesh_shape, names):
   from jax.sharding import Mesh  # pylint: disable=g-import-not-at-top
   import collectives  # pylint: disable=g-import-not-at-top
@@ -254,4 +309,5 @@ if __name__ == "__main__":
   case(fsdp)
   case(row_parallel)
   case(shared_weight)
+  case(cast_without_mesh)
   case.main()
