@@ -139,7 +139,8 @@ def pairable(t: jax.Array, last: Operand, first: Operand | None = None
   pairs on Hopper and Blackwell (`_block_pairs`); rows of whole tiles,
   round to nearest (MXFP4: or stochastic, and either copy of a Hadamard
   transform of up to 32 points), and no mesh (the kernels have no
-  partitioning rule). NVFP4 (from Hopper
+  partitioning rule; the per-tensor one has, `qlayers.partition.cast`, and
+  runs under a mesh too where it writes both layouts). NVFP4 (from Hopper
   on): ``last`` along axis 1 and ``first`` the ``tn`` copy, optionally of
   the 16-point transform (1 x 16 tiles, x and g), or both of 16 x 16 blocks
   rounded to nearest (w).
@@ -148,11 +149,17 @@ def pairable(t: jax.Array, last: Operand, first: Operand | None = None
   if (spec is None or last.tn
       or (last.hadamard and not (spec.fmt.bits == 4 and first is not None))
       or (spec.stochastic and spec.fmt.bits != 4)
-      or not table.targets_gpu() or sharding.varying_axes(t)
-      or sharding.auto_mesh() is not None):
+      or not table.targets_gpu() or sharding.varying_axes(t)):
     return False
   rows = (math.prod(t.shape[:-1]), t.shape[-1])
   arch = table.gpu_arch("cuda")
+  if sharding.auto_mesh() is not None and not (
+      first is None and spec.granularity == "tensor"
+      and table.fp8_gemm_transposes(arch)):
+    # Only the per-tensor kernel has a partitioning rule, and under a mesh
+    # XLA cannot merge its calls on one tensor (q, k, v of one x), so it
+    # pays only where it also writes the transposed copy (before sm_100).
+    return False
   version = table.sm_version(arch)
   if spec.scale_rule == "nvfp4":
     return (first is not None and first.spec == spec and version >= 90

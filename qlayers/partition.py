@@ -395,14 +395,6 @@ def gemm(a: QTensor, b: QTensor, axes: tuple[int, int], out_dtype,
 # A per-tensor cast kernel under a partitioning rule
 
 
-def _whole_tiles(mesh, axes, n: int, tile: int) -> tuple[str, ...]:
-  """The longest prefix of ``axes`` that splits ``n`` into whole tiles."""
-  axes = tuple(axes)
-  while axes and n % (_size(mesh, axes) * tile):
-    axes = axes[:-1]
-  return axes
-
-
 def _cast_rule(build, params, transpose, scalars_out, tile, mesh,
                value_types, result_types):
   del build, params, tile, mesh, result_types
@@ -419,23 +411,37 @@ def _cast_partition(build, params, transpose, scalars_out, tile, mesh,
                     arg_shapes, result_shape):
   del result_shape
   t = arg_shapes[-1]
-  rows, cols = (_whole_tiles(mesh, axes, n, tile) for axes, n in
-                zip(_spec(t.sharding, mesh, t.shape), t.shape))
+  rows, cols = (_entry(a) for a in _spec(t.sharding, mesh, t.shape))
   whole = NamedSharding(mesh, P())
-  copies = (P(_entry(rows), _entry(cols)),) + (
-      (P(_entry(cols), _entry(rows)),) if transpose else ())
+  copies = (P(rows, cols),) + ((P(cols, rows),) if transpose else ())
 
   def lower(*args):
     # Each device casts its shard: the scale comes from the replicated
     # scalars (the global amax, the delayed state), so every shard gets the
     # same one.
     with jax.sharding.use_abstract_mesh(_NO_MESH):
-      return build(args[-1].shape, *params)(*args)
+      return _tiled(build, params, transpose, tile, *args)
 
   return (mesh, lower,
           (*(NamedSharding(mesh, s) for s in copies),
            *(whole,) * scalars_out),
           (*(whole,) * (len(arg_shapes) - 1), NamedSharding(mesh, copies[0])))
+
+
+def _tiled(build, params, transpose, tile, *args):
+  """The kernel of a shard, padded with zeros to whole tiles and cropped
+  after (zeros cast to zeros, and the scale comes from the scalars)."""
+  *scalars, t = args
+  rows, cols = t.shape
+  pad = (-rows % tile, -cols % tile)
+  if any(pad):
+    t = jnp.pad(t, ((0, pad[0]), (0, pad[1])))
+  outs = build(t.shape, *params)(*scalars, t)
+  if not any(pad):
+    return outs
+  copies = [outs[0][:rows, :cols]] + (
+      [outs[1][:cols, :rows]] if transpose else [])
+  return (*copies, *outs[1 + transpose:])
 
 
 @functools.partial(custom_partitioning, static_argnums=(0, 1, 2, 3, 4))
@@ -453,9 +459,9 @@ def cast(build: Callable, params: tuple, *args, transpose: bool,
   (the last of ``args``; the others replicated scalars) that writes
   ``t``'s copy, ``t.T``'s if ``transpose``, then ``scalars_out`` replicated
   scalars, under a partitioning rule: each device casts its shard of ``t``
-  (kept sharded along a dim where its shards hold whole ``tile`` s, else
-  gathered), and the copy of ``t.T`` is sharded as ``t`` transposed. So a
-  program sharded only through ``jax.jit``'s shardings, which qlayers does
-  not see while tracing, never gathers ``t`` whole for the kernel. With one
-  device XLA inlines the kernel unchanged."""
+  (padded with zeros to whole ``tile`` s where it splits one, and cropped),
+  and the copy of ``t.T`` is sharded as ``t`` transposed. So a program
+  sharded only through ``jax.jit``'s shardings, which qlayers does not see
+  while tracing, never gathers ``t`` for the kernel. With one device XLA
+  inlines the kernel unchanged."""
   return _cast(build, tuple(params), transpose, scalars_out, tile, *args)

@@ -194,3 +194,30 @@ def test_layer_inside_shard_map(results):
 def test_every_layer_under_tensor_parallelism(results):
   r = multidevice.result(results, "layers_tp")["mxfp8"]
   _close(r["tp"], r["single"], rtol=1e-4)
+
+
+def test_the_cast_kernel_trains_under_a_mesh_as_xla_does(results):
+  """Under `jax.set_mesh` the per-tensor pairs for Hopper are the cast
+  kernel's (`qlayers.partition.cast`; interpreted here): each device casts
+  its shard (32-row shards padded to a tile), with the collectives of
+  XLA's pairs and their training. The first step's amaxes are the same
+  bits; later steps may differ by a rounding where a GEMM's partial sums
+  meet in another order. For Blackwell (one layout) XLA's copies stay."""
+  r = multidevice.result(results, "cast_kernel_under_mesh")
+  assert r["sm_100_kernels"] == 0
+  for name, runs in r["sm_90"].items():
+    kernel, xla = runs["kernel"], runs["xla"]
+    assert kernel["kernels"] > 0 and xla["kernels"] == 0, name
+    assert _gathers(kernel) == _gathers(xla), name
+    # The amaxes are all-reduced as their magnitude bits (u32) by the
+    # kernel's pair, as FP32 by XLA's: the same bytes.
+    assert (sum(kernel["collectives"]["all-reduce"].values())
+            == sum(xla["collectives"]["all-reduce"].values())), name
+    assert kernel["losses"][0] == xla["losses"][0], name
+    _close(kernel["losses"], xla["losses"])
+    for path, hist in xla["state"].items():
+      if path.endswith("_history"):
+        first = max(i for i, a in enumerate(hist) if a)
+        assert kernel["state"][path][first] == hist[first], (name, path)
+        np.testing.assert_allclose(kernel["state"][path], hist, rtol=1e-5,
+                                   err_msg=f"{name} {path}")

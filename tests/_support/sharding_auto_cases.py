@@ -87,6 +87,52 @@ def ffi():
 
 
 # ----------------------------------------------------------------------------
+# The per-tensor cast kernel under a mesh (`qlayers.partition.cast`), run in
+# Pallas' interpreter: the same training as XLA's copies, bit for bit.
+
+
+def _kernel_run(recipe, layout, arch, kernel):
+  """`_run` traced for GPU ``arch``, the per-tensor pairs made by the cast
+  kernel (interpreted) where ``kernel``, else by XLA's ops."""
+  import contextlib  # pylint: disable=g-import-not-at-top
+  import types  # pylint: disable=g-import-not-at-top
+  from qlayers import cast_transpose, operands, table  # pylint: disable=g-import-not-at-top
+  kernels = []
+  original = (operands.lax, cast_transpose.cast_transpose)
+
+  def interpreted(t, *args, **kw):
+    kernels.append(tuple(t.shape))
+    return original[1](t, *args, interpret=True, **kw)
+
+  with table.target_arch(arch), contextlib.ExitStack() as undo:
+    if kernel:
+      operands.lax = types.SimpleNamespace(**{
+          **vars(lax), "platform_dependent":
+          lambda *a, cuda, **_: cuda(*a)})
+      operands.cast_transpose.cast_transpose = interpreted
+
+      def restore():
+        operands.lax, operands.cast_transpose.cast_transpose = original
+      undo.callback(restore)
+    out = _run(recipe, layout)
+  out["kernels"] = len(kernels)
+  return out
+
+
+@case
+def cast_kernel_under_mesh():
+  out = {}
+  for recipe, layout in (("fp8_delayed", "fsdp_tp"), ("fp8_current", "dp")):
+    out[f"{recipe}/{layout}"] = {
+        name: _kernel_run(recipe, layout, "sm_90", kernel)
+        for name, kernel in (("kernel", True), ("xla", False))}
+  # Blackwell writes one layout: under a mesh XLA's copies stay.
+  return {"sm_90": out,
+          "sm_100_kernels": _kernel_run("fp8_current", "dp", "sm_100",
+                                        True)["kernels"]}
+
+
+# ----------------------------------------------------------------------------
 # Scales are global: a sharded operand quantizes to the single-device bits.
 
 SPECS = {
