@@ -323,8 +323,8 @@ def cast_transpose(t: jax.Array, fmt: Format | str, *,
   outs = partition.cast(_cast_call, (fmt, margin, pow2, n, transpose,
                                      interpret),
                         jnp.reshape(a, (1,)), *inputs, t,
-                        transpose=transpose, scalars_out=1 + bool(n),
-                        tile=TILE)
+                        layouts=("t",) + ("T",) * transpose
+                        + ("",) * (1 + bool(n)), tile=TILE)
   q, qt = outs[0], outs[1] if transpose else None
   if delayed is None:
     return q, qt, outs[-1][0]
@@ -552,12 +552,20 @@ def mx_cast_transpose(t: jax.Array, fmt: Format | str, rule: str, *,
     raise ValueError(f"mx_cast_transpose takes FP6 or dequantized copies "
                      f"with an MX scale rule ('mx_rceil', 'mx_floor'), got "
                      f"{rule!r}.")
+  return tuple(partition.cast(
+      _mx_call, (fmt, rule, b, dequantized, interpret), t,
+      layouts=("t", "t/b", "T", "T/b"), block=b, tile=b))
+
+
+def _mx_call(shape: tuple[int, int], fmt: Format, rule: str, b: int,
+             dequantized: tuple[bool, bool], interpret: bool):
+  """`mx_cast_transpose`'s kernel for a ``shape`` tensor."""
   payload = tuple(jnp.bfloat16 if d else _payload_dtype(fmt)
                   for d in dequantized)
   pl, plt = _pallas()
-  rows, cols = t.shape
+  rows, cols = shape
   sdtype = jnp.float32 if rule.startswith("deepseek") else jnp.uint8
-  call = pl.pallas_call(
+  return pl.pallas_call(
       functools.partial(_block_kernel, fmt=fmt, rule=rule,
                         interpret=interpret, dequantized=dequantized),
       grid=(rows // b, cols // b),
@@ -572,7 +580,6 @@ def mx_cast_transpose(t: jax.Array, fmt: Format | str, rule: str, *,
                  jax.ShapeDtypeStruct((cols, rows // b), sdtype)],
       compiler_params=plt.CompilerParams(num_warps=4 if b <= 32 else 8),
       interpret=interpret, name="qlayers_mx_cast_transpose")
-  return tuple(call(t))
 
 
 def _square_kernel(t_ref, q_ref, s_ref, qt_ref, *, fmt: Format, rule: str,

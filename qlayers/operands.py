@@ -139,8 +139,8 @@ def pairable(t: jax.Array, last: Operand, first: Operand | None = None
   pairs on Hopper and Blackwell (`_block_pairs`); rows of whole tiles,
   round to nearest (MXFP4: or stochastic, and either copy of a Hadamard
   transform of up to 32 points), and no mesh (the kernels have no
-  partitioning rule; the per-tensor one has, `qlayers.partition.cast`, and
-  runs under a mesh too where it writes both layouts). NVFP4 (from Hopper
+  partitioning rule; those of `_partitioned` have one and run under a
+  mesh too). NVFP4 (from Hopper
   on): ``last`` along axis 1 and ``first`` the ``tn`` copy, optionally of
   the 16-point transform (1 x 16 tiles, x and g), or both of 16 x 16 blocks
   rounded to nearest (w).
@@ -153,12 +153,9 @@ def pairable(t: jax.Array, last: Operand, first: Operand | None = None
     return False
   rows = (math.prod(t.shape[:-1]), t.shape[-1])
   arch = table.gpu_arch("cuda")
-  if sharding.auto_mesh() is not None and not (
-      first is None and spec.granularity == "tensor"
-      and table.fp8_gemm_transposes(arch)):
-    # Only the per-tensor kernel has a partitioning rule, and under a mesh
-    # XLA cannot merge its calls on one tensor (q, k, v of one x), so it
-    # pays only where it also writes the transposed copy (before sm_100).
+  mesh = sharding.auto_mesh()
+  if mesh is not None and not _partitioned(spec, first, arch, rows,
+                                           math.prod(mesh.axis_sizes)):
     return False
   version = table.sm_version(arch)
   if spec.scale_rule == "nvfp4":
@@ -192,6 +189,37 @@ def pairable(t: jax.Array, last: Operand, first: Operand | None = None
           and last.axis == 1 and first.axis == 0
           and first.tn == spec.fmt.packed
           and _block_pairs(spec, version) and supported)
+
+
+def _partitioned(spec, first: Operand | None, arch: str | None,
+                 rows: tuple[int, int], devices: int) -> bool:
+  """Whether a pair's kernel runs under a mesh of ``devices``: it has a
+  partitioning rule (`qlayers.partition.cast`) and pays there. The
+  per-tensor one only where it writes both layouts (before sm_100): under a
+  mesh XLA cannot merge its calls on one tensor (q, k and v of one x), so
+  one layout alone costs more than XLA's copies. The MX, MXFP6 and UE8M0
+  DeepSeek tile pairs (`cast_transpose.mx_cast_transpose`) where
+  block-scaled GEMMs are native (sm_100 on; on Hopper their copies are
+  BF16 values or FP32-scaled tiles, which FSDP would gather wider than
+  XLA's FP8 ones), and only if any split of ``rows`` over the mesh leaves
+  whole blocks (else the rule would gather the wide tensor)."""
+  if not _has_rule(spec, first):
+    return False
+  if first is None:
+    return table.fp8_gemm_transposes(arch)
+  return (table.sm_version(arch) >= 100
+          and all(n % (spec.block_size * devices) == 0 for n in rows))
+
+
+def _has_rule(spec, first: Operand | None) -> bool:
+  """Whether the pair's kernel has a partitioning rule: the per-tensor one
+  (`cast_transpose.cast_transpose`) and the MX / MXFP6 / DeepSeek tile one
+  (`cast_transpose.mx_cast_transpose`), not the row-wise, 4-bit or
+  128 x 128 block ones."""
+  if first is None:
+    return spec.granularity == "tensor"
+  return (spec.granularity in ("mx", "tile") and spec.fmt.bits != 4
+          and spec.scale_rule != "nvfp4")
 
 
 def _block_pairs(spec, version: int) -> bool:
@@ -279,8 +307,8 @@ def operand_pair(t: jax.Array, last: Operand, first: Operand | None = None,
                operand(t, first, amax=amax, key=keys[1], dtype=dtype))
   spec = last.spec
   rows = (math.prod(t.shape[:-1]), t.shape[-1])
-  if not (first is None and not _square(spec)):
-    sharding.warn_if_gpus_unmeshed()  # no partitioning rule (`partition.cast`)
+  if not _has_rule(spec, first):
+    sharding.warn_if_gpus_unmeshed()
   if first is None and _square(spec):
     def xla_blocks(t):
       q = scaling.quantize(_rows(t), spec, 1)

@@ -24,8 +24,9 @@ An operand passed through `wire` once and given to two GEMMs (a per-tensor
 weight's Fprop and Dgrad) is gathered once for both.
 With one device or all axes manual, XLA inlines the GEMM unchanged.
 
-`cast` puts the per-tensor FP8 cast kernel (`qlayers.cast_transpose`) under
-a rule of its own: each device casts its shard with the global scale.
+`cast` puts a one-pass cast kernel (`qlayers.cast_transpose`: per tensor,
+MX and DeepSeek tiles) under a rule of its own: each device casts its
+shard, with the global per-tensor scale or its own blocks' scales.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.experimental.custom_partitioning import ArrayMapping, SdyShardingRule
+from jax.experimental.custom_partitioning import CompoundFactor
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from qlayers import formats
@@ -392,45 +394,68 @@ def gemm(a: QTensor, b: QTensor, axes: tuple[int, int], out_dtype,
 
 
 # --------------------------------------------------------------------------
-# A per-tensor cast kernel under a partitioning rule
+# One-pass cast kernels under a partitioning rule
+#
+# A result's layout: "t" (t's shape), "T" (t.T's), "t/b" and "T/b" (their
+# scale grids, one per `block` along the last dim), "" (a replicated
+# scalar).
 
 
-def _cast_rule(build, params, transpose, scalars_out, tile, mesh,
-               value_types, result_types):
+def _cast_rule(build, params, layouts, block, tile, mesh, value_types,
+               result_types):
   del build, params, tile, mesh, result_types
-  scalars_in = tuple(ArrayMapping(f"in{i}") for i in range(len(value_types) - 1))
-  copies = (ArrayMapping("i", "j"),) + (
-      (ArrayMapping("j", "i"),) if transpose else ())
+  # With blocks, a dim of t is (shards, a block): the scale grid's dim is
+  # the shards alone, so its sharding follows t's.
+  i, j = (CompoundFactor(f, f"{f}_block") if block else f for f in "ij")
+  dims = {"t": (i, j), "T": (j, i), "t/b": (i, "j"), "T/b": (j, "i")}
+  scalars = iter(range(len(layouts)))
   return SdyShardingRule(
-      operand_mappings=(*scalars_in, ArrayMapping("i", "j")),
-      result_mappings=(*copies, *(ArrayMapping(f"out{k}")
-                                  for k in range(scalars_out))))
+      operand_mappings=(*(ArrayMapping(f"in{k}")
+                          for k in range(len(value_types) - 1)),
+                        ArrayMapping(*dims["t"])),
+      result_mappings=tuple(
+          ArrayMapping(*dims[layout]) if layout
+          else ArrayMapping(f"out{next(scalars)}") for layout in layouts),
+      **({"i_block": block, "j_block": block} if block else {}))
 
 
-def _cast_partition(build, params, transpose, scalars_out, tile, mesh,
-                    arg_shapes, result_shape):
+def _cast_partition(build, params, layouts, block, tile, mesh, arg_shapes,
+                    result_shape):
   del result_shape
   t = arg_shapes[-1]
-  rows, cols = (_entry(a) for a in _spec(t.sharding, mesh, t.shape))
-  whole = NamedSharding(mesh, P())
-  copies = (P(rows, cols),) + ((P(cols, rows),) if transpose else ())
+  axes = _spec(t.sharding, mesh, t.shape)
+  if block:  # a dim stays split only where its shards hold whole blocks
+    axes = [_whole_blocks(mesh, a, n, block) for a, n in zip(axes, t.shape)]
+  rows, cols = (_entry(a) for a in axes)
+  specs = {"t": P(rows, cols), "T": P(cols, rows), "t/b": P(rows, cols),
+           "T/b": P(cols, rows), "": P()}
 
   def lower(*args):
-    # Each device casts its shard: the scale comes from the replicated
-    # scalars (the global amax, the delayed state), so every shard gets the
-    # same one.
+    # Each device casts its shard: block scales are the shard's own blocks',
+    # a per-tensor scale comes from the replicated scalars (the global amax,
+    # the delayed state), so every shard gets the same one.
     with jax.sharding.use_abstract_mesh(_NO_MESH):
-      return _tiled(build, params, transpose, tile, *args)
+      return _padded(build, params, layouts, tile, *args)
 
   return (mesh, lower,
-          (*(NamedSharding(mesh, s) for s in copies),
-           *(whole,) * scalars_out),
-          (*(whole,) * (len(arg_shapes) - 1), NamedSharding(mesh, copies[0])))
+          tuple(NamedSharding(mesh, specs[layout]) for layout in layouts),
+          (*(NamedSharding(mesh, P()),) * (len(arg_shapes) - 1),
+           NamedSharding(mesh, specs["t"])))
 
 
-def _tiled(build, params, transpose, tile, *args):
+def _whole_blocks(mesh, axes, n: int, block: int) -> tuple[str, ...]:
+  """The longest prefix of ``axes`` whose shards of ``n`` hold whole
+  blocks."""
+  axes = tuple(axes)
+  while axes and (n % _size(mesh, axes) or (n // _size(mesh, axes)) % block):
+    axes = axes[:-1]
+  return axes
+
+
+def _padded(build, params, layouts, tile, *args):
   """The kernel of a shard, padded with zeros to whole tiles and cropped
-  after (zeros cast to zeros, and the scale comes from the scalars)."""
+  after (zeros cast to zeros under a per-tensor scale; a block-scaled
+  shard holds whole blocks, so whole tiles)."""
   *scalars, t = args
   rows, cols = t.shape
   pad = (-rows % tile, -cols % tile)
@@ -439,13 +464,13 @@ def _tiled(build, params, transpose, tile, *args):
   outs = build(t.shape, *params)(*scalars, t)
   if not any(pad):
     return outs
-  copies = [outs[0][:rows, :cols]] + (
-      [outs[1][:cols, :rows]] if transpose else [])
-  return (*copies, *outs[1 + transpose:])
+  crop = {"t": (rows, cols), "T": (cols, rows)}
+  return tuple(o[:crop[layout][0], :crop[layout][1]] if layout in crop
+               else o for o, layout in zip(outs, layouts))
 
 
 @functools.partial(custom_partitioning, static_argnums=(0, 1, 2, 3, 4))
-def _cast(build, params, transpose, scalars_out, tile, *args):
+def _cast(build, params, layouts, block, tile, *args):
   return build(args[-1].shape, *params)(*args)
 
 
@@ -453,15 +478,18 @@ _cast.def_partition(partition=_cast_partition, sharding_rule=_cast_rule,
                     decode_shardings=False)
 
 
-def cast(build: Callable, params: tuple, *args, transpose: bool,
-         scalars_out: int, tile: int):
-  """``build(t.shape, *params)(*args)``, a per-tensor cast kernel of ``t``
-  (the last of ``args``; the others replicated scalars) that writes
-  ``t``'s copy, ``t.T``'s if ``transpose``, then ``scalars_out`` replicated
-  scalars, under a partitioning rule: each device casts its shard of ``t``
-  (padded with zeros to whole ``tile`` s where it splits one, and cropped),
-  and the copy of ``t.T`` is sharded as ``t`` transposed. So a program
-  sharded only through ``jax.jit``'s shardings, which qlayers does not see
-  while tracing, never gathers ``t`` for the kernel. With one device XLA
-  inlines the kernel unchanged."""
-  return _cast(build, tuple(params), transpose, scalars_out, tile, *args)
+def cast(build: Callable, params: tuple, *args, layouts: tuple[str, ...],
+         block: int = 0, tile: int = 1):
+  """``build(t.shape, *params)(*args)``, a one-pass cast kernel of ``t``
+  (the last of ``args``; the others replicated scalars) whose results lie
+  as ``layouts`` say: ``"t"`` a copy of ``t``, ``"T"`` of ``t.T``,
+  ``"t/b"``/``"T/b"`` their scales per ``block`` along the last dim, ``""``
+  a replicated scalar. Under a partitioning rule each device casts its
+  shard of ``t``, and the results are sharded as ``t`` (``"T"``: as ``t``
+  transposed). With ``block``, a dim stays split only where its shards
+  hold whole blocks (elsewhere it is gathered); without, a shard that
+  splits a ``tile`` of the kernel is padded with zeros and cropped. So a
+  program sharded only through ``jax.jit``'s shardings, which qlayers does
+  not see while tracing, does not gather ``t`` whole for the kernel. With
+  one device XLA inlines the kernel unchanged."""
+  return _cast(build, tuple(params), tuple(layouts), block, tile, *args)

@@ -6,9 +6,9 @@ a GEMM is traced, which kind of mesh it runs under and adapts to it:
 * no mesh, or one device: nothing changes (the single-device program).
   A program sharded only through ``jax.jit``'s shardings (or the
   deprecated ``with mesh:``) looks the same while traced; on GPUs the
-  per-tensor cast kernel then casts each shard (`qlayers.partition.cast`),
-  the other one-pass kernels have XLA gather their operands whole
-  (`warn_if_gpus_unmeshed`).
+  per-tensor and MX cast kernels then cast each shard
+  (`qlayers.partition.cast`), the other one-pass kernels have XLA gather
+  their operands whole (`warn_if_gpus_unmeshed`).
 * auto axes (``jax.set_mesh(mesh)`` with ``AxisType.Auto``, arrays placed
   with ``jax.device_put``): amaxes are reductions over the whole array, so
   XLA makes them global; quantized GEMMs run through `qlayers.partition`,
@@ -90,7 +90,8 @@ def _several_gpus() -> bool:
 
 def warn_if_gpus_unmeshed() -> None:
   """Warns, as a one-pass GPU cast kernel without a partitioning rule is
-  traced (all but the per-tensor one, `qlayers.partition.cast`), when
+  traced (row-wise, 4-bit and 128 x 128 block ones; the per-tensor and MX
+  ones have `qlayers.partition.cast`), when
   several GPUs are attached and no mesh is set. In a program sharded only
   through ``jax.jit``'s shardings (or the deprecated ``with mesh:``, which
   sets no mesh JAX's tracing sees), XLA gathers each operand whole for such
@@ -102,7 +103,7 @@ def warn_if_gpus_unmeshed() -> None:
     warnings.warn(
         f"qlayers: {jax.device_count()} GPUs and no mesh set: if this "
         "program is sharded through jax.jit's shardings or `with mesh:`, "
-        "the one-pass cast kernels of row-wise, block-scaled and 4-bit "
+        "the one-pass cast kernels of row-wise, 4-bit and 128 x 128 block "
         "recipes make XLA gather each operand whole and every device "
         "computes whole GEMMs. Set the mesh with `jax.set_mesh(mesh)`; a "
         "one-device program can ignore this.",

@@ -52,13 +52,14 @@ def test_given_amax_sets_the_per_tensor_scale():
 
 
 def test_a_gpu_pair_warns_when_several_gpus_have_no_mesh(monkeypatch):
-  """A one-pass kernel without a partitioning rule (MXFP8's), traced with
-  several GPUs attached and no mesh set, says how to keep the program
-  sharded; the per-tensor kernel (`partition.cast`), one GPU, or no kernel
-  say nothing."""
+  """A one-pass kernel without a partitioning rule (row-wise FP8's),
+  traced with several GPUs attached and no mesh set, says how to keep the
+  program sharded; the per-tensor and MX kernels (`partition.cast`), one
+  GPU, or no kernel say nothing."""
   from qlayers import operands, sharding, table  # noqa: PLC0415
-  mx = qlayers.recipe("mxfp8").fprop.lhs
+  row = qlayers.recipe("fp8_rowwise").fprop.lhs
   fp8 = qlayers.recipe("fp8_current").fprop.lhs
+  mxfp8 = qlayers.recipe("mxfp8").fprop.lhs
   t = jax.ShapeDtypeStruct((128, 64), jnp.bfloat16)
 
   def trace(spec, first):
@@ -66,11 +67,12 @@ def test_a_gpu_pair_warns_when_several_gpus_have_no_mesh(monkeypatch):
         t, Operand(spec, 1), first)).trace(t)
 
   with table.target_arch("sm_100"):
-    assert operands.pairable(t, Operand(mx, 1), Operand(mx, 0))
+    assert operands.pairable(t, Operand(row, 1), Operand(row, 0))
     assert operands.pairable(t, Operand(fp8, 1))
-    trace(mx, Operand(mx, 0))  # one GPU here: warnings are errors
+    trace(row, Operand(row, 0))  # one GPU here: warnings are errors
     monkeypatch.setattr(sharding, "_several_gpus", lambda: True)
     with pytest.warns(UserWarning, match="jax.set_mesh"):
-      trace(mx, Operand(mx, 0))
+      trace(row, Operand(row, 0))
     trace(fp8, None)  # partitionable: no warning
-  trace(mx, Operand(mx, 0))  # no GPU target: no kernel, no warning
+    trace(mxfp8, Operand(mxfp8, 0))
+  trace(row, Operand(row, 0))  # no GPU target: no kernel, no warning

@@ -199,6 +199,47 @@ def test_the_cast_kernel_casts_each_shard_without_a_mesh_set(results):
                               "qt_spec": [None, "data"]}, r
 
 
+def test_the_mx_kernel_casts_each_shard_of_whole_blocks(results):
+  """The MX pair kernel (`cast_transpose.mx_cast_transpose`, interpreted)
+  under `partition.cast`: shards of whole 32-blocks cast alone (the
+  single-device bits, scales sharded with their payloads, nothing
+  gathered); a dim whose shards split blocks is gathered first."""
+  r = multidevice.result(results, "mx_without_mesh")
+  assert r["rows"] == {"same_bits": True, "all-gather": None}, r
+  assert r["cols"] == {"same_bits": True, "all-gather": None}, r
+  # 128 rows over 8 devices: 16-row shards of 32-row blocks.
+  assert r["split_blocks"]["same_bits"], r
+  assert r["split_blocks"]["all-gather"], r
+
+
+def mx_without_mesh():
+  from jax.sharding import Mesh  # pylint: disable=g-import-not-at-top
+  import collectives  # pylint: disable=g-import-not-at-top
+  from qlayers import cast_transpose as ct  # pylint: disable=g-import-not-at-top
+  mesh = Mesh(np.array(jax.devices()), ("data",))
+
+  def case(shape, spec):
+    t = jnp.asarray(np.random.default_rng(4).normal(size=shape)
+                    * np.exp(np.random.default_rng(5).normal(size=shape)),
+                    jnp.bfloat16)
+    f = lambda t: ct.mx_cast_transpose(t, "e4m3", "mx_rceil",  # noqa: E731
+                                       interpret=True)
+    want = jax.jit(f)(t)
+    ts = jax.device_put(t, NamedSharding(mesh, spec))
+    compiled = jax.jit(f).lower(ts).compile()
+    got = compiled(ts)
+    return {"same_bits": all(
+        np.array_equal(np.asarray(a).view(np.uint8),
+                       np.asarray(b).view(np.uint8))
+        for a, b in zip(got, want)),
+            "all-gather": collectives.summary(compiled.as_text()).get(
+                "all-gather")}
+
+  return {"rows": case((1024, 64), P("data")),
+          "cols": case((64, 1024), P(None, "data")),
+          "split_blocks": case((128, 64), P("data"))}
+
+
 def cast_without_mesh():
   from jax.sharding import Mesh  # pylint: disable=g-import-not-at-top
   import collectives  # pylint: disable=g-import-not-at-top
@@ -308,4 +349,5 @@ if __name__ == "__main__":
   case(row_parallel)
   case(shared_weight)
   case(cast_without_mesh)
+  case(mx_without_mesh)
   case.main()

@@ -197,15 +197,17 @@ def test_every_layer_under_tensor_parallelism(results):
 
 
 def test_the_cast_kernel_trains_under_a_mesh_as_xla_does(results):
-  """Under `jax.set_mesh` the per-tensor pairs for Hopper are the cast
-  kernel's (`qlayers.partition.cast`; interpreted here): each device casts
-  its shard (32-row shards padded to a tile), with the collectives of
-  XLA's pairs and their training. The first step's amaxes are the same
-  bits; later steps may differ by a rounding where a GEMM's partial sums
-  meet in another order. For Blackwell (one layout) XLA's copies stay."""
+  """Under `jax.set_mesh` the per-tensor pairs for Hopper and the MX pairs
+  for Blackwell are the one-pass kernels' (`qlayers.partition.cast`;
+  interpreted here): each device casts its shard (32-row shards padded to
+  a 64-row tile, or whole MX blocks), with the collectives of XLA's pairs
+  and their training. The first step's loss and amaxes are the same bits;
+  later steps may differ by a rounding where a GEMM's partial sums meet in
+  another order. Blackwell's per-tensor pairs (one layout) and Hopper's MX
+  pairs (BF16 values) stay XLA's."""
   r = multidevice.result(results, "cast_kernel_under_mesh")
-  assert r["sm_100_kernels"] == 0
-  for name, runs in r["sm_90"].items():
+  assert r["without"] == {"fp8_current/sm_100": 0, "mxfp8/sm_90": 0}, r
+  for name, runs in r["runs"].items():
     kernel, xla = runs["kernel"], runs["xla"]
     assert kernel["kernels"] > 0 and xla["kernels"] == 0, name
     assert _gathers(kernel) == _gathers(xla), name

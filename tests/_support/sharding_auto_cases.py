@@ -92,27 +92,34 @@ def ffi():
 
 
 def _kernel_run(recipe, layout, arch, kernel):
-  """`_run` traced for GPU ``arch``, the per-tensor pairs made by the cast
-  kernel (interpreted) where ``kernel``, else by XLA's ops."""
+  """`_run` traced for GPU ``arch``, the pairs made by the one-pass kernels
+  with a partitioning rule (interpreted) where ``kernel``, else by XLA's
+  ops."""
   import contextlib  # pylint: disable=g-import-not-at-top
   import types  # pylint: disable=g-import-not-at-top
   from qlayers import cast_transpose, operands, table  # pylint: disable=g-import-not-at-top
   kernels = []
-  original = (operands.lax, cast_transpose.cast_transpose)
+  names = ("cast_transpose", "mx_cast_transpose")
+  original = operands.lax, *(getattr(cast_transpose, n) for n in names)
 
-  def interpreted(t, *args, **kw):
-    kernels.append(tuple(t.shape))
-    return original[1](t, *args, interpret=True, **kw)
+  def interpreted(fn):
+    def run(t, *args, **kw):
+      kernels.append(tuple(t.shape))
+      return fn(t, *args, interpret=True, **kw)
+    return run
 
   with table.target_arch(arch), contextlib.ExitStack() as undo:
     if kernel:
       operands.lax = types.SimpleNamespace(**{
           **vars(lax), "platform_dependent":
           lambda *a, cuda, **_: cuda(*a)})
-      operands.cast_transpose.cast_transpose = interpreted
+      for n, fn in zip(names, original[1:]):
+        setattr(cast_transpose, n, interpreted(fn))
 
       def restore():
-        operands.lax, operands.cast_transpose.cast_transpose = original
+        operands.lax = original[0]
+        for n, fn in zip(names, original[1:]):
+          setattr(cast_transpose, n, fn)
       undo.callback(restore)
     out = _run(recipe, layout)
   out["kernels"] = len(kernels)
@@ -122,14 +129,18 @@ def _kernel_run(recipe, layout, arch, kernel):
 @case
 def cast_kernel_under_mesh():
   out = {}
-  for recipe, layout in (("fp8_delayed", "fsdp_tp"), ("fp8_current", "dp")):
-    out[f"{recipe}/{layout}"] = {
-        name: _kernel_run(recipe, layout, "sm_90", kernel)
+  for recipe, layout, arch in (("fp8_delayed", "fsdp_tp", "sm_90"),
+                               ("fp8_current", "dp", "sm_90"),
+                               ("mxfp8", "fsdp", "sm_100")):
+    out[f"{recipe}/{layout}/{arch}"] = {
+        name: _kernel_run(recipe, layout, arch, kernel)
         for name, kernel in (("kernel", True), ("xla", False))}
-  # Blackwell writes one layout: under a mesh XLA's copies stay.
-  return {"sm_90": out,
-          "sm_100_kernels": _kernel_run("fp8_current", "dp", "sm_100",
-                                        True)["kernels"]}
+  # Blackwell's per-tensor kernel writes one layout: under a mesh XLA's
+  # copies stay; so do Hopper's MX copies (BF16 values).
+  return {"runs": out, "without": {
+      "fp8_current/sm_100": _kernel_run("fp8_current", "dp", "sm_100",
+                                        True)["kernels"],
+      "mxfp8/sm_90": _kernel_run("mxfp8", "dp", "sm_90", True)["kernels"]}}
 
 
 # ----------------------------------------------------------------------------
