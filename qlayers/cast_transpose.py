@@ -81,7 +81,8 @@ __all__ = ["TILE", "supported", "cast_transpose", "row_cast_transpose",
            "mx_supported",
            "mx_cast_transpose", "block_cast_transpose", "fp4_supported",
            "fp4_cast_transpose", "nvfp4_supported", "nvfp4_cast_transpose",
-           "nvfp4_amaxes", "transform_supported", "transform"]
+           "nvfp4_amaxes", "nvfp4_tile_rows", "transform_supported",
+           "transform"]
 
 # Rows and columns of one tile; both dims of ``t`` must be multiples of it.
 TILE = 64
@@ -323,8 +324,9 @@ def cast_transpose(t: jax.Array, fmt: Format | str, *,
   outs = partition.cast(_cast_call, (fmt, margin, pow2, n, transpose,
                                      interpret),
                         jnp.reshape(a, (1,)), *inputs, t,
-                        layouts=("t",) + ("T",) * transpose
-                        + ("",) * (1 + bool(n)), tile=TILE)
+                        layouts=(partition.LIKE_T,)
+                        + (partition.LIKE_T_T,) * transpose
+                        + ((),) * (1 + bool(n)), tile=TILE)
   q, qt = outs[0], outs[1] if transpose else None
   if delayed is None:
     return q, qt, outs[-1][0]
@@ -554,7 +556,8 @@ def mx_cast_transpose(t: jax.Array, fmt: Format | str, rule: str, *,
                      f"{rule!r}.")
   return tuple(partition.cast(
       _mx_call, (fmt, rule, b, dequantized, interpret), t,
-      layouts=("t", "t/b", "T", "T/b"), block=b, tile=b))
+      layouts=(partition.LIKE_T, (("r", 1), ("c", b)), partition.LIKE_T_T,
+               (("c", 1), ("r", b))), block=(b, b)))
 
 
 def _mx_call(shape: tuple[int, int], fmt: Format, rule: str, b: int,
@@ -882,7 +885,7 @@ def _nvfp4_kernel(*refs, square: bool, hadamard: bool, stochastic: bool,
   ``t.T`` copy's scale block) is the middle axis, made the last one by one
   transpose."""
   if stochastic:
-    key_ref, *refs = refs
+    origin_ref, key_ref, *refs = refs
   if square:
     amax_ref, t_ref, q_ref, s_ref, qt_ref, st_ref = refs
   else:
@@ -905,11 +908,11 @@ def _nvfp4_kernel(*refs, square: bool, hadamard: bool, stochastic: bool,
     mult, e4m3 = _nvfp4_blocks(jnp.max(_fp32_bits(v), axis=2, keepdims=True),
                                levels, interpret)
     u = u_t = None
-    if stochastic:  # each copy's flat index, in the layout it is drawn in
-      rows = jnp.uint32(pl.num_programs(0) * n * b)
-      cols = jnp.uint32(pl.num_programs(1) * width)
-      i0 = pl.program_id(0).astype(jnp.uint32) * (n * b)
-      j0 = pl.program_id(1).astype(jnp.uint32) * width
+    if stochastic:  # each copy's flat index in t, in the layout it is
+      # drawn in; this tile's place in t: its shard's (`origin`) and in it
+      rows, cols = origin_ref[2], origin_ref[3]
+      i0 = origin_ref[0] + pl.program_id(0).astype(jnp.uint32) * (n * b)
+      j0 = origin_ref[1] + pl.program_id(1).astype(jnp.uint32) * width
       g, k, c = (jax.lax.broadcasted_iota(jnp.uint32, v.shape, a)
                  for a in range(3))
       u = threefry.uniform_at(key_ref[0], key_ref[1],
@@ -935,9 +938,14 @@ def _nvfp4_kernel(*refs, square: bool, hadamard: bool, stochastic: bool,
       width, n * b // 2)
 
 
-def _tile_rows(rows: int) -> int:
-  """Rows of one `nvfp4_cast_transpose` tile: 16 times the largest power of
-  two up to 16 that divides ``rows / 16``."""
+def nvfp4_tile_rows(rows: int) -> int:
+  """Rows of one `nvfp4_cast_transpose` / `nvfp4_amaxes` tile: 16 times the
+  largest power of two up to 16 that divides ``rows / 16``.
+
+  Example:
+    >>> nvfp4_tile_rows(4096), nvfp4_tile_rows(48)
+    (256, 16)
+  """
   n = rows // NV_BLOCK
   return NV_BLOCK * math.gcd(n, NV_BLOCK)
 
@@ -989,24 +997,39 @@ def nvfp4_cast_transpose(t: jax.Array, amax: jax.Array | None = None,
   if keys is not None and len(keys) != 2:
     raise ValueError(f"nvfp4_cast_transpose takes one PRNG key per copy "
                      f"(2), got {len(keys)}.")
-  pl, plt = _pallas()
-  rows, cols = t.shape
-  rt, b, h = _tile_rows(rows), NV_BLOCK, NV_BLOCK // 2
-  n = rt // b
-  one = pl.BlockSpec((1,), lambda i, j: (0,))
+  b = NV_BLOCK
 
   def tensor_amax(a, of):
     return blocks.amax(of()) if a is None else jnp.asarray(a, jnp.float32)
 
   args = [jnp.reshape(tensor_amax(amax, lambda: t), (1,))]
-  in_specs = [one]
   if not square:
     args.append(jnp.reshape(tensor_amax(amax_t, lambda: (
         hadamard_lib.transform(t, b) if hadamard else t)), (1,)))
-    in_specs.append(one)
   if keys is not None:
-    in_specs.insert(0, pl.BlockSpec((4,), lambda i, j: (0,)))
     args.insert(0, jnp.concatenate([threefry.key_words(k) for k in keys]))
+  scales = ((("r", b), ("c", b)), (("c", b), ("r", b))) if square else (
+      (("r", 1), ("c", b)), (("c", 1), ("r", b)))
+  return tuple(partition.cast(
+      _nvfp4_call, (square, hadamard, keys is not None, interpret), *args, t,
+      layouts=((("r", 1), ("c", 2)), scales[0], (("c", 1), ("r", 2)),
+               scales[1]),
+      block=(b, b), origin=keys is not None))
+
+
+def _nvfp4_call(shape: tuple[int, int], square: bool, hadamard: bool,
+                stochastic: bool, interpret: bool):
+  """`nvfp4_cast_transpose`'s kernel for a ``shape`` tensor: a function of
+  (with ``stochastic``: the shard's origin in t and the keys' words,) the
+  amaxes and the tensor, returning its four 2-D results."""
+  pl, plt = _pallas()
+  rows, cols = shape
+  rt, b, h = nvfp4_tile_rows(rows), NV_BLOCK, NV_BLOCK // 2
+  n = rt // b
+  one = pl.BlockSpec((1,), lambda i, j: (0,))
+  in_specs = [one] if square else [one, one]
+  if stochastic:
+    in_specs = [pl.BlockSpec((4,), lambda i, j: (0,))] * 2 + in_specs
   e4m3 = jnp.float8_e4m3fn
   if square:
     scale_specs = [pl.BlockSpec((n, 1), lambda i, j: (i, j)),
@@ -1020,7 +1043,7 @@ def nvfp4_cast_transpose(t: jax.Array, amax: jax.Array | None = None,
                     jax.ShapeDtypeStruct((cols, rows // b), e4m3)]
   call = pl.pallas_call(
       functools.partial(_nvfp4_kernel, square=square, hadamard=hadamard,
-                        stochastic=keys is not None, interpret=interpret),
+                        stochastic=stochastic, interpret=interpret),
       grid=(rows // rt, cols // b),
       in_specs=in_specs + [pl.BlockSpec((n, b, b), lambda i, j: (i, 0, j))],
       out_specs=[pl.BlockSpec((n, b, h), lambda i, j: (i, 0, j)),
@@ -1033,9 +1056,13 @@ def nvfp4_cast_transpose(t: jax.Array, amax: jax.Array | None = None,
                  scale_shapes[1]],
       compiler_params=plt.CompilerParams(num_warps=4),
       interpret=interpret, name="qlayers_nvfp4_cast_transpose")
-  q, s, qt, st = call(*args, t.reshape(rows // b, b, cols))
-  return (q.reshape(rows, cols // 2),
-          s if square else s.reshape(rows, cols // b), qt, st)
+
+  def run(*args):
+    *scalars, t = args
+    q, s, qt, st = call(*scalars, t.reshape(rows // b, b, cols))
+    return (q.reshape(rows, cols // 2),
+            s if square else s.reshape(rows, cols // b), qt, st)
+  return run
 
 
 def _nvfp4_amax_kernel(t_ref, a_ref, at_ref):
@@ -1064,21 +1091,30 @@ def nvfp4_amaxes(t: jax.Array, *, interpret: bool = False
   if not nvfp4_supported(t.shape):
     raise ValueError(f"nvfp4_amaxes takes a 2-D tensor whose dims are "
                      f"multiples of {NV_BLOCK}; got {t.shape}.")
+  rt, b = nvfp4_tile_rows(t.shape[0]), NV_BLOCK
+  a, at = partition.cast(_nvfp4_amax_call, (rt, interpret), t,
+                         layouts=((("r", rt), ("c", b)),) * 2,
+                         block=(rt, b))
+  return tuple(blocks._max_of_bits(x, jnp.float32)  # noqa: SLF001
+               for x in (a, at))
+
+
+def _nvfp4_amax_call(shape: tuple[int, int], rt: int, interpret: bool):
+  """`nvfp4_amaxes`' kernel for a ``shape`` tensor, tiles of ``rt`` rows:
+  the two grids of magnitude-bit maxima per tile."""
   pl, plt = _pallas()
-  rows, cols = t.shape
-  rt, b = _tile_rows(rows), NV_BLOCK
+  rows, cols = shape
+  b = NV_BLOCK
   n, grid = rt // b, (rows // rt, cols // b)
   one = pl.BlockSpec((1, 1), lambda i, j: (i, j))
   partial = jax.ShapeDtypeStruct(grid, jnp.uint32)
-  a, at = pl.pallas_call(
+  call = pl.pallas_call(
       _nvfp4_amax_kernel, grid=grid,
       in_specs=[pl.BlockSpec((n, b, b), lambda i, j: (i, 0, j))],
       out_specs=[one, one], out_shape=[partial, partial],
       compiler_params=plt.CompilerParams(num_warps=4),
-      interpret=interpret, name="qlayers_nvfp4_amaxes")(
-          t.reshape(rows // b, b, cols))
-  return tuple(blocks._max_of_bits(x, jnp.float32)  # noqa: SLF001
-               for x in (a, at))
+      interpret=interpret, name="qlayers_nvfp4_amaxes")
+  return lambda t: call(t.reshape(rows // b, b, cols))
 
 
 def transform_supported(shape: tuple[int, ...], size: int, axis: int

@@ -207,19 +207,25 @@ def _partitioned(spec, first: Operand | None, arch: str | None,
     return False
   if first is None:
     return table.fp8_gemm_transposes(arch)
+  # Whole blocks (and NVFP4's amax tiles of rows) on every device.
+  blocks_of = (cast_transpose.nvfp4_tile_rows(rows[0])
+               if spec.scale_rule == "nvfp4" else spec.block_size,
+               spec.block_size)
   return (table.sm_version(arch) >= 100
-          and all(n % (spec.block_size * devices) == 0 for n in rows))
+          and all(n % (b * devices) == 0 for n, b in zip(rows, blocks_of)))
 
 
 def _has_rule(spec, first: Operand | None) -> bool:
-  """Whether the pair's kernel has a partitioning rule: the per-tensor one
-  (`cast_transpose.cast_transpose`) and the MX / MXFP6 / DeepSeek tile one
-  (`cast_transpose.mx_cast_transpose`), not the row-wise, 4-bit or
-  128 x 128 block ones."""
+  """Whether the pair's kernels have a partitioning rule: the per-tensor
+  one (`cast_transpose.cast_transpose`), the MX / MXFP6 / DeepSeek tile one
+  (`cast_transpose.mx_cast_transpose`) and NVFP4's
+  (`cast_transpose.nvfp4_cast_transpose`, `nvfp4_amaxes`); not the
+  row-wise, MXFP4 or 128 x 128 block ones."""
   if first is None:
     return spec.granularity == "tensor"
-  return (spec.granularity in ("mx", "tile") and spec.fmt.bits != 4
-          and spec.scale_rule != "nvfp4")
+  if spec.scale_rule == "nvfp4":
+    return True
+  return spec.granularity in ("mx", "tile") and spec.fmt.bits != 4
 
 
 def _block_pairs(spec, version: int) -> bool:

@@ -48,7 +48,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from qlayers import formats
 from qlayers.scaling import QTensor
 
-__all__ = ["gemm", "wire", "gather", "cast"]
+__all__ = ["gemm", "wire", "gather", "cast", "LIKE_T", "LIKE_T_T"]
 
 
 class _Meta(NamedTuple):
@@ -396,51 +396,78 @@ def gemm(a: QTensor, b: QTensor, axes: tuple[int, int], out_dtype,
 # --------------------------------------------------------------------------
 # One-pass cast kernels under a partitioning rule
 #
-# A result's layout: "t" (t's shape), "T" (t.T's), "t/b" and "T/b" (their
-# scale grids, one per `block` along the last dim), "" (a replicated
-# scalar).
+# A result's layout: per dim, ``(source, divisor)``: the dim is t's rows
+# ("r") or columns ("c") divided by ``divisor`` (a packed payload, a scale
+# grid); ``()`` is a replicated scalar. `LIKE_T`, `LIKE_T_T` name t's own
+# shape and its transpose's.
+
+LIKE_T = (("r", 1), ("c", 1))
+LIKE_T_T = (("c", 1), ("r", 1))
 
 
-def _cast_rule(build, params, layouts, block, tile, mesh, value_types,
-               result_types):
-  del build, params, tile, mesh, result_types
-  # With blocks, a dim of t is (shards, a block): the scale grid's dim is
-  # the shards alone, so its sharding follows t's.
-  i, j = (CompoundFactor(f, f"{f}_block") if block else f for f in "ij")
-  dims = {"t": (i, j), "T": (j, i), "t/b": (i, "j"), "T/b": (j, "i")}
+def _cast_rule(build, params, layouts, block, tile, origin, mesh,
+               value_types, result_types):
+  del build, params, block, tile, origin, mesh, result_types
+  shape = dict(zip("rc", value_types[-1].shape))
+  # Each dim of t is its shards times pieces, one per divisor a result
+  # divides it by (largest first), so a divided dim's sharding follows t's.
+  # A dim divided down to 1 is never split: a factor of its own.
+  divisors = {src: sorted({d for layout in layouts for s, d in layout
+                           if s == src and d < shape[src]} | {1},
+                          reverse=True)
+              for src in "rc"}
+  sizes, dims = {}, {(s, shape[s]): f"{s}_one" for s in "rc"}
+  for src, ds in divisors.items():
+    base = f"{src}0"  # alone, the dim divided by the largest divisor
+    pieces = []
+    for k, (outer, inner) in enumerate(zip(ds, ds[1:])):
+      pieces.append(f"{src}{k + 1}")
+      sizes[pieces[-1]] = outer // inner
+    dims.update({(src, d): CompoundFactor(base, *pieces[:k]) if k else base
+                 for k, d in enumerate(ds)})
   scalars = iter(range(len(layouts)))
   return SdyShardingRule(
       operand_mappings=(*(ArrayMapping(f"in{k}")
                           for k in range(len(value_types) - 1)),
-                        ArrayMapping(*dims["t"])),
+                        ArrayMapping(dims["r", 1], dims["c", 1])),
       result_mappings=tuple(
-          ArrayMapping(*dims[layout]) if layout
+          ArrayMapping(*(dims[d] for d in layout)) if layout
           else ArrayMapping(f"out{next(scalars)}") for layout in layouts),
-      **({"i_block": block, "j_block": block} if block else {}))
+      **sizes)
 
 
-def _cast_partition(build, params, layouts, block, tile, mesh, arg_shapes,
-                    result_shape):
+def _cast_partition(build, params, layouts, block, tile, origin, mesh,
+                    arg_shapes, result_shape):
   del result_shape
   t = arg_shapes[-1]
   axes = _spec(t.sharding, mesh, t.shape)
-  if block:  # a dim stays split only where its shards hold whole blocks
-    axes = [_whole_blocks(mesh, a, n, block) for a, n in zip(axes, t.shape)]
-  rows, cols = (_entry(a) for a in axes)
-  specs = {"t": P(rows, cols), "T": P(cols, rows), "t/b": P(rows, cols),
-           "T/b": P(cols, rows), "": P()}
+  # A dim stays split only where its shards hold whole blocks.
+  axes = [_whole_blocks(mesh, a, n, b) for a, n, b in zip(axes, t.shape,
+                                                          block)]
+  by_src = dict(zip("rc", axes))
+
+  def spec(layout):
+    return P(*(_entry(by_src[src]) for src, _ in layout))
 
   def lower(*args):
-    # Each device casts its shard: block scales are the shard's own blocks',
-    # a per-tensor scale comes from the replicated scalars (the global amax,
-    # the delayed state), so every shard gets the same one.
+    # Each device casts its shard: block scales are the shard's own
+    # blocks', a per-tensor scale comes from the replicated scalars (the
+    # global amax, the delayed state), so every shard gets the same one;
+    # with ``origin`` the kernel learns where its shard lies in t (the
+    # stochastic-rounding draws are indexed by the element's place in t).
     with jax.sharding.use_abstract_mesh(_NO_MESH):
+      if origin:  # in place of the caller's (the whole of t: no offset)
+        local = args[-1].shape
+        first = [lax.axis_index(a) * n if a else 0 for a, n in
+                 zip(axes, local)]
+        args = (jnp.stack([jnp.asarray(v, jnp.uint32)
+                           for v in (*first, *t.shape)]), *args[1:])
       return _padded(build, params, layouts, tile, *args)
 
   return (mesh, lower,
-          tuple(NamedSharding(mesh, specs[layout]) for layout in layouts),
+          tuple(NamedSharding(mesh, spec(layout)) for layout in layouts),
           (*(NamedSharding(mesh, P()),) * (len(arg_shapes) - 1),
-           NamedSharding(mesh, specs["t"])))
+           NamedSharding(mesh, spec(LIKE_T))))
 
 
 def _whole_blocks(mesh, axes, n: int, block: int) -> tuple[str, ...]:
@@ -455,7 +482,7 @@ def _whole_blocks(mesh, axes, n: int, block: int) -> tuple[str, ...]:
 def _padded(build, params, layouts, tile, *args):
   """The kernel of a shard, padded with zeros to whole tiles and cropped
   after (zeros cast to zeros under a per-tensor scale; a block-scaled
-  shard holds whole blocks, so whole tiles)."""
+  shard holds whole blocks, so ``tile`` is 1 there)."""
   *scalars, t = args
   rows, cols = t.shape
   pad = (-rows % tile, -cols % tile)
@@ -464,13 +491,14 @@ def _padded(build, params, layouts, tile, *args):
   outs = build(t.shape, *params)(*scalars, t)
   if not any(pad):
     return outs
-  crop = {"t": (rows, cols), "T": (cols, rows)}
-  return tuple(o[:crop[layout][0], :crop[layout][1]] if layout in crop
+  size = {"r": rows, "c": cols}
+  return tuple(o[tuple(slice(size[s] // d) for s, d in layout)] if layout
                else o for o, layout in zip(outs, layouts))
 
 
-@functools.partial(custom_partitioning, static_argnums=(0, 1, 2, 3, 4))
-def _cast(build, params, layouts, block, tile, *args):
+@functools.partial(custom_partitioning, static_argnums=(0, 1, 2, 3, 4, 5))
+def _cast(build, params, layouts, block, tile, origin, *args):
+  del origin  # the first of args
   return build(args[-1].shape, *params)(*args)
 
 
@@ -478,18 +506,26 @@ _cast.def_partition(partition=_cast_partition, sharding_rule=_cast_rule,
                     decode_shardings=False)
 
 
-def cast(build: Callable, params: tuple, *args, layouts: tuple[str, ...],
-         block: int = 0, tile: int = 1):
+def cast(build: Callable, params: tuple, *args, layouts, block=(1, 1),
+         tile: int = 1, origin: bool = False):
   """``build(t.shape, *params)(*args)``, a one-pass cast kernel of ``t``
   (the last of ``args``; the others replicated scalars) whose results lie
-  as ``layouts`` say: ``"t"`` a copy of ``t``, ``"T"`` of ``t.T``,
-  ``"t/b"``/``"T/b"`` their scales per ``block`` along the last dim, ``""``
-  a replicated scalar. Under a partitioning rule each device casts its
-  shard of ``t``, and the results are sharded as ``t`` (``"T"``: as ``t``
-  transposed). With ``block``, a dim stays split only where its shards
-  hold whole blocks (elsewhere it is gathered); without, a shard that
-  splits a ``tile`` of the kernel is padded with zeros and cropped. So a
-  program sharded only through ``jax.jit``'s shardings, which qlayers does
-  not see while tracing, does not gather ``t`` whole for the kernel. With
-  one device XLA inlines the kernel unchanged."""
-  return _cast(build, tuple(params), tuple(layouts), block, tile, *args)
+  as ``layouts`` say (`LIKE_T`, `LIKE_T_T`, other per-dim ``(source,
+  divisor)``, or ``()`` for a replicated scalar), under a partitioning
+  rule: each device casts its shard of ``t``, and each result is sharded
+  along the dims of ``t`` it comes from.
+
+  ``block``: per dim of ``t``, the length its shards must be a multiple of
+  (the format's blocks, the kernel's tiles; elsewhere that dim is gathered
+  first). ``tile``: without blocks, a shard that splits a ``tile`` of the
+  kernel is padded with zeros and cropped. ``origin``: the kernel takes
+  first a ``uint32 (4,)`` of its shard's first row and column in ``t`` and
+  ``t``'s shape (zeros and its own shape on one device).
+
+  So a program sharded only through ``jax.jit``'s shardings, which qlayers
+  does not see while tracing, does not gather ``t`` whole for the kernel.
+  With one device XLA inlines the kernel unchanged."""
+  if origin:
+    args = (jnp.asarray([0, 0, *args[-1].shape], jnp.uint32), *args)
+  return _cast(build, tuple(params), tuple(map(tuple, layouts)),
+               tuple(block), tile, origin, *args)

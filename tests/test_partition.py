@@ -240,6 +240,54 @@ def mx_without_mesh():
           "split_blocks": case((128, 64), P("data"))}
 
 
+def test_the_nvfp4_kernels_cast_each_shard_with_its_draws(results):
+  """NVFP4's one-pass kernels (interpreted) under `partition.cast`: the
+  amaxes of t and of its transform from each shard's partial maxima, and
+  both copies cast per shard, with stochastic rounding drawing each
+  element's uniform at its place in t (the shard's origin): the
+  single-device bits, nothing gathered, rows or columns split; 16 x 16
+  weight blocks too."""
+  r = multidevice.result(results, "nvfp4_without_mesh")
+  for name in ("rows", "cols", "square"):
+    assert r[name] == {"same_bits": True, "all-gather": None}, (name, r)
+
+
+def nvfp4_without_mesh():
+  from jax.sharding import Mesh  # pylint: disable=g-import-not-at-top
+  import collectives  # pylint: disable=g-import-not-at-top
+  from qlayers import cast_transpose as ct, formats  # pylint: disable=g-import-not-at-top
+  mesh = Mesh(np.array(jax.devices()), ("data",))
+  keys = tuple(formats.rounding_key(jnp.uint32(s), jnp.uint32(3))
+               for s in (11, 12))
+
+  def case(shape, spec, square=False):
+    t = jnp.asarray(np.random.default_rng(6).normal(size=shape)
+                    * np.exp(np.random.default_rng(7).normal(size=shape)),
+                    jnp.bfloat16)
+
+    def f(t):
+      if square:
+        return ct.nvfp4_cast_transpose(t, square=True, interpret=True)
+      a, at = ct.nvfp4_amaxes(t, interpret=True)
+      return (a, at, *ct.nvfp4_cast_transpose(
+          t, a, at, hadamard=True, keys=keys, interpret=True))
+
+    want = jax.jit(f)(t)
+    ts = jax.device_put(t, NamedSharding(mesh, spec))
+    compiled = jax.jit(f).lower(ts).compile()
+    got = compiled(ts)
+    return {"same_bits": all(
+        np.array_equal(np.asarray(a).reshape(-1).view(np.uint8),
+                       np.asarray(b).reshape(-1).view(np.uint8))
+        for a, b in zip(got, want)),
+            "all-gather": collectives.summary(compiled.as_text()).get(
+                "all-gather")}
+
+  return {"rows": case((2048, 256), P("data")),
+          "cols": case((256, 1024), P(None, "data")),
+          "square": case((256, 1024), P(None, "data"), square=True)}
+
+
 def cast_without_mesh():
   from jax.sharding import Mesh  # pylint: disable=g-import-not-at-top
   import collectives  # pylint: disable=g-import-not-at-top
@@ -350,4 +398,5 @@ if __name__ == "__main__":
   case(shared_weight)
   case(cast_without_mesh)
   case(mx_without_mesh)
+  case(nvfp4_without_mesh)
   case.main()

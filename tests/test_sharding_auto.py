@@ -197,11 +197,13 @@ def test_every_layer_under_tensor_parallelism(results):
 
 
 def test_the_cast_kernel_trains_under_a_mesh_as_xla_does(results):
-  """Under `jax.set_mesh` the per-tensor pairs for Hopper and the MX pairs
-  for Blackwell are the one-pass kernels' (`qlayers.partition.cast`;
-  interpreted here): each device casts its shard (32-row shards padded to
-  a 64-row tile, or whole MX blocks), with the collectives of XLA's pairs
-  and their training. The first step's loss and amaxes are the same bits;
+  """Under `jax.set_mesh` the per-tensor pairs for Hopper and the MX and
+  NVFP4 pairs for Blackwell are the one-pass kernels'
+  (`qlayers.partition.cast`; interpreted here): each device casts its
+  shard (32-row shards padded to a 64-row tile, or whole blocks; NVFP4's
+  stochastic rounding drawn at each element's place in the whole tensor),
+  with the collectives of XLA's pairs and their training (an nvfp4
+  matmul's gradients: the same bits). The first step's loss and amaxes are the same bits;
   later steps may differ by a rounding where a GEMM's partial sums meet in
   another order. Blackwell's per-tensor pairs (one layout) and Hopper's MX
   pairs (BF16 values) stay XLA's."""
@@ -217,6 +219,8 @@ def test_the_cast_kernel_trains_under_a_mesh_as_xla_does(results):
             == sum(xla["collectives"]["all-reduce"].values())), name
     assert kernel["losses"][0] == xla["losses"][0], name
     _close(kernel["losses"], xla["losses"])
+    for a, b in zip(kernel.get("grads", ()), xla.get("grads", ())):
+      assert a == b, name  # one step: the same bits
     for path, hist in xla["state"].items():
       if path.endswith("_history"):
         first = max(i for i, a in enumerate(hist) if a)

@@ -92,14 +92,15 @@ def ffi():
 
 
 def _kernel_run(recipe, layout, arch, kernel):
-  """`_run` traced for GPU ``arch``, the pairs made by the one-pass kernels
-  with a partitioning rule (interpreted) where ``kernel``, else by XLA's
-  ops."""
+  """`_run` (or ``layout()`` where it is a function) traced for GPU
+  ``arch``, the pairs made by the one-pass kernels with a partitioning rule
+  (interpreted) where ``kernel``, else by XLA's ops."""
   import contextlib  # pylint: disable=g-import-not-at-top
   import types  # pylint: disable=g-import-not-at-top
   from qlayers import cast_transpose, operands, table  # pylint: disable=g-import-not-at-top
   kernels = []
-  names = ("cast_transpose", "mx_cast_transpose")
+  names = ("cast_transpose", "mx_cast_transpose", "nvfp4_cast_transpose",
+           "nvfp4_amaxes")
   original = operands.lax, *(getattr(cast_transpose, n) for n in names)
 
   def interpreted(fn):
@@ -121,9 +122,34 @@ def _kernel_run(recipe, layout, arch, kernel):
         for n, fn in zip(names, original[1:]):
           setattr(cast_transpose, n, fn)
       undo.callback(restore)
-    out = _run(recipe, layout)
+    out = layout() if callable(layout) else _run(recipe, layout)
   out["kernels"] = len(kernels)
   return out
+
+
+def _nvfp4_matmul():
+  """One nvfp4 matmul's loss and gradients, data-parallel over the mesh:
+  2,048 tokens, 256 per device (whole amax tiles of NVFP4's kernels)."""
+  r = qlayers.recipe("nvfp4")
+  rng = np.random.default_rng(8)
+  x = rng.normal(size=(2048, 128)).astype(np.float32)
+  w = rng.normal(size=(128, 256)).astype(np.float32)
+
+  def loss(x, w):
+    y, _ = ops.quantized_matmul(x, w, r, key=qlayers.formats.rounding_key(
+        jnp.uint32(5), jnp.uint32(0)))
+    return jnp.sum(jnp.cos(y.astype(jnp.float32)))
+
+  mesh = st.mesh_for("dp")
+  with jax.set_mesh(mesh):
+    xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+    ws = jax.device_put(w, NamedSharding(mesh, P()))
+    compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(
+        xs, ws).compile()
+    value, (dx, dw) = compiled(xs, ws)
+  return {"losses": [float(value)],
+          "grads": [np.asarray(g).tolist() for g in (dx, dw)],
+          "state": {}, "collectives": st.summary(compiled.as_text())}
 
 
 @case
@@ -135,6 +161,9 @@ def cast_kernel_under_mesh():
     out[f"{recipe}/{layout}/{arch}"] = {
         name: _kernel_run(recipe, layout, arch, kernel)
         for name, kernel in (("kernel", True), ("xla", False))}
+  out["nvfp4/dp/sm_100"] = {
+      name: _kernel_run("nvfp4", _nvfp4_matmul, "sm_100", kernel)
+      for name, kernel in (("kernel", True), ("xla", False))}
   # Blackwell's per-tensor kernel writes one layout: under a mesh XLA's
   # copies stay; so do Hopper's MX copies (BF16 values).
   return {"runs": out, "without": {
