@@ -683,7 +683,7 @@ def _fp4_kernel(*refs, rule: str, stochastic: bool, hadamard=(0, 0)):
   rows' blocks of ``hadamard[0]``) and the copy of ``v.T`` (along ``v``'s
   columns' blocks of ``hadamard[1]``; 0: none)."""
   if stochastic:
-    key_ref, t_ref, q_ref, s_ref, qt_ref, st_ref = refs
+    origin_ref, key_ref, t_ref, q_ref, s_ref, qt_ref, st_ref = refs
   else:
     t_ref, q_ref, s_ref, qt_ref, st_ref = refs
   pl, _ = _pallas()
@@ -691,8 +691,10 @@ def _fp4_kernel(*refs, rule: str, stochastic: bool, hadamard=(0, 0)):
   b = v.shape[0]
   copies = [_transform_blocks(v, hadamard[0]) if hadamard[0] else v,
             _transform_blocks(v.T, hadamard[1]) if hadamard[1] else v.T]
-  rows, cols = (jnp.uint32(pl.num_programs(a) * b) for a in (0, 1))
-  i, j = (pl.program_id(a).astype(jnp.uint32) * b for a in (0, 1))
+  if stochastic:  # this tile's place in t: its shard's (`origin`) and in it
+    rows, cols = origin_ref[2], origin_ref[3]
+    i, j = (origin_ref[a] + pl.program_id(a).astype(jnp.uint32) * b
+            for a in (0, 1))
   down, across = (jax.lax.broadcasted_iota(jnp.uint32, (b, b), a)
                   for a in (0, 1))
   for c, (y, q, sc) in enumerate(zip(copies, (q_ref, qt_ref),
@@ -758,16 +760,31 @@ def fp4_cast_transpose(t: jax.Array, rule: str = "mx_rceil", *,
     raise ValueError(f"fp4_cast_transpose's hadamard takes two sizes, each "
                      f"0 or a power of two up to {MX_BLOCK}; got "
                      f"{hadamard!r}.")
-  pl, plt = _pallas()
-  rows, cols = t.shape
-  b, h = MX_BLOCK, MX_BLOCK // 2
-  in_specs, args = [pl.BlockSpec((b, b), lambda i, j: (i, j))], [t]
+  b = MX_BLOCK
+  args = [t]
   if keys is not None:
-    in_specs.insert(0, pl.BlockSpec((4,), lambda i, j: (0,)))
     args.insert(0, jnp.concatenate([threefry.key_words(k) for k in keys]))
-  call = pl.pallas_call(
-      functools.partial(_fp4_kernel, rule=rule, stochastic=keys is not None,
-                        hadamard=tuple(hadamard)),
+  return tuple(partition.cast(
+      _fp4_call, (rule, keys is not None, tuple(hadamard), interpret), *args,
+      layouts=((("r", 1), ("c", 2)), (("r", 1), ("c", b)),
+               (("c", 1), ("r", 2)), (("c", 1), ("r", b))),
+      block=(b, b), origin=keys is not None))
+
+
+def _fp4_call(shape: tuple[int, int], rule: str, stochastic: bool,
+              hadamard: tuple[int, int], interpret: bool):
+  """`fp4_cast_transpose`'s kernel for a ``shape`` tensor: a function of
+  (with ``stochastic``: the shard's origin in t and the keys' words,) the
+  tensor."""
+  pl, plt = _pallas()
+  rows, cols = shape
+  b, h = MX_BLOCK, MX_BLOCK // 2
+  in_specs = [pl.BlockSpec((b, b), lambda i, j: (i, j))]
+  if stochastic:
+    in_specs = [pl.BlockSpec((4,), lambda i, j: (0,))] * 2 + in_specs
+  return pl.pallas_call(
+      functools.partial(_fp4_kernel, rule=rule, stochastic=stochastic,
+                        hadamard=hadamard),
       grid=(rows // b, cols // b),
       in_specs=in_specs,
       out_specs=[pl.BlockSpec((b, h), lambda i, j: (i, j)),
@@ -780,7 +797,6 @@ def fp4_cast_transpose(t: jax.Array, rule: str = "mx_rceil", *,
                  jax.ShapeDtypeStruct((cols, rows // b), jnp.uint8)],
       compiler_params=plt.CompilerParams(num_warps=4),
       interpret=interpret, name="qlayers_fp4_cast_transpose")
-  return tuple(call(*args))
 
 
 # NVFP4: E2M1 in blocks of 16 with E4M3 scales under a per-tensor FP32 scale.

@@ -218,14 +218,13 @@ def _partitioned(spec, first: Operand | None, arch: str | None,
 def _has_rule(spec, first: Operand | None) -> bool:
   """Whether the pair's kernels have a partitioning rule: the per-tensor
   one (`cast_transpose.cast_transpose`), the MX / MXFP6 / DeepSeek tile one
-  (`cast_transpose.mx_cast_transpose`) and NVFP4's
+  (`cast_transpose.mx_cast_transpose`), MXFP4's
+  (`cast_transpose.fp4_cast_transpose`) and NVFP4's
   (`cast_transpose.nvfp4_cast_transpose`, `nvfp4_amaxes`); not the
-  row-wise, MXFP4 or 128 x 128 block ones."""
+  row-wise or 128 x 128 block ones."""
   if first is None:
     return spec.granularity == "tensor"
-  if spec.scale_rule == "nvfp4":
-    return True
-  return spec.granularity in ("mx", "tile") and spec.fmt.bits != 4
+  return spec.scale_rule == "nvfp4" or spec.granularity in ("mx", "tile")
 
 
 def _block_pairs(spec, version: int) -> bool:

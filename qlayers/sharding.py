@@ -6,7 +6,7 @@ a GEMM is traced, which kind of mesh it runs under and adapts to it:
 * no mesh, or one device: nothing changes (the single-device program).
   A program sharded only through ``jax.jit``'s shardings (or the
   deprecated ``with mesh:``) looks the same while traced; on GPUs the
-  per-tensor, MX and NVFP4 cast kernels then cast each shard
+  per-tensor, MX, MXFP4 and NVFP4 cast kernels then cast each shard
   (`qlayers.partition.cast`), the other one-pass kernels have XLA gather
   their operands whole (`warn_if_gpus_unmeshed`).
 * auto axes (``jax.set_mesh(mesh)`` with ``AxisType.Auto``, arrays placed
@@ -90,8 +90,8 @@ def _several_gpus() -> bool:
 
 def warn_if_gpus_unmeshed() -> None:
   """Warns, as a one-pass GPU cast kernel without a partitioning rule is
-  traced (row-wise, MXFP4 and 128 x 128 block ones; the per-tensor, MX
-  and NVFP4 ones have `qlayers.partition.cast`), when
+  traced (the row-wise and 128 x 128 block ones; the per-tensor, MX,
+  MXFP4 and NVFP4 ones have `qlayers.partition.cast`), when
   several GPUs are attached and no mesh is set. In a program sharded only
   through ``jax.jit``'s shardings (or the deprecated ``with mesh:``, which
   sets no mesh JAX's tracing sees), XLA gathers each operand whole for such
@@ -103,7 +103,7 @@ def warn_if_gpus_unmeshed() -> None:
     warnings.warn(
         f"qlayers: {jax.device_count()} GPUs and no mesh set: if this "
         "program is sharded through jax.jit's shardings or `with mesh:`, "
-        "the one-pass cast kernels of row-wise, MXFP4 and 128 x 128 block "
+        "the one-pass cast kernels of row-wise and 128 x 128 block "
         "recipes make XLA gather each operand whole and every device "
         "computes whole GEMMs. Set the mesh with `jax.set_mesh(mesh)`; a "
         "one-device program can ignore this.",

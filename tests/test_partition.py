@@ -246,9 +246,10 @@ def test_the_nvfp4_kernels_cast_each_shard_with_its_draws(results):
   both copies cast per shard, with stochastic rounding drawing each
   element's uniform at its place in t (the shard's origin): the
   single-device bits, nothing gathered, rows or columns split; 16 x 16
-  weight blocks too."""
+  weight blocks too; and MXFP4's pair kernel (a transform, both copies
+  rounded stochastically) the same way."""
   r = multidevice.result(results, "nvfp4_without_mesh")
-  for name in ("rows", "cols", "square"):
+  for name in ("rows", "cols", "square", "mxfp4_rows", "mxfp4_cols"):
     assert r[name] == {"same_bits": True, "all-gather": None}, (name, r)
 
 
@@ -260,12 +261,14 @@ def nvfp4_without_mesh():
   keys = tuple(formats.rounding_key(jnp.uint32(s), jnp.uint32(3))
                for s in (11, 12))
 
-  def case(shape, spec, square=False):
+  def case(shape, spec, square=False, fn=None):
     t = jnp.asarray(np.random.default_rng(6).normal(size=shape)
                     * np.exp(np.random.default_rng(7).normal(size=shape)),
                     jnp.bfloat16)
 
     def f(t):
+      if fn is not None:
+        return fn(t)
       if square:
         return ct.nvfp4_cast_transpose(t, square=True, interpret=True)
       a, at = ct.nvfp4_amaxes(t, interpret=True)
@@ -283,9 +286,15 @@ def nvfp4_without_mesh():
             "all-gather": collectives.summary(compiled.as_text()).get(
                 "all-gather")}
 
+  def mxfp4(t):  # MXFP4's pair: the transform on the t.T copy, both SR
+    return ct.fp4_cast_transpose(t, keys=keys, hadamard=(0, 32),
+                                 interpret=True)
+
   return {"rows": case((2048, 256), P("data")),
           "cols": case((256, 1024), P(None, "data")),
-          "square": case((256, 1024), P(None, "data"), square=True)}
+          "square": case((256, 1024), P(None, "data"), square=True),
+          "mxfp4_rows": case((1024, 128), P("data"), fn=mxfp4),
+          "mxfp4_cols": case((128, 1024), P(None, "data"), fn=mxfp4)}
 
 
 def cast_without_mesh():

@@ -197,16 +197,16 @@ def test_every_layer_under_tensor_parallelism(results):
 
 
 def test_the_cast_kernel_trains_under_a_mesh_as_xla_does(results):
-  """Under `jax.set_mesh` the per-tensor pairs for Hopper and the MX and
-  NVFP4 pairs for Blackwell are the one-pass kernels'
+  """Under `jax.set_mesh` the per-tensor pairs for Hopper and the MX,
+  MXFP4 and NVFP4 pairs for Blackwell are the one-pass kernels'
   (`qlayers.partition.cast`; interpreted here): each device casts its
-  shard (32-row shards padded to a 64-row tile, or whole blocks; NVFP4's
+  shard (32-row shards padded to a 64-row tile, or whole blocks; the 4-bit
   stochastic rounding drawn at each element's place in the whole tensor),
-  with the collectives of XLA's pairs and their training (an nvfp4
-  matmul's gradients: the same bits). The first step's loss and amaxes are the same bits;
-  later steps may differ by a rounding where a GEMM's partial sums meet in
-  another order. Blackwell's per-tensor pairs (one layout) and Hopper's MX
-  pairs (BF16 values) stay XLA's."""
+  with the collectives of XLA's pairs and their training: nvfp4 and
+  mxfp4_rht matmuls' gradients are the same bits; the MLP's first step's
+  loss and amaxes too, later steps may differ by a rounding where a GEMM's
+  partial sums meet in another order. Blackwell's per-tensor pairs (one
+  layout) and Hopper's MX pairs (BF16 values) stay XLA's."""
   r = multidevice.result(results, "cast_kernel_under_mesh")
   assert r["without"] == {"fp8_current/sm_100": 0, "mxfp8/sm_90": 0}, r
   for name, runs in r["runs"].items():

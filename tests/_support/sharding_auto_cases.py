@@ -2,6 +2,8 @@
 multidevice.py): auto-axes meshes with arrays placed by ``jax.device_put``,
 ``shard_map``, and the ffi backend."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -100,7 +102,7 @@ def _kernel_run(recipe, layout, arch, kernel):
   from qlayers import cast_transpose, operands, table  # pylint: disable=g-import-not-at-top
   kernels = []
   names = ("cast_transpose", "mx_cast_transpose", "nvfp4_cast_transpose",
-           "nvfp4_amaxes")
+           "nvfp4_amaxes", "fp4_cast_transpose")
   original = operands.lax, *(getattr(cast_transpose, n) for n in names)
 
   def interpreted(fn):
@@ -127,10 +129,11 @@ def _kernel_run(recipe, layout, arch, kernel):
   return out
 
 
-def _nvfp4_matmul():
-  """One nvfp4 matmul's loss and gradients, data-parallel over the mesh:
-  2,048 tokens, 256 per device (whole amax tiles of NVFP4's kernels)."""
-  r = qlayers.recipe("nvfp4")
+def _matmul(recipe):
+  """One matmul's loss and gradients under ``recipe``, data-parallel over
+  the mesh: 2,048 tokens, 256 per device (whole amax tiles of NVFP4's
+  kernels)."""
+  r = qlayers.recipe(recipe)
   rng = np.random.default_rng(8)
   x = rng.normal(size=(2048, 128)).astype(np.float32)
   w = rng.normal(size=(128, 256)).astype(np.float32)
@@ -161,9 +164,11 @@ def cast_kernel_under_mesh():
     out[f"{recipe}/{layout}/{arch}"] = {
         name: _kernel_run(recipe, layout, arch, kernel)
         for name, kernel in (("kernel", True), ("xla", False))}
-  out["nvfp4/dp/sm_100"] = {
-      name: _kernel_run("nvfp4", _nvfp4_matmul, "sm_100", kernel)
-      for name, kernel in (("kernel", True), ("xla", False))}
+  for recipe in ("nvfp4", "mxfp4_rht"):
+    out[f"{recipe}/dp/sm_100"] = {
+        name: _kernel_run(recipe, functools.partial(_matmul, recipe),
+                          "sm_100", kernel)
+        for name, kernel in (("kernel", True), ("xla", False))}
   # Blackwell's per-tensor kernel writes one layout: under a mesh XLA's
   # copies stay; so do Hopper's MX copies (BF16 values).
   return {"runs": out, "without": {
