@@ -371,10 +371,31 @@ def row_cast_transpose(t: jax.Array, fmt: Format | str, *, margin: int = 0,
     (0.015625, 0.00390625, 0.015625, (128, 64))
   """
   fmt = _fp8_tiles("row_cast_transpose", t, fmt)
-  pl, plt = _pallas()
   rows, cols = t.shape
+  # Each device's shard of whole tiles: its partial maxima, reduced by XLA
+  # (across devices too), then its copies with the whole rows' and columns'
+  # scales (`qlayers.partition.cast`).
+  r, c = partition.cast(_row_amax_call, (interpret,), t,
+                        layouts=((("r", 1), ("c", TILE)),
+                                 (("r", TILE), ("c", 1))),
+                        block=(TILE, TILE))
+  r = jnp.max(r, axis=1, keepdims=True)
+  c = jnp.max(c, axis=0, keepdims=True)
+  return tuple(partition.cast(
+      _row_cast_call, (fmt, margin, pow2, interpret), r, c, t,
+      layouts=(partition.LIKE_T, (("r", 1), ("c", cols)), partition.LIKE_T_T,
+               (("c", 1), ("r", rows))),
+      in_layouts=((("r", 1), ("c", cols)), (("r", rows), ("c", 1))),
+      block=(TILE, TILE)))
+
+
+def _row_amax_call(shape: tuple[int, int], interpret: bool):
+  """`row_cast_transpose`'s first kernel for a ``shape`` tensor: the
+  magnitude-bit maxima of each tile's rows and columns."""
+  pl, plt = _pallas()
+  rows, cols = shape
   grid, tile = (rows // TILE, cols // TILE), (TILE, TILE)
-  r, c = pl.pallas_call(
+  return pl.pallas_call(
       _row_amax_kernel, grid=grid,
       in_specs=[pl.BlockSpec(tile, lambda i, j: (i, j))],
       out_specs=[pl.BlockSpec((TILE, 1), lambda i, j: (i, j)),
@@ -382,10 +403,17 @@ def row_cast_transpose(t: jax.Array, fmt: Format | str, *, margin: int = 0,
       out_shape=[jax.ShapeDtypeStruct((rows, grid[1]), jnp.uint32),
                  jax.ShapeDtypeStruct((grid[0], cols), jnp.uint32)],
       compiler_params=plt.CompilerParams(num_warps=4),
-      interpret=interpret, name="qlayers_row_amaxes")(t)
-  r = jnp.max(r, axis=1, keepdims=True)
-  c = jnp.max(c, axis=0, keepdims=True)
-  return tuple(pl.pallas_call(
+      interpret=interpret, name="qlayers_row_amaxes")
+
+
+def _row_cast_call(shape: tuple[int, int], fmt: Format, margin: int,
+                   pow2: bool, interpret: bool):
+  """`row_cast_transpose`'s second kernel for a ``shape`` tensor: both
+  copies from the rows' and the columns' amaxes (magnitude bits)."""
+  pl, plt = _pallas()
+  rows, cols = shape
+  grid, tile = (rows // TILE, cols // TILE), (TILE, TILE)
+  return pl.pallas_call(
       functools.partial(_row_kernel, fmt=fmt, margin=margin, pow2=pow2,
                         interpret=interpret),
       grid=grid,
@@ -401,7 +429,7 @@ def row_cast_transpose(t: jax.Array, fmt: Format | str, *, margin: int = 0,
                  jax.ShapeDtypeStruct((cols, rows), fmt.dtype),
                  jax.ShapeDtypeStruct((cols, 1), jnp.float32)],
       compiler_params=plt.CompilerParams(num_warps=4),
-      interpret=interpret, name="qlayers_row_cast_transpose")(r, c, t))
+      interpret=interpret, name="qlayers_row_cast_transpose")
 
 
 def mx_supported(shape: tuple[int, ...], fmt: Format, block_size: int) -> bool:

@@ -201,17 +201,23 @@ def _partitioned(spec, first: Operand | None, arch: str | None,
   DeepSeek tile pairs (`cast_transpose.mx_cast_transpose`) where
   block-scaled GEMMs are native (sm_100 on; on Hopper their copies are
   BF16 values or FP32-scaled tiles, which FSDP would gather wider than
-  XLA's FP8 ones), and only if any split of ``rows`` over the mesh leaves
-  whole blocks (else the rule would gather the wide tensor)."""
+  XLA's FP8 ones), MXFP4's and NVFP4's there too, the row-wise pair from
+  sm_90 on; and these only if any split of ``rows`` over the mesh leaves
+  whole blocks or tiles (else the rule would gather the wide tensor)."""
   if not _has_rule(spec, first):
     return False
   if first is None:
     return table.fp8_gemm_transposes(arch)
-  # Whole blocks (and NVFP4's amax tiles of rows) on every device.
-  blocks_of = (cast_transpose.nvfp4_tile_rows(rows[0])
-               if spec.scale_rule == "nvfp4" else spec.block_size,
-               spec.block_size)
-  return (table.sm_version(arch) >= 100
+  # Whole blocks (NVFP4's amax tiles of rows, row-wise's 64 x 64 tiles) on
+  # every device.
+  if spec.granularity == "row":
+    blocks_of, native = (cast_transpose.TILE,) * 2, 90
+  else:
+    blocks_of = (cast_transpose.nvfp4_tile_rows(rows[0])
+                 if spec.scale_rule == "nvfp4" else spec.block_size,
+                 spec.block_size)
+    native = 100
+  return (table.sm_version(arch) >= native
           and all(n % (b * devices) == 0 for n, b in zip(rows, blocks_of)))
 
 
@@ -219,12 +225,14 @@ def _has_rule(spec, first: Operand | None) -> bool:
   """Whether the pair's kernels have a partitioning rule: the per-tensor
   one (`cast_transpose.cast_transpose`), the MX / MXFP6 / DeepSeek tile one
   (`cast_transpose.mx_cast_transpose`), MXFP4's
-  (`cast_transpose.fp4_cast_transpose`) and NVFP4's
-  (`cast_transpose.nvfp4_cast_transpose`, `nvfp4_amaxes`); not the
-  row-wise or 128 x 128 block ones."""
+  (`cast_transpose.fp4_cast_transpose`), NVFP4's
+  (`cast_transpose.nvfp4_cast_transpose`, `nvfp4_amaxes`) and the
+  row-wise ones (`cast_transpose.row_cast_transpose`); not the 128 x 128
+  block one."""
   if first is None:
     return spec.granularity == "tensor"
-  return spec.scale_rule == "nvfp4" or spec.granularity in ("mx", "tile")
+  return (spec.scale_rule == "nvfp4"
+          or spec.granularity in ("mx", "tile", "row"))
 
 
 def _block_pairs(spec, version: int) -> bool:

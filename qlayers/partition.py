@@ -405,14 +405,15 @@ LIKE_T = (("r", 1), ("c", 1))
 LIKE_T_T = (("c", 1), ("r", 1))
 
 
-def _cast_rule(build, params, layouts, block, tile, origin, mesh,
+def _cast_rule(build, params, layouts, in_layouts, block, tile, origin, mesh,
                value_types, result_types):
   del build, params, block, tile, origin, mesh, result_types
   shape = dict(zip("rc", value_types[-1].shape))
   # Each dim of t is its shards times pieces, one per divisor a result
   # divides it by (largest first), so a divided dim's sharding follows t's.
   # A dim divided down to 1 is never split: a factor of its own.
-  divisors = {src: sorted({d for layout in layouts for s, d in layout
+  divisors = {src: sorted({d for layout in (*layouts, *in_layouts)
+                           for s, d in layout
                            if s == src and d < shape[src]} | {1},
                           reverse=True)
               for src in "rc"}
@@ -425,19 +426,21 @@ def _cast_rule(build, params, layouts, block, tile, origin, mesh,
       sizes[pieces[-1]] = outer // inner
     dims.update({(src, d): CompoundFactor(base, *pieces[:k]) if k else base
                  for k, d in enumerate(ds)})
-  scalars = iter(range(len(layouts)))
+  scalars = iter(range(len(layouts) + len(value_types)))
+
+  def mapping(layout):
+    return (ArrayMapping(*(dims[d] for d in layout)) if layout
+            else ArrayMapping(f"s{next(scalars)}"))
+
+  inputs = in_layouts or ((),) * (len(value_types) - 1)
   return SdyShardingRule(
-      operand_mappings=(*(ArrayMapping(f"in{k}")
-                          for k in range(len(value_types) - 1)),
+      operand_mappings=(*map(mapping, inputs),
                         ArrayMapping(dims["r", 1], dims["c", 1])),
-      result_mappings=tuple(
-          ArrayMapping(*(dims[d] for d in layout)) if layout
-          else ArrayMapping(f"out{next(scalars)}") for layout in layouts),
-      **sizes)
+      result_mappings=tuple(map(mapping, layouts)), **sizes)
 
 
-def _cast_partition(build, params, layouts, block, tile, origin, mesh,
-                    arg_shapes, result_shape):
+def _cast_partition(build, params, layouts, in_layouts, block, tile, origin,
+                    mesh, arg_shapes, result_shape):
   del result_shape
   t = arg_shapes[-1]
   axes = _spec(t.sharding, mesh, t.shape)
@@ -445,9 +448,13 @@ def _cast_partition(build, params, layouts, block, tile, origin, mesh,
   axes = [_whole_blocks(mesh, a, n, b) for a, n, b in zip(axes, t.shape,
                                                           block)]
   by_src = dict(zip("rc", axes))
+  whole = dict(zip("rc", t.shape))
 
-  def spec(layout):
-    return P(*(_entry(by_src[src]) for src, _ in layout))
+  def spec(layout):  # a dim divided down to one element is not split
+    return P(*(None if d == whole[src] else _entry(by_src[src])
+               for src, d in layout))
+
+  inputs = in_layouts or ((),) * (len(arg_shapes) - 1)
 
   def lower(*args):
     # Each device casts its shard: block scales are the shard's own
@@ -466,8 +473,8 @@ def _cast_partition(build, params, layouts, block, tile, origin, mesh,
 
   return (mesh, lower,
           tuple(NamedSharding(mesh, spec(layout)) for layout in layouts),
-          (*(NamedSharding(mesh, P()),) * (len(arg_shapes) - 1),
-           NamedSharding(mesh, spec(LIKE_T))))
+          tuple(NamedSharding(mesh, spec(layout))
+                for layout in (*inputs, LIKE_T)))
 
 
 def _whole_blocks(mesh, axes, n: int, block: int) -> tuple[str, ...]:
@@ -496,9 +503,10 @@ def _padded(build, params, layouts, tile, *args):
                else o for o, layout in zip(outs, layouts))
 
 
-@functools.partial(custom_partitioning, static_argnums=(0, 1, 2, 3, 4, 5))
-def _cast(build, params, layouts, block, tile, origin, *args):
-  del origin  # the first of args
+@functools.partial(custom_partitioning,
+                   static_argnums=(0, 1, 2, 3, 4, 5, 6))
+def _cast(build, params, layouts, in_layouts, block, tile, origin, *args):
+  del in_layouts, origin  # the origin: the first of args
   return build(args[-1].shape, *params)(*args)
 
 
@@ -506,14 +514,16 @@ _cast.def_partition(partition=_cast_partition, sharding_rule=_cast_rule,
                     decode_shardings=False)
 
 
-def cast(build: Callable, params: tuple, *args, layouts, block=(1, 1),
-         tile: int = 1, origin: bool = False):
+def cast(build: Callable, params: tuple, *args, layouts, in_layouts=(),
+         block=(1, 1), tile: int = 1, origin: bool = False):
   """``build(t.shape, *params)(*args)``, a one-pass cast kernel of ``t``
   (the last of ``args``; the others replicated scalars) whose results lie
   as ``layouts`` say (`LIKE_T`, `LIKE_T_T`, other per-dim ``(source,
   divisor)``, or ``()`` for a replicated scalar), under a partitioning
   rule: each device casts its shard of ``t``, and each result is sharded
-  along the dims of ``t`` it comes from.
+  along the dims of ``t`` it comes from. ``in_layouts``: the same for the
+  other arguments (default: all replicated; a dim divided down to one
+  element, ``(source, its length)``, is not split).
 
   ``block``: per dim of ``t``, the length its shards must be a multiple of
   (the format's blocks, the kernel's tiles; elsewhere that dim is gathered
@@ -528,4 +538,5 @@ def cast(build: Callable, params: tuple, *args, layouts, block=(1, 1),
   if origin:
     args = (jnp.asarray([0, 0, *args[-1].shape], jnp.uint32), *args)
   return _cast(build, tuple(params), tuple(map(tuple, layouts)),
-               tuple(block), tile, origin, *args)
+               tuple(map(tuple, in_layouts)), tuple(block), tile, origin,
+               *args)

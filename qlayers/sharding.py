@@ -6,9 +6,9 @@ a GEMM is traced, which kind of mesh it runs under and adapts to it:
 * no mesh, or one device: nothing changes (the single-device program).
   A program sharded only through ``jax.jit``'s shardings (or the
   deprecated ``with mesh:``) looks the same while traced; on GPUs the
-  per-tensor, MX, MXFP4 and NVFP4 cast kernels then cast each shard
-  (`qlayers.partition.cast`), the other one-pass kernels have XLA gather
-  their operands whole (`warn_if_gpus_unmeshed`).
+  one-pass cast kernels then cast each shard (`qlayers.partition.cast`),
+  but for the 128 x 128 block one, for which XLA gathers the weight whole
+  (`warn_if_gpus_unmeshed`).
 * auto axes (``jax.set_mesh(mesh)`` with ``AxisType.Auto``, arrays placed
   with ``jax.device_put``): amaxes are reductions over the whole array, so
   XLA makes them global; quantized GEMMs run through `qlayers.partition`,
@@ -89,24 +89,21 @@ def _several_gpus() -> bool:
 
 
 def warn_if_gpus_unmeshed() -> None:
-  """Warns, as a one-pass GPU cast kernel without a partitioning rule is
-  traced (the row-wise and 128 x 128 block ones; the per-tensor, MX,
-  MXFP4 and NVFP4 ones have `qlayers.partition.cast`), when
-  several GPUs are attached and no mesh is set. In a program sharded only
-  through ``jax.jit``'s shardings (or the deprecated ``with mesh:``, which
-  sets no mesh JAX's tracing sees), XLA gathers each operand whole for such
-  a kernel and every device computes whole GEMMs. Under ``jax.set_mesh``
-  qlayers makes the copies with XLA's partitionable ops instead. A
-  one-device program on a host of several GPUs loses nothing and can
-  ignore it."""
+  """Warns, as the one-pass GPU cast kernel without a partitioning rule
+  (128 x 128 weight blocks; the others have `qlayers.partition.cast`) is
+  traced, when several GPUs are attached and no mesh is set. In a program
+  sharded only through ``jax.jit``'s shardings (or the deprecated ``with
+  mesh:``, which sets no mesh JAX's tracing sees), XLA gathers the weight
+  whole for it on every device. Under ``jax.set_mesh`` qlayers makes those
+  copies with XLA's partitionable ops instead. A one-device program on a
+  host of several GPUs loses nothing and can ignore it."""
   if context_mesh() is None and _several_gpus():
     warnings.warn(
         f"qlayers: {jax.device_count()} GPUs and no mesh set: if this "
         "program is sharded through jax.jit's shardings or `with mesh:`, "
-        "the one-pass cast kernels of row-wise and 128 x 128 block "
-        "recipes make XLA gather each operand whole and every device "
-        "computes whole GEMMs. Set the mesh with `jax.set_mesh(mesh)`; a "
-        "one-device program can ignore this.",
+        "the one-pass cast kernel of 128 x 128 weight blocks (deepseek_v3) "
+        "makes XLA gather each weight whole on every device. Set the mesh "
+        "with `jax.set_mesh(mesh)`; a one-device program can ignore this.",
         stacklevel=2)
 
 

@@ -52,27 +52,31 @@ def test_given_amax_sets_the_per_tensor_scale():
 
 
 def test_a_gpu_pair_warns_when_several_gpus_have_no_mesh(monkeypatch):
-  """A one-pass kernel without a partitioning rule (row-wise FP8's),
-  traced with several GPUs attached and no mesh set, says how to keep the
-  program sharded; the per-tensor and MX kernels (`partition.cast`), one
-  GPU, or no kernel say nothing."""
+  """The one-pass kernel without a partitioning rule (DeepSeek-V3's
+  128 x 128 weight blocks), traced with several GPUs attached and no mesh
+  set, says how to keep the program sharded; kernels with a rule
+  (`partition.cast`: per tensor, MX, row-wise), one GPU, or no kernel say
+  nothing."""
   from qlayers import operands, sharding, table  # noqa: PLC0415
-  row = qlayers.recipe("fp8_rowwise").fprop.lhs
-  fp8 = qlayers.recipe("fp8_current").fprop.lhs
-  mxfp8 = qlayers.recipe("mxfp8").fprop.lhs
-  t = jax.ShapeDtypeStruct((128, 64), jnp.bfloat16)
+  square = qlayers.recipe("deepseek_v3").fprop.rhs
+  t = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16)
 
-  def trace(spec, first):
+  def trace(spec, first=None):
     return jax.jit(lambda t: operands.operand_pair(
         t, Operand(spec, 1), first)).trace(t)
 
-  with table.target_arch("sm_100"):
-    assert operands.pairable(t, Operand(row, 1), Operand(row, 0))
-    assert operands.pairable(t, Operand(fp8, 1))
-    trace(row, Operand(row, 0))  # one GPU here: warnings are errors
+  with_rule = [(qlayers.recipe(r).fprop.lhs, second)
+               for r, second in (("fp8_current", False), ("mxfp8", True),
+                                 ("fp8_rowwise", True))]
+  with table.target_arch("sm_90"):
+    assert operands.pairable(t, Operand(square, 1))
+    trace(square)  # one GPU here: warnings are errors in this suite
     monkeypatch.setattr(sharding, "_several_gpus", lambda: True)
     with pytest.warns(UserWarning, match="jax.set_mesh"):
-      trace(row, Operand(row, 0))
-    trace(fp8, None)  # partitionable: no warning
-    trace(mxfp8, Operand(mxfp8, 0))
-  trace(row, Operand(row, 0))  # no GPU target: no kernel, no warning
+      trace(square)
+  with table.target_arch("sm_100"):
+    for spec, second in with_rule:  # partitionable: no warning
+      first = Operand(spec, 0) if second else None
+      assert operands.pairable(t, Operand(spec, 1), first)
+      trace(spec, first)
+  trace(square)  # no GPU target: no kernel, no warning

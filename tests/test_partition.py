@@ -247,9 +247,11 @@ def test_the_nvfp4_kernels_cast_each_shard_with_its_draws(results):
   element's uniform at its place in t (the shard's origin): the
   single-device bits, nothing gathered, rows or columns split; 16 x 16
   weight blocks too; and MXFP4's pair kernel (a transform, both copies
-  rounded stochastically) the same way."""
+  rounded stochastically) and row-wise FP8's two kernels (each row's and
+  column's amax over the whole tensor) the same way."""
   r = multidevice.result(results, "nvfp4_without_mesh")
-  for name in ("rows", "cols", "square", "mxfp4_rows", "mxfp4_cols"):
+  for name in ("rows", "cols", "square", "mxfp4_rows", "mxfp4_cols",
+               "rowwise_rows", "rowwise_cols"):
     assert r[name] == {"same_bits": True, "all-gather": None}, (name, r)
 
 
@@ -290,9 +292,14 @@ def nvfp4_without_mesh():
     return ct.fp4_cast_transpose(t, keys=keys, hadamard=(0, 32),
                                  interpret=True)
 
+  def rowwise(t):  # both kernels: the partial maxima, then the copies
+    return ct.row_cast_transpose(t, "e4m3", interpret=True)
+
   return {"rows": case((2048, 256), P("data")),
           "cols": case((256, 1024), P(None, "data")),
           "square": case((256, 1024), P(None, "data"), square=True),
+          "rowwise_rows": case((1024, 128), P("data"), fn=rowwise),
+          "rowwise_cols": case((128, 1024), P(None, "data"), fn=rowwise),
           "mxfp4_rows": case((1024, 128), P("data"), fn=mxfp4),
           "mxfp4_cols": case((128, 1024), P(None, "data"), fn=mxfp4)}
 

@@ -102,7 +102,7 @@ def _kernel_run(recipe, layout, arch, kernel):
   from qlayers import cast_transpose, operands, table  # pylint: disable=g-import-not-at-top
   kernels = []
   names = ("cast_transpose", "mx_cast_transpose", "nvfp4_cast_transpose",
-           "nvfp4_amaxes", "fp4_cast_transpose")
+           "nvfp4_amaxes", "fp4_cast_transpose", "row_cast_transpose")
   original = operands.lax, *(getattr(cast_transpose, n) for n in names)
 
   def interpreted(fn):
@@ -129,14 +129,14 @@ def _kernel_run(recipe, layout, arch, kernel):
   return out
 
 
-def _matmul(recipe):
-  """One matmul's loss and gradients under ``recipe``, data-parallel over
-  the mesh: 2,048 tokens, 256 per device (whole amax tiles of NVFP4's
-  kernels)."""
+def _matmul(recipe, k=128, n=256):
+  """One ``(2048, k) @ (k, n)`` matmul's loss and gradients under
+  ``recipe``, data-parallel over the mesh: 256 tokens per device (whole
+  amax tiles of NVFP4's kernels)."""
   r = qlayers.recipe(recipe)
   rng = np.random.default_rng(8)
-  x = rng.normal(size=(2048, 128)).astype(np.float32)
-  w = rng.normal(size=(128, 256)).astype(np.float32)
+  x = rng.normal(size=(2048, k)).astype(np.float32)
+  w = rng.normal(size=(k, n)).astype(np.float32)
 
   def loss(x, w):
     y, _ = ops.quantized_matmul(x, w, r, key=qlayers.formats.rounding_key(
@@ -164,10 +164,13 @@ def cast_kernel_under_mesh():
     out[f"{recipe}/{layout}/{arch}"] = {
         name: _kernel_run(recipe, layout, arch, kernel)
         for name, kernel in (("kernel", True), ("xla", False))}
-  for recipe in ("nvfp4", "mxfp4_rht"):
-    out[f"{recipe}/dp/sm_100"] = {
-        name: _kernel_run(recipe, functools.partial(_matmul, recipe),
-                          "sm_100", kernel)
+  for recipe, arch, kw in (("nvfp4", "sm_100", {}),
+                           ("mxfp4_rht", "sm_100", {}),
+                           # whole 64 x 64 tiles over 8 devices both ways
+                           ("fp8_rowwise", "sm_90", {"k": 512, "n": 512})):
+    out[f"{recipe}/dp/{arch}"] = {
+        name: _kernel_run(recipe, functools.partial(_matmul, recipe, **kw),
+                          arch, kernel)
         for name, kernel in (("kernel", True), ("xla", False))}
   # Blackwell's per-tensor kernel writes one layout: under a mesh XLA's
   # copies stay; so do Hopper's MX copies (BF16 values).
