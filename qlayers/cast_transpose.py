@@ -651,9 +651,19 @@ def block_cast_transpose(t: jax.Array, fmt: Format | str, *,
     raise ValueError(f"block_cast_transpose takes a 2-D tensor whose dims "
                      f"are multiples of {TILE_BLOCK} and an FP8 format; got "
                      f"{t.shape}, blocks of {b} and {fmt.name}.")
+  return tuple(partition.cast(
+      _block_call, (fmt, pow2, interpret), t,
+      layouts=(partition.LIKE_T, (("r", b), ("c", b)), partition.LIKE_T_T),
+      block=(b, b)))
+
+
+def _block_call(shape: tuple[int, int], fmt: Format, pow2: bool,
+                interpret: bool):
+  """`block_cast_transpose`'s kernel for a ``shape`` tensor."""
   pl, plt = _pallas()
-  rows, cols = t.shape
-  call = pl.pallas_call(
+  rows, cols = shape
+  b = TILE_BLOCK
+  return pl.pallas_call(
       functools.partial(_square_kernel, fmt=fmt,
                         rule="deepseek_pow2" if pow2 else "deepseek",
                         interpret=interpret),
@@ -667,7 +677,6 @@ def block_cast_transpose(t: jax.Array, fmt: Format | str, *,
                  jax.ShapeDtypeStruct((cols, rows), fmt.dtype)],
       compiler_params=plt.CompilerParams(num_warps=8),
       interpret=interpret, name="qlayers_block_cast_transpose")
-  return tuple(call(t))
 
 
 def fp4_supported(shape: tuple[int, ...], fmt: Format, block_size: int,

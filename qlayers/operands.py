@@ -138,9 +138,9 @@ def pairable(t: jax.Array, last: Operand, first: Operand | None = None
   MXFP6's payloads in E4M3, `scaling.widened`). Row-wise and block-scaled
   pairs on Hopper and Blackwell (`_block_pairs`); rows of whole tiles,
   round to nearest (MXFP4: or stochastic, and either copy of a Hadamard
-  transform of up to 32 points), and no mesh (the kernels have no
-  partitioning rule; those of `_partitioned` have one and run under a
-  mesh too). NVFP4 (from Hopper
+  transform of up to 32 points); under a mesh, those `_partitioned` takes
+  (each kernel has a partitioning rule, `qlayers.partition.cast`). NVFP4
+  (from Hopper
   on): ``last`` along axis 1 and ``first`` the ``tn`` copy, optionally of
   the 16-point transform (1 x 16 tiles, x and g), or both of 16 x 16 blocks
   rounded to nearest (w).
@@ -193,8 +193,10 @@ def pairable(t: jax.Array, last: Operand, first: Operand | None = None
 
 def _partitioned(spec, first: Operand | None, arch: str | None,
                  rows: tuple[int, int], devices: int) -> bool:
-  """Whether a pair's kernel runs under a mesh of ``devices``: it has a
-  partitioning rule (`qlayers.partition.cast`) and pays there. The
+  """Whether a pair's kernel runs under a mesh of ``devices``, where it
+  pays (each has a partitioning rule, `qlayers.partition.cast`; the
+  128 x 128 weight blocks' is used only where no mesh is set, the rest
+  of a deepseek_v3 program being unmeasured under one). The
   per-tensor one only where it writes both layouts (before sm_100): under a
   mesh XLA cannot merge its calls on one tensor (q, k and v of one x), so
   one layout alone costs more than XLA's copies. The MX, MXFP6 and UE8M0
@@ -204,10 +206,8 @@ def _partitioned(spec, first: Operand | None, arch: str | None,
   XLA's FP8 ones), MXFP4's and NVFP4's there too, the row-wise pair from
   sm_90 on; and these only if any split of ``rows`` over the mesh leaves
   whole blocks or tiles (else the rule would gather the wide tensor)."""
-  if not _has_rule(spec, first):
-    return False
-  if first is None:
-    return table.fp8_gemm_transposes(arch)
+  if first is None:  # the 128 x 128 weight blocks stay XLA's
+    return spec.granularity == "tensor" and table.fp8_gemm_transposes(arch)
   # Whole blocks (NVFP4's amax tiles of rows, row-wise's 64 x 64 tiles) on
   # every device.
   if spec.granularity == "row":
@@ -219,20 +219,6 @@ def _partitioned(spec, first: Operand | None, arch: str | None,
     native = 100
   return (table.sm_version(arch) >= native
           and all(n % (b * devices) == 0 for n, b in zip(rows, blocks_of)))
-
-
-def _has_rule(spec, first: Operand | None) -> bool:
-  """Whether the pair's kernels have a partitioning rule: the per-tensor
-  one (`cast_transpose.cast_transpose`), the MX / MXFP6 / DeepSeek tile one
-  (`cast_transpose.mx_cast_transpose`), MXFP4's
-  (`cast_transpose.fp4_cast_transpose`), NVFP4's
-  (`cast_transpose.nvfp4_cast_transpose`, `nvfp4_amaxes`) and the
-  row-wise ones (`cast_transpose.row_cast_transpose`); not the 128 x 128
-  block one."""
-  if first is None:
-    return spec.granularity == "tensor"
-  return (spec.scale_rule == "nvfp4"
-          or spec.granularity in ("mx", "tile", "row"))
 
 
 def _block_pairs(spec, version: int) -> bool:
@@ -320,8 +306,6 @@ def operand_pair(t: jax.Array, last: Operand, first: Operand | None = None,
                operand(t, first, amax=amax, key=keys[1], dtype=dtype))
   spec = last.spec
   rows = (math.prod(t.shape[:-1]), t.shape[-1])
-  if not _has_rule(spec, first):
-    sharding.warn_if_gpus_unmeshed()
   if first is None and _square(spec):
     def xla_blocks(t):
       q = scaling.quantize(_rows(t), spec, 1)

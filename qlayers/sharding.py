@@ -6,9 +6,7 @@ a GEMM is traced, which kind of mesh it runs under and adapts to it:
 * no mesh, or one device: nothing changes (the single-device program).
   A program sharded only through ``jax.jit``'s shardings (or the
   deprecated ``with mesh:``) looks the same while traced; on GPUs the
-  one-pass cast kernels then cast each shard (`qlayers.partition.cast`),
-  but for the 128 x 128 block one, for which XLA gathers the weight whole
-  (`warn_if_gpus_unmeshed`).
+  one-pass cast kernels then cast each shard (`qlayers.partition.cast`).
 * auto axes (``jax.set_mesh(mesh)`` with ``AxisType.Auto``, arrays placed
   with ``jax.device_put``): amaxes are reductions over the whole array, so
   XLA makes them global; quantized GEMMs run through `qlayers.partition`,
@@ -35,13 +33,12 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-import warnings
 
 import jax
 from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-__all__ = ["context_mesh", "auto_mesh", "warn_if_gpus_unmeshed", "manual_axes", "explicit_axes",
+__all__ = ["context_mesh", "auto_mesh", "manual_axes", "explicit_axes",
            "quantized_gather", "gather_payloads", "auto_region", "global_amax",
            "sum_over_broadcast", "varying_axes", "replicated", "spec_of",
            "dot_spec", "unpartitioned", "unpartitioned_now", "local_scales",
@@ -81,30 +78,6 @@ def explicit_axes(mesh=None) -> tuple[str, ...]:
   """Explicit axes of ``mesh`` (default: the abstract mesh being traced
   under, even of one device), those of size 1 included."""
   return _axes_of(mesh or _abstract_mesh(), AxisType.Explicit)
-
-
-def _several_gpus() -> bool:
-  """Whether jax runs on GPUs and sees more than one (in every process)."""
-  return jax.default_backend() == "gpu" and jax.device_count() > 1
-
-
-def warn_if_gpus_unmeshed() -> None:
-  """Warns, as the one-pass GPU cast kernel without a partitioning rule
-  (128 x 128 weight blocks; the others have `qlayers.partition.cast`) is
-  traced, when several GPUs are attached and no mesh is set. In a program
-  sharded only through ``jax.jit``'s shardings (or the deprecated ``with
-  mesh:``, which sets no mesh JAX's tracing sees), XLA gathers the weight
-  whole for it on every device. Under ``jax.set_mesh`` qlayers makes those
-  copies with XLA's partitionable ops instead. A one-device program on a
-  host of several GPUs loses nothing and can ignore it."""
-  if context_mesh() is None and _several_gpus():
-    warnings.warn(
-        f"qlayers: {jax.device_count()} GPUs and no mesh set: if this "
-        "program is sharded through jax.jit's shardings or `with mesh:`, "
-        "the one-pass cast kernel of 128 x 128 weight blocks (deepseek_v3) "
-        "makes XLA gather each weight whole on every device. Set the mesh "
-        "with `jax.set_mesh(mesh)`; a one-device program can ignore this.",
-        stacklevel=2)
 
 
 def auto_mesh():

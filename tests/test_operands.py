@@ -3,7 +3,6 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 import qlayers
 from qlayers import scaling as S
@@ -50,33 +49,3 @@ def test_given_amax_sets_the_per_tensor_scale():
   q = operand(x, Operand(spec, 1), amax=jnp.float32(448.0 * 4))
   assert float(q.scale) == 4.0
 
-
-def test_a_gpu_pair_warns_when_several_gpus_have_no_mesh(monkeypatch):
-  """The one-pass kernel without a partitioning rule (DeepSeek-V3's
-  128 x 128 weight blocks), traced with several GPUs attached and no mesh
-  set, says how to keep the program sharded; kernels with a rule
-  (`partition.cast`: per tensor, MX, row-wise), one GPU, or no kernel say
-  nothing."""
-  from qlayers import operands, sharding, table  # noqa: PLC0415
-  square = qlayers.recipe("deepseek_v3").fprop.rhs
-  t = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16)
-
-  def trace(spec, first=None):
-    return jax.jit(lambda t: operands.operand_pair(
-        t, Operand(spec, 1), first)).trace(t)
-
-  with_rule = [(qlayers.recipe(r).fprop.lhs, second)
-               for r, second in (("fp8_current", False), ("mxfp8", True),
-                                 ("fp8_rowwise", True))]
-  with table.target_arch("sm_90"):
-    assert operands.pairable(t, Operand(square, 1))
-    trace(square)  # one GPU here: warnings are errors in this suite
-    monkeypatch.setattr(sharding, "_several_gpus", lambda: True)
-    with pytest.warns(UserWarning, match="jax.set_mesh"):
-      trace(square)
-  with table.target_arch("sm_100"):
-    for spec, second in with_rule:  # partitionable: no warning
-      first = Operand(spec, 0) if second else None
-      assert operands.pairable(t, Operand(spec, 1), first)
-      trace(spec, first)
-  trace(square)  # no GPU target: no kernel, no warning

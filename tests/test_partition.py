@@ -247,11 +247,12 @@ def test_the_nvfp4_kernels_cast_each_shard_with_its_draws(results):
   element's uniform at its place in t (the shard's origin): the
   single-device bits, nothing gathered, rows or columns split; 16 x 16
   weight blocks too; and MXFP4's pair kernel (a transform, both copies
-  rounded stochastically) and row-wise FP8's two kernels (each row's and
-  column's amax over the whole tensor) the same way."""
+  rounded stochastically), row-wise FP8's two kernels (each row's and
+  column's amax over the whole tensor) and DeepSeek-V3's 128 x 128 blocks
+  the same way."""
   r = multidevice.result(results, "nvfp4_without_mesh")
   for name in ("rows", "cols", "square", "mxfp4_rows", "mxfp4_cols",
-               "rowwise_rows", "rowwise_cols"):
+               "rowwise_rows", "rowwise_cols", "blocks_rows"):
     assert r[name] == {"same_bits": True, "all-gather": None}, (name, r)
 
 
@@ -295,11 +296,15 @@ def nvfp4_without_mesh():
   def rowwise(t):  # both kernels: the partial maxima, then the copies
     return ct.row_cast_transpose(t, "e4m3", interpret=True)
 
+  def blocks(t):  # DeepSeek-V3's 128 x 128 weight blocks
+    return ct.block_cast_transpose(t, "e4m3", interpret=True)
+
   return {"rows": case((2048, 256), P("data")),
           "cols": case((256, 1024), P(None, "data")),
           "square": case((256, 1024), P(None, "data"), square=True),
           "rowwise_rows": case((1024, 128), P("data"), fn=rowwise),
           "rowwise_cols": case((128, 1024), P(None, "data"), fn=rowwise),
+          "blocks_rows": case((1024, 128), P("data"), fn=blocks),
           "mxfp4_rows": case((1024, 128), P("data"), fn=mxfp4),
           "mxfp4_cols": case((128, 1024), P(None, "data"), fn=mxfp4)}
 
