@@ -24,9 +24,9 @@ An operand passed through `wire` once and given to two GEMMs (a per-tensor
 weight's Fprop and Dgrad) is gathered once for both.
 With one device or all axes manual, XLA inlines the GEMM unchanged.
 
-`cast` puts a one-pass cast kernel (`qlayers.cast_transpose`: per tensor,
-MX and DeepSeek tiles) under a rule of its own: each device casts its
-shard, with the global per-tensor scale or its own blocks' scales.
+`cast` puts each one-pass cast kernel (`qlayers.cast_transpose`) under a
+rule of its own: each device casts its shard, with the global scales or
+its own blocks' scales.
 """
 
 from __future__ import annotations
@@ -535,6 +535,9 @@ def cast(build: Callable, params: tuple, *args, layouts, in_layouts=(),
   So a program sharded only through ``jax.jit``'s shardings, which qlayers
   does not see while tracing, does not gather ``t`` whole for the kernel.
   With one device XLA inlines the kernel unchanged."""
+  if tile > 1 and any(d != 1 for layout in layouts for _, d in layout):
+    raise ValueError("partition.cast pads shards to tiles only for results "
+                     f"shaped as t or t.T; got layouts {layouts}.")
   if origin:
     args = (jnp.asarray([0, 0, *args[-1].shape], jnp.uint32), *args)
   return _cast(build, tuple(params), tuple(map(tuple, layouts)),

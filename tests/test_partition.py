@@ -251,7 +251,8 @@ def test_the_nvfp4_kernels_cast_each_shard_with_its_draws(results):
   column's amax over the whole tensor) and DeepSeek-V3's 128 x 128 blocks
   the same way."""
   r = multidevice.result(results, "nvfp4_without_mesh")
-  for name in ("rows", "cols", "square", "mxfp4_rows", "mxfp4_cols",
+  for name in ("rows", "rows_two_axes", "cols", "square", "mxfp4_rows",
+               "mxfp4_cols",
                "rowwise_rows", "rowwise_cols", "blocks_rows"):
     assert r[name] == {"same_bits": True, "all-gather": None}, (name, r)
 
@@ -264,7 +265,7 @@ def nvfp4_without_mesh():
   keys = tuple(formats.rounding_key(jnp.uint32(s), jnp.uint32(3))
                for s in (11, 12))
 
-  def case(shape, spec, square=False, fn=None):
+  def case(shape, spec, square=False, fn=None, mesh=mesh):
     t = jnp.asarray(np.random.default_rng(6).normal(size=shape)
                     * np.exp(np.random.default_rng(7).normal(size=shape)),
                     jnp.bfloat16)
@@ -299,7 +300,10 @@ def nvfp4_without_mesh():
   def blocks(t):  # DeepSeek-V3's 128 x 128 weight blocks
     return ct.block_cast_transpose(t, "e4m3", interpret=True)
 
+  # Rows over two axes: a shard's origin is their joint index.
+  two = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
   return {"rows": case((2048, 256), P("data")),
+          "rows_two_axes": case((2048, 256), P(("a", "b")), mesh=two),
           "cols": case((256, 1024), P(None, "data")),
           "square": case((256, 1024), P(None, "data"), square=True),
           "rowwise_rows": case((1024, 128), P("data"), fn=rowwise),
