@@ -58,6 +58,10 @@ along the rows (Wgrad's) of the 16-point Hadamard transform if asked, or
 the whole tensor's amax first: `nvfp4_amaxes` finds those of the tensor and
 of its transform in one read. `transform` is the Hadamard transform alone
 in one pass, for the recipes whose transformed operands XLA quantizes.
+
+The cast kernels run under a partitioning rule (`qlayers.partition.cast`):
+in a sharded program each device casts its shard, the 4-bit ones drawing
+each element's stochastic-rounding bits at its place in the whole tensor.
 """
 
 from __future__ import annotations
