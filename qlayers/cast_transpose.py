@@ -1215,21 +1215,34 @@ def transform(t: jax.Array, size: int, axis: int = 0, *,
                      f"multiple of {size} (a size of "
                      f"{hadamard_lib.SIZES}) and, for axis 0, whose columns "
                      f"are a multiple of {NV_BLOCK}; got {t.shape}.")
+  # Each device transforms its shard: whole blocks of ``size`` along the
+  # axis, whole tiles of 16 across it for axis 0.
+  block = (size, NV_BLOCK) if axis == 0 else (1, size)
+  return partition.cast(_transform_call, (size, axis, interpret), t,
+                        layouts=(partition.LIKE_T,), block=block)[0]
+
+
+def _transform_call(shape: tuple[int, int], size: int, axis: int,
+                    interpret: bool):
+  """`transform`'s kernel for a ``shape`` tensor."""
   pl, plt = _pallas()
-  rows, cols = t.shape
+  rows, cols = shape
   if axis == 1:
     rt = math.gcd(rows, max(1, 1024 // size))
     spec = pl.BlockSpec((rt, size), lambda i, j: (i, j))
-    grid, view = (rows // rt, cols // size), t
+    grid = (rows // rt, cols // size)
+    view = lambda t: t  # noqa: E731
+    view_shape = shape
   else:
     n = math.gcd(rows // size, max(1, 256 // size))
     spec = pl.BlockSpec((n, size, NV_BLOCK), lambda i, j: (i, 0, j))
     grid = (rows // (n * size), cols // NV_BLOCK)
-    view = t.reshape(rows // size, size, cols)
-  out = pl.pallas_call(
+    view = lambda t: t.reshape(rows // size, size, cols)  # noqa: E731
+    view_shape = (rows // size, size, cols)
+  call = pl.pallas_call(
       functools.partial(_transform_kernel, axis=axis), grid=grid,
       in_specs=[spec], out_specs=spec,
-      out_shape=jax.ShapeDtypeStruct(view.shape, jnp.float32),
+      out_shape=jax.ShapeDtypeStruct(view_shape, jnp.float32),
       compiler_params=plt.CompilerParams(num_warps=4),
-      interpret=interpret, name="qlayers_hadamard_transform")(view)
-  return out.reshape(rows, cols)
+      interpret=interpret, name="qlayers_hadamard_transform")
+  return lambda t: (call(view(t)).reshape(rows, cols),)

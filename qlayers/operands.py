@@ -112,7 +112,8 @@ def _transformed(t, size: int, axis: int):
   """`hadamard.transform` of 2-D ``t``; where the program may run on an
   NVIDIA GPU, in one pass there (`qlayers.cast_transpose.transform`, the
   same bits), not in XLA's pass per butterfly stage. Not under an automatic
-  mesh: the kernel has no partitioning rule."""
+  mesh, where it is unmeasured (its partitioning rule serves programs
+  sharded through ``jax.jit`` alone)."""
   def xla(t):
     return hadamard.transform(t, size, axis=axis)
   if not (table.targets_gpu() and sharding.auto_mesh() is None

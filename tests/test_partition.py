@@ -248,12 +248,13 @@ def test_the_nvfp4_kernels_cast_each_shard_with_its_draws(results):
   single-device bits, nothing gathered, rows or columns split; 16 x 16
   weight blocks too; and MXFP4's pair kernel (a transform, both copies
   rounded stochastically), row-wise FP8's two kernels (each row's and
-  column's amax over the whole tensor) and DeepSeek-V3's 128 x 128 blocks
-  the same way."""
+  column's amax over the whole tensor), DeepSeek-V3's 128 x 128 blocks
+  and the Hadamard transform kernel the same way."""
   r = multidevice.result(results, "nvfp4_without_mesh")
   for name in ("rows", "rows_two_axes", "cols", "square", "mxfp4_rows",
                "mxfp4_cols",
-               "rowwise_rows", "rowwise_cols", "blocks_rows"):
+               "rowwise_rows", "rowwise_cols", "blocks_rows",
+               "transform_rows", "transform_cols"):
     assert r[name] == {"same_bits": True, "all-gather": None}, (name, r)
 
 
@@ -300,6 +301,10 @@ def nvfp4_without_mesh():
   def blocks(t):  # DeepSeek-V3's 128 x 128 weight blocks
     return ct.block_cast_transpose(t, "e4m3", interpret=True)
 
+  def transforms(t):  # the Hadamard transform alone, along either axis
+    return (ct.transform(t, 16, 0, interpret=True),
+            ct.transform(t, 32, 1, interpret=True))
+
   # Rows over two axes: a shard's origin is their joint index.
   two = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
   return {"rows": case((2048, 256), P("data")),
@@ -309,6 +314,9 @@ def nvfp4_without_mesh():
           "rowwise_rows": case((1024, 128), P("data"), fn=rowwise),
           "rowwise_cols": case((128, 1024), P(None, "data"), fn=rowwise),
           "blocks_rows": case((1024, 128), P("data"), fn=blocks),
+          "transform_rows": case((1024, 128), P("data"), fn=transforms),
+          "transform_cols": case((128, 1024), P(None, "data"),
+                                 fn=transforms),
           "mxfp4_rows": case((1024, 128), P("data"), fn=mxfp4),
           "mxfp4_cols": case((128, 1024), P(None, "data"), fn=mxfp4)}
 
