@@ -1245,13 +1245,51 @@ def ffi_targets() -> dict:
   return {p: list(_native.loaded(p)) for p in ("cpu", "cuda")}
 
 
+def installed_cudnn() -> tuple[int, int, int] | None:
+  """The version of the cuDNN wheel jax's CUDA plugin installed here (what a
+  GPU running this environment would load), or None without one."""
+  from importlib import metadata  # pylint: disable=g-import-not-at-top
+  for wheel in ("nvidia-cudnn-cu13", "nvidia-cudnn-cu12"):
+    try:
+      parts = metadata.version(wheel).split(".")
+    except metadata.PackageNotFoundError:
+      continue
+    return tuple(int(p) for p in (parts + ["0", "0"])[:3])
+  return None
+
+
+def target_config(target: Target, targets_dir: pathlib.Path) -> str:
+  """The target file's text with both of its cuDNN versions set to
+  `installed_cudnn` (unchanged without one).
+
+  The files carry two: ``gpu_device_info.dnn_version`` ("9.10.0") and
+  ``dnn_version_info`` (10.10.0). XLA gates cuDNN features on them, e.g.
+  passing a block-scaled dot's global scale into the cuDNN graph (cuDNN >=
+  9.13); jaxlib 0.10.2 reads the second, jaxlib 0.12 the first. A real GPU
+  reports the cuDNN it loads, so the program compiled here is the one that
+  environment would run, whichever jaxlib reads which field."""
+  text = (targets_dir / target.config).read_text()
+  version = installed_cudnn()
+  if version is None:
+    return text
+  major, minor, patch = version
+  text, n = re.subn(r'dnn_version: "[0-9.]+"',
+                    f'dnn_version: "{major}.{minor}.{patch}"', text)
+  text, m = re.subn(r"dnn_version_info \{[^}]*\}",
+                    f"dnn_version_info {{\n  major: {major}\n  minor: "
+                    f"{minor}\n  patch: {patch}\n}}", text)
+  if (n, m) != (1, 1):
+    raise ValueError(f"{target.config}: expected one dnn_version and one "
+                     f"dnn_version_info, found {n} and {m}")
+  return text
+
+
 def gpu_device(target: Target, targets_dir: pathlib.Path):
   jax = _jax()
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
-  config = (targets_dir / target.config).read_text()
-  topo = topologies.get_topology_desc(platform="cuda", topology_name="",
-                                      target_config=config,
-                                      topology="1x1x1")
+  topo = topologies.get_topology_desc(
+      platform="cuda", topology_name="",
+      target_config=target_config(target, targets_dir), topology="1x1x1")
   return topo.devices[0]
 
 
@@ -1974,6 +2012,7 @@ def main(argv=None) -> int:
     pathlib.Path(args.json).write_text(json.dumps(
         {"settings": {"layer": layer, "block": block,
                       "host_arch": args.host_arch, "ffi_dir": ffi_dir,
+                      "cudnn": installed_cudnn(),
                       "targets": {t: dataclasses.asdict(TARGETS[t])
                                   for t in targets}},
          "records": records}, indent=1))

@@ -49,9 +49,9 @@ def compile_block(recipe: str, target: gc.Target, devices: int,
   jax = gc._jax()  # pylint: disable=protected-access
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  config = (targets_dir / target.config).read_text()
   topo = topologies.get_topology_desc(
-      platform="cuda", topology_name="", target_config=config,
+      platform="cuda", topology_name="",
+      target_config=gc.target_config(target, targets_dir),
       topology=f"1x{devices}x1")
   mesh = Mesh(topo.devices, ("fsdp",))
   block = dict(gc.BLOCK_PRESETS["llama3-8b"], batch=batch, seq=seq)
@@ -75,7 +75,7 @@ def compile_block(recipe: str, target: gc.Target, devices: int,
   comps = gc.parse_module(hlo)
   roof = gc.roofline(comps, target)
   return {"recipe": recipe, "target": target.name, "devices": devices,
-          "kernels": roof["kernels"],
+          "cudnn": gc.installed_cudnn(), "kernels": roof["kernels"],
           "pallas": len(re.findall(r"__gpu\$xla\.gpu\.triton", hlo)),
           "collectives_mib": _collectives(hlo),
           "bytes_mib": roof["bytes"] / 2**20, "model_us": roof["time_us"]}

@@ -760,3 +760,43 @@ def test_recipe_files_are_taken_and_named_by_their_stem(tmp_path):
   with pytest.raises(SystemExit, match="unknown recipe"):
     gc.main(["--recipes", f"bf16,{tmp_path / 'missing.toml'}",
              "--targets", "h200", "--targets-dir", str(tmp_path)])
+
+
+TARGET_TAIL = """gpu_device_info {
+  name: "NVIDIA B200"
+  runtime_version: "12.8.0"
+  dnn_version: "9.10.0"
+  cub_version: "3.1.2"
+}
+platform_name: "CUDA"
+dnn_version_info {
+  major: 10
+  minor: 10
+  patch: 0
+}
+device_description_str: "NVIDIA B200"
+"""
+
+
+def test_target_config_sets_both_cudnn_versions_to_the_installed_one(
+    tmp_path, monkeypatch):
+  """Both cuDNN fields of a target file become the installed cuDNN's (what
+  a GPU running this environment reports); nothing else changes. Without a
+  cuDNN wheel the file is read as it is; a file without the two fields is
+  refused rather than compiled for an unknown cuDNN."""
+  (tmp_path / "b.txtpb").write_text(TARGET_TAIL)
+  target = gc.Target("b", "b.txtpb", "sm_100", bf16=1.0, fp8=1.0, fp4=1.0,
+                     tf32=1.0, fp32=1.0, tbps=1.0, source="test")
+  monkeypatch.setattr(gc, "installed_cudnn", lambda: (9, 28, 1))
+  text = gc.target_config(target, tmp_path)
+  assert 'dnn_version: "9.28.1"' in text
+  assert "dnn_version_info {\n  major: 9\n  minor: 28\n  patch: 1\n}" in text
+  assert text.replace('"9.28.1"', '"9.10.0"').replace(
+      "major: 9\n  minor: 28\n  patch: 1",
+      "major: 10\n  minor: 10\n  patch: 0") == TARGET_TAIL
+  monkeypatch.setattr(gc, "installed_cudnn", lambda: None)
+  assert gc.target_config(target, tmp_path) == TARGET_TAIL
+  (tmp_path / "b.txtpb").write_text('dnn_version: "9.10.0"\n')
+  monkeypatch.setattr(gc, "installed_cudnn", lambda: (9, 28, 1))
+  with pytest.raises(ValueError, match="one dnn_version and one"):
+    gc.target_config(target, tmp_path)
