@@ -69,9 +69,18 @@ def compile_block(recipe: str, target: gc.Target, devices: int,
             *(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=batch_sharding)
               for a in (x, target_y)))
     # As gpu_compile.py's --triton off: cuBLAS/cuDNN GEMMs.
-    hlo = jax.jit(step).trace(*args).lower(
-        lowering_platforms=("cuda",)).compile(
-            compiler_options={"xla_gpu_enable_triton_gemm": False}).as_text()
+    lowered = jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",))
+    # The kernels' partitioning rules lower their Pallas calls while XLA
+    # compiles, outside this thread's mesh context; from jax 0.11 Pallas
+    # Triton then takes the GPU generation from the default device (on a
+    # GPU host, a GPU). Deviceless, that is this target's first device.
+    previous = jax.config.jax_default_device
+    jax.config.update("jax_default_device", topo.devices[0])
+    try:
+      hlo = lowered.compile(
+          compiler_options={"xla_gpu_enable_triton_gemm": False}).as_text()
+    finally:
+      jax.config.update("jax_default_device", previous)
   comps = gc.parse_module(hlo)
   roof = gc.roofline(comps, target)
   return {"recipe": recipe, "target": target.name, "devices": devices,
