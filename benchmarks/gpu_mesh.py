@@ -12,6 +12,7 @@ link time). A prediction, like every figure of `gpu_compile.py`.
 
   PYTHONPATH=. .venv-gpu/bin/python benchmarks/gpu_mesh.py --target h200 \\
       --devices 8 --recipes bf16,fp8_current,fp8_delayed --json F
+  (--ffi-dir build/cuda/ffi for the FFI GEMMs, e.g. deepseek_v3 on h200)
 """
 
 from __future__ import annotations
@@ -100,8 +101,15 @@ def main() -> None:
   p.add_argument("--seq", type=int, default=4096)
   p.add_argument("--targets-dir", type=pathlib.Path,
                  default=gc._targets_dir())  # pylint: disable=protected-access
+  p.add_argument("--ffi-dir", default="",
+                 help="folder with libqlayers_cuda.so (ffi/build_cuda.sh), "
+                      "registered without a device: the FFI GEMMs "
+                      "(deepseek_v3's blockwise, row-wise on sm_90)")
   p.add_argument("--json")
   a = p.parse_args()
+  if a.ffi_dir:
+    from qlayers import _native  # pylint: disable=g-import-not-at-top
+    _native.load(a.ffi_dir, gpu_without_device=True)
   records = [compile_block(r, gc.TARGETS[a.target], a.devices,
                            a.targets_dir, a.batch, a.seq)
              for r in a.recipes.split(",")]
