@@ -195,29 +195,30 @@ def pairable(t: jax.Array, last: Operand, first: Operand | None = None
 def _partitioned(spec, first: Operand | None, arch: str | None,
                  rows: tuple[int, int], devices: int) -> bool:
   """Whether a pair's kernel runs under a mesh of ``devices``, where it
-  pays (each has a partitioning rule, `qlayers.partition.cast`; the
-  128 x 128 weight blocks' is used only where no mesh is set, the rest
-  of a deepseek_v3 program being unmeasured under one). The
+  pays (each has a partitioning rule, `qlayers.partition.cast`). The
   per-tensor one only where it writes both layouts (before sm_100): under a
   mesh XLA cannot merge its calls on one tensor (q, k and v of one x), so
-  one layout alone costs more than XLA's copies. The MX, MXFP6 and UE8M0
-  DeepSeek tile pairs (`cast_transpose.mx_cast_transpose`) where
-  block-scaled GEMMs are native (sm_100 on; on Hopper their copies are
-  BF16 values or FP32-scaled tiles, which FSDP would gather wider than
-  XLA's FP8 ones), MXFP4's and NVFP4's there too, the row-wise pair from
-  sm_90 on; and these only if any split of ``rows`` over the mesh leaves
-  whole blocks or tiles (else the rule would gather the wide tensor)."""
-  if first is None:  # the 128 x 128 weight blocks stay XLA's
-    return spec.granularity == "tensor" and table.fp8_gemm_transposes(arch)
+  one layout alone costs more than XLA's copies. DeepSeek-V3's tiles and
+  128 x 128 blocks from sm_90 on (FP8 copies, which the blockwise and
+  block-scaled GEMMs read). The MX and MXFP6 pairs where block-scaled GEMMs
+  are native (sm_100 on; on Hopper their copies are BF16 values, which FSDP
+  would gather wider than XLA's FP8 ones), MXFP4's and NVFP4's there too,
+  the row-wise pair from sm_90 on. All of these only if any split of
+  ``rows`` over the mesh leaves whole blocks or tiles (else the rule would
+  gather the wide tensor)."""
+  if first is None:
+    if not _square(spec):
+      return spec.granularity == "tensor" and table.fp8_gemm_transposes(arch)
+    blocks_of, native = (cast_transpose.TILE_BLOCK,) * 2, 90
   # Whole blocks (NVFP4's amax tiles of rows, row-wise's 64 x 64 tiles) on
   # every device.
-  if spec.granularity == "row":
+  elif spec.granularity == "row":
     blocks_of, native = (cast_transpose.TILE,) * 2, 90
   else:
     blocks_of = (cast_transpose.nvfp4_tile_rows(rows[0])
                  if spec.scale_rule == "nvfp4" else spec.block_size,
                  spec.block_size)
-    native = 100
+    native = 90 if spec.scale_rule == "deepseek" else 100
   return (table.sm_version(arch) >= native
           and all(n % (b * devices) == 0 for n, b in zip(rows, blocks_of)))
 

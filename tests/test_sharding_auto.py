@@ -198,12 +198,13 @@ def test_every_layer_under_tensor_parallelism(results):
 
 def test_the_cast_kernel_trains_under_a_mesh_as_xla_does(results):
   """Under `jax.set_mesh` the per-tensor pairs for Hopper, the row-wise
-  ones, and the MX, MXFP4 and NVFP4 pairs for Blackwell are the one-pass
-  kernels' (`qlayers.partition.cast`; interpreted here): each device casts
-  its shard (32-row shards padded to a 64-row tile, or whole blocks; the
-  4-bit stochastic rounding drawn at each element's place in the whole
-  tensor), with the collectives of XLA's pairs and their training: nvfp4,
-  mxfp4_rht and fp8_rowwise matmuls' gradients are the same bits; the MLP's first step's
+  ones and DeepSeek-V3's tiles and blocks, and the MX, MXFP4 and NVFP4
+  pairs for Blackwell are the one-pass kernels' (`qlayers.partition.cast`;
+  interpreted here): each device casts its shard (32-row shards padded to a
+  64-row tile, or whole blocks; the 4-bit stochastic rounding drawn at each
+  element's place in the whole tensor), with the collectives of XLA's pairs
+  and their training: nvfp4, mxfp4_rht, fp8_rowwise and deepseek_v3
+  matmuls' gradients are the same bits; the MLP's first step's
   loss and amaxes too, later steps may differ by a rounding where a GEMM's
   partial sums meet in another order. Blackwell's per-tensor pairs (one
   layout) and Hopper's MX pairs (BF16 values) stay XLA's."""

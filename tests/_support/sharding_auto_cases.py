@@ -102,7 +102,8 @@ def _kernel_run(recipe, layout, arch, kernel):
   from qlayers import cast_transpose, operands, table  # pylint: disable=g-import-not-at-top
   kernels = []
   names = ("cast_transpose", "mx_cast_transpose", "nvfp4_cast_transpose",
-           "nvfp4_amaxes", "fp4_cast_transpose", "row_cast_transpose")
+           "nvfp4_amaxes", "fp4_cast_transpose", "row_cast_transpose",
+           "block_cast_transpose")
   original = operands.lax, *(getattr(cast_transpose, n) for n in names)
 
   def interpreted(fn):
@@ -167,7 +168,9 @@ def cast_kernel_under_mesh():
   for recipe, arch, kw in (("nvfp4", "sm_100", {}),
                            ("mxfp4_rht", "sm_100", {}),
                            # whole 64 x 64 tiles over 8 devices both ways
-                           ("fp8_rowwise", "sm_90", {"k": 512, "n": 512})):
+                           ("fp8_rowwise", "sm_90", {"k": 512, "n": 512}),
+                           # 1 x 128 tiles and 128 x 128 blocks, the same
+                           ("deepseek_v3", "sm_90", {"k": 1024, "n": 1024})):
     out[f"{recipe}/dp/{arch}"] = {
         name: _kernel_run(recipe, functools.partial(_matmul, recipe, **kw),
                           arch, kernel)
