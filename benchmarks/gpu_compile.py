@@ -97,6 +97,7 @@ class Target:
   fp32: float
   tbps: float
   source: str
+  link_gbps: float | None = None  # NVLink, GB/s each way per GPU
 
 
 # H200 SXM: the H100 SXM5 tensor-core rates (same GH100 silicon) with the
@@ -104,14 +105,18 @@ class Target:
 # tabulated on glennklockwood.com/garden/processors/h100). B200: NVIDIA's HGX
 # B200 per-GPU figures (FP8/FP6 9 PF, FP4 18 PF, BF16 4.5 PF, TF32 2.2 PF, all
 # with sparsity, so halved here; FP32 75 TF; 7.7 TB/s), also
-# glennklockwood.com/garden/processors/B200 (HGX, 1000 W).
+# glennklockwood.com/garden/processors/B200 (HGX, 1000 W). NVLink: 900 GB/s
+# per H200 (NVLink 4) and 1,800 GB/s per B200 (NVLink 5, "2x 900 GB/s" on
+# the same page), both directions together, so half each way.
 TARGETS = {
     "h200": Target("h200", "h200.txtpb", "sm_90", bf16=989.0, fp8=1979.0,
                    fp4=None, tf32=494.7, fp32=66.9, tbps=4.8,
-                   source="NVIDIA H100/H200 SXM datasheets (dense)"),
+                   source="NVIDIA H100/H200 SXM datasheets (dense)",
+                   link_gbps=450.0),
     "b200": Target("b200", "b200_approx.txtpb", "sm_100", bf16=2250.0,
                    fp8=4500.0, fp4=9000.0, tf32=1100.0, fp32=75.0, tbps=7.7,
-                   source="NVIDIA HGX B200 per-GPU specs (dense)"),
+                   source="NVIDIA HGX B200 per-GPU specs (dense)",
+                   link_gbps=900.0),
 }
 
 # ==========================================================================

@@ -7,8 +7,11 @@ block (`gpu_compile.block_program`) for ``--devices`` GPUs of a target under
 matrix's rows too (FSDP), the rest replicated. It reports, per recipe, the
 per-device program's kernels, its one-pass cast kernels (Pallas), the
 bytes of each collective, and the roofline model's time of the device's
-kernels (collectives counted as the bytes they move through memory, not as
-link time). A prediction, like every figure of `gpu_compile.py`.
+kernels (collectives counted as the bytes they move through memory), and
+the collectives' time on the target's NVLink (``link us``: each ring's
+traffic at the link's rate each way, no latency), which XLA's scheduler
+must hide behind the kernels for the model time to hold. A prediction,
+like every figure of `gpu_compile.py`.
 
   PYTHONPATH=. .venv-gpu/bin/python benchmarks/gpu_mesh.py --target h200 \\
       --devices 8 --recipes bf16,fp8_current,fp8_delayed --json F
@@ -43,6 +46,26 @@ def _collectives(hlo: str) -> dict[str, float]:
       arrays = arrays[len(arrays) // 2:] if m.group(3) else arrays
       out[m.group(2)] += sum(a.nbytes for a in arrays) / 2**20
   return dict(out)
+
+
+# Bytes each device sends for a collective of result ``r`` bytes over ``n``
+# devices, by ring (NCCL's bandwidth term; no latency term).
+RING_TRAFFIC = {
+    "all-gather": lambda r, n: r * (n - 1) / n,
+    "reduce-scatter": lambda r, n: r * (n - 1),  # r is one shard
+    "all-reduce": lambda r, n: 2 * r * (n - 1) / n,
+    "all-to-all": lambda r, n: r * (n - 1) / n,
+    "collective-permute": lambda r, n: r,
+}
+
+
+def link_us(collectives_mib: dict[str, float], devices: int,
+            target: gc.Target) -> float:
+  """Microseconds the device's collectives take on its NVLink at the
+  target's rate each way: a bound on what XLA must hide behind compute."""
+  sent = sum(RING_TRAFFIC[kind](mib * 2**20, devices)
+             for kind, mib in collectives_mib.items())
+  return sent / (target.link_gbps * 1e9) * 1e6
 
 
 def compile_block(recipe: str, target: gc.Target, devices: int,
@@ -84,10 +107,12 @@ def compile_block(recipe: str, target: gc.Target, devices: int,
       jax.config.update("jax_default_device", previous)
   comps = gc.parse_module(hlo)
   roof = gc.roofline(comps, target)
+  collectives = _collectives(hlo)
   return {"recipe": recipe, "target": target.name, "devices": devices,
           "cudnn": gc.installed_cudnn(), "kernels": roof["kernels"],
           "pallas": len(re.findall(r"__gpu\$xla\.gpu\.triton", hlo)),
-          "collectives_mib": _collectives(hlo),
+          "collectives_mib": collectives,
+          "link_us": link_us(collectives, devices, target),
           "bytes_mib": roof["bytes"] / 2**20, "model_us": roof["time_us"]}
 
 
@@ -114,14 +139,16 @@ def main() -> None:
                            a.targets_dir, a.batch, a.seq)
              for r in a.recipes.split(",")]
   base = next((r for r in records if r["recipe"] == "bf16"), None)
-  print(f"| recipe | kernels | Pallas | collectives MiB | bytes MiB | model us"
-        f" | vs bf16 |\n|---|---:|---:|---|---:|---:|---:|")
+  print(f"| recipe | kernels | Pallas | collectives MiB | link us | "
+        f"bytes MiB | model us | vs bf16 |\n"
+        f"|---|---:|---:|---|---:|---:|---:|---:|")
   for r in records:
     coll = ", ".join(f"{k} {v:,.0f}" for k, v in
                      sorted(r["collectives_mib"].items()))
     vs = f"{base['model_us'] / r['model_us']:.2f}x" if base else "-"
     print(f"| {r['recipe']} | {r['kernels']} | {r['pallas']} | {coll} | "
-          f"{r['bytes_mib']:,.0f} | {r['model_us']:,.0f} | {vs} |")
+          f"{r['link_us']:,.0f} | {r['bytes_mib']:,.0f} | "
+          f"{r['model_us']:,.0f} | {vs} |")
   if a.json:
     pathlib.Path(a.json).write_text(json.dumps(records, indent=1))
 

@@ -800,3 +800,18 @@ def test_target_config_sets_both_cudnn_versions_to_the_installed_one(
   monkeypatch.setattr(gc, "installed_cudnn", lambda: (9, 28, 1))
   with pytest.raises(ValueError, match="one dnn_version and one"):
     gc.target_config(target, tmp_path)
+
+
+def test_mesh_link_time_is_each_ring_s_traffic_at_the_link_rate():
+  """`gpu_mesh.link_us`: an all-gather of S over n devices sends S (n-1)/n
+  per device, a reduce-scatter returning S/n the same, an all-reduce twice
+  that; at 450 GB/s each way (H200's NVLink)."""
+  import gpu_mesh  # pylint: disable=g-import-not-at-top
+  h200 = gc.TARGETS["h200"]
+  assert h200.link_gbps == 450.0 and gc.TARGETS["b200"].link_gbps == 900.0
+  one = 450e9 / 2**20 * 1e-6  # MiB sent in one microsecond
+  assert gpu_mesh.link_us({"all-gather": 8 * one}, 8, h200) == pytest.approx(7)
+  assert gpu_mesh.link_us({"reduce-scatter": one}, 8, h200) == pytest.approx(7)
+  assert gpu_mesh.link_us({"all-reduce": 8 * one, "all-gather": 0.0}, 8,
+                          h200) == pytest.approx(14)
+  assert gpu_mesh.link_us({}, 8, h200) == 0
