@@ -125,6 +125,15 @@ def test_round_trip_is_bit_exact_and_training_continues(trained):
   assert_same(nnx.state(opt), nnx.state(fresh_opt))
 
 
+def test_the_recorded_version_is_the_package_s():
+  """The version a checkpoint records (``qlayers.__version__``) is the one
+  pip installs (pyproject.toml's)."""
+  import tomllib  # pylint: disable=g-import-not-at-top
+  root = pathlib.Path(__file__).resolve().parents[1]
+  with open(root / "pyproject.toml", "rb") as f:
+    assert tomllib.load(f)["project"]["version"] == qlayers.__version__
+
+
 def test_metadata_records_recipes_and_file_digests(trained):
   _, _, path, _ = trained
   meta = checkpoint.read_metadata(path)
