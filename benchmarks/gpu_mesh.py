@@ -48,22 +48,23 @@ def _collectives(hlo: str) -> dict[str, float]:
   return dict(out)
 
 
-# Bytes each device sends for a collective of result ``r`` bytes over ``n``
-# devices, by ring (NCCL's bandwidth term; no latency term).
-RING_TRAFFIC = {
-    "all-gather": lambda r, n: r * (n - 1) / n,
-    "reduce-scatter": lambda r, n: r * (n - 1),  # r is one shard
-    "all-reduce": lambda r, n: 2 * r * (n - 1) / n,
-    "all-to-all": lambda r, n: r * (n - 1) / n,
-    "collective-permute": lambda r, n: r,
-}
+def ring_traffic(kind: str, r: float, n: int) -> float:
+  """Bytes each device sends for a ``kind`` collective returning ``r``
+  bytes over ``n`` devices, by ring (NCCL's bandwidth term; no latency)."""
+  if kind == "reduce-scatter":  # r is one shard of the reduced tensor
+    return r * (n - 1)
+  if kind == "all-reduce":
+    return 2 * r * (n - 1) / n
+  if kind == "collective-permute":
+    return r
+  return r * (n - 1) / n  # all-gather, all-to-all
 
 
 def link_us(collectives_mib: dict[str, float], devices: int,
             target: gc.Target) -> float:
   """Microseconds the device's collectives take on its NVLink at the
   target's rate each way: a bound on what XLA must hide behind compute."""
-  sent = sum(RING_TRAFFIC[kind](mib * 2**20, devices)
+  sent = sum(ring_traffic(kind, mib * 2**20, devices)
              for kind, mib in collectives_mib.items())
   return sent / (target.link_gbps * 1e9) * 1e6
 
