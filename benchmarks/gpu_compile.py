@@ -933,6 +933,24 @@ def roofline(comps, target: Target) -> dict:
           "attention_flops": att_flops, "attention_time_us": att_s * 1e6}
 
 
+# What XLA:GPU's own cost model charges each kernel for its launch, whatever
+# it does (kKernelLaunchOverhead, 1 us, in
+# xla/service/gpu/model/gpu_performance_model_base.h; NCCL kernels 5 us).
+# The roofline above charges none, so a program of many small kernels looks
+# as fast as one without them; the launch-charged figures add this per
+# kernel.
+LAUNCH_US = 1.0
+
+
+def launched_us(rec: dict) -> float | None:
+  """A record's model time with `LAUNCH_US` charged per kernel (None for a
+  record that does not count its kernels)."""
+  rf = rec["roofline"]
+  if "kernels" not in rf:
+    return None
+  return rf["time_us"] + rf["kernels"] * LAUNCH_US
+
+
 # --------------------------------------------------------------------------
 # The ideal: the BF16 program with each quantized GEMM at its format's peak
 
@@ -988,7 +1006,9 @@ def ideal_time_us(base: dict, formats: dict, target: Target) -> float | None:
 
 def against_ideal(rec: dict, base: dict | None) -> dict | None:
   """``{"speedup", "ideal_speedup", "of_ideal"}`` of a record against its
-  BF16 ``base`` (same target, flag and program); None if unknown."""
+  BF16 ``base`` (same target, flag and program); None if unknown. With
+  both kernel counts, also ``"launched"``: the same three with `LAUNCH_US`
+  charged per kernel (the ideal program launches BF16's kernels)."""
   if base is None or rec.get("status") != "ok" or \
       base.get("status") != "ok" or "formats" not in rec:
     return None
@@ -997,7 +1017,13 @@ def against_ideal(rec: dict, base: dict | None) -> dict | None:
   if ideal is None:
     return None
   t, b = rec["roofline"]["time_us"], base["roofline"]["time_us"]
-  return {"speedup": b / t, "ideal_speedup": b / ideal, "of_ideal": ideal / t}
+  out = {"speedup": b / t, "ideal_speedup": b / ideal, "of_ideal": ideal / t}
+  tl, bl = launched_us(rec), launched_us(base)
+  if tl is not None and bl is not None:
+    il = ideal + (bl - b)
+    out["launched"] = {"speedup": bl / tl, "ideal_speedup": bl / il,
+                       "of_ideal": il / tl}
+  return out
 
 
 # --------------------------------------------------------------------------
@@ -1636,17 +1662,20 @@ def markdown(records: list[dict]) -> str:
             "its HloCostAnalysis (-1: custom calls it cannot cost). Ideal: "
             "the BF16 program with each layer GEMM at the peak of the "
             "recipe's formats and no extra pass; of ideal = ideal time / "
-            "model time.", ""]
+            f"model time. +launches: {LAUNCH_US:g} us charged per kernel "
+            "(XLA:GPU's kKernelLaunchOverhead), the ideal with BF16's "
+            "kernels.", ""]
     out += mdtable.head(["recipe", "GEMM kernels", "kernels", "GEMM GFLOP",
                          "bytes MiB", "XLA GFLOP", "XLA MiB",
                          "model us", "model GEMM us", "vs bf16",
-                         "ideal vs bf16", "of ideal", "compile s"],
-                        "llrrrrrrrrrrr")
+                         "ideal vs bf16", "of ideal", "+launches vs bf16",
+                         "+launches of ideal", "compile s"],
+                        "llrrrrrrrrrrrrr")
     base = next((r for r in recs if r["recipe"] == "bf16" and
                  r["status"] == "ok"), None)
     for r in recs:
       if r["status"] != "ok":
-        out.append(mdtable.row(r["recipe"], "failed", *([None] * 10),
+        out.append(mdtable.row(r["recipe"], "failed", *([None] * 12),
                                f"{r['compile_s']:.1f}"))
         continue
       rf, xc = r["roofline"], r["xla_cost"]
@@ -1655,6 +1684,10 @@ def markdown(records: list[dict]) -> str:
       ideal = against_ideal(r, base)
       ideal_cells = ([f"{ideal['ideal_speedup']:.2f}x",
                       f"{ideal['of_ideal']:.2f}"] if ideal else ["", ""])
+      launched = (ideal or {}).get("launched")
+      ideal_cells += ([f"{launched['speedup']:.2f}x",
+                       f"{launched['of_ideal']:.2f}"] if launched
+                      else ["", ""])
       fmt = lambda v, s: "n/a" if v is None else (
           "-1" if v < 0 else f"{v / s:.1f}")
       out.append(mdtable.row(
@@ -1720,6 +1753,9 @@ def compare_markdown(runs: list[tuple[str, list[dict]]]) -> str:
             if ideal and r["recipe"] != "bf16":
               ratio += (f" ({ideal['of_ideal']:.2f} of "
                         f"{ideal['ideal_speedup']:.2f}x)")
+              if "launched" in ideal:
+                ratio += (f"; +launches {ideal['launched']['speedup']:.2f}x"
+                          f" ({ideal['launched']['of_ideal']:.2f})")
           cells += [r["kernels"] or "-", _issue_summary(r), ratio]
       out.append(mdtable.row(*cells))
     out.append("")

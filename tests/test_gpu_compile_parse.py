@@ -695,10 +695,30 @@ def test_ideal_puts_each_quantized_gemm_at_its_format_peak():
   assert got["ideal_speedup"] == pytest.approx(
       base["roofline"]["time_us"] / ideal)
   assert got["speedup"] == pytest.approx(got["ideal_speedup"] / 2)
+  assert "launched" not in got  # neither record counts its kernels
   # Records from before per-GEMM times: no ideal rather than a wrong one.
   old = dict(base, gemms=[{k: v for k, v in g.items() if k != "time_us"}
                           for g in base["gemms"]])
   assert gc.against_ideal(rec, old) is None
+
+
+def test_launch_charged_figures_add_a_microsecond_per_kernel():
+  """XLA:GPU's cost model charges each kernel 1 us: a recipe of 100 kernels
+  more than BF16's pays 100 us, and its ideal launches BF16's kernels."""
+  h200 = gc.TARGETS["h200"]
+  base = {"target": "h200", "recipe": "bf16", "status": "ok",
+          "gemms": [_timed("dense Fprop", 8192, 8192, 8192, 1000.0)],
+          "roofline": {"time_us": 1500.0, "kernels": 50}}
+  rec = {"target": "h200", "recipe": "fp8_current", "status": "ok",
+         "formats": {"Fprop": ["e4m3", "e4m3"]},
+         "roofline": {"time_us": 1200.0, "kernels": 150}}
+  assert gc.LAUNCH_US == 1.0
+  assert gc.launched_us(rec) == 1350.0
+  ideal = gc.ideal_time_us(base, rec["formats"], h200)
+  got = gc.against_ideal(rec, base)["launched"]
+  assert got["speedup"] == pytest.approx(1550.0 / 1350.0)
+  assert got["of_ideal"] == pytest.approx((ideal + 50.0) / 1350.0)
+  assert got["ideal_speedup"] == pytest.approx(1550.0 / (ideal + 50.0))
 
 
 def test_markdown_shows_ideal_and_fraction():
@@ -715,6 +735,9 @@ def test_markdown_shows_ideal_and_fraction():
   text = gc.markdown([base, q])
   ideal = 2.0 + fp8_us  # compute bound at 4096^3
   assert f"| {10.0 / ideal:.2f}x | 0.50 |" in text
+  # Both launch two kernels: +2 us each, the ideal too.
+  assert (f"| {12.0 / (2 * ideal + 2):.2f}x | {(ideal + 2) / (2 * ideal + 2):.2f} |"
+          in text)
 
 
 def test_compile_cpu_time_counts_child_processes():
