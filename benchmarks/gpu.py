@@ -52,7 +52,9 @@ that reads FP8 payloads counts as FP8, one that converts them to BF16 first
 as emulation), and each time is printed beside the roofline model of the
 same HLO that the deviceless check uses (``gpu_compile.roofline``, at the
 datasheet peaks of the attached GPU's class): "model" is that prediction,
-"meas/model" how far the GPU is from it.
+"meas/model" how far the GPU is from it, and "+launches" the same with
+``gpu_compile.LAUNCH_US`` charged per kernel (which of the two the GPU
+follows is what a run tells).
 
 Timing: wall clock (``block_until_ready``) of the compiled executable,
 median over repeats; each sample runs back-to-back calls for at least
@@ -185,6 +187,9 @@ def classify(hlo_text: str, layers=None, cotangents=(),
     kinds[key] = kinds.get(key, 0) + 1
   model = gc.roofline(comps, _model_target())
   return {"gemms": kinds, "model_us": model["time_us"],
+          "kernels": model["kernels"],
+          "model_launched_us": model["time_us"] +
+          model["kernels"] * gc.LAUNCH_US,
           "fp8_gemms": sum(n for k, n in kinds.items() if _is_fp8(k))}
 
 
@@ -257,6 +262,8 @@ def _measure(fn, args, cfg, *, flops: float, options=None, layers=None,
   return {"ms": ms, "tflops": flops / t["median_s"] / 1e12,
           "model_us": cls["model_us"], "meas_over_model":
           ms * 1e3 / cls["model_us"] if cls["model_us"] else math.nan,
+          "kernels": cls["kernels"],
+          "model_launched_us": cls["model_launched_us"],
           "gemms": cls["gemms"], "fp8_gemms": cls["fp8_gemms"],
           "compile_s": compile_s}
 
@@ -742,10 +749,11 @@ def _fmt(x, spec=".1f") -> str:
 
 def render(results: dict[str, dict], smoke: bool = False) -> str:
   lines = mdtable.head(["part", "item", "TFLOP/s", "ms", "model ms",
-                        "meas/model", "speedup vs bf16", "target", "status",
-                        "GEMMs (kernel [a x b -> out])", "notes"],
-                       "llrrrrrllll")
-  blank = [None] * 7
+                        "meas/model", "+launches ms", "speedup vs bf16",
+                        "target", "status", "GEMMs (kernel [a x b -> out])",
+                        "notes"],
+                       "llrrrrrrllll")
+  blank = [None] * 7  # TFLOP/s to target: status, GEMMs and notes follow
   for part, res in results.items():
     if res.get("error"):
       lines.append(mdtable.row(part, "—", *blank, "ERROR", None,
@@ -773,9 +781,12 @@ def render(results: dict[str, dict], smoke: bool = False) -> str:
         notes.append(f"compile {r['compile_s']:.1f} s")
       gemms = "; ".join(f"{n}x {k}" for k, n in r.get("gemms", {}).items())
       model_ms = r["model_us"] / 1e3 if r.get("model_us") else None
+      launched_ms = (r["model_launched_us"] / 1e3
+                     if r.get("model_launched_us") else None)
       lines.append(mdtable.row(
           part, r["item"], _fmt(r.get("tflops")), _fmt(r.get("ms"), ".3f"),
           _fmt(model_ms, ".3f"), _fmt(r.get("meas_over_model"), ".2f"),
+          _fmt(launched_ms, ".3f"),
           f"{_fmt(r.get('ratio'), '.2f')}x", target, status,
           gemms.replace("|", "/") or "—", "; ".join(notes)))
   return "\n".join(lines) + "\n"

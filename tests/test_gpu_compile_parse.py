@@ -526,6 +526,22 @@ def test_gpu_check_counts_fp8_by_what_the_mma_reads():
   assert gpu.classify(CUDNN_MX)["fp8_gemms"] == 1
 
 
+def test_gpu_report_puts_each_cell_under_its_column():
+  """benchmarks/gpu.py's table: an error lands in the status column, a
+  measured row shows the model with launches charged."""
+  import gpu  # pylint: disable=g-import-not-at-top
+  text = gpu.render({"layer": {"error": "boom", "rows": [
+      {"item": "fp8", "ms": 1.0, "tflops": 2.0, "model_us": 900.0,
+       "meas_over_model": 1.1, "model_launched_us": 1000.0, "ratio": 1.2,
+       "target": 1.1, "gemms": {"k": 1}}]}})
+  head, _, error, measured = ([c.strip() for c in line.strip("|").split("|")]
+                              for line in text.strip().splitlines())
+  assert len(error) == len(measured) == len(head)
+  assert error[head.index("status")] == "ERROR"
+  assert measured[head.index("+launches ms")] == "1.000"
+  assert measured[head.index("status")] == "met"
+
+
 def test_gpu_kernel_check_compares_bits_and_pairs_each_role():
   """benchmarks/gpu.py's kernel check: bits compared with NaNs as one value
   (but -0 against +0, a changed dtype or shape counted); for a Blackwell
