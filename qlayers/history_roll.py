@@ -17,8 +17,8 @@ Example:
   >>> x = init_scale_state(4)._replace(amax=jnp.float32(3.0))
   >>> g = init_scale_state(4)._replace(amax=jnp.float32(1.0))
   >>> new = roll([x, g], [None, jnp.float32(5.0)], interpret=True)
-  >>> [h.tolist() for h in new]
-  [[3.0, 0.0, 0.0, 0.0], [5.0, 0.0, 0.0, 0.0]]
+  >>> [(st.amax_history.tolist(), float(st.amax)) for st in new]
+  [([3.0, 0.0, 0.0, 0.0], 0.0), ([5.0, 0.0, 0.0, 0.0], 0.0)]
 """
 
 from __future__ import annotations
@@ -49,10 +49,11 @@ def supported(states: Sequence[ScaleState]) -> bool:
 
 def _kernel(*refs, merges: tuple[bool, ...], load):
   n = len(merges)
-  amax_refs, history_refs, out_refs = refs[:n], refs[n:2 * n], refs[-n:]
-  update_refs = iter(refs[2 * n:-n])
-  for merge, amax_ref, history_ref, out_ref in zip(
-      merges, amax_refs, history_refs, out_refs):
+  amax_refs, history_refs = refs[:n], refs[n:2 * n]
+  out_refs, cleared_refs = refs[-2 * n:-n], refs[-n:]
+  update_refs = iter(refs[2 * n:-2 * n])
+  for merge, amax_ref, history_ref, out_ref, cleared_ref in zip(
+      merges, amax_refs, history_refs, out_refs, cleared_refs):
     a = amax_ref[...]
     if merge:  # `delayed.merge_amax`
       u = next(update_refs)[...]
@@ -61,6 +62,7 @@ def _kernel(*refs, merges: tuple[bool, ...], load):
     i = lax.broadcasted_iota(jnp.int32, history_ref.shape, 0)
     shifted = load(history_ref.at[jnp.maximum(i - 1, 0)])  # h[i - 1]
     out_ref[...] = jnp.where(i == 0, a, shifted)
+    cleared_ref[...] = jnp.zeros_like(a)  # the next step's running amax
 
 
 # Jitted with ``interpret`` static, as the cast kernels are: a train step
@@ -69,11 +71,13 @@ def _kernel(*refs, merges: tuple[bool, ...], load):
 @functools.partial(jax.jit, static_argnames=("interpret",))
 def roll(states: Sequence[ScaleState],
          updates: Sequence[jax.Array | None] | None = None, *,
-         interpret: bool = False) -> list[jax.Array]:
-  """The histories of ``states`` after `delayed.update_scales`, in one
-  kernel: each role's running amax, max-combined first with its entry of
-  ``updates`` where one is given (`delayed.merge_amax`: the gradient
-  role's amax from the backward pass), enters its history at index 0.
+         interpret: bool = False) -> list[ScaleState]:
+  """``states`` after `delayed.update_scales`, in one kernel: each role's
+  running amax, max-combined first with its entry of ``updates`` where one
+  is given (`delayed.merge_amax`: the gradient role's amax from the
+  backward pass), enters its history at index 0, and the running amax
+  restarts at 0. The kernel writes the zeros too: as a constant, XLA would
+  copy each into the state's donated buffer, one more operation per role.
 
   Args:
     states: the roles of one GEMM (`supported`).
@@ -94,15 +98,18 @@ def roll(states: Sequence[ScaleState],
     return jnp.reshape(jnp.asarray(a, jnp.float32), (1,))
 
   merges = tuple(u is not None for u in updates)
-  return pl.pallas_call(
+  out = pl.pallas_call(
       functools.partial(_kernel, merges=merges, load=plt.load),
       out_shape=[jax.ShapeDtypeStruct(st.amax_history.shape, jnp.float32)
-                 for st in states],
+                 for st in states] + [jax.ShapeDtypeStruct((1,), jnp.float32)
+                                      for st in states],
       compiler_params=plt.CompilerParams(num_warps=4),
       interpret=interpret, name="qlayers_history_roll",
   )(*(scalar(st.amax) for st in states),
     *(jnp.asarray(st.amax_history, jnp.float32) for st in states),
     *(scalar(u) for u in updates if u is not None))
+  n = len(states)
+  return [ScaleState(h, a.reshape(())) for h, a in zip(out[:n], out[n:])]
 
 
 def end_step(states: Sequence[ScaleState],
@@ -125,7 +132,6 @@ def end_step(states: Sequence[ScaleState],
     return xla(states)
 
   def cuda(states):
-    return [ScaleState(h, jnp.zeros_like(st.amax))
-            for st, h in zip(states, roll(states, updates))]
+    return roll(states, updates)
 
   return lax.platform_dependent(list(states), cuda=cuda, default=xla)

@@ -44,10 +44,13 @@ def test_roll_is_merge_then_update_scales_bit_for_bit(length):
     states.append(ScaleState(history, jnp.float32(amax)))
     updates.append(None if update is None else jnp.asarray(update))
   got = history_roll.roll(states, updates, interpret=True)
-  for st, update, h in zip(states, updates, got, strict=True):
-    want = _xla(st, update).amax_history
-    assert h.shape == want.shape == (length,)
-    np.testing.assert_array_equal(_bits(h), _bits(want))
+  for st, update, new in zip(states, updates, got, strict=True):
+    want = _xla(st, update)
+    assert new.amax_history.shape == want.amax_history.shape == (length,)
+    np.testing.assert_array_equal(_bits(new.amax_history),
+                                  _bits(want.amax_history))
+    assert new.amax.shape == () and new.amax.dtype == jnp.float32
+    np.testing.assert_array_equal(_bits(new.amax), _bits(want.amax))
 
 
 def test_roll_refuses_what_it_cannot_take():
