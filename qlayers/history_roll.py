@@ -118,8 +118,11 @@ def end_step(states: Sequence[ScaleState],
   """``states`` (one GEMM's roles) at the end of a step: each entry of
   ``updates`` (or None) merged into its role's running amax
   (`delayed.merge_amax`), then `delayed.update_scales`. One `roll` kernel
-  where the program may run on an NVIDIA GPU, outside a mesh (the kernel
-  has no partitioning rule); XLA's ops elsewhere, with the same values."""
+  where the program may run on an NVIDIA GPU, on one device or under an
+  auto-axes mesh: the kernel has no partitioning rule, so XLA runs it on
+  every device with the state replicated, as the state is (`qlayers.layers.
+  core`). Under explicit or manual (``shard_map``) axes, and everywhere
+  else, XLA's ops, with the same values."""
   updates = list(updates or [None] * len(states))
 
   def xla(states):
@@ -127,8 +130,10 @@ def end_step(states: Sequence[ScaleState],
         st if u is None else st._replace(amax=delayed.merge_amax(st.amax, u)))
             for st, u in zip(states, updates)]
 
-  if not (supported(states) and table.targets_gpu()
-          and sharding.context_mesh() is None):
+  mesh = sharding.context_mesh()
+  if not (supported(states) and table.targets_gpu() and (
+      mesh is None or not (sharding.manual_axes(mesh)
+                           or sharding.explicit_axes(mesh)))):
     return xla(states)
 
   def cuda(states):

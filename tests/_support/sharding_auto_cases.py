@@ -99,12 +99,17 @@ def _kernel_run(recipe, layout, arch, kernel):
   (interpreted) where ``kernel``, else by XLA's ops."""
   import contextlib  # pylint: disable=g-import-not-at-top
   import types  # pylint: disable=g-import-not-at-top
-  from qlayers import cast_transpose, operands, table  # pylint: disable=g-import-not-at-top
-  kernels = []
+  from qlayers import cast_transpose, history_roll, operands, table  # pylint: disable=g-import-not-at-top
+  kernels, rolls = [], []
   names = ("cast_transpose", "mx_cast_transpose", "nvfp4_cast_transpose",
            "nvfp4_amaxes", "fp4_cast_transpose", "row_cast_transpose",
            "block_cast_transpose")
   original = operands.lax, *(getattr(cast_transpose, n) for n in names)
+  roll_original = history_roll.lax, history_roll.roll
+
+  def roll(*args, **kw):  # delayed scaling's end of step, interpreted
+    rolls.append(len(args[0]))
+    return roll_original[1](*args, interpret=True, **kw)
 
   def interpreted(fn):
     def run(t, *args, **kw):
@@ -114,19 +119,21 @@ def _kernel_run(recipe, layout, arch, kernel):
 
   with table.target_arch(arch), contextlib.ExitStack() as undo:
     if kernel:
-      operands.lax = types.SimpleNamespace(**{
+      operands.lax = history_roll.lax = types.SimpleNamespace(**{
           **vars(lax), "platform_dependent":
           lambda *a, cuda, **_: cuda(*a)})
+      history_roll.roll = roll
       for n, fn in zip(names, original[1:]):
         setattr(cast_transpose, n, interpreted(fn))
 
       def restore():
         operands.lax = original[0]
+        history_roll.lax, history_roll.roll = roll_original
         for n, fn in zip(names, original[1:]):
           setattr(cast_transpose, n, fn)
       undo.callback(restore)
     out = layout() if callable(layout) else _run(recipe, layout)
-  out["kernels"] = len(kernels)
+  out["kernels"], out["rolls"] = len(kernels), len(rolls)
   return out
 
 
