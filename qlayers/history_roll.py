@@ -112,17 +112,28 @@ def roll(states: Sequence[ScaleState],
   return [ScaleState(h, a.reshape(())) for h, a in zip(out[:n], out[n:])]
 
 
+def _under_mesh(mesh) -> bool:
+  """Whether the kernel pays under ``mesh``: auto axes only (it has no
+  partitioning rule, so XLA runs it on every device with the state
+  replicated, as the state is), and only where the per-tensor cast kernel
+  runs under a mesh too (before sm_100, `qlayers.operands`) and reads the
+  rolled histories itself. Elsewhere XLA's casts reduce each history for
+  the next scale, and XLA fuses its own roll into that reduction: the
+  kernel would add kernels (8-GPU B200 fp8_delayed 275 -> 282, H200
+  285 -> 250; benchmarks/RESULTS.md)."""
+  return (not (sharding.manual_axes(mesh) or sharding.explicit_axes(mesh))
+          and table.fp8_gemm_transposes(table.gpu_arch("cuda")))
+
+
 def end_step(states: Sequence[ScaleState],
              updates: Sequence[jax.Array | None] | None = None
              ) -> list[ScaleState]:
   """``states`` (one GEMM's roles) at the end of a step: each entry of
   ``updates`` (or None) merged into its role's running amax
   (`delayed.merge_amax`), then `delayed.update_scales`. One `roll` kernel
-  where the program may run on an NVIDIA GPU, on one device or under an
-  auto-axes mesh: the kernel has no partitioning rule, so XLA runs it on
-  every device with the state replicated, as the state is (`qlayers.layers.
-  core`). Under explicit or manual (``shard_map``) axes, and everywhere
-  else, XLA's ops, with the same values."""
+  where the program may run on an NVIDIA GPU, on one device or under a
+  mesh where it pays (`_under_mesh`); XLA's ops elsewhere, with the same
+  values."""
   updates = list(updates or [None] * len(states))
 
   def xla(states):
@@ -132,8 +143,7 @@ def end_step(states: Sequence[ScaleState],
 
   mesh = sharding.context_mesh()
   if not (supported(states) and table.targets_gpu() and (
-      mesh is None or not (sharding.manual_axes(mesh)
-                           or sharding.explicit_axes(mesh)))):
+      mesh is None or _under_mesh(mesh))):
     return xla(states)
 
   def cuda(states):
