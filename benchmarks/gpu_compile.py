@@ -50,7 +50,9 @@ sends to ``ffi`` show up as their FFI custom calls.
 
 The roofline numbers are a model prediction, not a measurement: each kernel
 takes ``max(flops / peak, bytes / bandwidth)`` at the target's published
-dense peak for the GEMM's operand type, kernels run back to back.
+dense peak for the GEMM's operand type, kernels run back to back. The
+"+launches" columns add `LAUNCH_US` per kernel, XLA:GPU's own launch
+estimate, which the roofline alone leaves out.
 """
 
 from __future__ import annotations
