@@ -188,8 +188,8 @@ def classify(hlo_text: str, layers=None, cotangents=(),
   model = gc.roofline(comps, _model_target())
   return {"gemms": kinds, "model_us": model["time_us"],
           "kernels": model["kernels"],
-          "model_launched_us": model["time_us"] +
-          model["kernels"] * gc.LAUNCH_US,
+          "model_launched_us": gc.launched_us(model["time_us"],
+                                              model["kernels"]),
           "fp8_gemms": sum(n for k, n in kinds.items() if _is_fp8(k))}
 
 

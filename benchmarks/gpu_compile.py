@@ -944,13 +944,9 @@ def roofline(comps, target: Target) -> dict:
 LAUNCH_US = 1.0
 
 
-def launched_us(rec: dict) -> float | None:
-  """A record's model time with `LAUNCH_US` charged per kernel (None for a
-  record that does not count its kernels)."""
-  rf = rec["roofline"]
-  if "kernels" not in rf:
-    return None
-  return rf["time_us"] + rf["kernels"] * LAUNCH_US
+def launched_us(time_us: float, kernels: int) -> float:
+  """A model time with `LAUNCH_US` charged for each of ``kernels``."""
+  return time_us + kernels * LAUNCH_US
 
 
 # --------------------------------------------------------------------------
@@ -1020,9 +1016,10 @@ def against_ideal(rec: dict, base: dict | None) -> dict | None:
     return None
   t, b = rec["roofline"]["time_us"], base["roofline"]["time_us"]
   out = {"speedup": b / t, "ideal_speedup": b / ideal, "of_ideal": ideal / t}
-  tl, bl = launched_us(rec), launched_us(base)
-  if tl is not None and bl is not None:
-    il = ideal + (bl - b)
+  if "kernels" in rec["roofline"] and "kernels" in base["roofline"]:
+    tl = launched_us(t, rec["roofline"]["kernels"])
+    bl = launched_us(b, base["roofline"]["kernels"])
+    il = launched_us(ideal, base["roofline"]["kernels"])
     out["launched"] = {"speedup": bl / tl, "ideal_speedup": bl / il,
                        "of_ideal": il / tl}
   return out

@@ -729,7 +729,7 @@ def test_launch_charged_figures_add_a_microsecond_per_kernel():
          "formats": {"Fprop": ["e4m3", "e4m3"]},
          "roofline": {"time_us": 1200.0, "kernels": 150}}
   assert gc.LAUNCH_US == 1.0
-  assert gc.launched_us(rec) == 1350.0
+  assert gc.launched_us(1200.0, 150) == 1350.0
   ideal = gc.ideal_time_us(base, rec["formats"], h200)
   got = gc.against_ideal(rec, base)["launched"]
   assert got["speedup"] == pytest.approx(1550.0 / 1350.0)
