@@ -250,21 +250,25 @@ def rint_by_floor(y: jax.Array) -> jax.Array:
 
 
 def rounding_key(seed: jax.Array, step: jax.Array) -> jax.Array:
-  """The stochastic-rounding key of call ``step`` of a GEMM seeded ``seed``.
+  """The stochastic-rounding key of call ``step`` of a GEMM seeded ``seed``:
+  the Threefry-2x32 key whose two words are ``(seed, step)``.
 
-  Derived from the two counters alone (never from the data), so every
-  layout of the operands draws the same bits: with JAX's partitionable
-  threefry (``jax_threefry_partitionable``, the default), the uniform
-  numbers of a sharded operand are those of the same operand on one device.
+  Made of the two counters alone (never of the data), so every layout of
+  the operands draws the same bits: with JAX's partitionable threefry
+  (``jax_threefry_partitionable``, the default), the uniform numbers of a
+  sharded operand are those of the same operand on one device. Distinct
+  ``(seed, step)`` pairs are distinct keys; Threefry hashes the key with
+  each counter, so nothing is hashed here (`jax.random.key` takes a seed
+  as key words the same way), and on a GPU no kernel runs to make it.
 
   Example:
-    >>> k = rounding_key(jnp.uint32(3), jnp.uint32(0))
-    >>> bool((jax.random.key_data(k) == jax.random.key_data(
-    ...     rounding_key(jnp.uint32(3), jnp.uint32(0)))).all())
-    True
+    >>> k = rounding_key(jnp.uint32(3), jnp.uint32(5))
+    >>> jax.random.key_data(k).tolist()
+    [3, 5]
   """
-  key = jax.random.fold_in(jax.random.key(0), seed)
-  return jax.random.fold_in(key, step)
+  words = jnp.stack([jnp.asarray(seed, jnp.uint32),
+                     jnp.asarray(step, jnp.uint32)], axis=-1)
+  return jax.random.wrap_key_data(words, impl="threefry2x32")
 
 
 def cast(x: jax.Array, fmt: Format | str, *,

@@ -92,8 +92,11 @@ def init_state(recipe: Recipe | str, batch_shape: tuple[int, ...] = ()
 # Helpers
 
 
-def _keys(key, n):
-  return (None,) * n if key is None else tuple(jax.random.split(key, n))
+def _keys(key):
+  """The stochastic-rounding keys of one call's five quantized copies, (x,
+  w, x for Wgrad, g, g for Wgrad): one split of its key (so the forward and
+  the backward pass derive them alike, and XLA computes the split once)."""
+  return (None,) * 5 if key is None else tuple(jax.random.split(key, 5))
 
 
 def _values(tree):
@@ -142,7 +145,7 @@ def _qmm(plan: Plan, dtypes, x, w, state, key):
 
 def _qmm_forward(plan: Plan, x, w, state, key, gather=()):
   recipe, fprop = plan.recipe, plan.fprop
-  kx, kw, kwx, kb = _keys(key, 4)
+  kx, kw, kwx, _, _ = _keys(key)
   ax = aw = delayed_x = delayed_w = run_x = run_w = None
   if recipe.delayed:
     ax, run_x = delayed_amax(x, state["x"], recipe)
@@ -192,7 +195,7 @@ def _qmm_forward(plan: Plan, x, w, state, key, gather=()):
     g_state = state["g"]
     new_state = {"x": state["x"]._replace(amax=run_x),
                  "w": state["w"]._replace(amax=run_w), "g": g_state}
-  return y, new_state, (x_saved, w_saved, ax, aw, g_state, kb)
+  return y, new_state, (x_saved, w_saved, ax, aw, g_state, key)
 
 
 def _qmm_fwd(plan: Plan, dtypes, x, w, state, key):
@@ -213,7 +216,7 @@ def _qmm_bwd(plan: Plan, dtypes, res, cts):
   later = None if isinstance(later, SymbolicZero) else later
   if isinstance(g, SymbolicZero):  # the output is not used
     return None, None, _g_amax_ct(later), None
-  kd, kwg = _keys(key, 2)
+  _, _, _, kd, kwg = _keys(key)
   ag = state_ct = delayed_g = None
   if recipe.delayed:
     ag, run_g = delayed_amax(g, g_state, recipe)
