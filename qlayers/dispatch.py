@@ -328,14 +328,6 @@ def gemm(a, b, *, axes: tuple[int, int], out_dtype,
   return _branches(forms, a, b, tuple(axes), jnp.dtype(out_dtype))
 
 
-def xla_gemm(a, b, out_dtype, axes: tuple[int, int], *,
-             platform: str = "cpu", arch: str | None = None) -> jax.Array:
-  """The ``xla`` backend's form for ``platform`` (default: the CPU reference),
-  called directly, without a platform branch."""
-  c = choose(a, b, platform, arch, backend="xla")
-  return FORMS[c.form](a, b, out_dtype, tuple(axes))
-
-
 # The partitioning rule calls the local GEMM by name (a hashable static
 # argument): the forced backend, or "default" for the table's choice, and
 # "_pow2" where the operands' tile/block scales are powers of two.

@@ -352,7 +352,8 @@ def test_scaled_dot_matches_emulation():
   x = jax.random.normal(jax.random.key(0), (64, 96))
   w = jax.random.normal(jax.random.key(1), (96, 40))
   a, b = S.quantize(x, spec, 1), S.quantize(w, spec, 0)
-  emulated = dispatch.xla_gemm(a, b, jnp.float32, (1, 0))
+  emulated = dispatch.gemm(a, b, axes=(1, 0), out_dtype=jnp.float32,
+                           backend="xla")  # the CPU's form
   native = jax.jit(lambda a, b: dispatch.scaled_dot_mx(a, b, jnp.float32))(
       a, b)
   assert sqnr_db(emulated, native) > 120
