@@ -266,8 +266,15 @@ def rounding_key(seed: jax.Array, step: jax.Array) -> jax.Array:
     >>> jax.random.key_data(k).tolist()
     [3, 5]
   """
-  words = jnp.stack([jnp.asarray(seed, jnp.uint32),
-                     jnp.asarray(step, jnp.uint32)], axis=-1)
+  seed, step = jnp.asarray(seed), jnp.asarray(step)
+  if not all(jnp.issubdtype(c.dtype, jnp.integer) for c in (seed, step)):
+    raise TypeError(f"rounding_key takes integer counters, got seed "
+                    f"{seed.dtype} and step {step.dtype}.")
+  if seed.shape != step.shape:
+    raise ValueError(f"rounding_key takes a seed and a step of one shape, "
+                     f"got {seed.shape} and {step.shape}.")
+  words = jnp.stack([seed.astype(jnp.uint32), step.astype(jnp.uint32)],
+                    axis=-1)
   return jax.random.wrap_key_data(words, impl="threefry2x32")
 
 

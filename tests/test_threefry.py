@@ -54,3 +54,7 @@ def test_rounding_keys_are_the_counters_and_draw_apart():
   assert len({d.tobytes() for d in draws}) == 16
   corr = np.corrcoef(draws)[np.triu_indices(16, 1)]
   assert np.abs(corr).max() < 0.3  # 256 draws: |r| of independent ~ 0.06
+  with pytest.raises(TypeError, match="integer counters"):
+    formats.rounding_key(jnp.float32(1.5), 0)
+  with pytest.raises(ValueError, match="one shape"):
+    formats.rounding_key(jnp.arange(3, dtype=jnp.uint32), jnp.uint32(0))
