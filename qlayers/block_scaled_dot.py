@@ -11,10 +11,9 @@ is written once, in its final type, as Transformer Engine's NVFP4 GEMM does
 with cuBLASLt's alpha. (Checked in XLA's optimized HLO for sm_100, not yet
 on a device.)
 
-The scale has the output's type, so a BF16 output is scaled by the scale
-rounded to BF16, as `qlayers.forms`' per-tensor FP8 GEMMs are (XLA folds
-their ``dot(..., preferred_element_type=bf16) * bf16(sa * sb)`` into
-cuBLASLt the same way); exact for power-of-two scales.
+The scale has the output's type (XLA's rewriter requires it), so a BF16
+output is scaled by the scale rounded to BF16, as most of `qlayers.forms`'
+per-tensor FP8 GEMMs are; exact for power-of-two scales.
 
 On other platforms the primitive lowers to its definition: each payload
 times its block scales (repeated along K), an FP32 dot, the global scale,

@@ -90,10 +90,14 @@ def _fp8_folded(a, b, out_dtype, axes):
   ``dot(fp8, fp8, preferred_element_type=out) * (sa * sb)``: cuBLASLt gets
   the FP32 scale product as its scale operand and writes ``out`` directly;
   Triton multiplies in its epilogue. A BF16 output is multiplied by the
-  product rounded to BF16, as the HLO says (exact for power-of-two scales).
-  Under XLA's CPU semantics that rounds twice (accumulator to BF16, then
-  the product), which differs from cuBLASLt's single rounding by at most
-  about one BF16 ulp; the CPU branch does not use this form. Other forms
+  product rounded to BF16, as the HLO says (exact for power-of-two scales),
+  except where XLA keeps excess precision (``xla_allow_excess_precision``,
+  on by default) and hands cuBLASLt the FP32 product instead: 4 of the 14
+  BF16-output GEMMs of the Llama-3-8B block in the optimized HLO for sm_90
+  and sm_100. Under XLA's CPU semantics the form rounds twice (accumulator
+  to BF16, then the product), which differs from cuBLASLt's single
+  rounding by at most about one BF16 ulp; the CPU branch does not use this
+  form. Other forms
   (``(dot_f32 * sa * sb).astype(bf16)``, dequantized operands) leave an FP32
   output and an extra pass (benchmarks/RESULTS.md, "Deviceless GPU
   compilation").
@@ -344,11 +348,10 @@ def _nvfp4_cudnn(a, b, out_dtype, axes):
   NVFP4 block-scaled GEMM of the ``float4_e2m1fn`` payloads with E4M3
   scales per 16, the per-tensor scales' product passed into it as its
   global scale (`qlayers.block_scaled_dot`), so it writes ``out_dtype``
-  directly. That scale has the output's type: a BF16 output is scaled by
-  the product rounded to BF16, as `_fp8_folded`'s per-tensor FP8 GEMMs are
-  (within 2**-8 of the FP32 product: one factor on the whole
-  output); exact for MXFP4, whose per-tensor scales are powers of two, and
-  for an FP32 output."""
+  directly. That scale has the output's type (XLA requires it): a BF16
+  output is scaled by the product rounded to BF16 (within 2**-8 of the
+  FP32 product: one factor on the whole output); exact for MXFP4, whose
+  per-tensor scales are powers of two, and for an FP32 output."""
   del axes
   qa, qb = as_nvfp4(a), as_nvfp4(b)
   out = block_scaled_dot(_e2m1(qa)[None], _e2m1(qb)[None],

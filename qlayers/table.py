@@ -272,8 +272,8 @@ TABLE: tuple[Rule, ...] = (
          "cuDNN's NVFP4 GEMM (block-scaled, E2M1 x E2M1, the E4M3 scales "
          "per 16; a 16x16 weight block's repeated per row) at the FP4 rate, "
          "the per-tensor scales' product its global scale (cuDNN's alpha, in "
-         "the output dtype: BF16 outputs are scaled by it rounded to BF16, "
-         "as per-tensor FP8 GEMMs are), output written in its final dtype",
+         "the output dtype: BF16 outputs are scaled by it rounded to "
+         "BF16), output written in its final dtype",
          arch_ok=_MX_CORES, levels=True),
     Rule("cuda", "sm_100+", ("blockwise",), ("fp4",), "xla", "f32_dequant",
          "FP32 dequantize + TF32 dot: these NVFP4 operands were rebuilt "
