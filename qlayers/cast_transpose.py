@@ -683,14 +683,12 @@ def _block_call(shape: tuple[int, int], fmt: Format, pow2: bool,
       interpret=interpret, name="qlayers_block_cast_transpose")
 
 
-def fp4_supported(shape: tuple[int, ...], fmt: Format, block_size: int,
-                  stochastic: bool = False) -> bool:
+def fp4_supported(shape: tuple[int, ...], fmt: Format,
+                  block_size: int) -> bool:
   """Whether `fp4_cast_transpose` takes a 2-D ``shape`` tensor: MXFP4 (E2M1,
-  blocks of 32) in whole 32 x 32 tiles; with stochastic rounding, fewer
-  than 2**32 elements (the kernel counts them in 32 bits)."""
+  blocks of 32) in whole 32 x 32 tiles."""
   return (len(shape) == 2 and fmt is formats.E2M1 and block_size == MX_BLOCK
-          and all(d >= MX_BLOCK and d % MX_BLOCK == 0 for d in shape)
-          and not (stochastic and shape[0] * shape[1] >= 2**32))
+          and all(d >= MX_BLOCK and d % MX_BLOCK == 0 for d in shape))
 
 
 def fp4_transforms(hadamard) -> bool:
@@ -736,19 +734,21 @@ def _fp4_kernel(*refs, rule: str, stochastic: bool, hadamard=(0, 0)):
     rows, cols = origin_ref[2], origin_ref[3]
     i, j = (origin_ref[a] + pl.program_id(a).astype(jnp.uint32) * b
             for a in (0, 1))
-  down, across = (jax.lax.broadcasted_iota(jnp.uint32, (b, b), a)
-                  for a in (0, 1))
+    hashes = (b, b // threefry.BYTES)  # eight elements of a row to a hash
+    down, across = (jax.lax.broadcasted_iota(jnp.uint32, hashes, a)
+                    for a in (0, 1))
   for c, (y, q, sc) in enumerate(zip(copies, (q_ref, qt_ref),
                                      (s_ref, st_ref))):
     u = None
     if stochastic:
-      # Each copy draws the uniform of its own flat index (`threefry`), in
-      # its own layout (the t.T copy's transposed): a transpose after the 20
+      # Each copy draws the uniforms of its own places (`threefry`), in its
+      # own layout (the t.T copy's transposed): a transpose after the 20
       # rounds makes Triton's layout passes replay them (its sm_100 compile
       # then exhausts host memory).
-      index = ((i + down) * cols + j + across if c == 0
-               else (j + down) * rows + i + across)
-      u = threefry.uniform_at(key_ref[2 * c], key_ref[2 * c + 1], index)
+      row, col, width = ((i + down, (j >> 3) + across, cols >> 3) if c == 0
+                         else (j + down, (i >> 3) + across, rows >> 3))
+      u = threefry.uniforms_at(key_ref[2 * c], key_ref[2 * c + 1], row, col,
+                               width)
     mult, code = _pow2_multiplier(jnp.max(_fp32_bits(y), axis=1,
                                           keepdims=True), formats.E2M1, rule)
     q[...] = _pack_rows(_e2m1_codes(y * mult, u))
@@ -787,10 +787,9 @@ def fp4_cast_transpose(t: jax.Array, rule: str = "mx_rceil", *,
     >>> q.shape, s.shape, qt.shape, st.shape, int(q[0, 0])
     ((32, 32), (32, 2), (64, 16), (64, 1), 102)
   """
-  if not fp4_supported(t.shape, formats.E2M1, MX_BLOCK, keys is not None):
+  if not fp4_supported(t.shape, formats.E2M1, MX_BLOCK):
     raise ValueError(f"fp4_cast_transpose takes a 2-D tensor whose dims "
-                     f"are multiples of {MX_BLOCK} (with stochastic rounding "
-                     f"fewer than 2**32 elements); got {t.shape}.")
+                     f"are multiples of {MX_BLOCK}; got {t.shape}.")
   if keys is not None and len(keys) != 2:
     raise ValueError(f"fp4_cast_transpose takes one PRNG key per copy (2), "
                      f"got {len(keys)}.")
@@ -844,14 +843,11 @@ def _fp4_call(shape: tuple[int, int], rule: str, stochastic: bool,
 NV_BLOCK = 16
 
 
-def nvfp4_supported(shape: tuple[int, ...], stochastic: bool = False
-                    ) -> bool:
+def nvfp4_supported(shape: tuple[int, ...]) -> bool:
   """Whether `nvfp4_cast_transpose` takes a 2-D ``shape`` tensor: both dims
-  multiples of 16; with stochastic rounding, fewer than 2**32 elements
-  (the kernel counts them in 32 bits)."""
+  multiples of 16."""
   return (len(shape) == 2
-          and all(d >= NV_BLOCK and d % NV_BLOCK == 0 for d in shape)
-          and not (stochastic and shape[0] * shape[1] >= 2**32))
+          and all(d >= NV_BLOCK and d % NV_BLOCK == 0 for d in shape))
 
 
 def _encode_scales(amax, interpret: bool):
@@ -970,14 +966,16 @@ def _nvfp4_kernel(*refs, square: bool, hadamard: bool, stochastic: bool,
       rows, cols = origin_ref[2], origin_ref[3]
       i0 = origin_ref[0] + pl.program_id(0).astype(jnp.uint32) * (n * b)
       j0 = origin_ref[1] + pl.program_id(1).astype(jnp.uint32) * width
-      g, k, c = (jax.lax.broadcasted_iota(jnp.uint32, v.shape, a)
+      eighth = threefry.BYTES  # eight elements along a copy's rows to a hash
+      g, k, c = (jax.lax.broadcasted_iota(jnp.uint32,
+                                          (n, b, width // eighth), a)
                  for a in range(3))
-      u = threefry.uniform_at(key_ref[0], key_ref[1],
-                              (i0 + g * b + k) * cols + j0 + c)
-      g, c, k = (jax.lax.broadcasted_iota(jnp.uint32, (n, width, b), a)
-                 for a in range(3))
-      u_t = threefry.uniform_at(key_ref[2], key_ref[3],
-                                (j0 + c) * rows + i0 + g * b + k)
+      u = threefry.uniforms_at(key_ref[0], key_ref[1], i0 + g * b + k,
+                               (j0 >> 3) + c, cols >> 3)
+      g, c, k = (jax.lax.broadcasted_iota(jnp.uint32, (n, width, b // eighth),
+                                          a) for a in range(3))
+      u_t = threefry.uniforms_at(key_ref[2], key_ref[3], j0 + c,
+                                 ((i0 + g * b) >> 3) + k, rows >> 3)
     q_ref[...] = _pack_last(_e2m1_codes(v * mult, u))
     s_ref[...] = e4m3
     # The copy of t.T (of its transform) along the rows: [g, c, k].
@@ -1044,10 +1042,9 @@ def nvfp4_cast_transpose(t: jax.Array, amax: jax.Array | None = None,
     >>> q.shape, s.shape, qt.shape, st.shape, int(q[0, 0]), float(s[0, 0])
     ((32, 32), (32, 4), (64, 16), (64, 2), 119, 448.0)
   """
-  if not nvfp4_supported(t.shape, keys is not None):
+  if not nvfp4_supported(t.shape):
     raise ValueError(f"nvfp4_cast_transpose takes a 2-D tensor whose dims "
-                     f"are multiples of {NV_BLOCK} (with stochastic rounding "
-                     f"fewer than 2**32 elements); got {t.shape}.")
+                     f"are multiples of {NV_BLOCK}; got {t.shape}.")
   if square and (hadamard or keys is not None or amax_t is not None):
     raise ValueError("nvfp4_cast_transpose with square blocks takes one "
                      "amax and rounds to nearest even, with no transform.")

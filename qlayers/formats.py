@@ -25,6 +25,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from qlayers import threefry
+
 __all__ = [
     "Format",
     "E4M3",
@@ -202,16 +204,17 @@ def round_to_format(x: jax.Array, fmt: Format | str, *,
 
   Round-to-nearest-even without ``key``; with ``key``, stochastic rounding:
   each value rounds up with probability equal to its distance from the grid
-  point below, divided by the spacing (unbiased in expectation). The result is
-  float32 holding exactly representable values, so a later ``astype`` to the
-  format's dtype (or `encode`) is exact.
+  point below, divided by the spacing, to 8 bits (`qlayers.threefry`: within
+  1/512 of it, and unbiased on average over the values between two grid
+  points). The result is float32 holding exactly representable values, so a
+  later ``astype`` to the format's dtype (or `encode`) is exact.
 
   Example:
     >>> round_to_format(jnp.array([0.25, 0.75, 2.6, 9.0]), "e2m1")
     Array([0., 1., 3., 6.], dtype=float32)
   """
   fmt = get_format(fmt)
-  u = None if key is None else jax.random.uniform(key, x.shape, jnp.float32)
+  u = None if key is None else threefry.uniforms(key, x.shape)
   return round_on_grid(x, fmt, u)
 
 
@@ -253,10 +256,10 @@ def rounding_key(seed: jax.Array, step: jax.Array) -> jax.Array:
   """The stochastic-rounding key of call ``step`` of a GEMM seeded ``seed``:
   the Threefry-2x32 key whose two words are ``(seed, step)``.
 
-  Made of the two counters alone (never of the data), so every layout of
-  the operands draws the same bits: with JAX's partitionable threefry
-  (``jax_threefry_partitionable``, the default), the uniform numbers of a
-  sharded operand are those of the same operand on one device. Distinct
+  Made of the two counters alone (never of the data); the bits drawn from
+  it (`qlayers.threefry.uniforms`) are a function of each element's place
+  alone, so a sharded operand rounds as the same operand on one device
+  does. Distinct
   ``(seed, step)`` pairs are distinct keys; Threefry hashes the key with
   each counter, so nothing is hashed here (`jax.random.key` takes a seed
   as key words the same way), and on a GPU no kernel runs to make it.

@@ -165,7 +165,7 @@ def pairable(t: jax.Array, last: Operand, first: Operand | None = None
             and first.hadamard in (0, cast_transpose.NV_BLOCK)
             and not (spec.granularity == "block"
                      and (first.hadamard or spec.stochastic))
-            and cast_transpose.nvfp4_supported(rows, spec.stochastic))
+            and cast_transpose.nvfp4_supported(rows))
   if first is None:
     if _square(spec):
       return (_block_pairs(spec, version)
@@ -175,8 +175,7 @@ def pairable(t: jax.Array, last: Operand, first: Operand | None = None
             and version >= 89 and cast_transpose.supported(rows, spec.fmt))
   if spec.fmt.bits == 4:  # MXFP4: the copy along axis 0 is t.T's (tn)
     supported = (cast_transpose.fp4_supported(rows, spec.fmt,
-                                              spec.block_size,
-                                              spec.stochastic)
+                                              spec.block_size)
                  and cast_transpose.fp4_transforms((last.hadamard,
                                                     first.hadamard)))
   elif spec.granularity == "row":  # TE's rule per row and per column

@@ -1,41 +1,118 @@
-"""qlayers/threefry.py: JAX's partitionable Threefry uniforms, elementwise."""
+"""qlayers/threefry.py: stochastic rounding's uniforms, eight to a hash."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend import random as jax_random
 
 from qlayers import formats
 from qlayers import threefry
 
 
-@pytest.mark.parametrize("shape", [(7,), (33, 65), (4, 8, 16)])
-def test_uniform_at_is_jax_random_uniform_bit_for_bit(shape):
-  size = int(np.prod(shape))
+def _jax_hash(key, c0, c1):
+  """JAX's own Threefry-2x32 of counter words ``(c0, c1)``."""
+  k0, k1 = threefry.key_words(key)
+  return jax_random.threefry2x32_p.bind(k0, k1, jnp.asarray(c0, jnp.uint32),
+                                        jnp.asarray(c1, jnp.uint32))
+
+
+def _reference(key, size, first=0):
+  """The uniforms of flat indices ``first .. first + size - 1``, spelled
+  out: byte ``i % 8`` of JAX's hash of counter ``i // 8``, low byte of the
+  first word first, as ``(byte + 1/2) / 256``."""
+  i = np.arange(first, first + size, dtype=np.uint64)
+  counter = i // 8
+  x0, x1 = (np.asarray(w, np.uint64) for w in _jax_hash(
+      key, (counter >> 32).astype(np.uint32),
+      (counter & 0xFFFFFFFF).astype(np.uint32)))
+  byte = (i % 8).astype(np.uint64)
+  word = np.where(byte < 4, x0, x1)
+  bits = (word >> ((byte % 4) * 8)) & 0xFF
+  return (bits.astype(np.float32) + 0.5) / 256
+
+
+def test_hash_is_jax_threefry_bit_for_bit():
+  rng = np.random.default_rng(0)
+  c0, c1 = (rng.integers(0, 2**32, 1000, dtype=np.uint64).astype(np.uint32)
+            for _ in range(2))
   for key in (jax.random.key(0), formats.rounding_key(jnp.uint32(9),
                                                        jnp.uint32(123456))):
-    k0, k1 = threefry.key_words(key)
-    got = jax.jit(threefry.uniform_at)(
-        k0, k1, jnp.arange(size, dtype=jnp.uint32)).reshape(shape)
-    want = jax.random.uniform(key, shape, jnp.float32)
-    np.testing.assert_array_equal(np.asarray(got).view(np.uint32),
-                                  np.asarray(want).view(np.uint32))
+    got = jax.jit(threefry.hash_words)(*threefry.key_words(key), c0, c1)
+    want = _jax_hash(key, c0, c1)
+    for g, w in zip(got, want):
+      np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
-def test_uniform_at_a_far_index_and_raw_key_words():
-  key = jax.random.key(3)
-  raw = jax.random.key_data(key)
-  i = jnp.uint32(300_001)  # one entry of an array, alone
-  got = threefry.uniform_at(*threefry.key_words(raw), i)
-  bits = jax.random.bits(key, (300_002,), jnp.uint32)[-1]
-  want = jax.lax.bitcast_convert_type((bits >> 9) | 0x3F800000,
-                                      jnp.float32) - 1.0
-  assert got == want
+def test_counter_words_are_the_64_bit_product_and_sum():
+  rng = np.random.default_rng(1)
+  row, col = (rng.integers(0, 2**32, 4000, dtype=np.uint64) for _ in range(2))
+  for width in (1, 6, 2**16 + 3, 2**32 - 1):
+    hi, lo = threefry.counter_words(row.astype(np.uint32),
+                                    col.astype(np.uint32), width)
+    want = [int(r) * width + int(c) for r, c in zip(row, col)]
+    got = [int(h) << 32 | int(l) for h, l in zip(np.asarray(hi),
+                                                   np.asarray(lo))]
+    assert got == want
 
 
-def test_key_words_refuses_other_keys():
+@pytest.mark.parametrize("shape", [(7,), (33, 65), (3, 40), (4, 8, 16)])
+def test_uniforms_are_eight_bytes_to_a_hash_at_each_flat_index(shape):
+  key = formats.rounding_key(jnp.uint32(3), jnp.uint32(77))
+  got = np.asarray(jax.jit(threefry.uniforms, static_argnums=1)(key, shape))
+  np.testing.assert_array_equal(
+      got.ravel(), _reference(key, int(np.prod(shape))))
+
+
+def test_uniforms_depend_on_the_flat_index_alone():
+  # Any reshape of an array draws the same bits for each element.
+  key = jax.random.key(5)
+  flat = np.asarray(threefry.uniforms(key, (1024,)))
+  for shape in ((4, 8, 32), (32, 32), (2, 512), (1024, 1), (8, 128)):
+    np.testing.assert_array_equal(
+        np.asarray(threefry.uniforms(key, shape)).ravel(), flat)
+
+
+def test_uniforms_at_far_places_carry_into_the_counters_high_word():
+  # Rows of a 2**35-element gradient: the counters pass 2**32.
+  key = jax.random.key(11)
+  width = 2**15  # hashes per row: 2**18 columns
+  row = jnp.array([[0], [2**17 - 1], [2**17 + 5]], jnp.uint32)
+  col = jnp.array([[width - 2, width - 1]], jnp.uint32)
+  got = np.asarray(threefry.uniforms_at(*threefry.key_words(key), row, col,
+                                        width))
+  for r in range(3):
+    first = (int(row[r, 0]) * width + int(col[0, 0])) * 8
+    np.testing.assert_array_equal(got[r], _reference(key, 16, first))
+
+
+def test_uniforms_are_the_256_centred_levels_evenly():
+  u = np.asarray(threefry.uniforms(jax.random.key(2), (512, 512)))
+  levels = u * 256 - 0.5
+  np.testing.assert_array_equal(levels, np.round(levels))
+  counts = np.bincount(levels.astype(np.int64).ravel(), minlength=256)
+  expected = u.size / 256
+  chi2 = ((counts - expected) ** 2 / expected).sum()
+  assert chi2 < 350  # 255 degrees of freedom: mean 255, sd 22.6
+  assert abs(u.mean() - 0.5) < 1e-3
+
+
+def test_key_words_of_raw_threefry_and_other_keys():
+  raw = jax.random.key_data(jax.random.key(3))
+  assert threefry.key_words(raw).tolist() == raw.tolist()
+  with jax.default_prng_impl("rbg"):
+    rbg = jax.random.key(3)
+  words = threefry.key_words(rbg)
+  assert words.shape == (2,) and words.dtype == jnp.uint32
+  np.testing.assert_array_equal(words, threefry.key_words(rbg))
   with pytest.raises(ValueError, match="two uint32 words"):
     threefry.key_words(jnp.zeros((4,), jnp.uint32))
+
+
+def test_uniforms_refuse_counts_past_32_bit_rows():
+  with pytest.raises(ValueError, match="rows of"):
+    jax.eval_shape(lambda k: threefry.uniforms(k, (2**16, 2**16, 8)),
+                   jax.random.key(0))
 
 
 def test_rounding_keys_are_the_counters_and_draw_apart():
@@ -50,7 +127,7 @@ def test_rounding_keys_are_the_counters_and_draw_apart():
   with jax.default_prng_impl("rbg"):
     assert threefry.key_words(formats.rounding_key(1, 2)).tolist() == [1, 2]
   # Neighbouring seeds and steps draw unrelated uniforms.
-  draws = np.asarray(jax.vmap(lambda k: jax.random.uniform(k, (256,)))(keys))
+  draws = np.asarray(jax.vmap(lambda k: threefry.uniforms(k, (256,)))(keys))
   assert len({d.tobytes() for d in draws}) == 16
   corr = np.corrcoef(draws)[np.triu_indices(16, 1)]
   assert np.abs(corr).max() < 0.3  # 256 draws: |r| of independent ~ 0.06
