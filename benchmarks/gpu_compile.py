@@ -50,7 +50,11 @@ sends to ``ffi`` show up as their FFI custom calls.
 
 The roofline numbers are a model prediction, not a measurement: each kernel
 takes ``max(flops / peak, bytes / bandwidth)`` at the target's published
-dense peak for the GEMM's operand type, kernels run back to back. The
+dense peak for the GEMM's operand type, kernels run back to back. A kernel
+that is neither a GEMM nor attention also takes at least the time its
+threads need to issue their instructions (the issue roof: each kernel's PTX
+and launch grid, read from the compile's XLA dump; `kernel_code`), so a
+cast kernel heavy in arithmetic is not charged its bytes alone. The
 "+launches" columns add `LAUNCH_US` per kernel, XLA:GPU's own launch
 estimate, which the roofline alone leaves out.
 """
@@ -67,6 +71,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from typing import Any, Iterable
@@ -100,6 +105,8 @@ class Target:
   tbps: float
   source: str
   link_gbps: float | None = None  # NVLink, GB/s each way per GPU
+  sms: int = 0  # streaming multiprocessors and their clock, as the target
+  ghz: float = 0.0  # file says (core_count, clock_rate_ghz)
 
 
 # H200 SXM: the H100 SXM5 tensor-core rates (same GH100 silicon) with the
@@ -114,11 +121,11 @@ TARGETS = {
     "h200": Target("h200", "h200.txtpb", "sm_90", bf16=989.0, fp8=1979.0,
                    fp4=None, tf32=494.7, fp32=66.9, tbps=4.8,
                    source="NVIDIA H100/H200 SXM datasheets (dense)",
-                   link_gbps=450.0),
+                   link_gbps=450.0, sms=132, ghz=1.98),
     "b200": Target("b200", "b200_approx.txtpb", "sm_100", bf16=2250.0,
                    fp8=4500.0, fp4=9000.0, tf32=1100.0, fp32=75.0, tbps=7.7,
                    source="NVIDIA HGX B200 per-GPU specs (dense)",
-                   link_gbps=900.0),
+                   link_gbps=900.0, sms=148, ghz=1.98),
 }
 
 # ==========================================================================
@@ -904,12 +911,17 @@ def attention_flops(comp: Computation, inst: Inst) -> float:
   return gemms * scores * q.arrays[0].dims[-1] * causal
 
 
-def roofline(comps, target: Target) -> dict:
+def roofline(comps, target: Target,
+             code: dict[str, KernelCode] | None = None) -> dict:
   """Model step time: every kernel at max(flops/peak, bytes/bandwidth);
-  cuDNN fused attention at the BF16 peak (`attention_flops`)."""
+  cuDNN fused attention at the BF16 peak (`attention_flops`). With the
+  kernels' ``code`` (`kernel_code`), a kernel that is neither a GEMM nor
+  attention also takes at least the time to issue its instructions
+  (`issue_s`): the issue roof."""
   gemms = {g.name: g for _, g in find_gemms(comps)}
   total_s, gemm_s, flops, nbytes, kernels = 0.0, 0.0, 0.0, 0.0, 0
   att_s = att_flops = 0.0
+  issue_extra_s, issue_bound = 0.0, []
   for comp in kernel_computations(comps):
     for inst in comp.insts.values():
       if not is_kernel(inst) or inst.opcode in ("while", "conditional",
@@ -928,11 +940,131 @@ def roofline(comps, target: Target) -> dict:
         t = max(t, af / (target.bf16 * 1e12))
         att_flops += af
         att_s += t
+      elif code is not None and inst.name in code:
+        ti = issue_s(code[inst.name], target)
+        if ti > t:
+          issue_extra_s += ti - t
+          issue_bound.append((inst.name, code[inst.name].kernel,
+                              (ti - t) * 1e6))
+          t = ti
       nbytes += b
       total_s += t
-  return {"kernels": kernels, "gemm_flops": flops, "bytes": nbytes,
-          "time_us": total_s * 1e6, "gemm_time_us": gemm_s * 1e6,
-          "attention_flops": att_flops, "attention_time_us": att_s * 1e6}
+  out = {"kernels": kernels, "gemm_flops": flops, "bytes": nbytes,
+         "time_us": total_s * 1e6, "gemm_time_us": gemm_s * 1e6,
+         "attention_flops": att_flops, "attention_time_us": att_s * 1e6}
+  if code is not None:
+    issue_bound.sort(key=lambda x: -x[2])
+    out.update(issue=True, issue_extra_us=issue_extra_s * 1e6,
+               issue_bound=[{"hlo": h, "kernel": k, "extra_us": round(e, 2)}
+                            for h, k, e in issue_bound])
+  return out
+
+
+# --------------------------------------------------------------------------
+# The issue roof: a kernel's own instructions, from its PTX and launch grid
+
+# Thread instructions a streaming multiprocessor issues per clock: four
+# schedulers, one warp instruction (32 threads) each. 32-bit integer
+# arithmetic runs at half that, 64 per clock (the CUDA C++ Programming
+# Guide's throughput table for compute capability 9.0; taken for sm_100
+# too). Counted in PTX, before ptxas merges (three-input adds and logic),
+# so an estimate of the SASS.
+ISSUE_PER_CLOCK = 128
+INTEGER_PER_CLOCK = 64
+_INTEGER_OPS = {"add", "sub", "mul", "mad", "shl", "shr", "shf", "and", "or",
+                "xor", "not", "lop3", "prmt", "bfe", "bfi", "min", "max",
+                "neg", "abs", "popc", "clz", "brev", "bfind", "mul24",
+                "mad24", "sad"}
+_INTEGER_TYPES = {"u16", "s16", "b16", "u32", "s32", "b32", "u64", "s64",
+                  "b64"}
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelCode:
+  """One launch of a compiled kernel: its name (the PTX entry), threads in
+  all, and PTX instructions per thread (each written once: a loop counts
+  its body once, a branch both ways)."""
+
+  kernel: str
+  threads: int
+  instructions: int
+  integer: int
+  loops: bool
+
+
+def parse_ptx(text: str) -> dict[str, tuple[int, int, bool]]:
+  """``{entry: (instructions, integer instructions, has a loop)}`` of a PTX
+  module."""
+  out = {}
+  for m in re.finditer(r"\.entry\s+(\w+)\s*\(", text):
+    start = text.index("{", m.end())
+    depth, i = 0, start
+    while True:  # the entry's body: to its matching brace
+      depth += {"{": 1, "}": -1}.get(text[i], 0)
+      if depth == 0:
+        break
+      i += 1
+    total = integer = 0
+    labels, loops = set(), False
+    for line in text[start + 1:i].splitlines():
+      line = line.strip()
+      if line.endswith(":"):
+        labels.add(line[:-1])
+        continue
+      if not line.endswith(";") or line.startswith((".", "//", "{", "}")):
+        continue
+      if line.startswith("@"):
+        line = line.split(None, 1)[1]
+      op, *parts = line.split(None, 1)[0].rstrip(";").split(".")
+      if op == "bra":
+        loops |= line.split()[-1].rstrip(";") in labels  # branch back
+      total += 1
+      integer += op in _INTEGER_OPS and bool(_INTEGER_TYPES & set(parts))
+    out[m.group(1)] = (total, integer, loops)
+  return out
+
+
+_THUNK = re.compile(r"^(\d+):\s+\S+.*\]\s+(\S+)\s+grid:\s+\[([\d, ]+)\]"
+                    r"\s+threads:\s+\[([\d, ]+)\]")
+
+
+def kernel_code(dump: str | os.PathLike) -> dict[str, KernelCode]:
+  """``{HLO instruction: KernelCode}`` of the kernels an XLA:GPU dump
+  (``xla_dump_to``) launches: the thunk sequence names each launch's
+  kernel and grid, the thunk metadata its HLO instruction, the PTX its
+  code."""
+  dump = pathlib.Path(dump)
+  ptx = {}
+  for f in sorted(dump.glob("*.ptx")):
+    ptx.update(parse_ptx(f.read_text()))
+  out = {}
+  for seq in sorted(dump.glob("*.thunk_sequence.txt")):
+    meta = seq.with_name(seq.name.replace("thunk_sequence", "thunk_metadata"))
+    if not meta.is_file():
+      continue
+    names = dict(
+        (int(i), n) for n, i in re.findall(
+            r'profile_annotation:\s+"([^"]+)"\s+thunk_id:\s+(\d+)',
+            meta.read_text()))
+    for line in seq.read_text().splitlines():
+      m = _THUNK.match(line.strip())
+      if not m or int(m.group(1)) not in names or m.group(2) not in ptx:
+        continue
+      grid, block = (math.prod(int(v) for v in g.split(","))
+                     for g in m.group(3, 4))
+      total, integer, loops = ptx[m.group(2)]
+      out[names[int(m.group(1))]] = KernelCode(
+          m.group(2), grid * block, total, integer, loops)
+  return out
+
+
+def issue_s(code: KernelCode, target: Target) -> float:
+  """Seconds to issue a kernel's instructions on all of ``target``'s SMs:
+  every instruction at `ISSUE_PER_CLOCK`, its integer ones at
+  `INTEGER_PER_CLOCK`, whichever takes longer."""
+  clocks = max(code.instructions / ISSUE_PER_CLOCK,
+               code.integer / INTEGER_PER_CLOCK)
+  return code.threads * clocks / (target.sms * target.ghz * 1e9)
 
 
 # What XLA:GPU's own cost model charges each kernel for its launch, whatever
@@ -1513,6 +1645,9 @@ def compile_one(item: dict, device, targets_dir) -> dict:
   jax = _jax()
   target = TARGETS[item["target"]]
   opts = {} if item["triton"] else {"xla_gpu_enable_triton_gemm": False}
+  dump = tempfile.TemporaryDirectory(prefix="gpu_compile_")
+  # The kernels' PTX and launch grids, for the issue roof (`kernel_code`).
+  opts.update(xla_dump_to=dump.name, xla_dump_hlo_module_re="jit_step")
   t0 = time.perf_counter()
   rec = dict(item)
   try:
@@ -1533,14 +1668,18 @@ def compile_one(item: dict, device, targets_dir) -> dict:
   except Exception as e:  # pylint: disable=broad-except
     rec.update(status="failed", error=first_line(e),
                compile_s=time.perf_counter() - t0)
+    dump.cleanup()
     return rec
   text = compiled.as_text()
   if item.get("hlo_dir"):
     hlo_path(item).write_text(text)
+  with dump:
+    code = kernel_code(dump.name)
   rec.update(status="ok", trace_s=t1 - t0, compile_s=t2 - t1,
              xla_cost=xla_cost(compiled), ffi_targets=ffi_targets(),
-             formats=recipe_formats(item["recipe"]))
-  rec.update(analyse(text, item, layers, cts))
+             formats=recipe_formats(item["recipe"]),
+             kernel_code={k: dataclasses.astuple(v) for k, v in code.items()})
+  rec.update(analyse(text, item, layers, cts, code))
   return rec
 
 
@@ -1561,14 +1700,16 @@ def hlo_path(item: dict) -> pathlib.Path:
       f"{item['program']}_{pathlib.Path(item['recipe']).stem}.hlo")
 
 
-def analyse(text: str, item: dict, layers, cts) -> dict:
-  """GEMM records, kernel summary and roofline of one optimized module."""
+def analyse(text: str, item: dict, layers, cts,
+            code: dict[str, KernelCode] | None = None) -> dict:
+  """GEMM records, kernel summary and roofline of one optimized module (with
+  the kernels' ``code``, the issue roof too)."""
   comps = parse_module(text)
   quantized = item["recipe"] not in ("bf16", "fp16")
   gemms = describe(comps, layers, quantized, cts, TARGETS[item["target"]])
   return {"gemms": gemms, "kernels": summarize_kernels(
               [g for g in gemms if g["role"] not in ("other", "attention")]),
-          "roofline": roofline(comps, TARGETS[item["target"]])}
+          "roofline": roofline(comps, TARGETS[item["target"]], code)}
 
 
 def reparse(records: list[dict], hlo_dir: str) -> list[dict]:
@@ -1585,7 +1726,9 @@ def reparse(records: list[dict], hlo_dir: str) -> list[dict]:
           _, _, layers, cts = layer_program(rec["recipe"], **rec["layer"])
         else:
           _, _, layers, cts = block_program(rec["recipe"], **rec["block"])
-        rec.update(analyse(path.read_text(), item, layers, cts))
+        code = rec.get("kernel_code")
+        rec.update(analyse(path.read_text(), item, layers, cts, code and {
+            k: KernelCode(*v) for k, v in code.items()}))
         rec.setdefault("formats", recipe_formats(rec["recipe"]))
     out.append(rec)
   return out
@@ -1663,18 +1806,20 @@ def markdown(records: list[dict]) -> str:
             "recipe's formats and no extra pass; of ideal = ideal time / "
             f"model time. +launches: {LAUNCH_US:g} us charged per kernel "
             "(XLA:GPU's kKernelLaunchOverhead), the ideal with BF16's "
-            "kernels.", ""]
+            "kernels. issue us: what the issue roof (each kernel's PTX "
+            "instructions over its threads) adds to the bytes of the "
+            "kernels it binds; included in model us.", ""]
     out += mdtable.head(["recipe", "GEMM kernels", "kernels", "GEMM GFLOP",
                          "bytes MiB", "XLA GFLOP", "XLA MiB",
-                         "model us", "model GEMM us", "vs bf16",
+                         "model us", "issue us", "model GEMM us", "vs bf16",
                          "ideal vs bf16", "of ideal", "+launches vs bf16",
                          "+launches of ideal", "compile s"],
-                        "llrrrrrrrrrrrrr")
+                        "llrrrrrrrrrrrrrr")
     base = next((r for r in recs if r["recipe"] == "bf16" and
                  r["status"] == "ok"), None)
     for r in recs:
       if r["status"] != "ok":
-        out.append(mdtable.row(r["recipe"], "failed", *([None] * 12),
+        out.append(mdtable.row(r["recipe"], "failed", *([None] * 13),
                                f"{r['compile_s']:.1f}"))
         continue
       rf, xc = r["roofline"], r["xla_cost"]
@@ -1693,7 +1838,9 @@ def markdown(records: list[dict]) -> str:
           r["recipe"], r["kernels"] or "-", rf["kernels"],
           f"{rf['gemm_flops'] / 1e9:.1f}", _mb(rf["bytes"]),
           fmt(xc["flops"], 1e9), fmt(xc["bytes"], 2**20),
-          f"{rf['time_us']:.0f}", f"{rf['gemm_time_us']:.0f}", ratio,
+          f"{rf['time_us']:.0f}",
+          f"{rf['issue_extra_us']:.0f}" if rf.get("issue") else "n/a",
+          f"{rf['gemm_time_us']:.0f}", ratio,
           *ideal_cells, f"{r['compile_s']:.1f}"))
     out.append("")
   return "\n".join(out)

@@ -367,6 +367,86 @@ def test_roofline_counts_kernels_and_takes_the_slower_bound():
   assert rf["time_us"] > rf["gemm_time_us"]
 
 
+# A kernel's PTX as XLA:GPU dumps it: one entry, a loop (a branch back to
+# an earlier label), integer and float instructions, directives.
+PTX = """
+.version 8.7
+.target sm_100a
+.address_size 64
+
+.visible .entry loop_convert_fusion(
+	.param .u64 loop_convert_fusion_param_0
+)
+.reqntid 128, 1, 1
+{
+	.reg .b32 	%r<9>;
+	.reg .f32 	%f<4>;
+	.reg .pred 	%p<2>;
+	mov.u32 	%r1, %tid.x;
+$L__BB0_1:
+	shf.l.wrap.b32 	%r2, %r1, %r1, 13;
+	xor.b32 	%r3, %r2, %r1;
+	add.s32 	%r4, %r3, 1;
+	mul.rn.f32 	%f1, %f2, %f3;
+	setp.lt.u32 	%p1, %r4, 64;
+	@%p1 bra 	$L__BB0_1;
+	ret;
+}
+"""
+
+THUNKS = """001: kCustomKernel [source        | next=002 (1)  ] loop_convert_fusion grid: [256, 2, 1] threads: [128, 1, 1]  shared_memory: 0 bytes
+002: kCuDnn        [prev=001 (1)  | next=003 (1)  ] kCuDnn
+"""
+
+THUNK_METADATA = """thunk_metadata {
+  thunk_info {
+    profile_annotation: "loop_convert_fusion"
+    thunk_id: 1
+  }
+  thunk_kind: "kCustomKernel"
+}
+"""
+
+
+def test_ptx_counts_a_kernels_instructions_and_finds_its_loops():
+  total, integer, loops = gc.parse_ptx(PTX)["loop_convert_fusion"]
+  # mov, shf, xor, add, mul, setp, bra, ret; shf, xor and add are integer.
+  assert (total, integer, loops) == (8, 3, True)
+  straight = PTX.replace("\t@%p1 bra \t$L__BB0_1;\n", "")
+  assert gc.parse_ptx(straight)["loop_convert_fusion"] == (7, 3, False)
+
+
+def test_issue_roof_charges_a_kernel_its_instructions(tmp_path):
+  (tmp_path / "module_0001.jit_step.1.ptx").write_text(PTX)
+  (tmp_path / "module_0001.jit_step.thunk_sequence.txt").write_text(THUNKS)
+  (tmp_path / "module_0001.jit_step.thunk_metadata.txt").write_text(
+      THUNK_METADATA)
+  code = gc.kernel_code(tmp_path)
+  assert code == {"loop_convert_fusion": gc.KernelCode(
+      "loop_convert_fusion", 256 * 2 * 128, 8, 3, True)}
+  h200 = gc.TARGETS["h200"]
+  clocks = max(8 / gc.ISSUE_PER_CLOCK, 3 / gc.INTEGER_PER_CLOCK)
+  assert gc.issue_s(code["loop_convert_fusion"], h200) == pytest.approx(
+      65536 * clocks / (132 * 1.98e9))
+  comps = gc.parse_module(CUBLAS_F8)
+  plain = gc.roofline(comps, h200)
+  assert "issue" not in plain
+  # Instructions enough to outlast the quantize fusion's bytes: charged.
+  heavy = {"loop_convert_fusion": gc.KernelCode(
+      "loop_convert_fusion", 256 * 512, 4000, 0, False)}
+  rf = gc.roofline(comps, h200, heavy)
+  quant_bytes = 256 * 512 * 2 + 4 + 256 * 512
+  extra = (gc.issue_s(heavy["loop_convert_fusion"], h200)
+           - quant_bytes / 4.8e12) * 1e6
+  assert extra > 0
+  assert rf["issue_extra_us"] == pytest.approx(extra)
+  assert rf["time_us"] == pytest.approx(plain["time_us"] + extra)
+  assert [k["hlo"] for k in rf["issue_bound"]] == ["loop_convert_fusion"]
+  # A light kernel stays at its bytes.
+  assert gc.roofline(comps, h200, code)["time_us"] == pytest.approx(
+      plain["time_us"])
+
+
 def test_describe_marks_emulation_and_records_passes():
   text = CUBLAS_F8.replace('"__cublas$lt$matmul$f8"', '"__cublas$lt$matmul"')
   text = text.replace("f8e4m3fn[256,512]{1,0} fusion(%x.1, %sa.1)",
