@@ -47,7 +47,7 @@ format's max in integer steps, its reciprocal by PTX ``rcp.rn.f32``), and
 `fp4_cast_transpose` makes MXFP4's two copies, each packed two E2M1 codes
 per byte along its own contraction axis, where XLA makes each in four
 passes (block amax, scale, unpacked codes, packing). With stochastic
-rounding each copy draws, in the kernel, the uniforms `qlayers.formats`
+rounding each copy draws, in the kernel, the random bytes `qlayers.formats`
 draws from its key (`qlayers.threefry`), so no random-bits array is
 written or read.
 
@@ -145,8 +145,7 @@ def _saturating_cast(v, fmt: Format):
     sign = jax.lax.bitcast_convert_type(
         jax.lax.bitcast_convert_type(v, jnp.uint32) & jnp.uint32(0x80000000),
         jnp.float32)
-    v = formats.round_on_grid(jnp.where(jnp.isnan(v), sign, v), fmt,
-                              rint=formats.rint_by_floor)
+    v = formats.round_on_grid(jnp.where(jnp.isnan(v), sign, v), fmt)
     return v.astype(jnp.float8_e4m3fn)
   v = jnp.where(jnp.isnan(v), v, jnp.minimum(jnp.maximum(v, -fmt.max),
                                              fmt.max))
@@ -741,14 +740,14 @@ def _fp4_kernel(*refs, rule: str, stochastic: bool, hadamard=(0, 0)):
                                      (s_ref, st_ref))):
     u = None
     if stochastic:
-      # Each copy draws the uniforms of its own places (`threefry`), in its
-      # own layout (the t.T copy's transposed): a transpose after the 20
+      # Each copy draws the random bytes of its own places (`threefry`), in
+      # its own layout (the t.T copy's transposed): a transpose after the 20
       # rounds makes Triton's layout passes replay them (its sm_100 compile
       # then exhausts host memory).
       row, col, width = ((i + down, (j >> 3) + across, cols >> 3) if c == 0
                          else (j + down, (i >> 3) + across, rows >> 3))
-      u = threefry.uniforms_at(key_ref[2 * c], key_ref[2 * c + 1], row, col,
-                               width)
+      u = threefry.bytes_at(key_ref[2 * c], key_ref[2 * c + 1], row, col,
+                            width)
     mult, code = _pow2_multiplier(jnp.max(_fp32_bits(y), axis=1,
                                           keepdims=True), formats.E2M1, rule)
     q[...] = _pack_rows(_e2m1_codes(y * mult, u))
@@ -766,7 +765,7 @@ def fp4_cast_transpose(t: jax.Array, rule: str = "mx_rceil", *,
   `qlayers.scaling.quantize` of ``t`` along axis 1; ``qt (C, R / 2)`` with
   ``st (C, R / 32)`` is that of ``t.T`` along axis 1 (the copy packed along
   ``t``'s rows, as the GEMM contracting them takes it). With ``keys``
-  each copy rounds stochastically with the uniforms
+  each copy rounds stochastically with the random bytes
   `qlayers.formats.round_to_format` draws from its key. ``hadamard``: the
   block sizes of `qlayers.hadamard.transform` applied to each copy first
   (``q``'s along ``t``'s columns, ``qt``'s along its rows; 0: none), as the
@@ -874,11 +873,11 @@ def _nvfp4_blocks(mag_max, levels, interpret: bool):
           jnp.where(finite, e4m3, jnp.nan).astype(jnp.float8_e4m3fn))
 
 
-def _e2m1_codes(x, u=None):
+def _e2m1_codes(x, r=None):
   """`qlayers.formats.cast` of FP32 ``x`` to E2M1 codes (uint32), rounding
-  to nearest even, or stochastically with uniforms ``u``, in a kernel."""
-  grid = formats.round_on_grid(x, formats.E2M1, u, rint=formats.rint_by_floor)
-  return formats.encode(grid, formats.E2M1).astype(jnp.uint32)
+  to nearest even, or stochastically with random bytes ``r``, in a
+  kernel."""
+  return formats.grid_codes(x, formats.E2M1, r)
 
 
 def _fp32_bits(v):
@@ -970,12 +969,12 @@ def _nvfp4_kernel(*refs, square: bool, hadamard: bool, stochastic: bool,
       g, k, c = (jax.lax.broadcasted_iota(jnp.uint32,
                                           (n, b, width // eighth), a)
                  for a in range(3))
-      u = threefry.uniforms_at(key_ref[0], key_ref[1], i0 + g * b + k,
-                               (j0 >> 3) + c, cols >> 3)
+      u = threefry.bytes_at(key_ref[0], key_ref[1], i0 + g * b + k,
+                            (j0 >> 3) + c, cols >> 3)
       g, c, k = (jax.lax.broadcasted_iota(jnp.uint32, (n, width, b // eighth),
                                           a) for a in range(3))
-      u_t = threefry.uniforms_at(key_ref[2], key_ref[3], j0 + c,
-                                 ((i0 + g * b) >> 3) + k, rows >> 3)
+      u_t = threefry.bytes_at(key_ref[2], key_ref[3], j0 + c,
+                              ((i0 + g * b) >> 3) + k, rows >> 3)
     q_ref[...] = _pack_last(_e2m1_codes(v * mult, u))
     s_ref[...] = e4m3
     # The copy of t.T (of its transform) along the rows: [g, c, k].

@@ -42,7 +42,7 @@ __all__ = [
     "saturate",
     "round_to_format",
     "round_on_grid",
-    "rint_by_floor",
+    "grid_codes",
     "cast",
     "encode",
     "decode",
@@ -203,53 +203,81 @@ def round_to_format(x: jax.Array, fmt: Format | str, *,
   """Rounds ``x`` (float32) onto the value grid of ``fmt``, saturating.
 
   Round-to-nearest-even without ``key``; with ``key``, stochastic rounding:
-  each value rounds up with probability equal to its distance from the grid
-  point below, divided by the spacing, to 8 bits (`qlayers.threefry`: within
-  1/512 of it, and unbiased on average over the values between two grid
-  points). The result is float32 holding exactly representable values, so a
-  later ``astype`` to the format's dtype (or `encode`) is exact.
+  each magnitude rounds up with probability equal to its distance from the
+  grid point below, divided by the spacing, to 8 bits (`qlayers.threefry`:
+  within 1/512 of it, and unbiased on average over the values between two
+  grid points). The result is float32 holding exactly representable values,
+  so a later ``astype`` to the format's dtype (or `encode`) is exact.
 
   Example:
     >>> round_to_format(jnp.array([0.25, 0.75, 2.6, 9.0]), "e2m1")
     Array([0., 1., 3., 6.], dtype=float32)
   """
   fmt = get_format(fmt)
-  u = None if key is None else threefry.uniforms(key, x.shape)
-  return round_on_grid(x, fmt, u)
+  r = None if key is None else threefry.random_bytes(key, x.shape)
+  return round_on_grid(x, fmt, r)
 
 
-def round_on_grid(x: jax.Array, fmt: Format, u: jax.Array | None = None, *,
-                  rint=jnp.round) -> jax.Array:
-  """`round_to_format` of ``x`` given its uniform numbers ``u`` in [0, 1)
-  (None: round to nearest even), with ``rint``, an FP32 round-half-to-even
-  to integers, as a parameter: a GPU kernel that has no ``lax.round`` passes
-  `rint_by_floor`. Only exact operations besides that rounding (the spacing
-  is a power of two), so any caller gets the same bits."""
+def _grid_steps(x: jax.Array, fmt: Format, r: jax.Array | None):
+  """``x`` saturated and rounded as ``sign * k * 2**(e - mbits)``: its sign
+  bit (uint32, in place), the number of grid steps ``k`` (uint32) and the
+  exponent ``e`` (int32).
+
+  ``fmt``'s spacing at ``|x|`` is ``2**(e - mbits)``, ``e = max(exponent of
+  x, emin)``, so ``|x|`` is ``y = |x| * 2**(mbits - e)`` steps, exactly (a
+  power-of-two product), and ``y < 2**(mbits + 1)``. To nearest even:
+  FP32 addition's own rounding, ``y + 2**23`` (its bits less those of
+  ``2**23`` are the integer). Up with probability ``frac(y)``, given a
+  random byte ``b``: ``floor(y + (2b + 1) / 512)``, exactly ``(floor(512
+  y) + 2b + 1) >> 9``. Mostly FP32 arithmetic, so a GPU kernel spends
+  few of its integer instructions on it."""
   x = saturate(x.astype(jnp.float32), fmt)
-  e = jnp.maximum(_f32_exponent(x), fmt.emin)
-  y = x * _pow2(fmt.mbits - e)  # x / spacing, exactly
-  r = rint(y) if u is None else jnp.floor(y + u)
-  return saturate(r * _pow2(e - fmt.mbits), fmt)
+  bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+  sign = bits & jnp.uint32(0x80000000)
+  e = jnp.maximum(((bits >> 23) & 0xFF).astype(jnp.int32) - 127, fmt.emin)
+  y = jnp.abs(x) * _pow2(fmt.mbits - e)
+  if r is None:
+    k = jax.lax.bitcast_convert_type(y + 2.0**23, jnp.uint32) - jnp.uint32(
+        0x4B000000)
+  else:
+    k = (jnp.floor(y * 512.0).astype(jnp.uint32)
+         + 2 * jnp.asarray(r, jnp.uint32) + 1) >> 9
+  return sign, k, e
 
 
-def rint_by_floor(y: jax.Array) -> jax.Array:
-  """``lax.round(y)`` (half to even, the sign of zero kept) for FP32 ``y``
-  from ``floor`` and exact arithmetic (the fraction ``|y| - floor |y|`` is
-  exact), for kernels without a round instruction. Not ``(|y| + 1.5 *
-  2**23) - 1.5 * 2**23``: XLA may fold that sum back to ``|y|``.
+def round_on_grid(x: jax.Array, fmt: Format,
+                  r: jax.Array | None = None) -> jax.Array:
+  """`round_to_format` of ``x`` given its random bytes ``r`` (uint32 in
+  [0, 256), `qlayers.threefry`; None: round to nearest even). Integer and
+  exact operations only, so XLA and a GPU kernel get the same bits; NaN
+  stays NaN.
 
   Example:
-    >>> rint_by_floor(jnp.array([2.5, -3.5, -0.25, 0.75]))
-    Array([ 2., -4., -0.,  1.], dtype=float32)
+    >>> round_on_grid(jnp.array([0.75, -2.5, 5.0]), E2M1)
+    Array([ 1., -2.,  4.], dtype=float32)
   """
-  a = jnp.abs(y)
-  f = jnp.floor(a)
-  d = a - f
-  odd = f - 2.0 * jnp.floor(f * 0.5) == 1.0
-  r = f + ((d > 0.5) | ((d == 0.5) & odd)).astype(jnp.float32)
-  sign = jax.lax.bitcast_convert_type(y, jnp.uint32) & jnp.uint32(0x80000000)
-  return jax.lax.bitcast_convert_type(
-      jax.lax.bitcast_convert_type(r, jnp.uint32) | sign, jnp.float32)
+  sign, k, e = _grid_steps(x, fmt, r)
+  v = jax.lax.bitcast_convert_type(
+      k.astype(jnp.float32) * _pow2(e - fmt.mbits), jnp.uint32) | sign
+  return jnp.where(jnp.isnan(x), x, jax.lax.bitcast_convert_type(
+      v, jnp.float32))
+
+
+def grid_codes(x: jax.Array, fmt: Format,
+               r: jax.Array | None = None) -> jax.Array:
+  """``encode(round_on_grid(x, fmt, r), fmt)`` as uint32 codes, without the
+  float round trip: a magnitude of ``k`` steps at exponent ``e`` is code
+  ``k + (e - emin) * 2**mbits`` (a rounding up to the next binade carries
+  into the exponent field). NaN gives its signed zero's code.
+
+  Example:
+    >>> grid_codes(jnp.array([0.75, -2.5, 5.0]), E2M1)
+    Array([ 2, 12,  6], dtype=uint32)
+  """
+  sign, k, e = _grid_steps(x, fmt, r)
+  sign = sign >> (32 - fmt.bits)
+  code = sign | (k + ((e - fmt.emin).astype(jnp.uint32) << fmt.mbits))
+  return jnp.where(jnp.isnan(x), sign, code)
 
 
 def rounding_key(seed: jax.Array, step: jax.Array) -> jax.Array:
@@ -257,12 +285,12 @@ def rounding_key(seed: jax.Array, step: jax.Array) -> jax.Array:
   the Threefry-2x32 key whose two words are ``(seed, step)``.
 
   Made of the two counters alone (never of the data); the bits drawn from
-  it (`qlayers.threefry.uniforms`) are a function of each element's place
-  alone, so a sharded operand rounds as the same operand on one device
-  does. Distinct
-  ``(seed, step)`` pairs are distinct keys; Threefry hashes the key with
-  each counter, so nothing is hashed here (`jax.random.key` takes a seed
-  as key words the same way), and on a GPU no kernel runs to make it.
+  it (`qlayers.threefry.random_bytes`) are a function of each element's
+  place alone, so a sharded operand rounds as the same operand on one
+  device does. Distinct ``(seed, step)`` pairs are distinct keys; Threefry
+  hashes the key with each counter, so nothing is hashed here
+  (`jax.random.key` takes a seed as key words the same way), and on a GPU
+  no kernel runs to make it.
 
   Example:
     >>> k = rounding_key(jnp.uint32(3), jnp.uint32(5))
@@ -302,7 +330,8 @@ def cast(x: jax.Array, fmt: Format | str, *,
     raise ValueError("E8M0 holds scales: use scaling.mx_scale_codes, not "
                      "cast().")
   if fmt.packed:
-    return encode(round_to_format(x, fmt, key=key), fmt)
+    r = None if key is None else threefry.random_bytes(key, x.shape)
+    return grid_codes(x, fmt, r).astype(jnp.uint8)
   if key is None:
     # XLA's convert rounds to nearest even; saturating first avoids NaN/Inf.
     y = saturate(x, fmt)

@@ -1,13 +1,15 @@
-"""Stochastic rounding's uniform numbers, eight to a Threefry-2x32 hash, as
+"""Stochastic rounding's random bytes, eight to a Threefry-2x32 hash, as
 elementwise arithmetic that XLA and a GPU kernel run alike.
 
 The element at flat index ``i`` of an array draws byte ``i % 8`` of the
 Threefry-2x32 hash of the key and the 64-bit counter ``i // 8`` (bytes 0-3:
-the first output word's, low byte first; 4-7: the second's), and rounds
-with ``(byte + 1/2) / 256``. `uniforms` draws them for a whole array (the
-XLA path of `qlayers.formats.round_to_format`); `uniforms_at` for the
-elements a kernel holds (`qlayers.cast_transpose`), so the kernel rounds
-with the bits XLA would draw, without a random-bits array in memory.
+the first output word's, low byte first; 4-7: the second's), and its
+magnitude rounds up when its fraction of a grid step plus ``(byte + 1/2) /
+256`` reaches one (`qlayers.formats.round_on_grid`). `random_bytes` draws
+them for a whole array (the XLA path of `qlayers.formats.round_to_format`);
+`bytes_at` for the elements a kernel holds (`qlayers.cast_transpose`), so
+the kernel rounds with the bits XLA would draw, without a random-bits array
+in memory.
 
 Eight bits per element is what Blackwell's own stochastic conversions take
 (PTX ``cvt.rs.satfinite`` to FP8/FP6/FP4 vectors: one 32-bit word of random
@@ -31,8 +33,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-__all__ = ["BYTES", "key_words", "hash_words", "counter_words",
-           "uniforms_at", "uniforms"]
+__all__ = ["BYTES", "key_words", "hash_words", "counter_words", "bytes_at",
+           "random_bytes"]
 
 # Elements per hash: one byte each of its two 32-bit output words.
 BYTES = 8
@@ -121,44 +123,43 @@ def counter_words(row, col, width) -> tuple[jax.Array, jax.Array]:
 
 
 def _spread(x0, x1) -> jax.Array:
-  """Hash words ``(..., m)`` -> the FP32 uniforms ``(..., 8 m)`` of their
-  bytes, in the element order of the module docstring."""
+  """Hash words ``(..., m)`` -> their bytes ``(..., 8 m)`` (uint32), in the
+  element order of the module docstring."""
   shape = x0.shape[:-1] + (x0.shape[-1], BYTES)
   byte = jax.lax.broadcasted_iota(jnp.uint32, shape, len(shape) - 1)
   word = jnp.where(byte < 4, x0[..., None], x1[..., None])
   bits = (word >> ((byte & 3) * 8)) & jnp.uint32(0xFF)
-  u = bits.astype(jnp.float32) * (1.0 / 256.0) + (0.5 / 256.0)  # exact
-  return u.reshape(x0.shape[:-1] + (x0.shape[-1] * BYTES,))
+  return bits.reshape(x0.shape[:-1] + (x0.shape[-1] * BYTES,))
 
 
-def uniforms_at(k0, k1, row, col, width) -> jax.Array:
-  """The uniforms of the elements ``8 col`` to ``8 col + 7`` of row ``row``
-  of a 2-D array of ``8 width`` columns, under key words ``k0, k1``
-  (`key_words`): for ``row, col`` of shape ``(..., m)``, an FP32 array
-  ``(..., 8 m)`` in [0, 1), what `uniforms` draws there.
+def bytes_at(k0, k1, row, col, width) -> jax.Array:
+  """The random bytes of the elements ``8 col`` to ``8 col + 7`` of row
+  ``row`` of a 2-D array of ``8 width`` columns, under key words ``k0, k1``
+  (`key_words`): for ``row, col`` of shape ``(..., m)``, a uint32 array
+  ``(..., 8 m)`` in [0, 256), what `random_bytes` draws there.
 
   Example:
     >>> key = jax.random.key(7)
     >>> rows = jax.lax.broadcasted_iota(jnp.uint32, (3, 2), 0)
     >>> cols = jax.lax.broadcasted_iota(jnp.uint32, (3, 2), 1)
-    >>> u = uniforms_at(*key_words(key), rows, cols, 2)
-    >>> bool((u == uniforms(key, (3, 16))).all())
+    >>> b = bytes_at(*key_words(key), rows, cols, 2)
+    >>> bool((b == random_bytes(key, (3, 16))).all())
     True
   """
   return _spread(*hash_words(k0, k1, *counter_words(row, col, width)))
 
 
-def uniforms(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-  """Stochastic rounding's FP32 uniforms in [0, 1) for an array of
-  ``shape`` under a PRNG ``key`` (module docstring): byte ``i % 8`` of the
-  hash of counter ``i // 8`` for the element at flat index ``i``. Drawn
+def random_bytes(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """Stochastic rounding's random bytes (uint32 in [0, 256)) for an array
+  of ``shape`` under a PRNG ``key`` (module docstring): byte ``i % 8`` of
+  the hash of counter ``i // 8`` for the element at flat index ``i``. Drawn
   along the last axis, so each shard of an array sharded by its rows or
   its columns draws its own.
 
   Example:
-    >>> u = uniforms(jax.random.key(0), (4, 32))
-    >>> u.shape, bool((u > 0).all() & (u < 1).all())
-    ((4, 32), True)
+    >>> b = random_bytes(jax.random.key(0), (4, 32))
+    >>> b.shape, b.dtype, bool((b < 256).all())
+    ((4, 32), dtype('uint32'), True)
   """
   shape = tuple(int(d) for d in shape)
   k0, k1 = key_words(key)
@@ -166,14 +167,14 @@ def uniforms(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   if not shape or shape[-1] % BYTES:  # the flat array, padded to 8s
     width = -(-size // BYTES)
     if width >= 2**32:
-      raise ValueError(f"uniforms counts {shape} in 32-bit columns; reshape "
+      raise ValueError(f"random_bytes counts {shape} in 32-bit columns; "
+                       f"reshape "
                        f"its last axis to a multiple of {BYTES}.")
     col = jnp.arange(width, dtype=jnp.uint32)
-    return uniforms_at(k0, k1, jnp.uint32(0), col, width)[:size].reshape(
-        shape)
+    return bytes_at(k0, k1, jnp.uint32(0), col, width)[:size].reshape(shape)
   lead = shape[:-1]
   if math.prod(lead) >= 2**32:
-    raise ValueError(f"uniforms counts the rows of {shape} in 32 bits; "
+    raise ValueError(f"random_bytes counts the rows of {shape} in 32 bits; "
                      f"got {math.prod(lead)} rows.")
   width = shape[-1] // BYTES
   grid = lead + (width,)
@@ -182,4 +183,4 @@ def uniforms(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     row = row * jnp.uint32(d) + jax.lax.broadcasted_iota(jnp.uint32, grid,
                                                          axis)
   col = jax.lax.broadcasted_iota(jnp.uint32, grid, len(grid) - 1)
-  return uniforms_at(k0, k1, row, col, width)
+  return bytes_at(k0, k1, row, col, width)

@@ -599,7 +599,8 @@ def test_nvfp4_copies_are_quantize_of_t_and_t_transposed_bit_for_bit(
         assert got.dtype == want.dtype and got.shape == want.shape
         np.testing.assert_array_equal(_bits(got), _bits(want))
       nearest = q if nearest is None else nearest
-    assert (np.asarray(q) != np.asarray(nearest)).mean() > 0.1  # it rounded
+    if amaxes[0] is None or np.isfinite(amaxes[0]):  # else NaN payloads
+      assert (np.asarray(q) != np.asarray(nearest)).mean() > 0.1  # it rounded
   assert np.isnan(np.asarray(s, np.float32)).all()  # Inf tensor amax
   for data in (t, inf, t.at[60, 90].set(jnp.nan)):
     got = ct.nvfp4_amaxes(data, interpret=True)

@@ -209,21 +209,60 @@ def test_pack_matches_reference_and_round_trips(fmt, seed):
   np.testing.assert_array_equal(np.asarray(unpack(packed)), codes)
 
 
-def test_rint_by_floor_is_round_half_even_bit_for_bit():
-  """The kernels' rounding equals lax.round under jit (ties, -0, huge,
-  Inf, NaN), and round_on_grid with it equals round_to_format."""
-  y = np.concatenate([
-      np.arange(-8.0, 8.0, 0.125, dtype=np.float32),
-      np.float32([-0.0, 0.0, 2**22 + 0.5, -(2**23) - 1.0, 1e30, -np.inf,
-                  np.inf, np.nan, 0.49999997, 1.5000001]),
-      np.random.default_rng(0).standard_normal(4096).astype(np.float32) * 9])
-  got = jax.jit(F.rint_by_floor)(y)
-  want = jax.jit(jnp.round)(y)
-  np.testing.assert_array_equal(np.asarray(got).view(np.uint32)[~np.isnan(y)],
-                                np.asarray(want).view(np.uint32)[~np.isnan(y)])
-  assert np.isnan(np.asarray(got)[np.isnan(y)]).all()
-  for fmt in ("e2m1", "e3m2", "e4m3"):
-    grid = jax.jit(lambda v, f=fmt: F.round_on_grid(
-        v, F.get_format(f), rint=F.rint_by_floor))(y)
-    np.testing.assert_array_equal(
-        np.asarray(grid), np.asarray(F.round_to_format(y, fmt)))
+def _edge_values():
+  """Every FP32 class at each format's scale: ties, -0, subnormals, huge,
+  Inf, NaN, random bit patterns and normals over a wide range."""
+  rng = np.random.default_rng(0)
+  return np.concatenate([
+      np.arange(-8.0, 8.0, 1 / 64, dtype=np.float32),
+      np.float32([-0.0, 0.0, 1e-40, -1e-45, 2**22 + 0.5, 1e30, -np.inf,
+                  np.inf, np.nan, 0.49999997, 1.5000001, 447.99, 449.0,
+                  57344.0, 5.0, 0.25, 0.75, -0.25]),
+      rng.integers(0, 2**32, 20_000, dtype=np.uint64).astype(
+          np.uint32).view(np.float32),
+      (rng.standard_normal(20_000) * np.exp(rng.uniform(-20, 20, 20_000))
+       ).astype(np.float32)])
+
+
+@pytest.mark.parametrize("fmt", ["e2m1", "e3m2", "e2m3", "e4m3", "e5m2"])
+def test_integer_rounding_is_round_half_even_bit_for_bit(fmt):
+  """round_on_grid's integer steps equal ml_dtypes' round to nearest even
+  (after saturation) for every class of input, and grid_codes equal the
+  codes of those values."""
+  f = F.get_format(fmt)
+  y = _edge_values()
+  for scale in (1.0, 2.0**-6, 2.0**-12):
+    with np.errstate(invalid="ignore"):  # the random bits' signalling NaNs
+      v = y * np.float32(scale)
+    got = np.asarray(jax.jit(lambda a: F.round_on_grid(a, f))(v))
+    sat = np.clip(v, -f.max, f.max)
+    want = sat.astype(f.np_dtype).astype(np.float32)
+    finite = ~np.isnan(v)
+    np.testing.assert_array_equal(got.view(np.uint32)[finite],
+                                  want.view(np.uint32)[finite])
+    assert np.isnan(got[~finite]).all()
+    if f.packed:
+      codes = np.asarray(jax.jit(lambda a: F.grid_codes(a, f))(v))
+      np.testing.assert_array_equal(codes, np.asarray(
+          F.encode(jnp.asarray(got), f)))
+
+
+@pytest.mark.parametrize("fmt", ["e2m1", "e3m2", "e4m3", "e5m2"])
+def test_stochastic_rounding_is_the_exact_floor_of_magnitude_plus_byte(fmt):
+  """With random bytes b, |x| rounds to floor(|x| / step + (2b + 1) / 512)
+  steps, exactly (in float64 here), its sign kept."""
+  f = F.get_format(fmt)
+  y = _edge_values()
+  y = y[np.isfinite(y)] * np.float32(2.0**-4)  # ties and subnormals too
+  r = np.random.default_rng(1).integers(0, 256, y.shape).astype(np.uint32)
+  got = np.asarray(jax.jit(lambda a, b: F.round_on_grid(a, f, b))(y, r))
+  a = np.abs(np.clip(y.astype(np.float64), -f.max, f.max))
+  e = np.maximum(np.floor(np.log2(np.where(a == 0, 1.0, a))), f.emin)
+  step = 2.0 ** (e - f.mbits)
+  want = np.copysign(np.floor(a / step + (2 * r + 1) / 512.0) * step, y)
+  np.testing.assert_array_equal(got.astype(np.float64), want)
+  np.testing.assert_array_equal(np.signbit(got), np.signbit(y))
+  if f.packed:
+    codes = np.asarray(jax.jit(lambda a, b: F.grid_codes(a, f, b))(y, r))
+    np.testing.assert_array_equal(codes, np.asarray(
+        F.encode(jnp.asarray(got), f)))

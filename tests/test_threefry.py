@@ -1,4 +1,5 @@
-"""qlayers/threefry.py: stochastic rounding's uniforms, eight to a hash."""
+"""qlayers/threefry.py: stochastic rounding's random bytes, eight to a
+hash."""
 
 import jax
 import jax.numpy as jnp
@@ -18,9 +19,9 @@ def _jax_hash(key, c0, c1):
 
 
 def _reference(key, size, first=0):
-  """The uniforms of flat indices ``first .. first + size - 1``, spelled
-  out: byte ``i % 8`` of JAX's hash of counter ``i // 8``, low byte of the
-  first word first, as ``(byte + 1/2) / 256``."""
+  """The bytes of flat indices ``first .. first + size - 1``, spelled out:
+  byte ``i % 8`` of JAX's hash of counter ``i // 8``, low byte of the first
+  word first."""
   i = np.arange(first, first + size, dtype=np.uint64)
   counter = i // 8
   x0, x1 = (np.asarray(w, np.uint64) for w in _jax_hash(
@@ -28,8 +29,7 @@ def _reference(key, size, first=0):
       (counter & 0xFFFFFFFF).astype(np.uint32)))
   byte = (i % 8).astype(np.uint64)
   word = np.where(byte < 4, x0, x1)
-  bits = (word >> ((byte % 4) * 8)) & 0xFF
-  return (bits.astype(np.float32) + 0.5) / 256
+  return ((word >> ((byte % 4) * 8)) & 0xFF).astype(np.uint32)
 
 
 def test_hash_is_jax_threefry_bit_for_bit():
@@ -57,44 +57,47 @@ def test_counter_words_are_the_64_bit_product_and_sum():
 
 
 @pytest.mark.parametrize("shape", [(7,), (33, 65), (3, 40), (4, 8, 16)])
-def test_uniforms_are_eight_bytes_to_a_hash_at_each_flat_index(shape):
+def test_bytes_are_eight_to_a_hash_at_each_flat_index(shape):
   key = formats.rounding_key(jnp.uint32(3), jnp.uint32(77))
-  got = np.asarray(jax.jit(threefry.uniforms, static_argnums=1)(key, shape))
+  got = np.asarray(jax.jit(threefry.random_bytes, static_argnums=1)(key,
+                                                                    shape))
   np.testing.assert_array_equal(
       got.ravel(), _reference(key, int(np.prod(shape))))
 
 
-def test_uniforms_depend_on_the_flat_index_alone():
+def test_bytes_depend_on_the_flat_index_alone():
   # Any reshape of an array draws the same bits for each element.
   key = jax.random.key(5)
-  flat = np.asarray(threefry.uniforms(key, (1024,)))
+  flat = np.asarray(threefry.random_bytes(key, (1024,)))
   for shape in ((4, 8, 32), (32, 32), (2, 512), (1024, 1), (8, 128)):
     np.testing.assert_array_equal(
-        np.asarray(threefry.uniforms(key, shape)).ravel(), flat)
+        np.asarray(threefry.random_bytes(key, shape)).ravel(), flat)
 
 
-def test_uniforms_at_far_places_carry_into_the_counters_high_word():
+def test_bytes_at_far_places_carry_into_the_counters_high_word():
   # Rows of a 2**35-element gradient: the counters pass 2**32.
   key = jax.random.key(11)
   width = 2**15  # hashes per row: 2**18 columns
   row = jnp.array([[0], [2**17 - 1], [2**17 + 5]], jnp.uint32)
   col = jnp.array([[width - 2, width - 1]], jnp.uint32)
-  got = np.asarray(threefry.uniforms_at(*threefry.key_words(key), row, col,
-                                        width))
+  got = np.asarray(threefry.bytes_at(*threefry.key_words(key), row, col,
+                                     width))
   for r in range(3):
     first = (int(row[r, 0]) * width + int(col[0, 0])) * 8
     np.testing.assert_array_equal(got[r], _reference(key, 16, first))
 
 
-def test_uniforms_are_the_256_centred_levels_evenly():
-  u = np.asarray(threefry.uniforms(jax.random.key(2), (512, 512)))
-  levels = u * 256 - 0.5
-  np.testing.assert_array_equal(levels, np.round(levels))
-  counts = np.bincount(levels.astype(np.int64).ravel(), minlength=256)
-  expected = u.size / 256
+def test_bytes_are_even_over_their_256_values():
+  b = np.asarray(threefry.random_bytes(jax.random.key(2), (512, 512)))
+  assert b.dtype == np.uint32 and b.max() < 256
+  counts = np.bincount(b.ravel(), minlength=256)
+  expected = b.size / 256
   chi2 = ((counts - expected) ** 2 / expected).sum()
   assert chi2 < 350  # 255 degrees of freedom: mean 255, sd 22.6
-  assert abs(u.mean() - 0.5) < 1e-3
+  # Neighbouring bytes of one hash are unrelated.
+  pairs = b.reshape(-1, 8)
+  corr = np.corrcoef(pairs.T.astype(np.float64))[np.triu_indices(8, 1)]
+  assert np.abs(corr).max() < 0.02  # 32768 draws: |r| ~ 0.006
 
 
 def test_key_words_of_raw_threefry_and_other_keys():
@@ -109,9 +112,9 @@ def test_key_words_of_raw_threefry_and_other_keys():
     threefry.key_words(jnp.zeros((4,), jnp.uint32))
 
 
-def test_uniforms_refuse_counts_past_32_bit_rows():
+def test_bytes_refuse_counts_past_32_bit_rows():
   with pytest.raises(ValueError, match="rows of"):
-    jax.eval_shape(lambda k: threefry.uniforms(k, (2**16, 2**16, 8)),
+    jax.eval_shape(lambda k: threefry.random_bytes(k, (2**16, 2**16, 8)),
                    jax.random.key(0))
 
 
@@ -127,7 +130,8 @@ def test_rounding_keys_are_the_counters_and_draw_apart():
   with jax.default_prng_impl("rbg"):
     assert threefry.key_words(formats.rounding_key(1, 2)).tolist() == [1, 2]
   # Neighbouring seeds and steps draw unrelated uniforms.
-  draws = np.asarray(jax.vmap(lambda k: threefry.uniforms(k, (256,)))(keys))
+  draws = np.asarray(jax.vmap(lambda k: threefry.random_bytes(k, (256,)))(
+      keys)).astype(np.float64)
   assert len({d.tobytes() for d in draws}) == 16
   corr = np.corrcoef(draws)[np.triu_indices(16, 1)]
   assert np.abs(corr).max() < 0.3  # 256 draws: |r| of independent ~ 0.06
