@@ -69,6 +69,7 @@ import math
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -1640,13 +1641,31 @@ def first_line(err: BaseException | str) -> str:
   return (lines[0] if lines else type(err).__name__)[:300]
 
 
+class _KeptDir(contextlib.AbstractContextManager):
+  """A dump folder kept after use (`tempfile.TemporaryDirectory`'s
+  interface)."""
+
+  def __init__(self, path: pathlib.Path):
+    shutil.rmtree(path, ignore_errors=True)  # no other compile's kernels
+    path.mkdir(parents=True)
+    self.name = str(path)
+
+  def cleanup(self):
+    pass
+
+  def __exit__(self, *exc):
+    return None
+
+
 def compile_one(item: dict, device, targets_dir) -> dict:
   """Compiles one (target, triton, program, recipe) and describes it."""
   jax = _jax()
   target = TARGETS[item["target"]]
   opts = {} if item["triton"] else {"xla_gpu_enable_triton_gemm": False}
-  dump = tempfile.TemporaryDirectory(prefix="gpu_compile_")
   # The kernels' PTX and launch grids, for the issue roof (`kernel_code`).
+  dump = (_KeptDir(pathlib.Path(item["dump_dir"]) / hlo_path(
+      dict(item, hlo_dir=".")).stem) if item.get("dump_dir")
+          else tempfile.TemporaryDirectory(prefix="gpu_compile_"))
   opts.update(xla_dump_to=dump.name, xla_dump_hlo_module_re="jit_step")
   t0 = time.perf_counter()
   rec = dict(item)
@@ -2108,6 +2127,9 @@ def main(argv=None) -> int:
   p.add_argument("--json", help="write every record to this file")
   p.add_argument("--markdown", help="write the tables to this file")
   p.add_argument("--hlo-dir", help="keep each optimized HLO here")
+  p.add_argument("--dump-dir", help="keep each compile's XLA dump (PTX, "
+                 "thunk sequence) in a folder of its own here (emptied "
+                 "first)")
   p.add_argument("--timeout", type=float, default=3600,
                  help="seconds per worker process")
   p.add_argument("--reparse", nargs=2, metavar=("JSON", "HLO_DIR"),
@@ -2184,7 +2206,8 @@ def main(argv=None) -> int:
                 "recipe": r, "layer": layer,
                 "block": BLOCK_PRESETS.get(prog, block),
                 "host_arch": args.host_arch,
-                "targets_dir": str(targets_dir), "hlo_dir": args.hlo_dir}
+                "targets_dir": str(targets_dir), "hlo_dir": args.hlo_dir,
+                "dump_dir": args.dump_dir}
                for prog in programs for r in recipes]
       print(f"{t} Triton {tr}: {len(items)} compiles", flush=True)
       records += run_items(items, sys.executable, args.timeout,
