@@ -612,7 +612,7 @@ def _mx_call(shape: tuple[int, int], fmt: Format, rule: str, b: int,
                  jax.ShapeDtypeStruct((rows, cols // b), sdtype),
                  jax.ShapeDtypeStruct((cols, rows), payload[1]),
                  jax.ShapeDtypeStruct((cols, rows // b), sdtype)],
-      compiler_params=plt.CompilerParams(num_warps=4 if b <= 32 else 8),
+      compiler_params=plt.CompilerParams(num_warps=1 if b <= 32 else 8),
       interpret=interpret, name="qlayers_mx_cast_transpose")
 
 
@@ -834,7 +834,7 @@ def _fp4_call(shape: tuple[int, int], rule: str, stochastic: bool,
                  jax.ShapeDtypeStruct((rows, cols // b), jnp.uint8),
                  jax.ShapeDtypeStruct((cols, rows // 2), jnp.uint8),
                  jax.ShapeDtypeStruct((cols, rows // b), jnp.uint8)],
-      compiler_params=plt.CompilerParams(num_warps=4),
+      compiler_params=plt.CompilerParams(num_warps=1),
       interpret=interpret, name="qlayers_fp4_cast_transpose")
 
 
