@@ -7,7 +7,8 @@ block (`gpu_compile.block_program`) for ``--devices`` GPUs of a target under
 matrix's rows too (FSDP), the rest replicated. It reports, per recipe, the
 per-device program's kernels, its one-pass cast kernels (Pallas), the
 bytes of each collective, and the roofline model's time of the device's
-kernels (collectives counted as the bytes they move through memory), and
+kernels (collectives counted as the bytes they move through memory; the
+issue roof of `gpu_compile.roofline` included, ``issue us``), and
 the collectives' time on the target's NVLink (``link us``: each ring's
 traffic at the link's rate each way, no latency), which XLA's scheduler
 must hide behind the kernels for the model time to hold. A prediction,
@@ -26,6 +27,7 @@ import json
 import pathlib
 import re
 import sys
+import tempfile
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import gpu_compile as gc  # noqa: E402  pylint: disable=wrong-import-position
@@ -101,20 +103,25 @@ def compile_block(recipe: str, target: gc.Target, devices: int,
     # GPU host, a GPU). Deviceless, that is this target's first device.
     previous = jax.config.jax_default_device
     jax.config.update("jax_default_device", topo.devices[0])
-    try:
-      hlo = lowered.compile(
-          compiler_options={"xla_gpu_enable_triton_gemm": False}).as_text()
+    dump = tempfile.TemporaryDirectory(prefix="gpu_mesh_")
+    try:  # the dump: the kernels' PTX and grids, for the issue roof
+      hlo = lowered.compile(compiler_options={
+          "xla_gpu_enable_triton_gemm": False, "xla_dump_to": dump.name,
+          "xla_dump_hlo_module_re": "jit_step"}).as_text()
+      code = gc.kernel_code(dump.name)
     finally:
       jax.config.update("jax_default_device", previous)
+      dump.cleanup()
   comps = gc.parse_module(hlo)
-  roof = gc.roofline(comps, target)
+  roof = gc.roofline(comps, target, code)
   collectives = _collectives(hlo)
   return {"recipe": recipe, "target": target.name, "devices": devices,
           "cudnn": gc.installed_cudnn(), "kernels": roof["kernels"],
           "pallas": len(re.findall(r"__gpu\$xla\.gpu\.triton", hlo)),
           "collectives_mib": collectives,
           "link_us": link_us(collectives, devices, target),
-          "bytes_mib": roof["bytes"] / 2**20, "model_us": roof["time_us"]}
+          "bytes_mib": roof["bytes"] / 2**20, "model_us": roof["time_us"],
+          "issue_us": roof["issue_extra_us"]}
 
 
 def main() -> None:
@@ -141,8 +148,8 @@ def main() -> None:
              for r in a.recipes.split(",")]
   base = next((r for r in records if r["recipe"] == "bf16"), None)
   print(f"| recipe | kernels | Pallas | collectives MiB | link us | "
-        f"bytes MiB | model us | vs bf16 | +launches vs bf16 |\n"
-        f"|---|---:|---:|---|---:|---:|---:|---:|---:|")
+        f"bytes MiB | model us | issue us | vs bf16 | +launches vs bf16 |\n"
+        f"|---|---:|---:|---|---:|---:|---:|---:|---:|---:|")
   for r in records:
     coll = ", ".join(f"{k} {v:,.0f}" for k, v in
                      sorted(r["collectives_mib"].items()))
@@ -154,7 +161,8 @@ def main() -> None:
       vs_launched = f"{ratio:.2f}x"
     print(f"| {r['recipe']} | {r['kernels']} | {r['pallas']} | {coll} | "
           f"{r['link_us']:,.0f} | {r['bytes_mib']:,.0f} | "
-          f"{r['model_us']:,.0f} | {vs} | {vs_launched} |")
+          f"{r['model_us']:,.0f} | {r['issue_us']:,.0f} | {vs} | "
+          f"{vs_launched} |")
   if a.json:
     pathlib.Path(a.json).write_text(json.dumps(records, indent=1))
 
