@@ -135,12 +135,23 @@ def _payload_dtype(fmt: Format):
   return jnp.float8_e4m3fn if fmt.bits == 6 else fmt.dtype
 
 
-def _saturating_cast(v, fmt: Format):
+# The FP8 formats whose conversion from FP32 Triton compiles to PTX
+# ``cvt.rn.satfinite.{e4m3,e5m2}x2.f32`` (sm_89 on): round to nearest even,
+# +-Inf and overflow to +-max, NaN to NaN; `formats.cast`'s values.
+_SATFINITE = (formats.E4M3, formats.E5M2)
+
+
+def _saturating_cast(v, fmt: Format, interpret: bool):
   """`formats.cast` of FP32 ``v`` in a kernel: clip to [-max, max] (NaN
   stays NaN, said explicitly: the kernel's min/max need not propagate it),
-  then round to nearest even. FP6: onto its grid and written as E4M3, a
-  NaN as the signed zero its code holds (`formats.encode`), so the values
-  are those of `qlayers.scaling.widened`."""
+  then round to nearest even. On the GPU, E4M3 and E5M2 leave the clipping
+  to the conversion instruction, which saturates (`_SATFINITE`); the
+  interpreter's convert does not, so it clips. FP6: onto its grid and
+  written as E4M3, a NaN as the signed zero its code holds
+  (`formats.encode`), so the values are those of
+  `qlayers.scaling.widened`."""
+  if fmt in _SATFINITE and not interpret:
+    return v.astype(fmt.dtype)
   if fmt.bits == 6:
     sign = jax.lax.bitcast_convert_type(
         jax.lax.bitcast_convert_type(v, jnp.uint32) & jnp.uint32(0x80000000),
@@ -218,7 +229,8 @@ def _te_copy(v, a, fmt: Format, margin: int, pow2: bool, interpret: bool):
   # NaN for a non-finite amax, said explicitly: the kernel's min need not
   # propagate it.
   mult = jnp.where(jnp.isfinite(a), mult, jnp.nan)
-  return _saturating_cast(v * mult, fmt), _divide(1.0, mult, interpret)
+  return (_saturating_cast(v * mult, fmt, interpret),
+          _divide(1.0, mult, interpret))
 
 
 def _cast_call(shape: tuple[int, int], fmt: Format, margin: int, pow2: bool,
@@ -460,10 +472,11 @@ def _deepseek_copy(v, mag_max, fmt: Format, interpret: bool):
   rounded, as `scale_rules.unit_scales`); NaN for a non-finite block."""
   scale = scale_rules.deepseek_scale(
       jax.lax.bitcast_convert_type(mag_max, jnp.float32), fmt, pow2=False)
-  return _saturating_cast(v * _reciprocal(scale, interpret), fmt), scale
+  return (_saturating_cast(v * _reciprocal(scale, interpret), fmt,
+                           interpret), scale)
 
 
-def _block_copy(v, mag_max, fmt: Format, rule: str, interpret: bool = False):
+def _block_copy(v, mag_max, fmt: Format, rule: str, interpret: bool):
   """(payload, what the QTensor stores: `_scales_out`'s input) of FP32 ``v``
   scaled per block whose magnitude-bits max is ``mag_max``.
 
@@ -480,7 +493,7 @@ def _block_copy(v, mag_max, fmt: Format, rule: str, interpret: bool = False):
   if rule == "deepseek":
     return _deepseek_copy(v, mag_max, fmt, interpret)
   mult, codes = _pow2_multiplier(mag_max, fmt, rule)
-  return _saturating_cast(v * mult, fmt), codes
+  return _saturating_cast(v * mult, fmt, interpret), codes
 
 
 def _pow2_multiplier(mag_max, fmt: Format, rule: str):
@@ -865,7 +878,8 @@ def _nvfp4_blocks(mag_max, levels, interpret: bool):
   s_enc, s_dec, finite_tensor = levels
   amax = blocks._amax_from_bits(mag_max, jnp.float32)  # noqa: SLF001
   block = amax * (s_enc * scale_rules._F32_SIXTH)  # noqa: SLF001
-  e4m3 = _saturating_cast(block, formats.E4M3).astype(jnp.float32)
+  e4m3 = _saturating_cast(block, formats.E4M3, interpret).astype(
+      jnp.float32)
   mult = jnp.minimum(_divide(1.0, e4m3 * s_dec, interpret),
                      scale_rules._F32_MAX)  # noqa: SLF001
   finite = jnp.isfinite(amax) & finite_tensor
