@@ -234,7 +234,7 @@ def _grid_steps(x: jax.Array, fmt: Format, r: jax.Array | None):
   x = saturate(x.astype(jnp.float32), fmt)
   bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
   sign = bits & jnp.uint32(0x80000000)
-  e = jnp.maximum(((bits >> 23) & 0xFF).astype(jnp.int32) - 127, fmt.emin)
+  e = jnp.maximum(_f32_exponent(x), fmt.emin)
   y = jnp.abs(x) * _pow2(fmt.mbits - e)
   if r is None:
     k = jax.lax.bitcast_convert_type(y + 2.0**23, jnp.uint32) - jnp.uint32(
@@ -248,9 +248,9 @@ def _grid_steps(x: jax.Array, fmt: Format, r: jax.Array | None):
 def round_on_grid(x: jax.Array, fmt: Format,
                   r: jax.Array | None = None) -> jax.Array:
   """`round_to_format` of ``x`` given its random bytes ``r`` (uint32 in
-  [0, 256), `qlayers.threefry`; None: round to nearest even). Integer and
-  exact operations only, so XLA and a GPU kernel get the same bits; NaN
-  stays NaN.
+  [0, 256), `qlayers.threefry`; None: round to nearest even). Exact
+  operations and one IEEE FP32 addition's rounding, so XLA and a GPU
+  kernel get the same bits; NaN stays NaN.
 
   Example:
     >>> round_on_grid(jnp.array([0.75, -2.5, 5.0]), E2M1)
