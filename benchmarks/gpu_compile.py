@@ -1008,19 +1008,22 @@ def parse_ptx(text: str) -> dict[str, tuple[int, int, bool]]:
     total = integer = 0
     labels, loops = set(), False
     for line in text[start + 1:i].splitlines():
-      line = line.strip()
-      if line.endswith(":"):
-        labels.add(line[:-1])
-        continue
-      if not line.endswith(";") or line.startswith((".", "//", "{", "}")):
-        continue
-      if line.startswith("@"):
-        line = line.split(None, 1)[1]
-      op, *parts = line.split(None, 1)[0].rstrip(";").split(".")
-      if op == "bra":
-        loops |= line.split()[-1].rstrip(";") in labels  # branch back
-      total += 1
-      integer += op in _INTEGER_OPS and bool(_INTEGER_TYPES & set(parts))
+      # One statement per ';': Triton's inline assembly puts several on a
+      # line, inside braces that scope its registers.
+      for stmt in line.split("//", 1)[0].split(";"):
+        stmt = stmt.strip().strip("{}").strip()
+        if not stmt or stmt.startswith("."):
+          continue
+        if stmt.endswith(":"):
+          labels.add(stmt[:-1])
+          continue
+        if stmt.startswith("@"):
+          stmt = stmt.split(None, 1)[1]
+        op, *parts = stmt.split(None, 1)[0].split(".")
+        if op == "bra":
+          loops |= stmt.split()[-1] in labels  # a branch back
+        total += 1
+        integer += op in _INTEGER_OPS and bool(_INTEGER_TYPES & set(parts))
     out[m.group(1)] = (total, integer, loops)
   return out
 
