@@ -51,7 +51,8 @@ and on which operand types (``benchmarks/gpu_compile.py``: a Triton fusion
 that reads FP8 payloads counts as FP8, one that converts them to BF16 first
 as emulation), and each time is printed beside the roofline model of the
 same HLO that the deviceless check uses (``gpu_compile.roofline``, at the
-datasheet peaks of the attached GPU's class): "model" is that prediction,
+datasheet peaks of the attached GPU's class, with the issue roof of the
+compile's own PTX): "model" is that prediction,
 "meas/model" how far the GPU is from it, and "+launches" the same with
 ``gpu_compile.LAUNCH_US`` charged per kernel (which of the two the GPU
 follows is what a run tells).
@@ -73,6 +74,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -170,9 +172,10 @@ def _model_target():
 
 
 def classify(hlo_text: str, layers=None, cotangents=(),
-             quantized: bool = True) -> dict[str, Any]:
+             quantized: bool = True, code=None) -> dict[str, Any]:
   """GEMM kernels of an optimized module by kernel and operand types, and
-  the roofline model time of the whole module."""
+  the roofline model time of the whole module (with its kernels' ``code``,
+  `gpu_compile.kernel_code`, the issue roof too)."""
   gc = _gc()
   comps = gc.parse_module(hlo_text)
   if layers:
@@ -185,7 +188,7 @@ def classify(hlo_text: str, layers=None, cotangents=(),
   for r in recs:
     key = f"{r['kernel']} [{r['a']} x {r['b']} -> {r['out']}]"
     kinds[key] = kinds.get(key, 0) + 1
-  model = gc.roofline(comps, _model_target())
+  model = gc.roofline(comps, _model_target(), code)
   return {"gemms": kinds, "model_us": model["time_us"],
           "kernels": model["kernels"],
           "model_launched_us": gc.launched_us(model["time_us"],
@@ -253,10 +256,15 @@ def _measure(fn, args, cfg, *, flops: float, options=None, layers=None,
              cotangents=(), quantized: bool = True) -> dict[str, Any]:
   """Compiles ``fn`` (jitted) with XLA ``options``, classifies its GEMMs and
   times it."""
+  dump = tempfile.TemporaryDirectory(prefix="qlayers_gpu_")
   t0 = time.perf_counter()
-  exe = fn.lower(*args).compile(compiler_options=options or {})
+  # The dump: the kernels' PTX and launch grids, for the issue roof.
+  exe = fn.lower(*args).compile(
+      compiler_options=dict(options or {}, xla_dump_to=dump.name))
   compile_s = time.perf_counter() - t0
-  cls = classify(exe.as_text(), layers, cotangents, quantized)
+  with dump:
+    code = _gc().kernel_code(dump.name)
+  cls = classify(exe.as_text(), layers, cotangents, quantized, code)
   t = _timeit(exe, args, repeats=cfg.repeats, min_time=cfg.min_time)
   ms = t["median_s"] * 1e3
   return {"ms": ms, "tflops": flops / t["median_s"] / 1e12,
