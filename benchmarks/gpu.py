@@ -74,7 +74,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -256,14 +255,9 @@ def _measure(fn, args, cfg, *, flops: float, options=None, layers=None,
              cotangents=(), quantized: bool = True) -> dict[str, Any]:
   """Compiles ``fn`` (jitted) with XLA ``options``, classifies its GEMMs and
   times it."""
-  dump = tempfile.TemporaryDirectory(prefix="qlayers_gpu_")
-  t0 = time.perf_counter()
-  # The dump: the kernels' PTX and launch grids, for the issue roof.
-  exe = fn.lower(*args).compile(
-      compiler_options=dict(options or {}, xla_dump_to=dump.name))
-  compile_s = time.perf_counter() - t0
-  with dump:
-    code = _gc().kernel_code(dump.name)
+  # Its kernels' PTX and launch grids too, for the issue roof.
+  exe, code, compile_s = _gc().compile_with_code(fn.lower(*args),
+                                                  options or {})
   cls = classify(exe.as_text(), layers, cotangents, quantized, code)
   t = _timeit(exe, args, repeats=cfg.repeats, min_time=cfg.min_time)
   ms = t["median_s"] * 1e3

@@ -1644,20 +1644,23 @@ def first_line(err: BaseException | str) -> str:
   return (lines[0] if lines else type(err).__name__)[:300]
 
 
-class _KeptDir(contextlib.AbstractContextManager):
-  """A dump folder kept after use (`tempfile.TemporaryDirectory`'s
-  interface)."""
-
-  def __init__(self, path: pathlib.Path):
-    shutil.rmtree(path, ignore_errors=True)  # no other compile's kernels
-    path.mkdir(parents=True)
-    self.name = str(path)
-
-  def cleanup(self):
-    pass
-
-  def __exit__(self, *exc):
-    return None
+def compile_with_code(lowered, options: dict, dump_dir=None):
+  """``(executable, kernel codes, compile seconds)`` of ``lowered`` compiled
+  with XLA ``options``: the compile dumps into a temporary folder (or into
+  ``dump_dir``, emptied first, to keep it), whose `kernel_code` the issue
+  roof charges."""
+  if dump_dir:
+    shutil.rmtree(dump_dir, ignore_errors=True)  # no other compile's kernels
+    pathlib.Path(dump_dir).mkdir(parents=True)
+    folder = contextlib.nullcontext(str(dump_dir))
+  else:
+    folder = tempfile.TemporaryDirectory(prefix="gpu_compile_")
+  with folder as name:
+    t0 = time.perf_counter()
+    compiled = lowered.compile(compiler_options=dict(options,
+                                                     xla_dump_to=name))
+    seconds = time.perf_counter() - t0
+    return compiled, kernel_code(name), seconds
 
 
 def compile_one(item: dict, device, targets_dir) -> dict:
@@ -1665,11 +1668,8 @@ def compile_one(item: dict, device, targets_dir) -> dict:
   jax = _jax()
   target = TARGETS[item["target"]]
   opts = {} if item["triton"] else {"xla_gpu_enable_triton_gemm": False}
-  # The kernels' PTX and launch grids, for the issue roof (`kernel_code`).
-  dump = (_KeptDir(pathlib.Path(item["dump_dir"]) / hlo_path(
-      dict(item, hlo_dir=".")).stem) if item.get("dump_dir")
-          else tempfile.TemporaryDirectory(prefix="gpu_compile_"))
-  opts.update(xla_dump_to=dump.name, xla_dump_hlo_module_re="jit_step")
+  dump_dir = item.get("dump_dir") and pathlib.Path(item["dump_dir"]) / (
+      hlo_path(dict(item, hlo_dir=".")).stem)
   t0 = time.perf_counter()
   rec = dict(item)
   try:
@@ -1685,19 +1685,15 @@ def compile_one(item: dict, device, targets_dir) -> dict:
                                                 **item["block"])  # presets too
       lowered = jax.jit(step).lower(*_on_device(args, device))
     t1 = time.perf_counter()
-    compiled = lowered.compile(compiler_options=opts)
-    t2 = time.perf_counter()
+    compiled, code, compile_s = compile_with_code(lowered, opts, dump_dir)
   except Exception as e:  # pylint: disable=broad-except
     rec.update(status="failed", error=first_line(e),
                compile_s=time.perf_counter() - t0)
-    dump.cleanup()
     return rec
   text = compiled.as_text()
   if item.get("hlo_dir"):
     hlo_path(item).write_text(text)
-  with dump:
-    code = kernel_code(dump.name)
-  rec.update(status="ok", trace_s=t1 - t0, compile_s=t2 - t1,
+  rec.update(status="ok", trace_s=t1 - t0, compile_s=compile_s,
              xla_cost=xla_cost(compiled), ffi_targets=ffi_targets(),
              formats=recipe_formats(item["recipe"]),
              kernel_code={k: dataclasses.astuple(v) for k, v in code.items()})

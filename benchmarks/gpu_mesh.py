@@ -27,7 +27,6 @@ import json
 import pathlib
 import re
 import sys
-import tempfile
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import gpu_compile as gc  # noqa: E402  pylint: disable=wrong-import-position
@@ -103,15 +102,12 @@ def compile_block(recipe: str, target: gc.Target, devices: int,
     # GPU host, a GPU). Deviceless, that is this target's first device.
     previous = jax.config.jax_default_device
     jax.config.update("jax_default_device", topo.devices[0])
-    dump = tempfile.TemporaryDirectory(prefix="gpu_mesh_")
-    try:  # the dump: the kernels' PTX and grids, for the issue roof
-      hlo = lowered.compile(compiler_options={
-          "xla_gpu_enable_triton_gemm": False, "xla_dump_to": dump.name,
-          "xla_dump_hlo_module_re": "jit_step"}).as_text()
-      code = gc.kernel_code(dump.name)
+    try:
+      compiled, code, _ = gc.compile_with_code(
+          lowered, {"xla_gpu_enable_triton_gemm": False})
+      hlo = compiled.as_text()
     finally:
       jax.config.update("jax_default_device", previous)
-      dump.cleanup()
   comps = gc.parse_module(hlo)
   roof = gc.roofline(comps, target, code)
   collectives = _collectives(hlo)
