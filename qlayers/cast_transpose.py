@@ -78,6 +78,7 @@ from qlayers import formats
 from qlayers import hadamard as hadamard_lib
 from qlayers import partition
 from qlayers import scale_rules
+from qlayers import table
 from qlayers import threefry
 from qlayers.formats import Format
 
@@ -146,18 +147,9 @@ def _saturating_cast(v, fmt: Format, interpret: bool):
   stays NaN, said explicitly: the kernel's min/max need not propagate it),
   then round to nearest even. On the GPU, E4M3 and E5M2 leave the clipping
   to the conversion instruction, which saturates (`_SATFINITE`); the
-  interpreter's convert does not, so it clips. FP6: onto its grid and
-  written as E4M3, a NaN as the signed zero its code holds
-  (`formats.encode`), so the values are those of
-  `qlayers.scaling.widened`."""
+  interpreter's convert does not, so it clips."""
   if fmt in _SATFINITE and not interpret:
     return v.astype(fmt.dtype)
-  if fmt.bits == 6:
-    sign = jax.lax.bitcast_convert_type(
-        jax.lax.bitcast_convert_type(v, jnp.uint32) & jnp.uint32(0x80000000),
-        jnp.float32)
-    v = formats.round_on_grid(jnp.where(jnp.isnan(v), sign, v), fmt)
-    return v.astype(jnp.float8_e4m3fn)
   v = jnp.where(jnp.isnan(v), v, jnp.minimum(jnp.maximum(v, -fmt.max),
                                              fmt.max))
   return v.astype(fmt.dtype)
@@ -476,7 +468,8 @@ def _deepseek_copy(v, mag_max, fmt: Format, interpret: bool):
                            interpret), scale)
 
 
-def _block_copy(v, mag_max, fmt: Format, rule: str, interpret: bool):
+def _block_copy(v, mag_max, fmt: Format, rule: str, interpret: bool,
+                hardware: bool = False):
   """(payload, what the QTensor stores: `_scales_out`'s input) of FP32 ``v``
   scaled per block whose magnitude-bits max is ``mag_max``.
 
@@ -488,11 +481,16 @@ def _block_copy(v, mag_max, fmt: Format, rule: str, interpret: bool):
   exactly when ``m <= max * 2**k`` (the next FP32 above ``max * 2**k`` is
   more than half an ulp of ``2**k`` away from it once divided), so it is
   read off the bits too; a non-finite tile multiplies by NaN, as the
-  division by its NaN scale does. ``deepseek``: `_deepseek_copy`.
+  division by its NaN scale does. ``deepseek``: `_deepseek_copy`. FP6
+  (MX): rounded by `_fp6_grid` (``hardware``: by PTX), zeros in a block
+  with a NaN scale.
   """
   if rule == "deepseek":
     return _deepseek_copy(v, mag_max, fmt, interpret)
   mult, codes = _pow2_multiplier(mag_max, fmt, rule)
+  if fmt.bits == 6:  # its grid's values as E4M3, `qlayers.scaling.widened`
+    return _zero_where_nan_scale(_fp6_grid(v * mult, fmt, hardware),
+                                 mult).astype(jnp.float8_e4m3fn), codes
   return _saturating_cast(v * mult, fmt, interpret), codes
 
 
@@ -525,17 +523,18 @@ def _scales_out(codes, rule: str):
 
 
 def _block_kernel(t_ref, q_ref, s_ref, qt_ref, st_ref, *, fmt: Format,
-                  rule: str, interpret: bool, dequantized=(False, False)):
+                  rule: str, interpret: bool, dequantized=(False, False),
+                  hardware: bool = False):
   v = t_ref[...].astype(jnp.float32)
   # Block amaxes from the magnitude bits, as qlayers.blocks does: exact, and
   # an Inf or NaN element gives the 0xFF code.
   mag = jax.lax.bitcast_convert_type(v, jnp.uint32) & 0x7FFFFFFF
   q, s = _block_copy(v, jnp.max(mag, axis=1, keepdims=True), fmt, rule,
-                     interpret)
+                     interpret, hardware)
   q_ref[...] = _dequantized(q, s) if dequantized[0] else q
   s_ref[...] = _scales_out(s, rule)
   qc, sc = _block_copy(v, jnp.max(mag, axis=0, keepdims=True), fmt, rule,
-                       interpret)
+                       interpret, hardware)
   qt_ref[...] = (_dequantized(qc, sc) if dequantized[1] else qc).T
   st_ref[...] = _scales_out(sc, rule).T
 
@@ -598,14 +597,16 @@ def mx_cast_transpose(t: jax.Array, fmt: Format | str, rule: str, *,
     raise ValueError(f"mx_cast_transpose takes FP6 or dequantized copies "
                      f"with an MX scale rule ('mx_rceil', 'mx_floor'), got "
                      f"{rule!r}.")
+  hardware = fmt.bits == 6 and _converts_narrow(interpret)
   return tuple(partition.cast(
-      _mx_call, (fmt, rule, b, dequantized, interpret), t,
+      _mx_call, (fmt, rule, b, dequantized, hardware, interpret), t,
       layouts=(partition.LIKE_T, (("r", 1), ("c", b)), partition.LIKE_T_T,
                (("c", 1), ("r", b))), block=(b, b)))
 
 
 def _mx_call(shape: tuple[int, int], fmt: Format, rule: str, b: int,
-             dequantized: tuple[bool, bool], interpret: bool):
+             dequantized: tuple[bool, bool], hardware: bool,
+             interpret: bool):
   """`mx_cast_transpose`'s kernel for a ``shape`` tensor."""
   payload = tuple(jnp.bfloat16 if d else _payload_dtype(fmt)
                   for d in dequantized)
@@ -614,7 +615,8 @@ def _mx_call(shape: tuple[int, int], fmt: Format, rule: str, b: int,
   sdtype = jnp.float32 if rule.startswith("deepseek") else jnp.uint8
   return pl.pallas_call(
       functools.partial(_block_kernel, fmt=fmt, rule=rule,
-                        interpret=interpret, dequantized=dequantized),
+                        interpret=interpret, dequantized=dequantized,
+                        hardware=hardware),
       grid=(rows // b, cols // b),
       in_specs=[pl.BlockSpec((b, b), lambda i, j: (i, j))],
       out_specs=[pl.BlockSpec((b, b), lambda i, j: (i, j)),
@@ -711,15 +713,6 @@ def fp4_transforms(hadamard) -> bool:
                   for s in hadamard))
 
 
-def _pack_rows(codes):
-  """Unpacked uint32 codes ``(n, 2m)`` -> ``(n, m)`` bytes, low nibble
-  first."""
-  n, k = codes.shape
-  pairs = codes.reshape(n, k // 2, 2)
-  weight = jax.lax.broadcasted_iota(jnp.uint32, (n, k // 2, 2), 2) * 4
-  return jnp.sum(pairs << weight, axis=2).astype(jnp.uint8)
-
-
 def _transform_blocks(y, size: int):
   """`_transform_last` of each ``size`` consecutive elements of the rows
   of a square tile (``size`` divides its width)."""
@@ -729,10 +722,12 @@ def _transform_blocks(y, size: int):
   return _transform_last(y.reshape(b, b // size, size)).reshape(b, b)
 
 
-def _fp4_kernel(*refs, rule: str, stochastic: bool, hadamard=(0, 0)):
+def _fp4_kernel(*refs, rule: str, stochastic: bool, hadamard=(0, 0),
+                hardware: bool = False):
   """One 32 x 32 tile: the copy along axis 1 of ``v`` (transformed along its
   rows' blocks of ``hadamard[0]``) and the copy of ``v.T`` (along ``v``'s
-  columns' blocks of ``hadamard[1]``; 0: none)."""
+  columns' blocks of ``hadamard[1]``; 0: none), as uint32 words of eight
+  codes (`_e2m1_words`, converted by PTX where ``hardware``).""" 
   if stochastic:
     origin_ref, key_ref, t_ref, q_ref, s_ref, qt_ref, st_ref = refs
   else:
@@ -763,7 +758,8 @@ def _fp4_kernel(*refs, rule: str, stochastic: bool, hadamard=(0, 0)):
                             width)
     mult, code = _pow2_multiplier(jnp.max(_fp32_bits(y), axis=1,
                                           keepdims=True), formats.E2M1, rule)
-    q[...] = _pack_rows(_e2m1_codes(y * mult, u))
+    q[...] = _zero_where_nan_scale(_e2m1_words(y * mult, u, hardware),
+                                   mult)
     sc[...] = code
 
 
@@ -816,36 +812,38 @@ def fp4_cast_transpose(t: jax.Array, rule: str = "mx_rceil", *,
   args = [t]
   if keys is not None:
     args.insert(0, jnp.concatenate([threefry.key_words(k) for k in keys]))
-  return tuple(partition.cast(
-      _fp4_call, (rule, keys is not None, tuple(hadamard), interpret), *args,
-      layouts=((("r", 1), ("c", 2)), (("r", 1), ("c", b)),
-               (("c", 1), ("r", 2)), (("c", 1), ("r", b))),
-      block=(b, b), origin=keys is not None))
+  q, s, qt, st = partition.cast(
+      _fp4_call, (rule, keys is not None, tuple(hadamard),
+                  _converts_narrow(interpret), interpret), *args,
+      layouts=((("r", 1), ("c", 8)), (("r", 1), ("c", b)),
+               (("c", 1), ("r", 8)), (("c", 1), ("r", b))),
+      block=(b, b), origin=keys is not None)
+  return _words_to_bytes(q), s, _words_to_bytes(qt), st
 
 
 def _fp4_call(shape: tuple[int, int], rule: str, stochastic: bool,
-              hadamard: tuple[int, int], interpret: bool):
+              hadamard: tuple[int, int], hardware: bool, interpret: bool):
   """`fp4_cast_transpose`'s kernel for a ``shape`` tensor: a function of
   (with ``stochastic``: the shard's origin in t and the keys' words,) the
   tensor."""
   pl, plt = _pallas()
   rows, cols = shape
-  b, h = MX_BLOCK, MX_BLOCK // 2
+  b, w = MX_BLOCK, MX_BLOCK // 8  # a tile row's words of eight codes
   in_specs = [pl.BlockSpec((b, b), lambda i, j: (i, j))]
   if stochastic:
     in_specs = [pl.BlockSpec((4,), lambda i, j: (0,))] * 2 + in_specs
   return pl.pallas_call(
       functools.partial(_fp4_kernel, rule=rule, stochastic=stochastic,
-                        hadamard=hadamard),
+                        hadamard=hadamard, hardware=hardware),
       grid=(rows // b, cols // b),
       in_specs=in_specs,
-      out_specs=[pl.BlockSpec((b, h), lambda i, j: (i, j)),
+      out_specs=[pl.BlockSpec((b, w), lambda i, j: (i, j)),
                  pl.BlockSpec((b, 1), lambda i, j: (i, j)),
-                 pl.BlockSpec((b, h), lambda i, j: (j, i)),
+                 pl.BlockSpec((b, w), lambda i, j: (j, i)),
                  pl.BlockSpec((b, 1), lambda i, j: (j, i))],
-      out_shape=[jax.ShapeDtypeStruct((rows, cols // 2), jnp.uint8),
+      out_shape=[jax.ShapeDtypeStruct((rows, cols // 8), jnp.uint32),
                  jax.ShapeDtypeStruct((rows, cols // b), jnp.uint8),
-                 jax.ShapeDtypeStruct((cols, rows // 2), jnp.uint8),
+                 jax.ShapeDtypeStruct((cols, rows // 8), jnp.uint32),
                  jax.ShapeDtypeStruct((cols, rows // b), jnp.uint8)],
       compiler_params=plt.CompilerParams(num_warps=1),
       interpret=interpret, name="qlayers_fp4_cast_transpose")
@@ -898,12 +896,101 @@ def _fp32_bits(v):
   return jax.lax.bitcast_convert_type(v, jnp.uint32) & 0x7FFFFFFF
 
 
-def _pack_last(codes):
-  """Unpacked uint32 codes ``(..., 2m)`` -> ``(..., m)`` bytes, low nibble
-  first."""
-  pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
-  weight = jax.lax.broadcasted_iota(jnp.uint32, pairs.shape, pairs.ndim - 1)
-  return jnp.sum(pairs << (weight * 4), axis=-1).astype(jnp.uint8)
+def _converts_narrow(interpret: bool) -> bool:
+  """Whether a kernel rounds FP32 to E2M1 and FP6 with the conversions
+  Blackwell added (PTX ISA 8.6, sm_100a and later): `_e2m1_bytes`,
+  `_fp6_grid`. Only when compiled for such a GPU (`qlayers.table.gpu_arch`);
+  the interpreter, Hopper and an unknown GPU take `qlayers.formats`'
+  FP32 steps, which give the same values."""
+  return (not interpret
+          and table.sm_version(table.gpu_arch("cuda")) >= 100)
+
+
+def _pairs_last(x):
+  """``x (..., 2m)`` as its even and odd elements along the last axis, each
+  ``(..., m)`` (a split of a trailing axis of 2: Triton has no strided
+  slices)."""
+  pairs = x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2)
+  return tuple(p[..., 0] for p in jnp.split(pairs, 2, axis=-1))
+
+
+def _eighths_last(x):
+  """``x (..., 8m)`` as the eight ``(..., m)`` arrays of its elements ``8i +
+  j``, ``j = 0..7`` in turn."""
+  parts = [x]
+  for _ in range(3):  # j's bits, low first
+    parts = [half for p in parts for half in _pairs_last(p)]
+  # Part k holds j = k's three bits reversed.
+  return [parts[int(f"{j:03b}"[::-1], 2)] for j in range(8)]
+
+
+# PTX's two-value conversions put their first source in the high half of
+# the result (PTX ISA, cvt: ".e2m1x2", ".e2m3x2"), so the odd element goes
+# first. NaN converts to the largest positive value (CUDA's cuda_fp4.hpp
+# and cuda_fp6.hpp say so of their host twins); a kernel's NaN comes only
+# from a block with a NaN scale, whose payload it writes as zeros
+# (`_zero_where_nan_scale`).
+_E2M1X8 = ("{ .reg .b8 b0, b1, b2, b3; "
+           "cvt.rn.satfinite.e2m1x2.f32 b0, $2, $1; "
+           "cvt.rn.satfinite.e2m1x2.f32 b1, $4, $3; "
+           "cvt.rn.satfinite.e2m1x2.f32 b2, $6, $5; "
+           "cvt.rn.satfinite.e2m1x2.f32 b3, $8, $7; "
+           "mov.b32 $0, {b0, b1, b2, b3}; }")
+# One value (the high half a zero) per conversion: jax 0.10's Pallas lowers
+# no inline assembly with two results.
+_FP6 = ("{ .reg .b16 pair, lo, hi; .reg .b32 halves; "
+        "cvt.rn.satfinite.FMTx2.f32 pair, 0f00000000, $1; "
+        "cvt.rn.f16x2.FMTx2 halves, pair; mov.b32 {lo, hi}, halves; "
+        "cvt.f32.f16 $0, lo; }")
+
+
+def _e2m1_words(x, r=None, hardware: bool = False):
+  """E2M1 codes of FP32 ``x (..., 8m)``, eight to a uint32 word along the
+  last axis (element ``8i + j`` in bits ``4j`` to ``4j + 3``: as bytes, the
+  packed payload, low nibble first): ``(..., m)``. Rounded to nearest even,
+  or stochastically with random bytes ``r`` (`qlayers.formats.grid_codes`).
+  ``hardware`` (to nearest only): four PTX ``cvt.rn.satfinite.e2m1x2.f32``
+  per word, which round to nearest even and saturate as `grid_codes` does
+  (+-0 keeps its sign); NaN aside (see `_E2M1X8`), the same words. Words,
+  not bytes: Triton widens each byte to 16 and 32 bits to store it."""
+  if not hardware or r is not None:
+    return functools.reduce(jnp.bitwise_or, (
+        c << (4 * j) for j, c in enumerate(_eighths_last(_e2m1_codes(x, r)))))
+  from jax.experimental.pallas import triton as plgpu
+  eighths = _eighths_last(x)
+  (w,) = plgpu.elementwise_inline_asm(
+      _E2M1X8, args=eighths, constraints="=r" + ",f" * 8, pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(eighths[0].shape,
+                                                jnp.int32)])
+  return jax.lax.bitcast_convert_type(w, jnp.uint32)
+
+
+def _words_to_bytes(words):
+  """uint32 ``(..., m)`` -> its little-endian bytes ``(..., 4m)`` (in XLA,
+  a view)."""
+  b = jax.lax.bitcast_convert_type(words, jnp.uint8)
+  return b.reshape(*words.shape[:-1], 4 * words.shape[-1])
+
+
+def _fp6_grid(x, fmt: Format, hardware: bool):
+  """FP32 ``x`` rounded to nearest even onto FP6 ``fmt``'s grid, saturating
+  (`qlayers.formats.round_on_grid`; NaN aside, see `_E2M1X8`).
+  ``hardware``: by PTX ``cvt.rn.satfinite.{e2m3x2,e3m2x2}.f32`` and back
+  through FP16 (exact)."""
+  if not hardware:
+    return formats.round_on_grid(x, fmt)
+  from jax.experimental.pallas import triton as plgpu
+  (r,) = plgpu.elementwise_inline_asm(
+      _FP6.replace("FMT", fmt.name), args=[x], constraints="=f,f", pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])
+  return r
+
+
+def _zero_where_nan_scale(payload, mult):
+  """``payload`` with zeros in the blocks whose multiplier ``mult`` (one per
+  row, broadcasting) is 0: those with a NaN scale (`qlayers.scaling`'s
+  packed payloads hold zeros there)."""
+  return jnp.where(mult == 0, jnp.zeros((), payload.dtype), payload)
 
 
 def _butterfly_last(y):
@@ -945,7 +1032,7 @@ def _transform_last(y):
 
 
 def _nvfp4_kernel(*refs, square: bool, hadamard: bool, stochastic: bool,
-                  interpret: bool):
+                  interpret: bool, hardware: bool = False):
   """One ``(n, 16, 16)`` tile of ``t`` seen as ``(R / 16, 16, C)``: ``[g, k,
   c]`` is row ``16 g + k``, so a 16-row block (the transform's and the
   ``t.T`` copy's scale block) is the middle axis, made the last one by one
@@ -964,11 +1051,12 @@ def _nvfp4_kernel(*refs, square: bool, hadamard: bool, stochastic: bool,
     mag = jnp.max(jnp.max(_fp32_bits(v), axis=2, keepdims=True), axis=1,
                   keepdims=True)
     mult, e4m3 = _nvfp4_blocks(mag, levels, interpret)
-    codes = _e2m1_codes(v * mult)
-    q_ref[...] = _pack_last(codes)
+    y = v * mult
+    q_ref[...] = _zero_where_nan_scale(_e2m1_words(y, None, hardware), mult)
     s_ref[...] = jnp.reshape(e4m3, (n, 1))
     st_ref[...] = jnp.reshape(e4m3, (1, n))
-    codes_t = jnp.transpose(codes, (0, 2, 1))
+    words_t = _zero_where_nan_scale(
+        _e2m1_words(jnp.transpose(y, (0, 2, 1)), None, hardware), mult)
   else:
     # The copy along C, 1 x 16 blocks.
     mult, e4m3 = _nvfp4_blocks(jnp.max(_fp32_bits(v), axis=2, keepdims=True),
@@ -989,7 +1077,8 @@ def _nvfp4_kernel(*refs, square: bool, hadamard: bool, stochastic: bool,
                                           a) for a in range(3))
       u_t = threefry.bytes_at(key_ref[2], key_ref[3], j0 + c,
                               ((i0 + g * b) >> 3) + k, rows >> 3)
-    q_ref[...] = _pack_last(_e2m1_codes(v * mult, u))
+    q_ref[...] = _zero_where_nan_scale(
+        _e2m1_words(v * mult, u, hardware), mult)
     s_ref[...] = e4m3
     # The copy of t.T (of its transform) along the rows: [g, c, k].
     y = jnp.transpose(v, (0, 2, 1))
@@ -999,11 +1088,11 @@ def _nvfp4_kernel(*refs, square: bool, hadamard: bool, stochastic: bool,
                             interpret)
     mult, e4m3 = _nvfp4_blocks(jnp.max(_fp32_bits(y), axis=2, keepdims=True),
                                levels, interpret)
-    codes_t = _e2m1_codes(y * mult, u_t)
+    words_t = _zero_where_nan_scale(_e2m1_words(y * mult, u_t, hardware),
+                                    mult)
     st_ref[...] = jnp.reshape(e4m3, (n, width)).T
-  # [g, c, m] -> t.T's rows c, bytes 8 g + m.
-  qt_ref[...] = jnp.transpose(_pack_last(codes_t), (1, 0, 2)).reshape(
-      width, n * b // 2)
+  # [g, c, m] -> t.T's rows c, words 2 g + m.
+  qt_ref[...] = jnp.transpose(words_t, (1, 0, 2)).reshape(width, n * b // 8)
 
 
 def nvfp4_tile_rows(rows: int) -> int:
@@ -1077,21 +1166,23 @@ def nvfp4_cast_transpose(t: jax.Array, amax: jax.Array | None = None,
     args.insert(0, jnp.concatenate([threefry.key_words(k) for k in keys]))
   scales = ((("r", b), ("c", b)), (("c", b), ("r", b))) if square else (
       (("r", 1), ("c", b)), (("c", 1), ("r", b)))
-  return tuple(partition.cast(
-      _nvfp4_call, (square, hadamard, keys is not None, interpret), *args, t,
-      layouts=((("r", 1), ("c", 2)), scales[0], (("c", 1), ("r", 2)),
+  q, s, qt, st = partition.cast(
+      _nvfp4_call, (square, hadamard, keys is not None,
+                    _converts_narrow(interpret), interpret), *args, t,
+      layouts=((("r", 1), ("c", 8)), scales[0], (("c", 1), ("r", 8)),
                scales[1]),
-      block=(b, b), origin=keys is not None))
+      block=(b, b), origin=keys is not None)
+  return _words_to_bytes(q), s, _words_to_bytes(qt), st
 
 
 def _nvfp4_call(shape: tuple[int, int], square: bool, hadamard: bool,
-                stochastic: bool, interpret: bool):
+                stochastic: bool, hardware: bool, interpret: bool):
   """`nvfp4_cast_transpose`'s kernel for a ``shape`` tensor: a function of
   (with ``stochastic``: the shard's origin in t and the keys' words,) the
   amaxes and the tensor, returning its four 2-D results."""
   pl, plt = _pallas()
   rows, cols = shape
-  rt, b, h = nvfp4_tile_rows(rows), NV_BLOCK, NV_BLOCK // 2
+  rt, b, w = nvfp4_tile_rows(rows), NV_BLOCK, NV_BLOCK // 8
   n = rt // b
   one = pl.BlockSpec((1,), lambda i, j: (0,))
   in_specs = [one] if square else [one, one]
@@ -1110,16 +1201,17 @@ def _nvfp4_call(shape: tuple[int, int], square: bool, hadamard: bool,
                     jax.ShapeDtypeStruct((cols, rows // b), e4m3)]
   call = pl.pallas_call(
       functools.partial(_nvfp4_kernel, square=square, hadamard=hadamard,
-                        stochastic=stochastic, interpret=interpret),
+                        stochastic=stochastic, interpret=interpret,
+                        hardware=hardware),
       grid=(rows // rt, cols // b),
       in_specs=in_specs + [pl.BlockSpec((n, b, b), lambda i, j: (i, 0, j))],
-      out_specs=[pl.BlockSpec((n, b, h), lambda i, j: (i, 0, j)),
+      out_specs=[pl.BlockSpec((n, b, w), lambda i, j: (i, 0, j)),
                  scale_specs[0],
-                 pl.BlockSpec((b, n * h), lambda i, j: (j, i)),
+                 pl.BlockSpec((b, n * w), lambda i, j: (j, i)),
                  scale_specs[1]],
-      out_shape=[jax.ShapeDtypeStruct((rows // b, b, cols // 2), jnp.uint8),
+      out_shape=[jax.ShapeDtypeStruct((rows // b, b, cols // 8), jnp.uint32),
                  scale_shapes[0],
-                 jax.ShapeDtypeStruct((cols, rows // 2), jnp.uint8),
+                 jax.ShapeDtypeStruct((cols, rows // 8), jnp.uint32),
                  scale_shapes[1]],
       compiler_params=plt.CompilerParams(num_warps=4),
       interpret=interpret, name="qlayers_nvfp4_cast_transpose")
@@ -1127,7 +1219,7 @@ def _nvfp4_call(shape: tuple[int, int], square: bool, hadamard: bool,
   def run(*args):
     *scalars, t = args
     q, s, qt, st = call(*scalars, t.reshape(rows // b, b, cols))
-    return (q.reshape(rows, cols // 2),
+    return (q.reshape(rows, cols // 8),
             s if square else s.reshape(rows, cols // b), qt, st)
   return run
 

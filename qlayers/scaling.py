@@ -440,10 +440,19 @@ def _quantize(x, spec: QuantSpec, axis: int, amax, key) -> QTensor:
                       1.0, scale_rules.nvfp4_encode_scale(tensor_amax)))
   else:
     mult, scale = scale_rules.unit_scales(block_amax, spec)
-  payload = _cast(blocks.apply_blocks(xp, mult, block, jnp.multiply), fmt,
+  payload = _cast(blocks.apply_blocks(
+      xp, mult, block, _scale_packed if fmt.packed else jnp.multiply), fmt,
                   key)
   return QTensor(payload, scale, fmt.name, spec.granularity, block, axis,
                  tuple(x.shape), **levels)
+
+
+def _scale_packed(x, mult):
+  """``x * mult``, and zero where ``mult`` is 0: in a block with a NaN scale
+  (its multiplier 0), whose FP4/FP6 codes are then all zero, whatever its
+  Inf or NaN elements and the platform's NaN. (GPU kernels convert NaN to
+  the largest code: `qlayers.cast_transpose`.)"""
+  return jnp.where(mult == 0, 0.0, x * mult)
 
 
 def bytes_per_element(spec: QuantSpec | None, compute_bytes: int = 2) -> float:

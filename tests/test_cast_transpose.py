@@ -808,3 +808,34 @@ def test_hadamard_recipe_runs_the_transform_kernel_with_its_bits(
   assert sorted(calls) == [(16, 0), (16, 0), (16, 1), (16, 1)]  # x, g; g, w
   for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_words_hold_eight_codes_low_nibble_first():
+  """The 4-bit kernels' words: element ``8i + j`` in bits ``4j``, so their
+  bytes are the packed payload; the eighths are the strided slices."""
+  x = jax.random.normal(jax.random.key(4), (4, 64), jnp.float32) * 4
+  for j, part in enumerate(ct._eighths_last(x)):  # noqa: SLF001
+    np.testing.assert_array_equal(part, x[:, j::8])
+  codes = np.asarray(formats.cast(x, "e2m1"))
+  got = ct._words_to_bytes(ct._e2m1_words(x))  # noqa: SLF001
+  np.testing.assert_array_equal(got, codes[:, 0::2] | (codes[:, 1::2] << 4))
+
+
+@pytest.mark.parametrize("recipe,ptx", [("mxfp4", "cvt.rn.satfinite.e2m1x2"),
+                                        ("nvfp4", "cvt.rn.satfinite.e2m1x2"),
+                                        ("mxfp6", "cvt.rn.satfinite.e2m3x2")])
+def test_blackwell_kernels_round_by_ptx_conversions_and_hopper_ones_do_not(
+    recipe, ptx):
+  """Traced for sm_100 the 4- and 6-bit kernels round to nearest with
+  Blackwell's conversions; for sm_90 (which lacks them) and in the
+  interpreter with FP32 steps, whose bits the tests above check."""
+  x, w = jnp.ones((64, 128)), jnp.ones((128, 256))
+
+  def loss(x, w):
+    return jnp.sum(ops.quantized_matmul(x, w, recipe)[0])
+
+  for arch, converts in (("sm_100", True), ("sm_90", False)):
+    with table.target_arch(arch):
+      text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(x, w).lower(
+          lowering_platforms=("cuda",)).as_text()
+    assert (ptx in text) == converts, arch

@@ -528,3 +528,24 @@ def test_tie_blocks_round_to_even(case):
   spec, axis, shape, dtype = case
   x = make_input(0, shape, 0, ["tie_block"] * 6, spec.format)
   check_quantize(x, dtype, spec, axis)
+
+
+@pytest.mark.parametrize("spec", [
+    QuantSpec(format="e2m1", granularity="mx"),
+    QuantSpec(format="e2m3", granularity="mx"),
+    QuantSpec(format="e3m2", granularity="mx"),
+    QuantSpec(format="e2m1", granularity="tile", scale_rule="nvfp4"),
+])
+def test_packed_blocks_with_a_nan_scale_hold_zero_codes(spec):
+  """FP4/FP6 have no NaN: a block with a NaN scale holds +0 codes, whatever
+  its Inf or NaN elements (Inf * 0 is a NaN whose sign is the platform's)
+  and its negative ones, so a GPU kernel and XLA write the same bits.
+  (NVFP4's per-tensor scale makes every block's NaN.)"""
+  x = -np.abs(np.asarray(jax.random.normal(jax.random.key(5), (2, 64))))
+  x[0, 3], x[1, 40] = np.inf, np.nan
+  q = jquantize(jnp.asarray(x), spec, 1)
+  codes, deq = payload_codes(q), np.isnan(np.asarray(jdequantize(q)))
+  b = spec.block_size
+  assert np.all(deq[0, :b]) and np.all(deq[1, b:2 * b])
+  assert np.all(deq) == (spec.scale_rule == "nvfp4")
+  np.testing.assert_array_equal(codes == 0, deq)
