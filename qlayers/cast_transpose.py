@@ -457,21 +457,11 @@ _DEEPSEEK_FLOOR_BITS = int(np.float32(
     scale_rules._DEEPSEEK_AMAX_FLOOR).view(np.uint32))  # noqa: SLF001
 
 
-def _deepseek_copy(v, mag_max, fmt: Format, interpret: bool):
-  """(payload, FP32 scale) of ``v`` under DeepSeek-V3's scale
-  `scale_rules.deepseek_scale` (its division by the constant is integer
-  steps, which Triton compiles) and multiplier ``1 / scale`` (correctly
-  rounded, as `scale_rules.unit_scales`); NaN for a non-finite block."""
-  scale = scale_rules.deepseek_scale(
-      jax.lax.bitcast_convert_type(mag_max, jnp.float32), fmt, pow2=False)
-  return (_saturating_cast(v * _reciprocal(scale, interpret), fmt,
-                           interpret), scale)
-
-
-def _block_copy(v, mag_max, fmt: Format, rule: str, interpret: bool,
-                hardware: bool = False):
-  """(payload, what the QTensor stores: `_scales_out`'s input) of FP32 ``v``
-  scaled per block whose magnitude-bits max is ``mag_max``.
+def _block_copy(v, mag_max, fmt: Format, rule: str, interpret: bool):
+  """(``v`` times its multiplier, the multiplier, what the QTensor stores:
+  `_scales_out`'s input) of FP32 ``v`` scaled per block whose
+  magnitude-bits max is ``mag_max``; `_block_values` or `_block_words`
+  casts the first.
 
   ``rule`` ``mx_floor``/``mx_rceil``: `qlayers.scale_rules.unit_scales` for
   MX (a NaN code multiplies by 0). ``deepseek_pow2``: DeepSeek-V3's scale
@@ -481,17 +471,50 @@ def _block_copy(v, mag_max, fmt: Format, rule: str, interpret: bool,
   exactly when ``m <= max * 2**k`` (the next FP32 above ``max * 2**k`` is
   more than half an ulp of ``2**k`` away from it once divided), so it is
   read off the bits too; a non-finite tile multiplies by NaN, as the
-  division by its NaN scale does. ``deepseek``: `_deepseek_copy`. FP6
-  (MX): rounded by `_fp6_grid` (``hardware``: by PTX), zeros in a block
-  with a NaN scale.
+  division by its NaN scale does. ``deepseek``: DeepSeek-V3's own FP32
+  scale (`scale_rules.deepseek_scale`: its division by the constant is
+  integer steps, which Triton compiles), multiplied by its correctly
+  rounded reciprocal, as `scale_rules.unit_scales`; NaN for a non-finite
+  tile.
   """
   if rule == "deepseek":
-    return _deepseek_copy(v, mag_max, fmt, interpret)
+    scale = scale_rules.deepseek_scale(
+        jax.lax.bitcast_convert_type(mag_max, jnp.float32), fmt, pow2=False)
+    mult = _reciprocal(scale, interpret)
+    return v * mult, mult, scale
   mult, codes = _pow2_multiplier(mag_max, fmt, rule)
-  if fmt.bits == 6:  # its grid's values as E4M3, `qlayers.scaling.widened`
-    return _zero_where_nan_scale(_fp6_grid(v * mult, fmt, hardware),
-                                 mult).astype(jnp.float8_e4m3fn), codes
-  return _saturating_cast(v * mult, fmt, interpret), codes
+  return v * mult, mult, codes
+
+
+def _block_values(x, mult, fmt: Format, interpret: bool):
+  """The payload of scaled FP32 ``x`` (multiplier ``mult``): its saturating
+  FP8 cast, or for FP6 its grid's values as E4M3
+  (`qlayers.scaling.widened`; zeros in a block with a NaN scale)."""
+  if fmt.bits == 6:
+    return _zero_where_nan_scale(formats.round_on_grid(x, fmt),
+                                 mult).astype(jnp.float8_e4m3fn)
+  return _saturating_cast(x, fmt, interpret)
+
+
+def _block_words(x, mult, fmt: Format, interpret: bool, hardware: bool):
+  """`_block_values` of ``x (..., 4m)`` as uint32 words of four payload
+  bytes along the last axis (byte ``j`` of word ``i``: element ``4i +
+  j``), ``(..., m)``. ``hardware``: by PTX conversions, two per word
+  (`_FP8X4`; FP6 through FP16, `_FP6X4`)."""
+  if not hardware:
+    b = jax.lax.bitcast_convert_type(
+        _block_values(x, mult, fmt, interpret), jnp.uint8).astype(jnp.uint32)
+    return functools.reduce(jnp.bitwise_or, (
+        part << (8 * j) for j, part in enumerate(_quarters_last(b))))
+  from jax.experimental.pallas import triton as plgpu
+  quarters = _quarters_last(x)
+  ptx = (_FP6X4 if fmt.bits == 6 else _FP8X4).replace("FMT", fmt.name)
+  (w,) = plgpu.elementwise_inline_asm(
+      ptx, args=quarters, constraints="=r" + ",f" * 4, pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(quarters[0].shape,
+                                                jnp.int32)])
+  w = jax.lax.bitcast_convert_type(w, jnp.uint32)
+  return _zero_where_nan_scale(w, mult) if fmt.bits == 6 else w
 
 
 def _pow2_multiplier(mag_max, fmt: Format, rule: str):
@@ -525,18 +548,20 @@ def _scales_out(codes, rule: str):
 def _block_kernel(t_ref, q_ref, s_ref, qt_ref, st_ref, *, fmt: Format,
                   rule: str, interpret: bool, dequantized=(False, False),
                   hardware: bool = False):
+  """One ``b x b`` tile ``v``: the copy of ``v`` and that of ``v.T``, each
+  along its rows' blocks, as words of four payload bytes (`_block_words`)
+  or dequantized to BF16."""
   v = t_ref[...].astype(jnp.float32)
-  # Block amaxes from the magnitude bits, as qlayers.blocks does: exact, and
-  # an Inf or NaN element gives the 0xFF code.
-  mag = jax.lax.bitcast_convert_type(v, jnp.uint32) & 0x7FFFFFFF
-  q, s = _block_copy(v, jnp.max(mag, axis=1, keepdims=True), fmt, rule,
-                     interpret, hardware)
-  q_ref[...] = _dequantized(q, s) if dequantized[0] else q
-  s_ref[...] = _scales_out(s, rule)
-  qc, sc = _block_copy(v, jnp.max(mag, axis=0, keepdims=True), fmt, rule,
-                       interpret, hardware)
-  qt_ref[...] = (_dequantized(qc, sc) if dequantized[1] else qc).T
-  st_ref[...] = _scales_out(sc, rule).T
+  for y, q, sc, dq in ((v, q_ref, s_ref, dequantized[0]),
+                       (v.T, qt_ref, st_ref, dequantized[1])):
+    # Block amaxes from the magnitude bits, as qlayers.blocks does: exact,
+    # and an Inf or NaN element gives the 0xFF code.
+    mag = jax.lax.bitcast_convert_type(y, jnp.uint32) & 0x7FFFFFFF
+    x, mult, s = _block_copy(y, jnp.max(mag, axis=1, keepdims=True), fmt,
+                             rule, interpret)
+    q[...] = (_dequantized(_block_values(x, mult, fmt, interpret), s) if dq
+              else _block_words(x, mult, fmt, interpret, hardware))
+    sc[...] = _scales_out(s, rule)
 
 
 def _dequantized(q, codes):
@@ -597,36 +622,47 @@ def mx_cast_transpose(t: jax.Array, fmt: Format | str, rule: str, *,
     raise ValueError(f"mx_cast_transpose takes FP6 or dequantized copies "
                      f"with an MX scale rule ('mx_rceil', 'mx_floor'), got "
                      f"{rule!r}.")
-  hardware = fmt.bits == 6 and _converts_narrow(interpret)
-  return tuple(partition.cast(
-      _mx_call, (fmt, rule, b, dequantized, hardware, interpret), t,
-      layouts=(partition.LIKE_T, (("r", 1), ("c", b)), partition.LIKE_T_T,
-               (("c", 1), ("r", b))), block=(b, b)))
+  q, s, qt, st = partition.cast(
+      _mx_call, (fmt, rule, b, dequantized, _ptx_converts(fmt, interpret),
+                 interpret), t,
+      layouts=(((("r", 1), ("c", 1)) if dequantized[0] else
+                (("r", 1), ("c", 4))), (("r", 1), ("c", b)),
+               ((("c", 1), ("r", 1)) if dequantized[1] else
+                (("c", 1), ("r", 4))), (("c", 1), ("r", b))), block=(b, b))
+  payload = _payload_dtype(fmt)
+  q, qt = (p if d else jax.lax.bitcast_convert_type(_words_to_bytes(p),
+                                                    payload)
+           for p, d in ((q, dequantized[0]), (qt, dequantized[1])))
+  return q, s, qt, st
 
 
 def _mx_call(shape: tuple[int, int], fmt: Format, rule: str, b: int,
              dequantized: tuple[bool, bool], hardware: bool,
              interpret: bool):
-  """`mx_cast_transpose`'s kernel for a ``shape`` tensor."""
-  payload = tuple(jnp.bfloat16 if d else _payload_dtype(fmt)
-                  for d in dequantized)
+  """`mx_cast_transpose`'s kernel for a ``shape`` tensor: each copy as
+  words of four payload bytes, or dequantized (BF16)."""
   pl, plt = _pallas()
   rows, cols = shape
   sdtype = jnp.float32 if rule.startswith("deepseek") else jnp.uint8
+
+  def copy(r, c, dq):  # an (r, c) copy's shape and dtype, its tiles' shape
+    return (jax.ShapeDtypeStruct((r, c), jnp.bfloat16), (b, b)) if dq else (
+        jax.ShapeDtypeStruct((r, c // 4), jnp.uint32), (b, b // 4))
+
+  (q, q_tile), (qt, qt_tile) = (copy(rows, cols, dequantized[0]),
+                                copy(cols, rows, dequantized[1]))
   return pl.pallas_call(
       functools.partial(_block_kernel, fmt=fmt, rule=rule,
                         interpret=interpret, dequantized=dequantized,
                         hardware=hardware),
       grid=(rows // b, cols // b),
       in_specs=[pl.BlockSpec((b, b), lambda i, j: (i, j))],
-      out_specs=[pl.BlockSpec((b, b), lambda i, j: (i, j)),
+      out_specs=[pl.BlockSpec(q_tile, lambda i, j: (i, j)),
                  pl.BlockSpec((b, 1), lambda i, j: (i, j)),
-                 pl.BlockSpec((b, b), lambda i, j: (j, i)),
+                 pl.BlockSpec(qt_tile, lambda i, j: (j, i)),
                  pl.BlockSpec((b, 1), lambda i, j: (j, i))],
-      out_shape=[jax.ShapeDtypeStruct((rows, cols), payload[0]),
-                 jax.ShapeDtypeStruct((rows, cols // b), sdtype),
-                 jax.ShapeDtypeStruct((cols, rows), payload[1]),
-                 jax.ShapeDtypeStruct((cols, rows // b), sdtype)],
+      out_shape=[q, jax.ShapeDtypeStruct((rows, cols // b), sdtype),
+                 qt, jax.ShapeDtypeStruct((cols, rows // b), sdtype)],
       compiler_params=plt.CompilerParams(num_warps=1 if b <= 32 else 8),
       interpret=interpret, name="qlayers_mx_cast_transpose")
 
@@ -637,7 +673,8 @@ def _square_kernel(t_ref, q_ref, s_ref, qt_ref, *, fmt: Format, rule: str,
   mag = jax.lax.bitcast_convert_type(v, jnp.uint32) & 0x7FFFFFFF
   tile_max = jnp.max(jnp.max(mag, axis=1, keepdims=True), axis=0,
                      keepdims=True)
-  q, c = _block_copy(v, tile_max, fmt, rule, interpret)
+  x, mult, c = _block_copy(v, tile_max, fmt, rule, interpret)
+  q = _block_values(x, mult, fmt, interpret)
   q_ref[...] = q
   qt_ref[...] = q.T
   s_ref[...] = _scales_out(c, rule)
@@ -727,7 +764,7 @@ def _fp4_kernel(*refs, rule: str, stochastic: bool, hadamard=(0, 0),
   """One 32 x 32 tile: the copy along axis 1 of ``v`` (transformed along its
   rows' blocks of ``hadamard[0]``) and the copy of ``v.T`` (along ``v``'s
   columns' blocks of ``hadamard[1]``; 0: none), as uint32 words of eight
-  codes (`_e2m1_words`, converted by PTX where ``hardware``).""" 
+  codes (`_e2m1_words`, converted by PTX where ``hardware``)."""
   if stochastic:
     origin_ref, key_ref, t_ref, q_ref, s_ref, qt_ref, st_ref = refs
   else:
@@ -814,7 +851,7 @@ def fp4_cast_transpose(t: jax.Array, rule: str = "mx_rceil", *,
     args.insert(0, jnp.concatenate([threefry.key_words(k) for k in keys]))
   q, s, qt, st = partition.cast(
       _fp4_call, (rule, keys is not None, tuple(hadamard),
-                  _converts_narrow(interpret), interpret), *args,
+                  _ptx_converts(formats.E2M1, interpret), interpret), *args,
       layouts=((("r", 1), ("c", 8)), (("r", 1), ("c", b)),
                (("c", 1), ("r", 8)), (("c", 1), ("r", b))),
       block=(b, b), origin=keys is not None)
@@ -896,14 +933,14 @@ def _fp32_bits(v):
   return jax.lax.bitcast_convert_type(v, jnp.uint32) & 0x7FFFFFFF
 
 
-def _converts_narrow(interpret: bool) -> bool:
-  """Whether a kernel rounds FP32 to E2M1 and FP6 with the conversions
-  Blackwell added (PTX ISA 8.6, sm_100a and later): `_e2m1_bytes`,
-  `_fp6_grid`. Only when compiled for such a GPU (`qlayers.table.gpu_arch`);
-  the interpreter, Hopper and an unknown GPU take `qlayers.formats`'
-  FP32 steps, which give the same values."""
-  return (not interpret
-          and table.sm_version(table.gpu_arch("cuda")) >= 100)
+def _ptx_converts(fmt: Format, interpret: bool) -> bool:
+  """Whether a kernel casts FP32 to ``fmt`` with PTX conversions of its own
+  (`_block_words`, `_e2m1_words`): compiled for a GPU
+  (`qlayers.table.gpu_arch`) that has them, sm_89 for FP8, sm_100 (its
+  ``a`` features) for FP6 and FP4. The interpreter and an unknown GPU take
+  Triton's casts and `qlayers.formats`' FP32 steps, the same values."""
+  sm = 0 if interpret else table.sm_version(table.gpu_arch("cuda"))
+  return sm >= (89 if fmt.bits == 8 else 100)
 
 
 def _pairs_last(x):
@@ -924,6 +961,14 @@ def _eighths_last(x):
   return [parts[int(f"{j:03b}"[::-1], 2)] for j in range(8)]
 
 
+def _quarters_last(x):
+  """``x (..., 4m)`` as the four ``(..., m)`` arrays of its elements ``4i +
+  j``, ``j = 0..3`` in turn."""
+  even, odd = _pairs_last(x)
+  (e0, e2), (e1, e3) = _pairs_last(even), _pairs_last(odd)
+  return [e0, e1, e2, e3]
+
+
 # PTX's two-value conversions put their first source in the high half of
 # the result (PTX ISA, cvt: ".e2m1x2", ".e2m3x2"), so the odd element goes
 # first. NaN converts to the largest positive value (CUDA's cuda_fp4.hpp
@@ -936,14 +981,19 @@ _E2M1X8 = ("{ .reg .b8 b0, b1, b2, b3; "
            "cvt.rn.satfinite.e2m1x2.f32 b2, $6, $5; "
            "cvt.rn.satfinite.e2m1x2.f32 b3, $8, $7; "
            "mov.b32 $0, {b0, b1, b2, b3}; }")
-# One value (the high half a zero) per conversion: jax 0.10's Pallas lowers
-# no inline assembly with two results.
-_FP6 = ("{ .reg .b16 pair, lo, hi; .reg .b32 halves; "
-        "cvt.rn.satfinite.FMTx2.f32 pair, 0f00000000, $1; "
-        "cvt.rn.f16x2.FMTx2 halves, pair; mov.b32 {lo, hi}, halves; "
-        "cvt.f32.f16 $0, lo; }")
-
-
+_FP8X4 = ("{ .reg .b16 lo, hi; "
+          "cvt.rn.satfinite.FMTx2.f32 lo, $2, $1; "
+          "cvt.rn.satfinite.FMTx2.f32 hi, $4, $3; "
+          "mov.b32 $0, {lo, hi}; }")
+# FP6 to FP16 and FP16 to E4M3 are exact.
+_FP6X4 = ("{ .reg .b16 p0, p1, lo, hi; .reg .b32 h0, h1; "
+          "cvt.rn.satfinite.FMTx2.f32 p0, $2, $1; "
+          "cvt.rn.f16x2.FMTx2 h0, p0; "
+          "cvt.rn.satfinite.e4m3x2.f16x2 lo, h0; "
+          "cvt.rn.satfinite.FMTx2.f32 p1, $4, $3; "
+          "cvt.rn.f16x2.FMTx2 h1, p1; "
+          "cvt.rn.satfinite.e4m3x2.f16x2 hi, h1; "
+          "mov.b32 $0, {lo, hi}; }")
 def _e2m1_words(x, r=None, hardware: bool = False):
   """E2M1 codes of FP32 ``x (..., 8m)``, eight to a uint32 word along the
   last axis (element ``8i + j`` in bits ``4j`` to ``4j + 3``: as bytes, the
@@ -970,20 +1020,6 @@ def _words_to_bytes(words):
   a view)."""
   b = jax.lax.bitcast_convert_type(words, jnp.uint8)
   return b.reshape(*words.shape[:-1], 4 * words.shape[-1])
-
-
-def _fp6_grid(x, fmt: Format, hardware: bool):
-  """FP32 ``x`` rounded to nearest even onto FP6 ``fmt``'s grid, saturating
-  (`qlayers.formats.round_on_grid`; NaN aside, see `_E2M1X8`).
-  ``hardware``: by PTX ``cvt.rn.satfinite.{e2m3x2,e3m2x2}.f32`` and back
-  through FP16 (exact)."""
-  if not hardware:
-    return formats.round_on_grid(x, fmt)
-  from jax.experimental.pallas import triton as plgpu
-  (r,) = plgpu.elementwise_inline_asm(
-      _FP6.replace("FMT", fmt.name), args=[x], constraints="=f,f", pack=1,
-      result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])
-  return r
 
 
 def _zero_where_nan_scale(payload, mult):
@@ -1168,7 +1204,7 @@ def nvfp4_cast_transpose(t: jax.Array, amax: jax.Array | None = None,
       (("r", 1), ("c", b)), (("c", 1), ("r", b)))
   q, s, qt, st = partition.cast(
       _nvfp4_call, (square, hadamard, keys is not None,
-                    _converts_narrow(interpret), interpret), *args, t,
+                    _ptx_converts(formats.E2M1, interpret), interpret), *args, t,
       layouts=((("r", 1), ("c", 8)), scales[0], (("c", 1), ("r", 8)),
                scales[1]),
       block=(b, b), origin=keys is not None)

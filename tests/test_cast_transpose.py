@@ -821,21 +821,25 @@ def test_words_hold_eight_codes_low_nibble_first():
   np.testing.assert_array_equal(got, codes[:, 0::2] | (codes[:, 1::2] << 4))
 
 
-@pytest.mark.parametrize("recipe,ptx", [("mxfp4", "cvt.rn.satfinite.e2m1x2"),
-                                        ("nvfp4", "cvt.rn.satfinite.e2m1x2"),
-                                        ("mxfp6", "cvt.rn.satfinite.e2m3x2")])
-def test_blackwell_kernels_round_by_ptx_conversions_and_hopper_ones_do_not(
-    recipe, ptx):
-  """Traced for sm_100 the 4- and 6-bit kernels round to nearest with
-  Blackwell's conversions; for sm_90 (which lacks them) and in the
-  interpreter with FP32 steps, whose bits the tests above check."""
-  x, w = jnp.ones((64, 128)), jnp.ones((128, 256))
+@pytest.mark.parametrize("recipe,ptx,converts", [
+    ("mxfp4", "e2m1x2", {"sm_100": True, "sm_90": False}),
+    ("nvfp4", "e2m1x2", {"sm_100": True, "sm_90": False}),
+    ("mxfp6", "e2m3x2", {"sm_100": True, "sm_90": False}),
+    ("mxfp8", "e4m3x2", {"sm_100": True}),
+    ("deepseek_v3", "e4m3x2", {"sm_90": True})])
+def test_kernels_cast_by_ptx_conversions_where_the_target_has_them(
+    recipe, ptx, converts):
+  """Traced for a GPU the cast kernels round to nearest with its PTX
+  conversions (FP4 and FP6: Blackwell's), written as words; without them
+  (Hopper's FP4/FP6, the interpreter) with FP32 steps, whose bits the
+  tests above check."""
+  x, w = jnp.ones((256, 256)), jnp.ones((256, 256))
 
   def loss(x, w):
     return jnp.sum(ops.quantized_matmul(x, w, recipe)[0])
 
-  for arch, converts in (("sm_100", True), ("sm_90", False)):
+  for arch, want in converts.items():
     with table.target_arch(arch):
       text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(x, w).lower(
           lowering_platforms=("cuda",)).as_text()
-    assert (ptx in text) == converts, arch
+    assert (f"cvt.rn.satfinite.{ptx}.f32" in text) == want, arch
