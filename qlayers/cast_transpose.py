@@ -778,9 +778,9 @@ def _fp4_kernel(*refs, rule: str, stochastic: bool, hadamard=(0, 0),
     rows, cols = origin_ref[2], origin_ref[3]
     i, j = (origin_ref[a] + pl.program_id(a).astype(jnp.uint32) * b
             for a in (0, 1))
-    hashes = (b, b // threefry.BYTES)  # eight elements of a row to a hash
-    down, across = (jax.lax.broadcasted_iota(jnp.uint32, hashes, a)
-                    for a in (0, 1))
+    # Eight elements of a row to a hash; a row's counter product once.
+    down = jax.lax.broadcasted_iota(jnp.uint32, (b, 1), 0)
+    across = jax.lax.broadcasted_iota(jnp.uint32, (1, b // threefry.BYTES), 1)
   for c, (y, q, sc) in enumerate(zip(copies, (q_ref, qt_ref),
                                      (s_ref, st_ref))):
     u = None
@@ -791,8 +791,8 @@ def _fp4_kernel(*refs, rule: str, stochastic: bool, hadamard=(0, 0),
       # then exhausts host memory).
       row, col, width = ((i + down, (j >> 3) + across, cols >> 3) if c == 0
                          else (j + down, (i >> 3) + across, rows >> 3))
-      u = threefry.bytes_at(key_ref[2 * c], key_ref[2 * c + 1], row, col,
-                            width)
+      u = threefry.eighths_at(key_ref[2 * c], key_ref[2 * c + 1], row, col,
+                              width)
     mult, code = _pow2_multiplier(jnp.max(_fp32_bits(y), axis=1,
                                           keepdims=True), formats.E2M1, rule)
     q[...] = _zero_where_nan_scale(_e2m1_words(y * mult, u, hardware),
@@ -998,14 +998,17 @@ def _e2m1_words(x, r=None, hardware: bool = False):
   """E2M1 codes of FP32 ``x (..., 8m)``, eight to a uint32 word along the
   last axis (element ``8i + j`` in bits ``4j`` to ``4j + 3``: as bytes, the
   packed payload, low nibble first): ``(..., m)``. Rounded to nearest even,
-  or stochastically with random bytes ``r`` (`qlayers.formats.grid_codes`).
+  or stochastically with random bytes ``r``, one ``(..., m)`` array per
+  element ``j`` (`qlayers.threefry.hash_bytes`; `qlayers.formats.grid_codes`).
   ``hardware`` (to nearest only): four PTX ``cvt.rn.satfinite.e2m1x2.f32``
   per word, which round to nearest even and saturate as `grid_codes` does
   (+-0 keeps its sign); NaN aside (see `_E2M1X8`), the same words. Words,
   not bytes: Triton widens each byte to 16 and 32 bits to store it."""
   if not hardware or r is not None:
+    r = r or [None] * 8
     return functools.reduce(jnp.bitwise_or, (
-        c << (4 * j) for j, c in enumerate(_eighths_last(_e2m1_codes(x, r)))))
+        _e2m1_codes(part, r[j]) << (4 * j)
+        for j, part in enumerate(_eighths_last(x))))
   from jax.experimental.pallas import triton as plgpu
   eighths = _eighths_last(x)
   (w,) = plgpu.elementwise_inline_asm(
@@ -1107,12 +1110,17 @@ def _nvfp4_kernel(*refs, square: bool, hadamard: bool, stochastic: bool,
       g, k, c = (jax.lax.broadcasted_iota(jnp.uint32,
                                           (n, b, width // eighth), a)
                  for a in range(3))
-      u = threefry.bytes_at(key_ref[0], key_ref[1], i0 + g * b + k,
-                            (j0 >> 3) + c, cols >> 3)
+      # Drawn whole and split as the values are: Triton's layout passes
+      # replay the rounds to lay out eight arrays drawn apart (an sm_100
+      # compile then crashes).
+      u = _eighths_last(threefry.bytes_at(key_ref[0], key_ref[1],
+                                          i0 + g * b + k, (j0 >> 3) + c,
+                                          cols >> 3))
       g, c, k = (jax.lax.broadcasted_iota(jnp.uint32, (n, width, b // eighth),
                                           a) for a in range(3))
-      u_t = threefry.bytes_at(key_ref[2], key_ref[3], j0 + c,
-                              ((i0 + g * b) >> 3) + k, rows >> 3)
+      u_t = _eighths_last(threefry.bytes_at(key_ref[2], key_ref[3], j0 + c,
+                                            ((i0 + g * b) >> 3) + k,
+                                            rows >> 3))
     q_ref[...] = _zero_where_nan_scale(
         _e2m1_words(v * mult, u, hardware), mult)
     s_ref[...] = e4m3

@@ -231,16 +231,16 @@ def _grid_steps(x: jax.Array, fmt: Format, r: jax.Array | None):
   random byte ``b``: ``floor(y + (2b + 1) / 512)``, exactly ``(floor(512
   y) + 2b + 1) >> 9``. Mostly FP32 arithmetic, so a GPU kernel spends
   few of its integer instructions on it."""
-  x = saturate(x.astype(jnp.float32), fmt)
-  bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-  sign = bits & jnp.uint32(0x80000000)
-  e = jnp.maximum(_f32_exponent(x), fmt.emin)
-  y = jnp.abs(x) * _pow2(fmt.mbits - e)
+  x = x.astype(jnp.float32)
+  sign = jax.lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0x80000000)
+  a = jnp.minimum(jnp.abs(x), fmt.max)  # saturated; NaN stays NaN
+  e = jnp.maximum(_f32_exponent(a), fmt.emin)
   if r is None:
+    y = a * _pow2(fmt.mbits - e)
     k = jax.lax.bitcast_convert_type(y + 2.0**23, jnp.uint32) - jnp.uint32(
         0x4B000000)
-  else:
-    k = (jnp.floor(y * 512.0).astype(jnp.uint32)
+  else:  # 512 y, exact; its conversion truncates, the floor of y >= 0
+    k = ((a * _pow2(fmt.mbits + 9 - e)).astype(jnp.uint32)
          + 2 * jnp.asarray(r, jnp.uint32) + 1) >> 9
   return sign, k, e
 

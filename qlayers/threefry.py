@@ -33,8 +33,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-__all__ = ["BYTES", "key_words", "hash_words", "counter_words", "bytes_at",
-           "random_bytes"]
+__all__ = ["BYTES", "key_words", "hash_words", "hash_bytes", "counter_words",
+           "eighths_at", "bytes_at", "random_bytes"]
 
 # Elements per hash: one byte each of its two 32-bit output words.
 BYTES = 8
@@ -87,7 +87,7 @@ def hash_words(k0, k1, c0, c1) -> tuple[jax.Array, jax.Array]:
       x0 = x0 + x1
       x1 = _rotl(x1, r) ^ x0
     x0 = x0 + ks[(group + 1) % 3]
-    x1 = x1 + ks[(group + 2) % 3] + jnp.uint32(group + 1)
+    x1 = x1 + (ks[(group + 2) % 3] + jnp.uint32(group + 1))  # one key word
   return x0, x1
 
 
@@ -122,6 +122,18 @@ def counter_words(row, col, width) -> tuple[jax.Array, jax.Array]:
   return hi + (out_lo < lo).astype(jnp.uint32), out_lo
 
 
+def hash_bytes(x0, x1) -> list[jax.Array]:
+  """The eight bytes (uint32) of hash words ``x0, x1`` in the element order
+  of the module docstring: ``x0``'s from its low byte, then ``x1``'s.
+
+  Example:
+    >>> [int(b) for b in hash_bytes(jnp.uint32(0x04030201), jnp.uint32(5))]
+    [1, 2, 3, 4, 5, 0, 0, 0]
+  """
+  return [(word >> jnp.uint32(8 * k)) & jnp.uint32(0xFF)
+          for word in (x0, x1) for k in range(4)]
+
+
 def _spread(x0, x1) -> jax.Array:
   """Hash words ``(..., m)`` -> their bytes ``(..., 8 m)`` (uint32), in the
   element order of the module docstring."""
@@ -130,6 +142,22 @@ def _spread(x0, x1) -> jax.Array:
   word = jnp.where(byte < 4, x0[..., None], x1[..., None])
   bits = (word >> ((byte & 3) * 8)) & jnp.uint32(0xFF)
   return bits.reshape(x0.shape[:-1] + (x0.shape[-1] * BYTES,))
+
+
+def eighths_at(k0, k1, row, col, width) -> list[jax.Array]:
+  """`bytes_at` as eight arrays shaped as ``row`` and ``col`` broadcast:
+  the ``j``-th holds the bytes of the elements ``8 col + j`` (`hash_bytes`
+  of their hashes), as a kernel that splits its rows in eighths takes them.
+
+  Example:
+    >>> key = jax.random.key(7)
+    >>> cols = jnp.arange(2, dtype=jnp.uint32)
+    >>> eighths = eighths_at(*key_words(key), jnp.uint32(0), cols, 2)
+    >>> want = bytes_at(*key_words(key), jnp.uint32(0), cols, 2)
+    >>> bool((eighths[3] == want[3::8]).all())
+    True
+  """
+  return hash_bytes(*hash_words(k0, k1, *counter_words(row, col, width)))
 
 
 def bytes_at(k0, k1, row, col, width) -> jax.Array:
