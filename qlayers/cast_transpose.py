@@ -59,6 +59,19 @@ the whole tensor's amax first: `nvfp4_amaxes` finds those of the tensor and
 of its transform in one read. `transform` is the Hadamard transform alone
 in one pass, for the recipes whose transformed operands XLA quantizes.
 
+The block-scaled kernels write their payloads as uint32 words (four FP8
+bytes, eight E2M1 codes), which XLA views as the bytes: Triton widens each
+byte it stores to 16 and 32 bits first. Compiled for a GPU that has them
+(`qlayers.table.gpu_arch`: sm_89 for FP8, sm_100 for FP6 and FP4) they
+round to nearest with PTX's conversions, ``cvt.rn.satfinite`` to two
+E4M3/E5M2/E2M3/E3M2/E2M1 values at once, as inline assembly; elsewhere
+(Pallas' interpreter, the CPU tests) with Triton's casts and
+`qlayers.formats`' FP32 steps, which round and saturate alike. The one
+difference, NaN (the conversions give FP4 and FP6 their largest code),
+never reaches a payload: a block holding Inf or NaN has a NaN scale, and
+its FP4/FP6 codes are written as zeros, in XLA's path too
+(`qlayers.scaling.quantize`).
+
 The cast kernels run under a partitioning rule (`qlayers.partition.cast`):
 in a sharded program each device casts its shard, the 4-bit ones drawing
 each element's stochastic-rounding bits at its place in the whole tensor.
