@@ -531,31 +531,33 @@ def _block_words(x, mult, fmt: Format, interpret: bool, hardware: bool):
 
 
 def _pow2_multiplier(mag_max, fmt: Format, rule: str):
-  """(multiplier, E8M0 code) of blocks whose magnitude-bits max is
+  """(multiplier, E8M0 code as uint32) of blocks whose magnitude-bits max is
   ``mag_max`` under an MX rule or ``deepseek_pow2`` (`_block_copy`)."""
   deepseek = rule == "deepseek_pow2"
   if deepseek:
     mag_max = jnp.maximum(mag_max, jnp.uint32(_DEEPSEEK_FLOOR_BITS))
-  codes = scale_rules.mx_scale_codes(
+  # uint32 codes: Triton widens uint8 arithmetic through 16 bits.
+  c = scale_rules.mx_scale_codes(
       jax.lax.bitcast_convert_type(mag_max, jnp.float32), fmt,
-      "mx_rceil" if deepseek else rule)
-  c = codes.astype(jnp.uint32)
+      "mx_rceil" if deepseek else rule, dtype=jnp.uint32)
   # 2**(127 - code) from its bits (code 0: the subnormal 2**-127), as
   # scale_rules.unit_scales.
   mult = jax.lax.bitcast_convert_type(
       jnp.maximum((254 - c) << 23, jnp.uint32(0x400000)), jnp.float32)
-  return jnp.where(codes == 255, jnp.nan if deepseek else 0.0, mult), codes
+  return jnp.where(c == 255, jnp.nan if deepseek else 0.0, mult), c
 
 
 def _scales_out(codes, rule: str):
-  """What the QTensor stores: E8M0 codes (MX), FP32 ``2**(code - 127)``
-  (NaN for code 255) for DeepSeek-V3's power-of-two scales, its FP32 scales
-  (``deepseek``: already)."""
-  if rule != "deepseek_pow2":
+  """What the QTensor stores of `_pow2_multiplier`'s uint32 codes, or of
+  ``deepseek``'s FP32 scales: E8M0 codes (MX), FP32 ``2**(code - 127)``
+  (NaN for code 255) for DeepSeek-V3's power-of-two scales, the scales
+  themselves (``deepseek``)."""
+  if rule == "deepseek":
     return codes
-  c = codes.astype(jnp.uint32)
+  if rule != "deepseek_pow2":
+    return codes.astype(jnp.uint8)
   return jnp.where(codes == 255, jnp.nan,
-                   jax.lax.bitcast_convert_type(c << 23, jnp.float32))
+                   jax.lax.bitcast_convert_type(codes << 23, jnp.float32))
 
 
 def _block_kernel(t_ref, q_ref, s_ref, qt_ref, st_ref, *, fmt: Format,
@@ -810,7 +812,7 @@ def _fp4_kernel(*refs, rule: str, stochastic: bool, hadamard=(0, 0),
                                           keepdims=True), formats.E2M1, rule)
     q[...] = _zero_where_nan_scale(_e2m1_words(y * mult, u, hardware),
                                    mult)
-    sc[...] = code
+    sc[...] = _scales_out(code, rule)
 
 
 @functools.partial(jax.jit, static_argnames=("rule", "hadamard", "interpret"))

@@ -322,8 +322,8 @@ def deepseek_scale(a: jax.Array, fmt: Format, pow2: bool) -> jax.Array:
 
 
 def mx_scale_codes(amax_value: jax.Array, fmt: Format,
-                   rule: str = "mx_rceil") -> jax.Array:
-  """E8M0 codes (uint8) of MX block scales from per-block amax.
+                   rule: str = "mx_rceil", dtype=jnp.uint8) -> jax.Array:
+  """E8M0 codes (uint8, or ``dtype``) of MX block scales from per-block amax.
 
   FLOOR (OCP MX v1.0 sec. 6.3): ``e = floor(log2 amax) - emax_elem``.
   RCEIL: ``e = ceil(log2(amax / max))``: the exponent of ``amax / max``,
@@ -360,7 +360,7 @@ def mx_scale_codes(amax_value: jax.Array, fmt: Format,
   else:
     raise ValueError(f"{rule!r} is not an MX scale rule.")
   code = jnp.where(eb == 255, 255, code)  # Inf or NaN
-  return code.astype(jnp.uint8)
+  return code.astype(dtype)
 
 
 def e8m0_decode(codes: jax.Array) -> jax.Array:
