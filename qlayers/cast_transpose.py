@@ -1019,17 +1019,20 @@ def _e2m1_words(x, r=None, hardware: bool = False):
   per word, which round to nearest even and saturate as `grid_codes` does
   (+-0 keeps its sign); NaN aside (see `_E2M1X8`), the same words. Words,
   not bytes: Triton widens each byte to 16 and 32 bits to store it."""
+  return _e2m1_word(_eighths_last(x), r, hardware)
+
+
+def _e2m1_word(parts, r=None, hardware: bool = False):
+  """`_e2m1_words` of eight FP32 arrays, element ``j`` of each word in
+  ``parts[j]`` (its random bytes ``r[j]``): one uint32 array."""
   if not hardware or r is not None:
     r = r or [None] * 8
     return functools.reduce(jnp.bitwise_or, (
-        _e2m1_codes(part, r[j]) << (4 * j)
-        for j, part in enumerate(_eighths_last(x))))
+        _e2m1_codes(part, r[j]) << (4 * j) for j, part in enumerate(parts)))
   from jax.experimental.pallas import triton as plgpu
-  eighths = _eighths_last(x)
   (w,) = plgpu.elementwise_inline_asm(
-      _E2M1X8, args=eighths, constraints="=r" + ",f" * 8, pack=1,
-      result_shape_dtypes=[jax.ShapeDtypeStruct(eighths[0].shape,
-                                                jnp.int32)])
+      _E2M1X8, args=list(parts), constraints="=r" + ",f" * 8, pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(parts[0].shape, jnp.int32)])
   return jax.lax.bitcast_convert_type(w, jnp.uint32)
 
 
@@ -1085,6 +1088,36 @@ def _transform_last(y):
   return _butterfly_last(y * _signs_last(y.shape)) * hadamard_lib._norm(size)  # noqa: SLF001
 
 
+def _split_last(x):
+  """``x (..., n)`` as its ``n`` elements along the last axis, each an
+  ``(..., 1)``-less array, in order (halvings of the trailing axis)."""
+  parts = [x]
+  while parts[0].shape[-1] > 1:
+    parts = [half for p in parts for half in _pairs_last(p)]
+  n = x.shape[-1]
+  bits = n.bit_length() - 1  # part k holds element k's bits reversed
+  return [parts[int(f"{j:0{bits}b}"[::-1], 2)][..., 0] for j in range(n)]
+
+
+def _transform_parts(y):
+  """`qlayers.hadamard.transform` along the last axis (16 or fewer) of a
+  kernel's FP32 array, as the list of its transformed elements: the
+  signs, `qlayers.hadamard.butterfly`'s stages (the same pairs and sums,
+  in registers) and the factor."""
+  parts = _split_last(y)
+  n = len(parts)
+  parts = [-p if sign < 0 else p
+           for p, sign in zip(parts, hadamard_lib.random_signs(n))]
+  h = n // 2
+  while h:
+    for g in range(0, n, 2 * h):
+      for i in range(g, g + h):
+        parts[i], parts[i + h] = parts[i] + parts[i + h], parts[i] - parts[i + h]
+    h //= 2
+  norm = hadamard_lib._norm(n)  # noqa: SLF001
+  return [p * norm for p in parts]
+
+
 def _nvfp4_kernel(*refs, square: bool, hadamard: bool, stochastic: bool,
                   interpret: bool, hardware: bool = False):
   """One ``(n, 16, 16)`` tile of ``t`` seen as ``(R / 16, 16, C)``: ``[g, k,
@@ -1133,23 +1166,24 @@ def _nvfp4_kernel(*refs, square: bool, hadamard: bool, stochastic: bool,
                                           cols >> 3))
       g, c, k = (jax.lax.broadcasted_iota(jnp.uint32, (n, width, b // eighth),
                                           a) for a in range(3))
-      u_t = _eighths_last(threefry.bytes_at(key_ref[2], key_ref[3], j0 + c,
-                                            ((i0 + g * b) >> 3) + k,
-                                            rows >> 3))
+      u_t = _split_last(threefry.bytes_at(key_ref[2], key_ref[3], j0 + c,
+                                          ((i0 + g * b) >> 3) + k, rows >> 3))
     q_ref[...] = _zero_where_nan_scale(
         _e2m1_words(v * mult, u, hardware), mult)
     s_ref[...] = e4m3
-    # The copy of t.T (of its transform) along the rows: [g, c, k].
+    # The copy of t.T (of its transform) along the rows, [g, c, k], its 16
+    # elements k apart: the transform's stages, the block's amax and the
+    # words then run in registers.
     y = jnp.transpose(v, (0, 2, 1))
-    if hadamard:  # `qlayers.hadamard.transform`'s signs, stages and factor
-      y = _transform_last(y)
-    levels = _encode_scales(jnp.reshape(amax_t_ref[...], (1, 1, 1)),
-                            interpret)
-    mult, e4m3 = _nvfp4_blocks(jnp.max(_fp32_bits(y), axis=2, keepdims=True),
-                               levels, interpret)
-    words_t = _zero_where_nan_scale(_e2m1_words(y * mult, u_t, hardware),
-                                    mult)
-    st_ref[...] = jnp.reshape(e4m3, (n, width)).T
+    parts = _transform_parts(y) if hadamard else _split_last(y)
+    levels = _encode_scales(jnp.reshape(amax_t_ref[...], (1, 1)), interpret)
+    mult, e4m3 = _nvfp4_blocks(functools.reduce(
+        jnp.maximum, (_fp32_bits(p) for p in parts)), levels, interpret)
+    words_t = _zero_where_nan_scale(jnp.stack([_e2m1_word(
+        [p * mult for p in parts[8 * h:8 * h + 8]],
+        u_t and u_t[8 * h:8 * h + 8], hardware) for h in (0, 1)], axis=-1),
+                                    mult[..., None])
+    st_ref[...] = e4m3.T
   # [g, c, m] -> t.T's rows c, words 2 g + m.
   qt_ref[...] = jnp.transpose(words_t, (1, 0, 2)).reshape(width, n * b // 8)
 
@@ -1285,9 +1319,11 @@ def _nvfp4_call(shape: tuple[int, int], square: bool, hadamard: bool,
 
 def _nvfp4_amax_kernel(t_ref, a_ref, at_ref):
   v = t_ref[...].astype(jnp.float32)
-  y = _transform_last(jnp.transpose(v, (0, 2, 1)))
-  for ref, x in ((a_ref, v), (at_ref, y)):
-    ref[...] = jnp.reshape(jnp.max(_fp32_bits(x)), (1, 1))
+  a_ref[...] = jnp.reshape(jnp.max(_fp32_bits(v)), (1, 1))
+  # The transform's elements apart: its stages then run in registers.
+  parts = _transform_parts(jnp.transpose(v, (0, 2, 1)))
+  at_ref[...] = jnp.reshape(jnp.max(functools.reduce(
+      jnp.maximum, (_fp32_bits(p) for p in parts))), (1, 1))
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
