@@ -470,11 +470,10 @@ _DEEPSEEK_FLOOR_BITS = int(np.float32(
     scale_rules._DEEPSEEK_AMAX_FLOOR).view(np.uint32))  # noqa: SLF001
 
 
-def _block_copy(v, mag_max, fmt: Format, rule: str, interpret: bool):
-  """(``v`` times its multiplier, the multiplier, what the QTensor stores:
-  `_scales_out`'s input) of FP32 ``v`` scaled per block whose
-  magnitude-bits max is ``mag_max``; `_block_values` or `_block_words`
-  casts the first.
+def _block_scale(mag_max, fmt: Format, rule: str, interpret: bool):
+  """(multiplier, what the QTensor stores: `_scales_out`'s input) of the
+  blocks whose magnitude-bits max is ``mag_max``; `_block_values` or
+  `_block_words` casts the scaled values.
 
   ``rule`` ``mx_floor``/``mx_rceil``: `qlayers.scale_rules.unit_scales` for
   MX (a NaN code multiplies by 0). ``deepseek_pow2``: DeepSeek-V3's scale
@@ -493,10 +492,8 @@ def _block_copy(v, mag_max, fmt: Format, rule: str, interpret: bool):
   if rule == "deepseek":
     scale = scale_rules.deepseek_scale(
         jax.lax.bitcast_convert_type(mag_max, jnp.float32), fmt, pow2=False)
-    mult = _reciprocal(scale, interpret)
-    return v * mult, mult, scale
-  mult, codes = _pow2_multiplier(mag_max, fmt, rule)
-  return v * mult, mult, codes
+    return _reciprocal(scale, interpret), scale
+  return _pow2_multiplier(mag_max, fmt, rule)
 
 
 def _block_values(x, mult, fmt: Format, interpret: bool):
@@ -512,27 +509,31 @@ def _block_values(x, mult, fmt: Format, interpret: bool):
 def _block_words(x, mult, fmt: Format, interpret: bool, hardware: bool):
   """`_block_values` of ``x (..., 4m)`` as uint32 words of four payload
   bytes along the last axis (byte ``j`` of word ``i``: element ``4i +
-  j``), ``(..., m)``. ``hardware``: by PTX conversions, two per word
+  j``), ``(..., m)``."""
+  return _block_word(_quarters_last(x), mult, fmt, interpret, hardware)
+
+
+def _block_word(parts, mult, fmt: Format, interpret: bool, hardware: bool):
+  """`_block_values` of four FP32 arrays as one uint32 array, ``parts[j]``
+  in byte ``j``. ``hardware``: by PTX conversions, two per word
   (`_FP8X4`; FP6 through FP16, `_FP6X4`)."""
   if not hardware:
-    b = jax.lax.bitcast_convert_type(
-        _block_values(x, mult, fmt, interpret), jnp.uint8).astype(jnp.uint32)
     return functools.reduce(jnp.bitwise_or, (
-        part << (8 * j) for j, part in enumerate(_quarters_last(b))))
+        jax.lax.bitcast_convert_type(_block_values(
+            p, mult, fmt, interpret), jnp.uint8).astype(jnp.uint32) << (8 * j)
+        for j, p in enumerate(parts)))
   from jax.experimental.pallas import triton as plgpu
-  quarters = _quarters_last(x)
   ptx = (_FP6X4 if fmt.bits == 6 else _FP8X4).replace("FMT", fmt.name)
   (w,) = plgpu.elementwise_inline_asm(
-      ptx, args=quarters, constraints="=r" + ",f" * 4, pack=1,
-      result_shape_dtypes=[jax.ShapeDtypeStruct(quarters[0].shape,
-                                                jnp.int32)])
+      ptx, args=list(parts), constraints="=r" + ",f" * 4, pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(parts[0].shape, jnp.int32)])
   w = jax.lax.bitcast_convert_type(w, jnp.uint32)
   return _zero_where_nan_scale(w, mult) if fmt.bits == 6 else w
 
 
 def _pow2_multiplier(mag_max, fmt: Format, rule: str):
   """(multiplier, E8M0 code as uint32) of blocks whose magnitude-bits max is
-  ``mag_max`` under an MX rule or ``deepseek_pow2`` (`_block_copy`)."""
+  ``mag_max`` under an MX rule or ``deepseek_pow2`` (`_block_scale`)."""
   deepseek = rule == "deepseek_pow2"
   if deepseek:
     mag_max = jnp.maximum(mag_max, jnp.uint32(_DEEPSEEK_FLOOR_BITS))
@@ -567,16 +568,27 @@ def _block_kernel(t_ref, q_ref, s_ref, qt_ref, st_ref, *, fmt: Format,
   along its rows' blocks, as words of four payload bytes (`_block_words`)
   or dequantized to BF16."""
   v = t_ref[...].astype(jnp.float32)
+  b = v.shape[0]
   for y, q, sc, dq in ((v, q_ref, s_ref, dequantized[0]),
                        (v.T, qt_ref, st_ref, dequantized[1])):
-    # Block amaxes from the magnitude bits, as qlayers.blocks does: exact,
-    # and an Inf or NaN element gives the 0xFF code.
-    mag = jax.lax.bitcast_convert_type(y, jnp.uint32) & 0x7FFFFFFF
-    x, mult, s = _block_copy(y, jnp.max(mag, axis=1, keepdims=True), fmt,
-                             rule, interpret)
-    q[...] = (_dequantized(_block_values(x, mult, fmt, interpret), s) if dq
-              else _block_words(x, mult, fmt, interpret, hardware))
-    sc[...] = _scales_out(s, rule)
+    if dq or b > MX_BLOCK:
+      # Block amaxes from the magnitude bits, as qlayers.blocks does: exact,
+      # and an Inf or NaN element gives the 0xFF code.
+      mult, s = _block_scale(jnp.max(_fp32_bits(y), axis=1, keepdims=True),
+                             fmt, rule, interpret)
+      x = y * mult
+      q[...] = (_dequantized(_block_values(x, mult, fmt, interpret), s)
+                if dq else _block_words(x, mult, fmt, interpret, hardware))
+      sc[...] = _scales_out(s, rule)
+      continue
+    # An MX block's 32 elements apart: its amax and words in registers.
+    parts = _split_last(y)
+    mult, s = _block_scale(functools.reduce(
+        jnp.maximum, (_fp32_bits(p) for p in parts)), fmt, rule, interpret)
+    q[...] = _join_last([
+        _block_word([p * mult for p in parts[k:k + 4]], mult, fmt, interpret,
+                    hardware) for k in range(0, b, 4)])
+    sc[...] = _scales_out(s, rule)[:, None]
 
 
 def _dequantized(q, codes):
@@ -688,8 +700,8 @@ def _square_kernel(t_ref, q_ref, s_ref, qt_ref, *, fmt: Format, rule: str,
   mag = jax.lax.bitcast_convert_type(v, jnp.uint32) & 0x7FFFFFFF
   tile_max = jnp.max(jnp.max(mag, axis=1, keepdims=True), axis=0,
                      keepdims=True)
-  x, mult, c = _block_copy(v, tile_max, fmt, rule, interpret)
-  q = _block_values(x, mult, fmt, interpret)
+  mult, c = _block_scale(tile_max, fmt, rule, interpret)
+  q = _block_values(v * mult, mult, fmt, interpret)
   q_ref[...] = q
   qt_ref[...] = q.T
   s_ref[...] = _scales_out(c, rule)
@@ -765,15 +777,6 @@ def fp4_transforms(hadamard) -> bool:
                   for s in hadamard))
 
 
-def _transform_blocks(y, size: int):
-  """`_transform_last` of each ``size`` consecutive elements of the rows
-  of a square tile (``size`` divides its width)."""
-  b = y.shape[-1]
-  if size == b:
-    return _transform_last(y)
-  return _transform_last(y.reshape(b, b // size, size)).reshape(b, b)
-
-
 def _fp4_kernel(*refs, rule: str, stochastic: bool, hadamard=(0, 0),
                 hardware: bool = False):
   """One 32 x 32 tile: the copy along axis 1 of ``v`` (transformed along its
@@ -787,8 +790,7 @@ def _fp4_kernel(*refs, rule: str, stochastic: bool, hadamard=(0, 0),
   pl, _ = _pallas()
   v = t_ref[...].astype(jnp.float32)
   b = v.shape[0]
-  copies = [_transform_blocks(v, hadamard[0]) if hadamard[0] else v,
-            _transform_blocks(v.T, hadamard[1]) if hadamard[1] else v.T]
+  copies = [v, v.T]
   if stochastic:  # this tile's place in t: its shard's (`origin`) and in it
     rows, cols = origin_ref[2], origin_ref[3]
     i, j = (origin_ref[a] + pl.program_id(a).astype(jnp.uint32) * b
@@ -808,11 +810,20 @@ def _fp4_kernel(*refs, rule: str, stochastic: bool, hadamard=(0, 0),
                          else (j + down, (i >> 3) + across, rows >> 3))
       u = threefry.eighths_at(key_ref[2 * c], key_ref[2 * c + 1], row, col,
                               width)
-    mult, code = _pow2_multiplier(jnp.max(_fp32_bits(y), axis=1,
-                                          keepdims=True), formats.E2M1, rule)
-    q[...] = _zero_where_nan_scale(_e2m1_words(y * mult, u, hardware),
-                                   mult)
-    sc[...] = _scales_out(code, rule)
+    # A row's 32 elements apart: its transform, amax and four words in
+    # registers.
+    parts = _split_last(y)
+    if hadamard[c]:
+      parts = _transform_parts(parts, hadamard[c])
+    mult, code = _pow2_multiplier(functools.reduce(
+        jnp.maximum, (_fp32_bits(p) for p in parts)), formats.E2M1, rule)
+    if u is not None:  # u[j][:, w]: the byte of element 8 w + j
+      u = [_split_last(e) for e in u]
+    words = [_e2m1_word([p * mult for p in parts[8 * w:8 * w + 8]],
+                        u and [e[w] for e in u], hardware)
+             for w in range(b // 8)]
+    q[...] = _zero_where_nan_scale(_join_last(words), mult[:, None])
+    sc[...] = _scales_out(code, rule)[:, None]
 
 
 @functools.partial(jax.jit, static_argnames=("rule", "hadamard", "interpret"))
@@ -1099,23 +1110,35 @@ def _split_last(x):
   return [parts[int(f"{j:0{bits}b}"[::-1], 2)][..., 0] for j in range(n)]
 
 
-def _transform_parts(y):
-  """`qlayers.hadamard.transform` along the last axis (16 or fewer) of a
-  kernel's FP32 array, as the list of its transformed elements: the
+def _join_last(parts):
+  """``n`` arrays (a power of two) -> ``(..., n)``, ``parts[j]`` at ``j``,
+  by joins of pairs (the inverse of `_split_last`)."""
+  parts = [p[..., None] for p in parts]
+  while len(parts) > 1:
+    parts = [jnp.swapaxes(jnp.stack(parts[k:k + 2], axis=-1), -1, -2
+                          ).reshape(*parts[k].shape[:-1], -1)
+             for k in range(0, len(parts), 2)]
+  return parts[0]
+
+
+def _transform_parts(parts, size: int):
+  """`qlayers.hadamard.transform` over each ``size`` consecutive arrays of
+  the list ``parts`` (a kernel's elements apart, `_split_last`): the
   signs, `qlayers.hadamard.butterfly`'s stages (the same pairs and sums,
   in registers) and the factor."""
-  parts = _split_last(y)
-  n = len(parts)
-  parts = [-p if sign < 0 else p
-           for p, sign in zip(parts, hadamard_lib.random_signs(n))]
-  h = n // 2
-  while h:
-    for g in range(0, n, 2 * h):
-      for i in range(g, g + h):
-        parts[i], parts[i + h] = parts[i] + parts[i + h], parts[i] - parts[i + h]
-    h //= 2
-  norm = hadamard_lib._norm(n)  # noqa: SLF001
-  return [p * norm for p in parts]
+  signs, norm = hadamard_lib.random_signs(size), hadamard_lib._norm(size)  # noqa: SLF001
+  out = []
+  for start in range(0, len(parts), size):
+    block = [-p if sign < 0 else p
+             for p, sign in zip(parts[start:start + size], signs)]
+    h = size // 2
+    while h:
+      for g in range(0, size, 2 * h):
+        for i in range(g, g + h):
+          block[i], block[i + h] = block[i] + block[i + h], block[i] - block[i + h]
+      h //= 2
+    out += [p * norm for p in block]
+  return out
 
 
 def _nvfp4_kernel(*refs, square: bool, hadamard: bool, stochastic: bool,
@@ -1175,7 +1198,9 @@ def _nvfp4_kernel(*refs, square: bool, hadamard: bool, stochastic: bool,
     # elements k apart: the transform's stages, the block's amax and the
     # words then run in registers.
     y = jnp.transpose(v, (0, 2, 1))
-    parts = _transform_parts(y) if hadamard else _split_last(y)
+    parts = _split_last(y)
+    if hadamard:
+      parts = _transform_parts(parts, b)
     levels = _encode_scales(jnp.reshape(amax_t_ref[...], (1, 1)), interpret)
     mult, e4m3 = _nvfp4_blocks(functools.reduce(
         jnp.maximum, (_fp32_bits(p) for p in parts)), levels, interpret)
@@ -1321,7 +1346,8 @@ def _nvfp4_amax_kernel(t_ref, a_ref, at_ref):
   v = t_ref[...].astype(jnp.float32)
   a_ref[...] = jnp.reshape(jnp.max(_fp32_bits(v)), (1, 1))
   # The transform's elements apart: its stages then run in registers.
-  parts = _transform_parts(jnp.transpose(v, (0, 2, 1)))
+  parts = _transform_parts(_split_last(jnp.transpose(v, (0, 2, 1))),
+                           NV_BLOCK)
   at_ref[...] = jnp.reshape(jnp.max(functools.reduce(
       jnp.maximum, (_fp32_bits(p) for p in parts))), (1, 1))
 
