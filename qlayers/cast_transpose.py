@@ -1156,8 +1156,8 @@ def _nvfp4_kernel(*refs, square: bool, hadamard: bool, stochastic: bool,
   pl, _ = _pallas()
   v = t_ref[...].astype(jnp.float32)
   n, b, width = v.shape
-  levels = _encode_scales(jnp.reshape(amax_ref[...], (1, 1, 1)), interpret)
   if square:  # 16 x 16 blocks: one scale and the same codes for both copies
+    levels = _encode_scales(jnp.reshape(amax_ref[...], (1, 1, 1)), interpret)
     mag = jnp.max(jnp.max(_fp32_bits(v), axis=2, keepdims=True), axis=1,
                   keepdims=True)
     mult, e4m3 = _nvfp4_blocks(mag, levels, interpret)
@@ -1168,9 +1168,13 @@ def _nvfp4_kernel(*refs, square: bool, hadamard: bool, stochastic: bool,
     words_t = _zero_where_nan_scale(
         _e2m1_words(jnp.transpose(y, (0, 2, 1)), None, hardware), mult)
   else:
-    # The copy along C, 1 x 16 blocks.
-    mult, e4m3 = _nvfp4_blocks(jnp.max(_fp32_bits(v), axis=2, keepdims=True),
-                               levels, interpret)
+    # The copy along C, 1 x 16 blocks (a tile row each), its 16 elements
+    # apart: the block's amax and words in registers.
+    parts = _split_last(v)
+    mult, e4m3 = _nvfp4_blocks(
+        functools.reduce(jnp.maximum, (_fp32_bits(p) for p in parts)),
+        _encode_scales(jnp.reshape(amax_ref[...], (1, 1)), interpret),
+        interpret)
     u = u_t = None
     if stochastic:  # each copy's flat index in t, in the layout it is
       # drawn in; this tile's place in t: its shard's (`origin`) and in it
@@ -1184,16 +1188,17 @@ def _nvfp4_kernel(*refs, square: bool, hadamard: bool, stochastic: bool,
       # Drawn whole and split as the values are: Triton's layout passes
       # replay the rounds to lay out eight arrays drawn apart (an sm_100
       # compile then crashes).
-      u = _eighths_last(threefry.bytes_at(key_ref[0], key_ref[1],
-                                          i0 + g * b + k, (j0 >> 3) + c,
-                                          cols >> 3))
+      u = _split_last(threefry.bytes_at(key_ref[0], key_ref[1],
+                                        i0 + g * b + k, (j0 >> 3) + c,
+                                        cols >> 3))
       g, c, k = (jax.lax.broadcasted_iota(jnp.uint32, (n, width, b // eighth),
                                           a) for a in range(3))
       u_t = _split_last(threefry.bytes_at(key_ref[2], key_ref[3], j0 + c,
                                           ((i0 + g * b) >> 3) + k, rows >> 3))
-    q_ref[...] = _zero_where_nan_scale(
-        _e2m1_words(v * mult, u, hardware), mult)
-    s_ref[...] = e4m3
+    q_ref[...] = _zero_where_nan_scale(_join_last([_e2m1_word(
+        [p * mult for p in parts[8 * h:8 * h + 8]], u and u[8 * h:8 * h + 8],
+        hardware) for h in (0, 1)]), mult[..., None])
+    s_ref[...] = e4m3[..., None]
     # The copy of t.T (of its transform) along the rows, [g, c, k], its 16
     # elements k apart: the transform's stages, the block's amax and the
     # words then run in registers.
@@ -1204,9 +1209,9 @@ def _nvfp4_kernel(*refs, square: bool, hadamard: bool, stochastic: bool,
     levels = _encode_scales(jnp.reshape(amax_t_ref[...], (1, 1)), interpret)
     mult, e4m3 = _nvfp4_blocks(functools.reduce(
         jnp.maximum, (_fp32_bits(p) for p in parts)), levels, interpret)
-    words_t = _zero_where_nan_scale(jnp.stack([_e2m1_word(
+    words_t = _zero_where_nan_scale(_join_last([_e2m1_word(
         [p * mult for p in parts[8 * h:8 * h + 8]],
-        u_t and u_t[8 * h:8 * h + 8], hardware) for h in (0, 1)], axis=-1),
+        u_t and u_t[8 * h:8 * h + 8], hardware) for h in (0, 1)]),
                                     mult[..., None])
     st_ref[...] = e4m3.T
   # [g, c, m] -> t.T's rows c, words 2 g + m.
