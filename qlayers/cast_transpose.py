@@ -795,21 +795,9 @@ def _fp4_kernel(*refs, rule: str, stochastic: bool, hadamard=(0, 0),
     rows, cols = origin_ref[2], origin_ref[3]
     i, j = (origin_ref[a] + pl.program_id(a).astype(jnp.uint32) * b
             for a in (0, 1))
-    # Eight elements of a row to a hash; a row's counter product once.
-    down = jax.lax.broadcasted_iota(jnp.uint32, (b, 1), 0)
-    across = jax.lax.broadcasted_iota(jnp.uint32, (1, b // threefry.BYTES), 1)
+    down = jax.lax.broadcasted_iota(jnp.uint32, (b,), 0)
   for c, (y, q, sc) in enumerate(zip(copies, (q_ref, qt_ref),
                                      (s_ref, st_ref))):
-    u = None
-    if stochastic:
-      # Each copy draws the random bytes of its own places (`threefry`), in
-      # its own layout (the t.T copy's transposed): a transpose after the 20
-      # rounds makes Triton's layout passes replay them (its sm_100 compile
-      # then exhausts host memory).
-      row, col, width = ((i + down, (j >> 3) + across, cols >> 3) if c == 0
-                         else (j + down, (i >> 3) + across, rows >> 3))
-      u = threefry.eighths_at(key_ref[2 * c], key_ref[2 * c + 1], row, col,
-                              width)
     # A row's 32 elements apart: its transform, amax and four words in
     # registers.
     parts = _split_last(y)
@@ -817,11 +805,17 @@ def _fp4_kernel(*refs, rule: str, stochastic: bool, hadamard=(0, 0),
       parts = _transform_parts(parts, hadamard[c])
     mult, code = _pow2_multiplier(functools.reduce(
         jnp.maximum, (_fp32_bits(p) for p in parts)), formats.E2M1, rule)
-    if u is not None:  # u[j][:, w]: the byte of element 8 w + j
-      u = [_split_last(e) for e in u]
-    words = [_e2m1_word([p * mult for p in parts[8 * w:8 * w + 8]],
-                        u and [e[w] for e in u], hardware)
-             for w in range(b // 8)]
+    u = [None] * (b // 8)
+    if stochastic:
+      # Each copy draws the random bytes of its own places (`threefry`):
+      # word w of a row is the hash at column w of its eighths, whose bytes
+      # are its elements' (a row's counter product computed once).
+      row, col, width = ((i + down, j >> 3, cols >> 3) if c == 0
+                         else (j + down, i >> 3, rows >> 3))
+      u = [threefry.eighths_at(key_ref[2 * c], key_ref[2 * c + 1], row,
+                               col + w, width) for w in range(b // 8)]
+    words = [_e2m1_word([p * mult for p in parts[8 * w:8 * w + 8]], u[w],
+                        hardware) for w in range(b // 8)]
     q[...] = _zero_where_nan_scale(_join_last(words), mult[:, None])
     sc[...] = _scales_out(code, rule)[:, None]
 
