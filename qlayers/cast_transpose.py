@@ -571,7 +571,11 @@ def _block_kernel(t_ref, q_ref, s_ref, qt_ref, st_ref, *, fmt: Format,
   b = v.shape[0]
   for y, q, sc, dq in ((v, q_ref, s_ref, dequantized[0]),
                        (v.T, qt_ref, st_ref, dequantized[1])):
-    if dq or b > MX_BLOCK:
+    if dq or fmt.bits == 8:
+      # FP8 (and DeepSeek's tiles) by reductions: apart, MXFP8's blocks save
+      # 10% of the kernel's instructions (0.5% of a predicted step) for
+      # nearly three times the train step's traced operations, which its
+      # compile time pays (benchmarks/RESULTS.md).
       # Block amaxes from the magnitude bits, as qlayers.blocks does: exact,
       # and an Inf or NaN element gives the 0xFF code.
       mult, s = _block_scale(jnp.max(_fp32_bits(y), axis=1, keepdims=True),
@@ -581,7 +585,7 @@ def _block_kernel(t_ref, q_ref, s_ref, qt_ref, st_ref, *, fmt: Format,
                 if dq else _block_words(x, mult, fmt, interpret, hardware))
       sc[...] = _scales_out(s, rule)
       continue
-    # An MX block's 32 elements apart: its amax and words in registers.
+    # An MXFP6 block's 32 elements apart: its amax and words in registers.
     parts = _split_last(y)
     mult, s = _block_scale(functools.reduce(
         jnp.maximum, (_fp32_bits(p) for p in parts)), fmt, rule, interpret)
