@@ -139,3 +139,16 @@ def test_rounding_keys_are_the_counters_and_draw_apart():
     formats.rounding_key(jnp.float32(1.5), 0)
   with pytest.raises(ValueError, match="one shape"):
     formats.rounding_key(jnp.arange(3, dtype=jnp.uint32), jnp.uint32(0))
+
+
+def test_eighths_are_the_bytes_of_every_eighth_element():
+  """`eighths_at`'s array j holds the byte of element 8c + j, at places
+  past 2**32 elements too: the kernels' draws are `random_bytes`'."""
+  k0, k1 = threefry.key_words(jax.random.key(11))
+  rows = jnp.array([[0], [3], [2**31 + 5]], jnp.uint32)
+  cols = jnp.arange(4, dtype=jnp.uint32)[None, :]
+  want = np.asarray(threefry.bytes_at(k0, k1, rows, cols, 2**29))
+  got = threefry.eighths_at(k0, k1, rows, cols, 2**29)
+  assert len(got) == threefry.BYTES
+  for j, b in enumerate(got):
+    np.testing.assert_array_equal(np.asarray(b), want[:, j::8])
