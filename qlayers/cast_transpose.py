@@ -786,7 +786,7 @@ def _fp4_kernel(*refs, rule: str, stochastic: bool, hadamard=(0, 0),
   """One 32 x 32 tile: the copy along axis 1 of ``v`` (transformed along its
   rows' blocks of ``hadamard[0]``) and the copy of ``v.T`` (along ``v``'s
   columns' blocks of ``hadamard[1]``; 0: none), as uint32 words of eight
-  codes (`_e2m1_words`, converted by PTX where ``hardware``)."""
+  codes (`_block_e2m1_words`, converted by PTX where ``hardware``)."""
   if stochastic:
     origin_ref, key_ref, t_ref, q_ref, s_ref, qt_ref, st_ref = refs
   else:
@@ -809,18 +809,16 @@ def _fp4_kernel(*refs, rule: str, stochastic: bool, hadamard=(0, 0),
       parts = _transform_parts(parts, hadamard[c])
     mult, code = _pow2_multiplier(functools.reduce(
         jnp.maximum, (_fp32_bits(p) for p in parts)), formats.E2M1, rule)
-    u = [None] * (b // 8)
+    u = None
     if stochastic:
       # Each copy draws the random bytes of its own places (`threefry`):
       # word w of a row is the hash at column w of its eighths, whose bytes
       # are its elements' (a row's counter product computed once).
       row, col, width = ((i + down, j >> 3, cols >> 3) if c == 0
                          else (j + down, i >> 3, rows >> 3))
-      u = [threefry.eighths_at(key_ref[2 * c], key_ref[2 * c + 1], row,
-                               col + w, width) for w in range(b // 8)]
-    words = [_e2m1_word([p * mult for p in parts[8 * w:8 * w + 8]], u[w],
-                        hardware) for w in range(b // 8)]
-    q[...] = _zero_where_nan_scale(_join_last(words), mult[:, None])
+      u = [byte for w in range(b // 8) for byte in threefry.eighths_at(
+          key_ref[2 * c], key_ref[2 * c + 1], row, col + w, width)]
+    q[...] = _block_e2m1_words(parts, mult, u, hardware)
     sc[...] = _scales_out(code, rule)[:, None]
 
 
@@ -1045,6 +1043,18 @@ def _e2m1_word(parts, r=None, hardware: bool = False):
   return jax.lax.bitcast_convert_type(w, jnp.uint32)
 
 
+def _block_e2m1_words(parts, mult, r, hardware: bool):
+  """The E2M1 words of blocks held apart (``parts``: their elements, one
+  array each, `_split_last`) scaled by ``mult``: eight codes to a word
+  (`_e2m1_word`; ``r``: the elements' random bytes, one array each, or
+  None), joined along a new last axis, zeros where the scale is NaN
+  (`_zero_where_nan_scale`)."""
+  words = [_e2m1_word([p * mult for p in parts[k:k + 8]],
+                      r and r[k:k + 8], hardware)
+           for k in range(0, len(parts), 8)]
+  return _zero_where_nan_scale(_join_last(words), mult[..., None])
+
+
 def _words_to_bytes(words):
   """uint32 ``(..., m)`` -> its little-endian bytes ``(..., 4m)`` (in XLA,
   a view)."""
@@ -1193,9 +1203,7 @@ def _nvfp4_kernel(*refs, square: bool, hadamard: bool, stochastic: bool,
                                           a) for a in range(3))
       u_t = _split_last(threefry.bytes_at(key_ref[2], key_ref[3], j0 + c,
                                           ((i0 + g * b) >> 3) + k, rows >> 3))
-    q_ref[...] = _zero_where_nan_scale(_join_last([_e2m1_word(
-        [p * mult for p in parts[8 * h:8 * h + 8]], u and u[8 * h:8 * h + 8],
-        hardware) for h in (0, 1)]), mult[..., None])
+    q_ref[...] = _block_e2m1_words(parts, mult, u, hardware)
     s_ref[...] = e4m3[..., None]
     # The copy of t.T (of its transform) along the rows, [g, c, k], its 16
     # elements k apart: the transform's stages, the block's amax and the
@@ -1207,10 +1215,7 @@ def _nvfp4_kernel(*refs, square: bool, hadamard: bool, stochastic: bool,
     levels = _encode_scales(jnp.reshape(amax_t_ref[...], (1, 1)), interpret)
     mult, e4m3 = _nvfp4_blocks(functools.reduce(
         jnp.maximum, (_fp32_bits(p) for p in parts)), levels, interpret)
-    words_t = _zero_where_nan_scale(_join_last([_e2m1_word(
-        [p * mult for p in parts[8 * h:8 * h + 8]],
-        u_t and u_t[8 * h:8 * h + 8], hardware) for h in (0, 1)]),
-                                    mult[..., None])
+    words_t = _block_e2m1_words(parts, mult, u_t, hardware)
     st_ref[...] = e4m3.T
   # [g, c, m] -> t.T's rows c, words 2 g + m.
   qt_ref[...] = jnp.transpose(words_t, (1, 0, 2)).reshape(width, n * b // 8)
