@@ -70,7 +70,10 @@ E4M3/E5M2/E2M3/E3M2/E2M1 values at once, as inline assembly; elsewhere
 difference, NaN (the conversions give FP4 and FP6 their largest code),
 never reaches a payload: a block holding Inf or NaN has a NaN scale, and
 its FP4/FP6 codes are written as zeros, in XLA's path too
-(`qlayers.scaling.quantize`).
+(`qlayers.scaling.quantize`). The FP6 and 4-bit kernels hold each block's
+elements in one thread as arrays of their own (`_split_last`), so its
+amax, its Hadamard transform (`qlayers.hadamard.butterfly`'s stages on the
+list) and its words need no exchanges across lanes.
 
 The cast kernels run under a partitioning rule (`qlayers.partition.cast`):
 in a sharded program each device casts its shard, the 4-bit ones drawing
