@@ -136,7 +136,8 @@ def hash_bytes(x0, x1) -> list[jax.Array]:
 
 def _spread(x0, x1) -> jax.Array:
   """Hash words ``(..., m)`` -> their bytes ``(..., 8 m)`` (uint32), in the
-  element order of the module docstring."""
+  element order of the module docstring: `hash_bytes` interleaved, by
+  selects (a kernel joins only two arrays at a time)."""
   shape = x0.shape[:-1] + (x0.shape[-1], BYTES)
   byte = jax.lax.broadcasted_iota(jnp.uint32, shape, len(shape) - 1)
   word = jnp.where(byte < 4, x0[..., None], x1[..., None])
