@@ -52,9 +52,12 @@ The roofline numbers are a model prediction, not a measurement: each kernel
 takes ``max(flops / peak, bytes / bandwidth)`` at the target's published
 dense peak for the GEMM's operand type, kernels run back to back. A kernel
 that is neither a GEMM nor attention also takes at least the time its
-threads need to issue their instructions (the issue roof: each kernel's PTX
-and launch grid, read from the compile's XLA dump; `kernel_code`), so a
-cast kernel heavy in arithmetic is not charged its bytes alone. The
+threads need to issue their instructions (the issue roof: each kernel's
+machine code and launch grid, read from the compile's XLA dump;
+`kernel_code`), so a cast kernel heavy in arithmetic is not charged its
+bytes alone. The machine code is the SASS that ptxas makes of the dumped
+PTX (``nvdisasm`` counts it per pipeline: `sass_counts`), or the PTX itself
+where those tools are missing. The
 "+launches" columns add `LAUNCH_US` per kernel, XLA:GPU's own launch
 estimate, which the roofline alone leaves out.
 """
@@ -918,11 +921,13 @@ def roofline(comps, target: Target,
   cuDNN fused attention at the BF16 peak (`attention_flops`). With the
   kernels' ``code`` (`kernel_code`), a kernel that is neither a GEMM nor
   attention also takes at least the time to issue its instructions
-  (`issue_s`): the issue roof."""
+  (`issue_s`, from its SASS where counted): the issue roof. ``ptx`` then
+  holds the step time and issue time the PTX counts alone would give."""
   gemms = {g.name: g for _, g in find_gemms(comps)}
   total_s, gemm_s, flops, nbytes, kernels = 0.0, 0.0, 0.0, 0.0, 0
   att_s = att_flops = 0.0
   issue_extra_s, issue_bound = 0.0, []
+  ptx_extra_s, sass_kernels, coded = 0.0, 0, 0
   for comp in kernel_computations(comps):
     for inst in comp.insts.values():
       if not is_kernel(inst) or inst.opcode in ("while", "conditional",
@@ -942,6 +947,9 @@ def roofline(comps, target: Target,
         att_flops += af
         att_s += t
       elif code is not None and inst.name in code:
+        coded += 1
+        sass_kernels += code[inst.name].sass is not None
+        ptx_extra_s += max(0.0, issue_s(code[inst.name], target, "ptx") - t)
         ti = issue_s(code[inst.name], target)
         if ti > t:
           issue_extra_s += ti - t
@@ -957,7 +965,10 @@ def roofline(comps, target: Target,
     issue_bound.sort(key=lambda x: -x[2])
     out.update(issue=True, issue_extra_us=issue_extra_s * 1e6,
                issue_bound=[{"hlo": h, "kernel": k, "extra_us": round(e, 2)}
-                            for h, k, e in issue_bound])
+                            for h, k, e in issue_bound],
+               issue_counted={"kernels": coded, "sass": sass_kernels},
+               ptx={"time_us": (total_s - issue_extra_s + ptx_extra_s) * 1e6,
+                    "issue_extra_us": ptx_extra_s * 1e6})
   return out
 
 
@@ -984,13 +995,15 @@ _INTEGER_TYPES = {"u16", "s16", "b16", "u32", "s32", "b32", "u64", "s64",
 class KernelCode:
   """One launch of a compiled kernel: its name (the PTX entry), threads in
   all, and PTX instructions per thread (each written once: a loop counts
-  its body once, a branch both ways)."""
+  its body once, a branch both ways); ``sass``: its SASS instructions per
+  thread by pipeline (`SassCounts` as a tuple), None where not counted."""
 
   kernel: str
   threads: int
   instructions: int
   integer: int
   loops: bool
+  sass: tuple[int, ...] | None = None
 
 
 def parse_ptx(text: str) -> dict[str, tuple[int, int, bool]]:
@@ -1032,15 +1045,17 @@ _THUNK = re.compile(r"^(\d+):\s+\S+.*\]\s+(\S+)\s+grid:\s+\[([\d, ]+)\]"
                     r"\s+threads:\s+\[([\d, ]+)\]")
 
 
-def kernel_code(dump: str | os.PathLike) -> dict[str, KernelCode]:
+def kernel_code(dump: str | os.PathLike, count_sass: bool = True
+                ) -> dict[str, KernelCode]:
   """``{HLO instruction: KernelCode}`` of the kernels an XLA:GPU dump
   (``xla_dump_to``) launches: the thunk sequence names each launch's
   kernel and grid, the thunk metadata its HLO instruction, the PTX its
-  code."""
+  code (and, with ``count_sass``, `sass_counts` its SASS)."""
   dump = pathlib.Path(dump)
   ptx = {}
   for f in sorted(dump.glob("*.ptx")):
     ptx.update(parse_ptx(f.read_text()))
+  sass = sass_counts(dump.glob("*.ptx")) if count_sass else {}
   out = {}
   for seq in sorted(dump.glob("*.thunk_sequence.txt")):
     meta = seq.with_name(seq.name.replace("thunk_sequence", "thunk_metadata"))
@@ -1057,18 +1072,179 @@ def kernel_code(dump: str | os.PathLike) -> dict[str, KernelCode]:
       grid, block = (math.prod(int(v) for v in g.split(","))
                      for g in m.group(3, 4))
       total, integer, loops = ptx[m.group(2)]
+      counted = sass.get(m.group(2))
       out[names[int(m.group(1))]] = KernelCode(
-          m.group(2), grid * block, total, integer, loops)
+          m.group(2), grid * block, total, integer, loops,
+          counted and dataclasses.astuple(counted))
   return out
 
 
-def issue_s(code: KernelCode, target: Target) -> float:
-  """Seconds to issue a kernel's instructions on all of ``target``'s SMs:
-  every instruction at `ISSUE_PER_CLOCK`, its integer ones at
-  `INTEGER_PER_CLOCK`, whichever takes longer."""
-  clocks = max(code.instructions / ISSUE_PER_CLOCK,
-               code.integer / INTEGER_PER_CLOCK)
+def issue_s(code: KernelCode, target: Target, counts: str = "sass") -> float:
+  """Seconds to issue a kernel's instructions on all of ``target``'s SMs.
+  From its SASS (``counts="sass"``, where counted): the busiest of the
+  issue slots and the pipelines (`SassCounts.clocks`). From its PTX
+  (``"ptx"``, or no SASS): every instruction at `ISSUE_PER_CLOCK`, its
+  integer ones at `INTEGER_PER_CLOCK`, whichever takes longer."""
+  if counts == "sass" and code.sass is not None:
+    clocks = SassCounts(*code.sass).clocks()
+  else:
+    clocks = max(code.instructions / ISSUE_PER_CLOCK,
+                 code.integer / INTEGER_PER_CLOCK)
   return code.threads * clocks / (target.sms * target.ghz * 1e9)
+
+
+# --------------------------------------------------------------------------
+# The issue roof in SASS: what ptxas makes of each kernel, by pipeline
+
+# Each SM's pipelines, instructions (threads) per clock: the CUDA C++
+# Programming Guide's arithmetic throughput table for compute capability
+# 9.0 (taken for sm_100 too): FP32 add/multiply/FMA 128; 32-bit integer
+# add, logic, shift, compare, min/max and multiply-add 64; conversions 16.
+# Nsight Compute's Kernel Profiling Guide ("Pipelines") says which pipeline
+# runs what: fma the FP32 arithmetic and, in its heavy half alone, the
+# integer multiply-adds (IMAD, which ptxas also uses for adds and moves);
+# xu the conversions between integers and floats and the transcendentals;
+# alu the other integer, logic, comparison, min/max and data-movement
+# instructions. An opcode none of these sets names, and that is no memory,
+# control or uniform-datapath instruction, is charged to alu, the pipeline
+# the cast kernels load most: an unknown opcode is not taken as free.
+ALU_PER_CLOCK = 64
+FMA_PER_CLOCK = 128
+FMA_HEAVY_PER_CLOCK = 64
+XU_PER_CLOCK = 16
+_SASS_FMA = {"FFMA", "FADD", "FMUL", "FFMA2", "FADD2", "FMUL2", "FSWZADD",
+             "HFMA2", "HADD2", "HMUL2"}
+_SASS_FMA_HEAVY = {"IMAD", "IMUL", "IDP", "IMADSP"}
+_SASS_XU = {"MUFU", "F2I", "I2F", "F2F", "FRND", "I2FP", "F2IP"}
+# Issued, but on none of the pipelines above: memory, synchronization,
+# control flow, special registers, tensor cores; uniform-datapath opcodes
+# (U...) besides.
+_SASS_ELSEWHERE = {
+    "LDG", "STG", "LDS", "STS", "LDSM", "STSM", "LDC", "LDCU", "LDL", "STL",
+    "LD", "ST", "ATOM", "ATOMG", "ATOMS", "RED", "REDG", "REDUX", "LDGSTS",
+    "LDGDEPBAR", "DEPBAR", "BAR", "BRA", "BRX", "JMP", "BSSY", "BSYNC",
+    "BREAK", "BMOV", "EXIT", "RET", "CALL", "WARPSYNC", "YIELD", "KILL",
+    "NANOSLEEP", "S2R", "CS2R", "S2UR", "R2UR", "ACQBULK", "SYNCS", "MEMBAR",
+    "FENCE", "ERRBAR", "CCTL", "CCTLL", "VOTE", "SHFL", "MATCH", "ELECT",
+    "PREEXIT", "ENDCOLLECTIVE", "HMMA", "IMMA", "QMMA", "OMMA", "HGMMA",
+    "QGMMA", "IGMMA", "UTCHMMA", "UTCQMMA", "UTCOMMA", "UTCBAR", "TMA",
+    "UBLKCP", "UTMALDG", "UTMASTG", "UTMACMDFLUSH", "UTMACCTL", "UTMAPF",
+    "LDTM", "STTM", "TEX", "TLD", "SUST", "SULD", "ACQSHMINIT", "FENCE"}
+
+
+@dataclasses.dataclass(frozen=True)
+class SassCounts:
+  """A kernel's SASS instructions per thread (each written once, as
+  `parse_ptx` counts PTX; NOPs left out): in all, and those of the alu,
+  fma (its heavy half among them) and xu pipelines (`ALU_PER_CLOCK`...)."""
+
+  total: int
+  alu: int
+  fma: int
+  fma_heavy: int
+  xu: int
+
+  def clocks(self) -> float:
+    """SM clocks per thread: the busiest of the issue slots
+    (`ISSUE_PER_CLOCK`) and the pipelines."""
+    return max(self.total / ISSUE_PER_CLOCK, self.alu / ALU_PER_CLOCK,
+               self.fma / FMA_PER_CLOCK,
+               self.fma_heavy / FMA_HEAVY_PER_CLOCK, self.xu / XU_PER_CLOCK)
+
+
+def sass_pipe(opcode: str) -> str | None:
+  """The pipeline (``alu``, ``fma``, ``fma_heavy``, ``xu``) that runs a
+  SASS ``opcode`` (its name before the first dot), None for one issued to
+  none of them (module comment above)."""
+  if opcode in _SASS_FMA_HEAVY:
+    return "fma_heavy"
+  if opcode in _SASS_FMA:
+    return "fma"
+  if opcode in _SASS_XU:
+    return "xu"
+  if opcode in _SASS_ELSEWHERE or opcode.startswith("U"):
+    return None
+  return "alu"
+
+
+_SASS_LINE = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P[T0-9]+\s+)?"
+                        r"([A-Z][A-Z0-9_]*)")
+_SASS_FUNCTION = re.compile(r"^\.text\.(\S+):\s*$")
+
+
+def parse_sass(text: str) -> dict[str, SassCounts]:
+  """``{function: SassCounts}`` of ``nvdisasm -c`` output."""
+  out, name, counts = {}, None, Counter()
+
+  def close():
+    if name is not None:
+      out[name] = SassCounts(
+          counts["total"], counts["alu"], counts["fma"] + counts["fma_heavy"],
+          counts["fma_heavy"], counts["xu"])
+
+  for line in text.splitlines():
+    m = _SASS_FUNCTION.match(line.strip())
+    if m:
+      close()
+      name, counts = m.group(1), Counter()
+      continue
+    m = _SASS_LINE.match(line)
+    if m is None or name is None or m.group(1) == "NOP":
+      continue
+    counts["total"] += 1
+    pipe = sass_pipe(m.group(1))
+    if pipe:
+      counts[pipe] += 1
+  close()
+  return out
+
+
+def cuda_tool(name: str) -> str | None:
+  """The CUDA tool ``name`` (``ptxas``, ``nvdisasm``) of the NVIDIA wheels
+  in this Python's environment (jax[cuda13]'s ptxas, the one XLA compiles
+  with; `scripts/setup-gpu-compile` installs nvdisasm beside it), else the
+  one on PATH; None if neither."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  spec = importlib.util.find_spec("nvidia")
+  for root in (spec.submodule_search_locations or []) if spec else []:
+    for tool in sorted(pathlib.Path(root).glob(f"*/bin/{name}")):
+      if os.access(tool, os.X_OK):
+        return str(tool)
+  return shutil.which(name)
+
+
+def sass_counts(ptx_files: Iterable[pathlib.Path]) -> dict[str, SassCounts]:
+  """``{kernel: SassCounts}`` of PTX modules, each compiled by ptxas for
+  the target its ``.target`` line names (at ptxas' default -O3, as XLA
+  compiles them) and disassembled by nvdisasm; empty without those tools.
+  A module ptxas rejects is left out (its kernels keep their PTX
+  counts)."""
+  ptxas, nvdisasm = cuda_tool("ptxas"), cuda_tool("nvdisasm")
+  if not ptxas or not nvdisasm:
+    return {}
+  from concurrent.futures import ThreadPoolExecutor  # pylint: disable=g-import-not-at-top
+
+  def one(path: pathlib.Path) -> dict[str, SassCounts]:
+    m = re.search(r"^\s*\.target\s+(sm_\w+)", path.read_text(), re.M)
+    if m is None:
+      return {}
+    with tempfile.TemporaryDirectory(prefix="sass_") as d:
+      cubin = os.path.join(d, "k.cubin")
+      try:
+        subprocess.run([ptxas, f"-arch={m.group(1)}", str(path), "-o", cubin],
+                       check=True, capture_output=True, timeout=600)
+        text = subprocess.run([nvdisasm, "-c", cubin], check=True,
+                              capture_output=True, text=True,
+                              timeout=600).stdout
+      except (subprocess.SubprocessError, OSError):
+        return {}
+    return parse_sass(text)
+
+  out = {}
+  with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+    for counts in pool.map(one, sorted(ptx_files)):
+      out.update(counts)
+  return out
 
 
 # What XLA:GPU's own cost model charges each kernel for its launch, whatever
@@ -1644,11 +1820,12 @@ def first_line(err: BaseException | str) -> str:
   return (lines[0] if lines else type(err).__name__)[:300]
 
 
-def compile_with_code(lowered, options: dict, dump_dir=None):
+def compile_with_code(lowered, options: dict, dump_dir=None,
+                      count_sass: bool = True):
   """``(executable, kernel codes, compile seconds)`` of ``lowered`` compiled
   with XLA ``options``: the compile dumps into a temporary folder (or into
-  ``dump_dir``, emptied first, to keep it), whose `kernel_code` the issue
-  roof charges."""
+  ``dump_dir``, emptied first, to keep it), whose `kernel_code` (SASS
+  counted with ``count_sass``) the issue roof charges."""
   if dump_dir:
     shutil.rmtree(dump_dir, ignore_errors=True)  # no other compile's kernels
     pathlib.Path(dump_dir).mkdir(parents=True)
@@ -1660,7 +1837,7 @@ def compile_with_code(lowered, options: dict, dump_dir=None):
     compiled = lowered.compile(compiler_options=dict(options,
                                                      xla_dump_to=name))
     seconds = time.perf_counter() - t0
-    return compiled, kernel_code(name), seconds
+    return compiled, kernel_code(name, count_sass), seconds
 
 
 def compile_one(item: dict, device, targets_dir) -> dict:
@@ -1685,7 +1862,8 @@ def compile_one(item: dict, device, targets_dir) -> dict:
                                                 **item["block"])  # presets too
       lowered = jax.jit(step).lower(*_on_device(args, device))
     t1 = time.perf_counter()
-    compiled, code, compile_s = compile_with_code(lowered, opts, dump_dir)
+    compiled, code, compile_s = compile_with_code(
+        lowered, opts, dump_dir, item.get("sass", True))
   except Exception as e:  # pylint: disable=broad-except
     rec.update(status="failed", error=first_line(e),
                compile_s=time.perf_counter() - t0)
@@ -1824,9 +2002,11 @@ def markdown(records: list[dict]) -> str:
             "recipe's formats and no extra pass; of ideal = ideal time / "
             f"model time. +launches: {LAUNCH_US:g} us charged per kernel "
             "(XLA:GPU's kKernelLaunchOverhead), the ideal with BF16's "
-            "kernels. issue us: what the issue roof (each kernel's PTX "
-            "instructions over its threads) adds to the bytes of the "
-            "kernels it binds; included in model us.", ""]
+            "kernels. issue us: what the issue roof (each kernel's SASS "
+            "instructions by pipeline, or its PTX where not counted, over "
+            "its threads) adds to the bytes of the kernels it binds; "
+            "included in model us; (PTX: ...) where the PTX counts alone "
+            "give another figure.", ""]
     out += mdtable.head(["recipe", "GEMM kernels", "kernels", "GEMM GFLOP",
                          "bytes MiB", "XLA GFLOP", "XLA MiB",
                          "model us", "issue us", "model GEMM us", "vs bf16",
@@ -1857,11 +2037,23 @@ def markdown(records: list[dict]) -> str:
           f"{rf['gemm_flops'] / 1e9:.1f}", _mb(rf["bytes"]),
           fmt(xc["flops"], 1e9), fmt(xc["bytes"], 2**20),
           f"{rf['time_us']:.0f}",
-          f"{rf['issue_extra_us']:.0f}" if rf.get("issue") else "n/a",
+          _issue_cell(rf),
           f"{rf['gemm_time_us']:.0f}", ratio,
           *ideal_cells, f"{r['compile_s']:.1f}"))
     out.append("")
   return "\n".join(out)
+
+
+def _issue_cell(rf: dict) -> str:
+  """A roofline's issue us, with the PTX counts' figure where it
+  differs."""
+  if not rf.get("issue"):
+    return "n/a"
+  cell = f"{rf['issue_extra_us']:.0f}"
+  ptx = rf.get("ptx", {}).get("issue_extra_us")
+  if ptx is not None and round(ptx) != round(rf["issue_extra_us"]):
+    cell += f" (PTX: {ptx:.0f})"
+  return cell
 
 
 def _issue_summary(rec: dict) -> str:
@@ -2129,6 +2321,11 @@ def main(argv=None) -> int:
   p.add_argument("--dump-dir", help="keep each compile's XLA dump (PTX, "
                  "thunk sequence) in a folder of its own here (emptied "
                  "first)")
+  p.add_argument("--issue-counts", choices=("sass", "ptx"), default="sass",
+                 help="what the issue roof counts: each kernel's SASS by "
+                 "pipeline (ptxas and nvdisasm from the NVIDIA wheels or "
+                 "PATH; its PTX where they are missing) or its PTX alone "
+                 "(faster: no ptxas run per module)")
   p.add_argument("--timeout", type=float, default=3600,
                  help="seconds per worker process")
   p.add_argument("--reparse", nargs=2, metavar=("JSON", "HLO_DIR"),
@@ -2206,7 +2403,8 @@ def main(argv=None) -> int:
                 "block": BLOCK_PRESETS.get(prog, block),
                 "host_arch": args.host_arch,
                 "targets_dir": str(targets_dir), "hlo_dir": args.hlo_dir,
-                "dump_dir": args.dump_dir}
+                "dump_dir": args.dump_dir,
+                "sass": args.issue_counts == "sass"}
                for prog in programs for r in recipes]
       print(f"{t} Triton {tr}: {len(items)} compiles", flush=True)
       records += run_items(items, sys.executable, args.timeout,
@@ -2221,6 +2419,8 @@ def main(argv=None) -> int:
     pathlib.Path(args.json).write_text(json.dumps(
         {"settings": {"layer": layer, "block": block,
                       "host_arch": args.host_arch, "ffi_dir": ffi_dir,
+                      "issue_counts": args.issue_counts, "sass_tools": {
+                          t: cuda_tool(t) for t in ("ptxas", "nvdisasm")},
                       "cudnn": installed_cudnn(),
                       "targets": {t: dataclasses.asdict(TARGETS[t])
                                   for t in targets}},

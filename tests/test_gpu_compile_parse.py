@@ -4,6 +4,7 @@ Runs on canned optimized-HLO text (no CUDA plugin needed): the snippets
 below have the shape of XLA:GPU output for the patterns the tool reports.
 """
 
+import dataclasses
 import pathlib
 import sys
 
@@ -423,7 +424,7 @@ def test_issue_roof_charges_a_kernel_its_instructions(tmp_path):
   (tmp_path / "module_0001.jit_step.thunk_sequence.txt").write_text(THUNKS)
   (tmp_path / "module_0001.jit_step.thunk_metadata.txt").write_text(
       THUNK_METADATA)
-  code = gc.kernel_code(tmp_path)
+  code = gc.kernel_code(tmp_path, count_sass=False)
   assert code == {"loop_convert_fusion": gc.KernelCode(
       "loop_convert_fusion", 256 * 2 * 128, 10, 3, True)}
   h200 = gc.TARGETS["h200"]
@@ -447,6 +448,70 @@ def test_issue_roof_charges_a_kernel_its_instructions(tmp_path):
   # A light kernel stays at its bytes.
   assert gc.roofline(comps, h200, code)["time_us"] == pytest.approx(
       plain["time_us"])
+
+
+SASS = """
+//--------------------- .text.qlayers_cast --------------------------
+\t.section\t.text.qlayers_cast,"ax",@progbits
+qlayers_cast:
+.text.qlayers_cast:
+        /*0000*/                   LDC R1, c[0x0][0x37c] ;
+        /*0010*/                   S2R R0, SR_TID.X ;
+        /*0020*/                   USHF.L.U32 UR8, UR6, 0x5, URZ ;
+        /*0030*/                   IMAD.SHL.U32 R2, R0, 0x8, RZ ;
+        /*0040*/                   LOP3.LUT R3, R3, 0x18, R2, 0xf8, !PT ;
+        /*0050*/                   IADD3 R4, R3, 0x1, RZ ;
+        /*0060*/               @!P0 SHF.L.W.U32.HI R5, R4, 0xd, R4 ;
+        /*0070*/                   FMUL R6, R5, R5 ;
+        /*0080*/                   F2I.U32.TRUNC.NTZ R7, R6 ;
+        /*0090*/                   VIADD R8, R7, 0x1 ;
+        /*00a0*/                   STG.E desc[UR4][R2.64], R8 ;
+        /*00b0*/                   EXIT ;
+        /*00c0*/                   BRA 0xc0;
+        /*00d0*/                   NOP;
+//--------------------- .text.loop_add_fusion --------------------------
+.text.loop_add_fusion:
+        /*0000*/                   FADD R0, R1, R2 ;
+        /*0010*/                   EXIT ;
+"""
+
+
+def test_sass_counts_a_kernels_instructions_by_pipeline():
+  counts = gc.parse_sass(SASS)
+  # 13 instructions less the NOP; alu: LOP3, IADD3, SHF, VIADD (an opcode
+  # no set names is charged to alu); fma: IMAD (heavy) and FMUL; xu: F2I.
+  assert counts["qlayers_cast"] == gc.SassCounts(
+      total=13, alu=4, fma=2, fma_heavy=1, xu=1)
+  assert counts["loop_add_fusion"] == gc.SassCounts(2, 0, 1, 0, 0)
+  assert gc.sass_pipe("MUFU") == "xu" and gc.sass_pipe("UIADD3") is None
+  assert gc.sass_pipe("F2FP") == "alu" and gc.sass_pipe("LDG") is None
+  # The busiest of issue, alu, fma, its heavy half and xu.
+  heavy_xu = gc.SassCounts(total=64, alu=10, fma=10, fma_heavy=0, xu=8)
+  assert heavy_xu.clocks() == 8 / gc.XU_PER_CLOCK
+  alu = gc.SassCounts(total=200, alu=150, fma=40, fma_heavy=40, xu=0)
+  assert alu.clocks() == 150 / gc.ALU_PER_CLOCK
+
+
+def test_issue_roof_takes_the_sass_counts_where_there_are_any():
+  h200 = gc.TARGETS["h200"]
+  sass = gc.SassCounts(total=1500, alu=700, fma=900, fma_heavy=800, xu=64)
+  code = gc.KernelCode("k", 256 * 512, 4000, 2500, False,
+                       dataclasses.astuple(sass))
+  per_clock = 256 * 512 / (h200.sms * h200.ghz * 1e9)
+  assert gc.issue_s(code, h200) == pytest.approx(
+      per_clock * 800 / gc.FMA_HEAVY_PER_CLOCK)
+  assert gc.issue_s(code, h200, "ptx") == pytest.approx(
+      per_clock * 2500 / gc.INTEGER_PER_CLOCK)
+  comps = gc.parse_module(CUBLAS_F8)
+  rf = gc.roofline(comps, h200, {"loop_convert_fusion": code})
+  assert rf["issue_counted"] == {"kernels": 1, "sass": 1}
+  quant_s = (256 * 512 * 2 + 4 + 256 * 512) / 4.8e12
+  assert rf["issue_extra_us"] == pytest.approx(
+      (gc.issue_s(code, h200) - quant_s) * 1e6)
+  assert rf["ptx"]["issue_extra_us"] == pytest.approx(
+      (gc.issue_s(code, h200, "ptx") - quant_s) * 1e6)
+  assert rf["ptx"]["time_us"] - rf["time_us"] == pytest.approx(
+      rf["ptx"]["issue_extra_us"] - rf["issue_extra_us"])
 
 
 def test_describe_marks_emulation_and_records_passes():
