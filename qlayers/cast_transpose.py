@@ -947,11 +947,31 @@ def _nvfp4_blocks(mag_max, levels, interpret: bool):
           jnp.where(finite, e4m3, jnp.nan).astype(jnp.float8_e4m3fn))
 
 
-def _e2m1_codes(x, r=None):
+def _e2m1_codes(x, r=None, hardware: bool = False):
   """`qlayers.formats.cast` of FP32 ``x`` to E2M1 codes (uint32), rounding
-  to nearest even, or stochastically with random bytes ``r``, in a
-  kernel."""
-  return formats.grid_codes(x, formats.E2M1, r)
+  to nearest even, or stochastically with random bytes ``r``, in a kernel
+  (`qlayers.formats.grid_codes`). ``hardware``: the steps are truncated by
+  PTX's own conversion (`_TRUNCATE_U32`) and the NaN test is left out: a
+  kernel's ``x`` is NaN only in a block with a NaN scale, whose codes it
+  writes as zeros (`_zero_where_nan_scale`). The same codes."""
+  if not hardware:
+    return formats.grid_codes(x, formats.E2M1, r)
+  return formats.grid_codes(x, formats.E2M1, r, truncate=_truncate_u32,
+                            nan=False)
+
+
+# PTX's float-to-integer conversions saturate (NaN gives 0; PTX ISA, cvt),
+# where Pallas clamps the value first, in two more instructions.
+_TRUNCATE_U32 = "cvt.rzi.u32.f32 $0, $1;"
+
+
+def _truncate_u32(v):
+  """FP32 ``v >= 0`` truncated to uint32 in a kernel, by `_TRUNCATE_U32`."""
+  from jax.experimental.pallas import triton as plgpu
+  (k,) = plgpu.elementwise_inline_asm(
+      _TRUNCATE_U32, args=[v], constraints="=r,f", pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(v.shape, jnp.int32)])
+  return jax.lax.bitcast_convert_type(k, jnp.uint32)
 
 
 def _fp32_bits(v):
@@ -1038,7 +1058,8 @@ def _e2m1_word(parts, r=None, hardware: bool = False):
   if not hardware or r is not None:
     r = r or [None] * 8
     return functools.reduce(jnp.bitwise_or, (
-        _e2m1_codes(part, r[j]) << (4 * j) for j, part in enumerate(parts)))
+        _e2m1_codes(part, r[j], hardware) << (4 * j)
+        for j, part in enumerate(parts)))
   from jax.experimental.pallas import triton as plgpu
   (w,) = plgpu.elementwise_inline_asm(
       _E2M1X8, args=list(parts), constraints="=r" + ",f" * 8, pack=1,

@@ -218,7 +218,8 @@ def round_to_format(x: jax.Array, fmt: Format | str, *,
   return round_on_grid(x, fmt, r)
 
 
-def _grid_steps(x: jax.Array, fmt: Format, r: jax.Array | None):
+def _grid_steps(x: jax.Array, fmt: Format, r: jax.Array | None,
+                truncate=None):
   """``x`` saturated and rounded as ``sign * k * 2**(e - mbits)``: its sign
   bit (uint32, in place), the number of grid steps ``k`` (uint32) and the
   exponent ``e`` (int32).
@@ -230,7 +231,8 @@ def _grid_steps(x: jax.Array, fmt: Format, r: jax.Array | None):
   ``2**23`` are the integer). Up with probability ``frac(y)``, given a
   random byte ``b``: ``floor(y + (2b + 1) / 512)``, exactly ``(floor(512
   y) + 2b + 1) >> 9``. Mostly FP32 arithmetic, so a GPU kernel spends
-  few of its integer instructions on it."""
+  few of its integer instructions on it. ``truncate``: the conversion of
+  ``512 y`` to uint32 (None: ``astype``, which saturates)."""
   x = x.astype(jnp.float32)
   sign = jax.lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0x80000000)
   a = jnp.minimum(jnp.abs(x), fmt.max)  # saturated; NaN stays NaN
@@ -240,7 +242,8 @@ def _grid_steps(x: jax.Array, fmt: Format, r: jax.Array | None):
     k = jax.lax.bitcast_convert_type(y + 2.0**23, jnp.uint32) - jnp.uint32(
         0x4B000000)
   else:  # 512 y, exact; its conversion truncates, the floor of y >= 0
-    k = ((a * _pow2(fmt.mbits + 9 - e)).astype(jnp.uint32)
+    y512 = a * _pow2(fmt.mbits + 9 - e)
+    k = ((y512.astype(jnp.uint32) if truncate is None else truncate(y512))
          + 2 * jnp.asarray(r, jnp.uint32) + 1) >> 9
   return sign, k, e
 
@@ -264,20 +267,24 @@ def round_on_grid(x: jax.Array, fmt: Format,
 
 
 def grid_codes(x: jax.Array, fmt: Format,
-               r: jax.Array | None = None) -> jax.Array:
+               r: jax.Array | None = None, *, truncate=None,
+               nan: bool = True) -> jax.Array:
   """``encode(round_on_grid(x, fmt, r), fmt)`` as uint32 codes, without the
   float round trip: a magnitude of ``k`` steps at exponent ``e`` is code
   ``k + (e - emin) * 2**mbits`` (a rounding up to the next binade carries
-  into the exponent field). NaN gives its signed zero's code.
+  into the exponent field). NaN gives its signed zero's code; ``nan=False``
+  leaves that test out, for a caller whose ``x`` holds none (a GPU
+  kernel's, `qlayers.cast_transpose`). ``truncate``: how stochastic
+  rounding converts its FP32 steps to uint32 (`_grid_steps`).
 
   Example:
     >>> grid_codes(jnp.array([0.75, -2.5, 5.0]), E2M1)
     Array([ 2, 12,  6], dtype=uint32)
   """
-  sign, k, e = _grid_steps(x, fmt, r)
+  sign, k, e = _grid_steps(x, fmt, r, truncate)
   sign = sign >> (32 - fmt.bits)
   code = sign | (k + ((e - fmt.emin).astype(jnp.uint32) << fmt.mbits))
-  return jnp.where(jnp.isnan(x), sign, code)
+  return jnp.where(jnp.isnan(x), sign, code) if nan else code
 
 
 def rounding_key(seed: jax.Array, step: jax.Array) -> jax.Array:

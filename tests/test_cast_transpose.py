@@ -830,9 +830,9 @@ def test_words_hold_eight_codes_low_nibble_first():
 def test_kernels_cast_by_ptx_conversions_where_the_target_has_them(
     recipe, ptx, converts):
   """Traced for a GPU the cast kernels round to nearest with its PTX
-  conversions (FP4 and FP6: Blackwell's), written as words; without them
-  (Hopper's FP4/FP6, the interpreter) with FP32 steps, whose bits the
-  tests above check."""
+  conversions (FP4 and FP6: Blackwell's), written as words, and truncate
+  the stochastic copies' steps by PTX; without them (Hopper's FP4/FP6, the
+  interpreter) with FP32 steps, whose bits the tests above check."""
   x, w = jnp.ones((256, 256)), jnp.ones((256, 256))
 
   def loss(x, w):
@@ -843,3 +843,5 @@ def test_kernels_cast_by_ptx_conversions_where_the_target_has_them(
       text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(x, w).lower(
           lowering_platforms=("cuda",)).as_text()
     assert (f"cvt.rn.satfinite.{ptx}.f32" in text) == want, arch
+    if recipe in ("mxfp4", "nvfp4"):  # their stochastic gradient copies
+      assert ("cvt.rzi.u32.f32" in text) == want, arch

@@ -266,3 +266,12 @@ def test_stochastic_rounding_is_the_exact_floor_of_magnitude_plus_byte(fmt):
     codes = np.asarray(jax.jit(lambda a, b: F.grid_codes(a, f, b))(y, r))
     np.testing.assert_array_equal(codes, np.asarray(
         F.encode(jnp.asarray(got), f)))
+    # A kernel's route for finite values (its own truncation, no NaN
+    # test): the same codes; the truncation it is given is the one used.
+    def kernel_codes(truncate):
+      return np.asarray(jax.jit(lambda a, b: F.grid_codes(
+          a, f, b, truncate=truncate, nan=False))(y, r))
+    np.testing.assert_array_equal(kernel_codes(
+        lambda v: jnp.trunc(v).astype(jnp.int32).astype(jnp.uint32)), codes)
+    assert (kernel_codes(lambda v: (v + 512).astype(jnp.uint32))
+            != codes).any()
