@@ -27,8 +27,9 @@ role's amax) still computed in the kernel rather than in XLA kernels of
 their own.
 
 `row_cast_transpose` does it for row-wise FP8, whose copies are scaled per
-row and per column: one kernel finds both amaxes of each tile, a second
-writes the two copies.
+row and per column: one kernel finds both amaxes of each tile, XLA turns
+them into each row's and column's multiplier, a second kernel writes the
+two copies.
 
 `mx_cast_transpose` does the same for MXFP8, whose two copies differ in
 more than layout: one has a scale per 32 elements of a row, the other per
@@ -362,15 +363,11 @@ def _row_amax_kernel(t_ref, r_ref, c_ref):
   c_ref[...] = jnp.max(mag, axis=0, keepdims=True)
 
 
-def _row_kernel(r_ref, c_ref, t_ref, q_ref, s_ref, qt_ref, st_ref, *,
-                fmt: Format, margin: int, pow2: bool, interpret: bool):
+def _row_kernel(mr_ref, mc_ref, t_ref, q_ref, qt_ref, *, fmt: Format,
+                interpret: bool):
   v = t_ref[...].astype(jnp.float32)
-  for bits, out, scale, transposed in ((r_ref, q_ref, s_ref, False),
-                                       (c_ref, qt_ref, st_ref, True)):
-    a = blocks._amax_from_bits(bits[...], jnp.float32)  # noqa: SLF001
-    q, inverse = _te_copy(v, a, fmt, margin, pow2, interpret)
-    out[...] = q.T if transposed else q
-    scale[...] = inverse.T if transposed else inverse
+  q_ref[...] = _saturating_cast(v * mr_ref[...], fmt, interpret)
+  qt_ref[...] = _saturating_cast(v * mc_ref[...], fmt, interpret).T
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "margin", "pow2",
@@ -378,7 +375,11 @@ def _row_kernel(r_ref, c_ref, t_ref, q_ref, s_ref, qt_ref, st_ref, *,
 def row_cast_transpose(t: jax.Array, fmt: Format | str, *, margin: int = 0,
                        pow2: bool = False, interpret: bool = False):
   """Both row-wise copies of ``t (R, C)``: ``(q, s, qt, st)``, in two reads
-  of ``t`` (one for the row and column amaxes, one for the copies).
+  of ``t`` (one for the row and column amaxes, one for the copies). The
+  multipliers and scales of the rows and columns are computed between the
+  two, by XLA (`qlayers.scale_rules.unit_scales`' divisions, one per row
+  and column): in the cast kernel, where each thread holds parts of many
+  rows and columns, they were most of its instructions.
 
   ``q (R, C)`` with FP32 scales ``s (R, 1)`` is ``t`` scaled per row (TE's
   rule, `qlayers.scaling.quantize` along axis 1); ``qt (C, R)`` with ``st
@@ -402,14 +403,18 @@ def row_cast_transpose(t: jax.Array, fmt: Format | str, *, margin: int = 0,
                         layouts=((("r", 1), ("c", TILE)),
                                  (("r", TILE), ("c", 1))),
                         block=(TILE, TILE))
-  r = jnp.max(r, axis=1, keepdims=True)
-  c = jnp.max(c, axis=0, keepdims=True)
-  return tuple(partition.cast(
-      _row_cast_call, (fmt, margin, pow2, interpret), r, c, t,
-      layouts=(partition.LIKE_T, (("r", 1), ("c", cols)), partition.LIKE_T_T,
-               (("c", 1), ("r", rows))),
+  mults, scales = [], []
+  for bits, axis in ((r, 1), (c, 0)):
+    a = blocks._amax_from_bits(jnp.max(bits, axis=axis, keepdims=True),  # noqa: SLF001
+                               jnp.float32)
+    mults.append(scale_rules.te_multiplier(a, fmt, margin=margin, pow2=pow2))
+    scales.append(scale_rules.rdivide_rn(1.0, mults[-1]))
+  q, qt = partition.cast(
+      _row_cast_call, (fmt, interpret), *mults, t,
+      layouts=(partition.LIKE_T, partition.LIKE_T_T),
       in_layouts=((("r", 1), ("c", cols)), (("r", rows), ("c", 1))),
-      block=(TILE, TILE)))
+      block=(TILE, TILE))
+  return q, scales[0], qt, scales[1].T
 
 
 def _row_amax_call(shape: tuple[int, int], interpret: bool):
@@ -429,28 +434,23 @@ def _row_amax_call(shape: tuple[int, int], interpret: bool):
       interpret=interpret, name="qlayers_row_amaxes")
 
 
-def _row_cast_call(shape: tuple[int, int], fmt: Format, margin: int,
-                   pow2: bool, interpret: bool):
+def _row_cast_call(shape: tuple[int, int], fmt: Format, interpret: bool):
   """`row_cast_transpose`'s second kernel for a ``shape`` tensor: both
-  copies from the rows' and the columns' amaxes (magnitude bits)."""
+  copies, given the rows' multipliers ``(R, 1)`` and the columns' ``(1,
+  C)``."""
   pl, plt = _pallas()
   rows, cols = shape
   grid, tile = (rows // TILE, cols // TILE), (TILE, TILE)
   return pl.pallas_call(
-      functools.partial(_row_kernel, fmt=fmt, margin=margin, pow2=pow2,
-                        interpret=interpret),
+      functools.partial(_row_kernel, fmt=fmt, interpret=interpret),
       grid=grid,
       in_specs=[pl.BlockSpec((TILE, 1), lambda i, j: (i, 0)),
                 pl.BlockSpec((1, TILE), lambda i, j: (0, j)),
                 pl.BlockSpec(tile, lambda i, j: (i, j))],
       out_specs=[pl.BlockSpec(tile, lambda i, j: (i, j)),
-                 pl.BlockSpec((TILE, 1), lambda i, j: (i, 0)),
-                 pl.BlockSpec(tile, lambda i, j: (j, i)),
-                 pl.BlockSpec((TILE, 1), lambda i, j: (j, 0))],
+                 pl.BlockSpec(tile, lambda i, j: (j, i))],
       out_shape=[jax.ShapeDtypeStruct((rows, cols), fmt.dtype),
-                 jax.ShapeDtypeStruct((rows, 1), jnp.float32),
-                 jax.ShapeDtypeStruct((cols, rows), fmt.dtype),
-                 jax.ShapeDtypeStruct((cols, 1), jnp.float32)],
+                 jax.ShapeDtypeStruct((cols, rows), fmt.dtype)],
       compiler_params=plt.CompilerParams(num_warps=4),
       interpret=interpret, name="qlayers_row_cast_transpose")
 
