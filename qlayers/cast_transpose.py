@@ -933,8 +933,9 @@ def _encode_scales(amax, interpret: bool):
 
 
 def _nvfp4_blocks(mag_max, levels, interpret: bool):
-  """(multiplier, E4M3 scale) of blocks whose largest magnitude bits are
-  ``mag_max``: `qlayers.scale_rules.nvfp4_scales`, in a kernel."""
+  """(multiplier, E4M3 scale as FP32) of blocks whose largest magnitude
+  bits are ``mag_max``: `qlayers.scale_rules.nvfp4_scales`, in a
+  kernel."""
   s_enc, s_dec, finite_tensor = levels
   amax = blocks._amax_from_bits(mag_max, jnp.float32)  # noqa: SLF001
   block = amax * (s_enc * scale_rules._F32_SIXTH)  # noqa: SLF001
@@ -943,8 +944,7 @@ def _nvfp4_blocks(mag_max, levels, interpret: bool):
   mult = jnp.minimum(_divide(1.0, e4m3 * s_dec, interpret),
                      scale_rules._F32_MAX)  # noqa: SLF001
   finite = jnp.isfinite(amax) & finite_tensor
-  return (jnp.where(finite, mult, 0.0),
-          jnp.where(finite, e4m3, jnp.nan).astype(jnp.float8_e4m3fn))
+  return jnp.where(finite, mult, 0.0), jnp.where(finite, e4m3, jnp.nan)
 
 
 def _e2m1_codes(x, r=None, hardware: bool = False):
@@ -1173,81 +1173,79 @@ def _transform_parts(parts, size: int):
   return out
 
 
-def _nvfp4_kernel(*refs, square: bool, hadamard: bool, stochastic: bool,
-                  interpret: bool, hardware: bool = False):
-  """One ``(n, 16, 16)`` tile of ``t`` seen as ``(R / 16, 16, C)``: ``[g, k,
-  c]`` is row ``16 g + k``, so a 16-row block (the transform's and the
-  ``t.T`` copy's scale block) is the middle axis, made the last one by one
-  transpose."""
+def _nvfp4_square_kernel(amax_ref, t_ref, q_ref, s_ref, qt_ref, st_ref, *,
+                         interpret: bool, hardware: bool = False):
+  """One ``(n, 16, 16)`` tile of ``t`` seen as ``(R / 16, 16, C)`` (``[g,
+  k, c]`` is row ``16 g + k``): its 16 x 16 blocks, one scale and the same
+  codes for both copies, the ``t.T`` copy by one transpose."""
+  v = t_ref[...].astype(jnp.float32)
+  n = v.shape[0]
+  levels = _encode_scales(jnp.reshape(amax_ref[...], (1, 1, 1)), interpret)
+  mag = jnp.max(jnp.max(_fp32_bits(v), axis=2, keepdims=True), axis=1,
+                keepdims=True)
+  mult, e4m3 = _nvfp4_blocks(mag, levels, interpret)
+  e4m3 = e4m3.astype(jnp.float8_e4m3fn)
+  y = v * mult
+  q_ref[...] = _zero_where_nan_scale(_e2m1_words(y, None, hardware), mult)
+  s_ref[...] = jnp.reshape(e4m3, (n, 1))
+  st_ref[...] = jnp.reshape(e4m3, (1, n))
+  words_t = _zero_where_nan_scale(
+      _e2m1_words(jnp.transpose(y, (0, 2, 1)), None, hardware), mult)
+  # [g, c, m] -> t.T's rows c, words 2 g + m.
+  qt_ref[...] = jnp.transpose(words_t, (1, 0, 2)).reshape(
+      v.shape[2], n * NV_BLOCK // 8)
+
+
+def _nvfp4_kernel(*refs, hadamard: bool, stochastic: bool, interpret: bool,
+                  hardware: bool = False):
+  """One tile ``v`` (rows and columns each 16 or 32; one warp): the 1 x 16
+  copy of ``v`` along its rows and that of ``v.T`` (of its 16-point
+  transform along ``t``'s rows if ``hadamard``), each row's elements
+  apart (`_split_last`), so a block's amax, transform, scale and words run
+  in registers; eight E2M1 codes to a word (`_e2m1_word`), as the MXFP4
+  kernel does."""
   if stochastic:
     origin_ref, key_ref, *refs = refs
-  if square:
-    amax_ref, t_ref, q_ref, s_ref, qt_ref, st_ref = refs
-  else:
-    amax_ref, amax_t_ref, t_ref, q_ref, s_ref, qt_ref, st_ref = refs
+  amax_ref, amax_t_ref, t_ref, q_ref, s_ref, qt_ref, st_ref = refs
   pl, _ = _pallas()
   v = t_ref[...].astype(jnp.float32)
-  n, b, width = v.shape
-  if square:  # 16 x 16 blocks: one scale and the same codes for both copies
-    levels = _encode_scales(jnp.reshape(amax_ref[...], (1, 1, 1)), interpret)
-    mag = jnp.max(jnp.max(_fp32_bits(v), axis=2, keepdims=True), axis=1,
-                  keepdims=True)
-    mult, e4m3 = _nvfp4_blocks(mag, levels, interpret)
-    y = v * mult
-    q_ref[...] = _zero_where_nan_scale(_e2m1_words(y, None, hardware), mult)
-    s_ref[...] = jnp.reshape(e4m3, (n, 1))
-    st_ref[...] = jnp.reshape(e4m3, (1, n))
-    words_t = _zero_where_nan_scale(
-        _e2m1_words(jnp.transpose(y, (0, 2, 1)), None, hardware), mult)
-  else:
-    # The copy along C, 1 x 16 blocks (a tile row each), its 16 elements
-    # apart: the block's amax and words in registers.
-    parts = _split_last(v)
-    mult, e4m3 = _nvfp4_blocks(
-        functools.reduce(jnp.maximum, (_fp32_bits(p) for p in parts)),
-        _encode_scales(jnp.reshape(amax_ref[...], (1, 1)), interpret),
-        interpret)
-    u = u_t = None
-    if stochastic:  # each copy's flat index in t, in the layout it is
-      # drawn in; this tile's place in t: its shard's (`origin`) and in it
-      rows, cols = origin_ref[2], origin_ref[3]
-      i0 = origin_ref[0] + pl.program_id(0).astype(jnp.uint32) * (n * b)
-      j0 = origin_ref[1] + pl.program_id(1).astype(jnp.uint32) * width
-      eighth = threefry.BYTES  # eight elements along a copy's rows to a hash
-      g, k, c = (jax.lax.broadcasted_iota(jnp.uint32,
-                                          (n, b, width // eighth), a)
-                 for a in range(3))
-      # Drawn whole and split as the values are: Triton's layout passes
-      # replay the rounds to lay out eight arrays drawn apart (an sm_100
-      # compile then crashes).
-      u = _split_last(threefry.bytes_at(key_ref[0], key_ref[1],
-                                        i0 + g * b + k, (j0 >> 3) + c,
-                                        cols >> 3))
-      g, c, k = (jax.lax.broadcasted_iota(jnp.uint32, (n, width, b // eighth),
-                                          a) for a in range(3))
-      u_t = _split_last(threefry.bytes_at(key_ref[2], key_ref[3], j0 + c,
-                                          ((i0 + g * b) >> 3) + k, rows >> 3))
-    q_ref[...] = _block_e2m1_words(parts, mult, u, hardware)
-    s_ref[...] = e4m3[..., None]
-    # The copy of t.T (of its transform) along the rows, [g, c, k], its 16
-    # elements k apart: the transform's stages, the block's amax and the
-    # words then run in registers.
-    y = jnp.transpose(v, (0, 2, 1))
+  if stochastic:  # this tile's place in t: its shard's (`origin`) and in it
+    rows, cols = origin_ref[2], origin_ref[3]
+    i, j = (origin_ref[a] + pl.program_id(a).astype(jnp.uint32) * v.shape[a]
+            for a in (0, 1))
+  for c, (y, amax, q, sc) in enumerate(((v, amax_ref, q_ref, s_ref),
+                                        (v.T, amax_t_ref, qt_ref, st_ref))):
     parts = _split_last(y)
-    if hadamard:
-      parts = _transform_parts(parts, b)
-    levels = _encode_scales(jnp.reshape(amax_t_ref[...], (1, 1)), interpret)
-    mult, e4m3 = _nvfp4_blocks(functools.reduce(
-        jnp.maximum, (_fp32_bits(p) for p in parts)), levels, interpret)
-    words_t = _block_e2m1_words(parts, mult, u_t, hardware)
-    st_ref[...] = e4m3.T
-  # [g, c, m] -> t.T's rows c, words 2 g + m.
-  qt_ref[...] = jnp.transpose(words_t, (1, 0, 2)).reshape(width, n * b // 8)
+    if c and hadamard:
+      parts = _transform_parts(parts, NV_BLOCK)
+    levels = _encode_scales(jnp.reshape(amax[...], (1,)), interpret)
+    u = None
+    if stochastic:
+      # Each copy draws the random bytes of its own places (`threefry`):
+      # word w of a row is the hash at column w of its eighths.
+      down = jax.lax.broadcasted_iota(jnp.uint32, (y.shape[0],), 0)
+      row, col, width = ((i + down, j >> 3, cols >> 3) if c == 0
+                         else (j + down, i >> 3, rows >> 3))
+      u = [byte for w in range(len(parts) // 8) for byte in
+           threefry.eighths_at(key_ref[2 * c], key_ref[2 * c + 1], row,
+                               col + w, width)]
+    words, scales = [], []
+    for k in range(0, len(parts), NV_BLOCK):
+      block = parts[k:k + NV_BLOCK]
+      mult, e4m3 = _nvfp4_blocks(functools.reduce(
+          jnp.maximum, (_fp32_bits(p) for p in block)), levels, interpret)
+      words += [_zero_where_nan_scale(_e2m1_word(
+          [p * mult for p in block[m:m + 8]], u and u[k + m:k + m + 8],
+          hardware), mult) for m in range(0, NV_BLOCK, 8)]
+      scales.append(e4m3)
+    q[...] = _join_last(words)
+    sc[...] = _join_last(scales).astype(jnp.float8_e4m3fn)
 
 
 def nvfp4_tile_rows(rows: int) -> int:
-  """Rows of one `nvfp4_cast_transpose` / `nvfp4_amaxes` tile: 16 times the
-  largest power of two up to 16 that divides ``rows / 16``.
+  """Rows of one `nvfp4_amaxes` tile, and of one `nvfp4_cast_transpose`
+  tile of 16 x 16 blocks: 16 times the largest power of two up to 16 that
+  divides ``rows / 16``.
 
   Example:
     >>> nvfp4_tile_rows(4096), nvfp4_tile_rows(48)
@@ -1330,47 +1328,64 @@ def _nvfp4_call(shape: tuple[int, int], square: bool, hadamard: bool,
   """`nvfp4_cast_transpose`'s kernel for a ``shape`` tensor: a function of
   (with ``stochastic``: the shard's origin in t and the keys' words,) the
   amaxes and the tensor, returning its four 2-D results."""
+  if square:
+    return _nvfp4_square_call(shape, hardware, interpret)
+  pl, plt = _pallas()
+  rows, cols = shape
+  # Tiles of 32 where the dims allow (a warp's lanes each hold a row),
+  # else 16.
+  tr, tc = (32 if d % 32 == 0 else NV_BLOCK for d in shape)
+  one = pl.BlockSpec((1,), lambda i, j: (0,))
+  in_specs = [one, one]
+  if stochastic:
+    in_specs = [pl.BlockSpec((4,), lambda i, j: (0,))] * 2 + in_specs
+  e4m3 = jnp.float8_e4m3fn
+  return pl.pallas_call(
+      functools.partial(_nvfp4_kernel, hadamard=hadamard,
+                        stochastic=stochastic, interpret=interpret,
+                        hardware=hardware),
+      grid=(rows // tr, cols // tc),
+      in_specs=in_specs + [pl.BlockSpec((tr, tc), lambda i, j: (i, j))],
+      out_specs=[pl.BlockSpec((tr, tc // 8), lambda i, j: (i, j)),
+                 pl.BlockSpec((tr, tc // NV_BLOCK), lambda i, j: (i, j)),
+                 pl.BlockSpec((tc, tr // 8), lambda i, j: (j, i)),
+                 pl.BlockSpec((tc, tr // NV_BLOCK), lambda i, j: (j, i))],
+      out_shape=[jax.ShapeDtypeStruct((rows, cols // 8), jnp.uint32),
+                 jax.ShapeDtypeStruct((rows, cols // NV_BLOCK), e4m3),
+                 jax.ShapeDtypeStruct((cols, rows // 8), jnp.uint32),
+                 jax.ShapeDtypeStruct((cols, rows // NV_BLOCK), e4m3)],
+      compiler_params=plt.CompilerParams(num_warps=1),
+      interpret=interpret, name="qlayers_nvfp4_cast_transpose")
+
+
+def _nvfp4_square_call(shape: tuple[int, int], hardware: bool,
+                       interpret: bool):
+  """`_nvfp4_call` for 16 x 16 blocks: tiles of `nvfp4_tile_rows` rows."""
   pl, plt = _pallas()
   rows, cols = shape
   rt, b, w = nvfp4_tile_rows(rows), NV_BLOCK, NV_BLOCK // 8
   n = rt // b
-  one = pl.BlockSpec((1,), lambda i, j: (0,))
-  in_specs = [one] if square else [one, one]
-  if stochastic:
-    in_specs = [pl.BlockSpec((4,), lambda i, j: (0,))] * 2 + in_specs
   e4m3 = jnp.float8_e4m3fn
-  if square:
-    scale_specs = [pl.BlockSpec((n, 1), lambda i, j: (i, j)),
-                   pl.BlockSpec((1, n), lambda i, j: (j, i))]
-    scale_shapes = [jax.ShapeDtypeStruct((rows // b, cols // b), e4m3),
-                    jax.ShapeDtypeStruct((cols // b, rows // b), e4m3)]
-  else:
-    scale_specs = [pl.BlockSpec((n, b, 1), lambda i, j: (i, 0, j)),
-                   pl.BlockSpec((b, n), lambda i, j: (j, i))]
-    scale_shapes = [jax.ShapeDtypeStruct((rows // b, b, cols // b), e4m3),
-                    jax.ShapeDtypeStruct((cols, rows // b), e4m3)]
   call = pl.pallas_call(
-      functools.partial(_nvfp4_kernel, square=square, hadamard=hadamard,
-                        stochastic=stochastic, interpret=interpret,
+      functools.partial(_nvfp4_square_kernel, interpret=interpret,
                         hardware=hardware),
       grid=(rows // rt, cols // b),
-      in_specs=in_specs + [pl.BlockSpec((n, b, b), lambda i, j: (i, 0, j))],
+      in_specs=[pl.BlockSpec((1,), lambda i, j: (0,)),
+                pl.BlockSpec((n, b, b), lambda i, j: (i, 0, j))],
       out_specs=[pl.BlockSpec((n, b, w), lambda i, j: (i, 0, j)),
-                 scale_specs[0],
+                 pl.BlockSpec((n, 1), lambda i, j: (i, j)),
                  pl.BlockSpec((b, n * w), lambda i, j: (j, i)),
-                 scale_specs[1]],
+                 pl.BlockSpec((1, n), lambda i, j: (j, i))],
       out_shape=[jax.ShapeDtypeStruct((rows // b, b, cols // 8), jnp.uint32),
-                 scale_shapes[0],
+                 jax.ShapeDtypeStruct((rows // b, cols // b), e4m3),
                  jax.ShapeDtypeStruct((cols, rows // 8), jnp.uint32),
-                 scale_shapes[1]],
+                 jax.ShapeDtypeStruct((cols // b, rows // b), e4m3)],
       compiler_params=plt.CompilerParams(num_warps=4),
       interpret=interpret, name="qlayers_nvfp4_cast_transpose")
 
-  def run(*args):
-    *scalars, t = args
-    q, s, qt, st = call(*scalars, t.reshape(rows // b, b, cols))
-    return (q.reshape(rows, cols // 8),
-            s if square else s.reshape(rows, cols // b), qt, st)
+  def run(amax, t):
+    q, s, qt, st = call(amax, t.reshape(rows // b, b, cols))
+    return q.reshape(rows, cols // 8), s, qt, st
   return run
 
 

@@ -616,6 +616,23 @@ def test_nvfp4_copies_are_quantize_of_t_and_t_transposed_bit_for_bit(
   assert nan[3, 0] and nan.sum() == 1  # only the Inf's block
 
 
+def test_nvfp4_copies_of_dims_not_multiples_of_32_take_tiles_of_16():
+  """A tensor whose dims are multiples of 16 but not of 32 runs the 1 x 16
+  kernel on 16-row, 16-column tiles: the same copies, stochastic and
+  transformed."""
+  spec = _nvfp4_spec()
+  keys = (formats.rounding_key(jnp.uint32(5), jnp.uint32(2)),
+          formats.rounding_key(jnp.uint32(6), jnp.uint32(2)))
+  t = _nvfp4_data(jnp.bfloat16)[:48, :80]
+  q, s, qt, st = ct.nvfp4_cast_transpose(t, hadamard=True, keys=keys,
+                                         interpret=True)
+  rows, cols = (qlayers.scaling.quantize(a, spec, 1, key=k)
+                for a, k in zip((t, _transform(t, 16, 0).T), keys))
+  for got, want in ((q, rows.payload), (s, rows.block_scale),
+                    (qt, cols.payload), (st, cols.block_scale)):
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
 def test_nvfp4_square_blocks_are_one_quantize_in_both_layouts():
   spec = _nvfp4_spec("block")
   t = _nvfp4_data(jnp.float32)
