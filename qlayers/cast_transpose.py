@@ -1173,27 +1173,38 @@ def _transform_parts(parts, size: int):
   return out
 
 
+def _lane_groups_max(x, size: int):
+  """The max of each ``size`` consecutive elements of 1-D ``x`` (a kernel's
+  lanes), in each of them."""
+  n = x.shape[0]
+  m = jnp.max(x.reshape(n // size, size), axis=1, keepdims=True)
+  return jnp.broadcast_to(m, (n // size, size)).reshape(n)
+
+
 def _nvfp4_square_kernel(amax_ref, t_ref, q_ref, s_ref, qt_ref, st_ref, *,
                          interpret: bool, hardware: bool = False):
-  """One ``(n, 16, 16)`` tile of ``t`` seen as ``(R / 16, 16, C)`` (``[g,
-  k, c]`` is row ``16 g + k``): its 16 x 16 blocks, one scale and the same
-  codes for both copies, the ``t.T`` copy by one transpose."""
+  """One tile ``v`` (rows and columns each 16 or 32; one warp) of 16 x 16
+  blocks, whose one scale serves both copies: each copy's rows in lanes,
+  their elements apart, a block's amax the max over its 16 elements in a
+  lane, then over its 16 lanes."""
   v = t_ref[...].astype(jnp.float32)
-  n = v.shape[0]
-  levels = _encode_scales(jnp.reshape(amax_ref[...], (1, 1, 1)), interpret)
-  mag = jnp.max(jnp.max(_fp32_bits(v), axis=2, keepdims=True), axis=1,
-                keepdims=True)
-  mult, e4m3 = _nvfp4_blocks(mag, levels, interpret)
-  e4m3 = e4m3.astype(jnp.float8_e4m3fn)
-  y = v * mult
-  q_ref[...] = _zero_where_nan_scale(_e2m1_words(y, None, hardware), mult)
-  s_ref[...] = jnp.reshape(e4m3, (n, 1))
-  st_ref[...] = jnp.reshape(e4m3, (1, n))
-  words_t = _zero_where_nan_scale(
-      _e2m1_words(jnp.transpose(y, (0, 2, 1)), None, hardware), mult)
-  # [g, c, m] -> t.T's rows c, words 2 g + m.
-  qt_ref[...] = jnp.transpose(words_t, (1, 0, 2)).reshape(
-      v.shape[2], n * NV_BLOCK // 8)
+  levels = _encode_scales(jnp.reshape(amax_ref[...], (1,)), interpret)
+  for y, q, sc in ((v, q_ref, s_ref), (v.T, qt_ref, st_ref)):
+    parts, lanes = _split_last(y), y.shape[0]
+    words, scales = [], []
+    for k in range(0, len(parts), NV_BLOCK):
+      block = parts[k:k + NV_BLOCK]
+      mult, e4m3 = _nvfp4_blocks(_lane_groups_max(functools.reduce(
+          jnp.maximum, (_fp32_bits(p) for p in block)), NV_BLOCK), levels,
+          interpret)
+      words += [_zero_where_nan_scale(_e2m1_word(
+          [p * mult for p in block[m:m + 8]], None, hardware), mult)
+                for m in range(0, NV_BLOCK, 8)]
+      # One per block: its lanes hold the same.
+      scales.append(jnp.max(e4m3.reshape(lanes // NV_BLOCK, NV_BLOCK),
+                            axis=1))
+    q[...] = _join_last(words)
+    sc[...] = _join_last(scales).astype(jnp.float8_e4m3fn)
 
 
 def _nvfp4_kernel(*refs, hadamard: bool, stochastic: bool, interpret: bool,
@@ -1243,9 +1254,8 @@ def _nvfp4_kernel(*refs, hadamard: bool, stochastic: bool, interpret: bool,
 
 
 def nvfp4_tile_rows(rows: int) -> int:
-  """Rows of one `nvfp4_amaxes` tile, and of one `nvfp4_cast_transpose`
-  tile of 16 x 16 blocks: 16 times the largest power of two up to 16 that
-  divides ``rows / 16``.
+  """Rows of one `nvfp4_amaxes` tile: 16 times the largest power of two
+  up to 16 that divides ``rows / 16``.
 
   Example:
     >>> nvfp4_tile_rows(4096), nvfp4_tile_rows(48)
@@ -1360,33 +1370,28 @@ def _nvfp4_call(shape: tuple[int, int], square: bool, hadamard: bool,
 
 def _nvfp4_square_call(shape: tuple[int, int], hardware: bool,
                        interpret: bool):
-  """`_nvfp4_call` for 16 x 16 blocks: tiles of `nvfp4_tile_rows` rows."""
+  """`_nvfp4_call` for 16 x 16 blocks: tiles of 32 where the dims allow,
+  else 16, one warp each."""
   pl, plt = _pallas()
   rows, cols = shape
-  rt, b, w = nvfp4_tile_rows(rows), NV_BLOCK, NV_BLOCK // 8
-  n = rt // b
-  e4m3 = jnp.float8_e4m3fn
-  call = pl.pallas_call(
+  tr, tc = (32 if d % 32 == 0 else NV_BLOCK for d in shape)
+  b, e4m3 = NV_BLOCK, jnp.float8_e4m3fn
+  return pl.pallas_call(
       functools.partial(_nvfp4_square_kernel, interpret=interpret,
                         hardware=hardware),
-      grid=(rows // rt, cols // b),
+      grid=(rows // tr, cols // tc),
       in_specs=[pl.BlockSpec((1,), lambda i, j: (0,)),
-                pl.BlockSpec((n, b, b), lambda i, j: (i, 0, j))],
-      out_specs=[pl.BlockSpec((n, b, w), lambda i, j: (i, 0, j)),
-                 pl.BlockSpec((n, 1), lambda i, j: (i, j)),
-                 pl.BlockSpec((b, n * w), lambda i, j: (j, i)),
-                 pl.BlockSpec((1, n), lambda i, j: (j, i))],
-      out_shape=[jax.ShapeDtypeStruct((rows // b, b, cols // 8), jnp.uint32),
+                pl.BlockSpec((tr, tc), lambda i, j: (i, j))],
+      out_specs=[pl.BlockSpec((tr, tc // 8), lambda i, j: (i, j)),
+                 pl.BlockSpec((tr // b, tc // b), lambda i, j: (i, j)),
+                 pl.BlockSpec((tc, tr // 8), lambda i, j: (j, i)),
+                 pl.BlockSpec((tc // b, tr // b), lambda i, j: (j, i))],
+      out_shape=[jax.ShapeDtypeStruct((rows, cols // 8), jnp.uint32),
                  jax.ShapeDtypeStruct((rows // b, cols // b), e4m3),
                  jax.ShapeDtypeStruct((cols, rows // 8), jnp.uint32),
                  jax.ShapeDtypeStruct((cols // b, rows // b), e4m3)],
-      compiler_params=plt.CompilerParams(num_warps=4),
+      compiler_params=plt.CompilerParams(num_warps=1),
       interpret=interpret, name="qlayers_nvfp4_cast_transpose")
-
-  def run(amax, t):
-    q, s, qt, st = call(amax, t.reshape(rows // b, b, cols))
-    return q.reshape(rows, cols // 8), s, qt, st
-  return run
 
 
 def _nvfp4_amax_kernel(t_ref, a_ref, at_ref):

@@ -617,9 +617,9 @@ def test_nvfp4_copies_are_quantize_of_t_and_t_transposed_bit_for_bit(
 
 
 def test_nvfp4_copies_of_dims_not_multiples_of_32_take_tiles_of_16():
-  """A tensor whose dims are multiples of 16 but not of 32 runs the 1 x 16
-  kernel on 16-row, 16-column tiles: the same copies, stochastic and
-  transformed."""
+  """A tensor whose dims are multiples of 16 but not of 32 runs the NVFP4
+  kernels on 16-row, 16-column tiles: the same copies, 1 x 16 (stochastic
+  and transformed) and in 16 x 16 blocks."""
   spec = _nvfp4_spec()
   keys = (formats.rounding_key(jnp.uint32(5), jnp.uint32(2)),
           formats.rounding_key(jnp.uint32(6), jnp.uint32(2)))
@@ -631,6 +631,12 @@ def test_nvfp4_copies_of_dims_not_multiples_of_32_take_tiles_of_16():
   for got, want in ((q, rows.payload), (s, rows.block_scale),
                     (qt, cols.payload), (st, cols.block_scale)):
     np.testing.assert_array_equal(_bits(got), _bits(want))
+  square = _nvfp4_spec("block")
+  got = ct.nvfp4_cast_transpose(t, square=True, interpret=True)
+  for a, (q, s) in zip((t, t.T), (got[:2], got[2:])):
+    want = qlayers.scaling.quantize(a, square, 1)
+    np.testing.assert_array_equal(_bits(q), _bits(want.payload))
+    np.testing.assert_array_equal(_bits(s), _bits(want.block_scale))
 
 
 def test_nvfp4_square_blocks_are_one_quantize_in_both_layouts():
