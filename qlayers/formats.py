@@ -236,7 +236,11 @@ def _grid_steps(x: jax.Array, fmt: Format, r: jax.Array | None,
   x = x.astype(jnp.float32)
   sign = jax.lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0x80000000)
   a = jnp.minimum(jnp.abs(x), fmt.max)  # saturated; NaN stays NaN
-  e = jnp.maximum(_f32_exponent(a), fmt.emin)
+  # a's sign bit is clear, so its bits above the mantissa are the exponent
+  # alone (`_f32_exponent` without its mask: an instruction per element
+  # fewer in a kernel).
+  e = jnp.maximum((jax.lax.bitcast_convert_type(a, jnp.uint32) >> 23
+                   ).astype(jnp.int32) - 127, fmt.emin)
   if r is None:
     y = a * _pow2(fmt.mbits - e)
     k = jax.lax.bitcast_convert_type(y + 2.0**23, jnp.uint32) - jnp.uint32(
