@@ -115,14 +115,11 @@ def roll(states: Sequence[ScaleState],
 def _under_mesh(mesh) -> bool:
   """Whether the kernel pays under ``mesh``: auto axes only (it has no
   partitioning rule, so XLA runs it on every device with the state
-  replicated, as the state is), and only where the per-tensor cast kernel
-  runs under a mesh too (before sm_100, `qlayers.operands`) and reads the
-  rolled histories itself. Elsewhere XLA's casts reduce each history for
-  the next scale, and XLA fuses its own roll into that reduction: the
-  kernel would add kernels (8-GPU B200 fp8_delayed 275 -> 282, H200
-  285 -> 250; benchmarks/RESULTS.md)."""
-  return (not (sharding.manual_axes(mesh) or sharding.explicit_axes(mesh))
-          and table.fp8_gemm_transposes(table.gpu_arch("cuda")))
+  replicated, as the state is). The per-tensor cast kernel, which runs
+  under such a mesh too (`qlayers.operands`), reads the rolled histories
+  itself (8-GPU B200 fp8_delayed: 271 kernels with XLA's roll, 236 with
+  this one; benchmarks/RESULTS.md)."""
+  return not (sharding.manual_axes(mesh) or sharding.explicit_axes(mesh))
 
 
 def end_step(states: Sequence[ScaleState],

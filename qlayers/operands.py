@@ -195,9 +195,12 @@ def _partitioned(spec, first: Operand | None, arch: str | None,
                  rows: tuple[int, int], devices: int) -> bool:
   """Whether a pair's kernel runs under a mesh of ``devices``, where it
   pays (each has a partitioning rule, `qlayers.partition.cast`). The
-  per-tensor one only where it writes both layouts (before sm_100): under a
-  mesh XLA cannot merge its calls on one tensor (q, k and v of one x), so
-  one layout alone costs more than XLA's copies. DeepSeek-V3's tiles and
+  per-tensor one on every GPU with FP8 GEMMs: on Blackwell it writes one
+  layout, and XLA cannot merge its calls on one tensor (q, k and v of one
+  x), but XLA's own casts, fused into their producers (SwiGLU and its
+  gradient), are bound by their instructions (8-GPU B200 8B block: 1.35x
+  with them, 1.41x with the kernel; benchmarks/RESULTS.md). DeepSeek-V3's
+  tiles and
   128 x 128 blocks from sm_90 on (FP8 copies, which the blockwise and
   block-scaled GEMMs read). The MX and MXFP6 pairs where block-scaled GEMMs
   are native (sm_100 on; on Hopper their copies are BF16 values, which FSDP
@@ -207,7 +210,7 @@ def _partitioned(spec, first: Operand | None, arch: str | None,
   gather the wide tensor)."""
   if first is None:
     if not _square(spec):
-      return spec.granularity == "tensor" and table.fp8_gemm_transposes(arch)
+      return spec.granularity == "tensor"
     blocks_of, native = (cast_transpose.TILE_BLOCK,) * 2, 90
   # Whole blocks (NVFP4's amax tiles of rows, row-wise's 64 x 64 tiles) on
   # every device.

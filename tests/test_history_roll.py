@@ -146,15 +146,13 @@ def test_update_scales_refuses_grads_of_another_model():
 
 
 def test_the_kernel_runs_under_a_mesh_where_the_casts_read_the_histories():
-  """Under an auto-axes mesh the roll is the kernel where the per-tensor
-  cast kernel runs there too (Hopper); on Blackwell XLA fuses its own roll
-  into the history's reduction, and under explicit axes the kernel has no
-  sharding rule: XLA's ops."""
+  """Under an auto-axes mesh the roll is the kernel, as the per-tensor cast
+  kernel that reads the histories runs there too (Hopper and Blackwell);
+  under explicit axes the kernel has no sharding rule: XLA's ops."""
   from jax.sharding import AbstractMesh, AxisType  # pylint: disable=g-import-not-at-top
   auto = AbstractMesh((8,), ("data",), axis_types=(AxisType.Auto,))
   explicit = AbstractMesh((8,), ("data",), axis_types=(AxisType.Explicit,))
   under = history_roll._under_mesh  # pylint: disable=protected-access
-  with table.target_arch("sm_90"):
-    assert under(auto) and not under(explicit)
-  with table.target_arch("sm_100"):
-    assert not under(auto)
+  for arch in ("sm_90", "sm_100"):
+    with table.target_arch(arch):
+      assert under(auto) and not under(explicit), arch
