@@ -117,7 +117,10 @@ def compile_block(recipe: str, target: gc.Target, devices: int,
           "collectives_mib": collectives,
           "link_us": link_us(collectives, devices, target),
           "bytes_mib": roof["bytes"] / 2**20, "model_us": roof["time_us"],
-          "issue_us": roof["issue_extra_us"]}
+          "issue_us": roof["issue_extra_us"],
+          # What the PTX counts alone give (`gc.roofline`), and the kernels
+          # the issue roof binds most.
+          "ptx": roof.get("ptx"), "issue_bound": roof["issue_bound"][:10]}
 
 
 def main() -> None:
