@@ -980,7 +980,7 @@ def _fp32_bits(v):
 
 def _ptx_converts(fmt: Format, interpret: bool) -> bool:
   """Whether a kernel casts FP32 to ``fmt`` with PTX conversions of its own
-  (`_block_words`, `_e2m1_words`): compiled for a GPU
+  (`_block_words`, `_e2m1_word`): compiled for a GPU
   (`qlayers.table.gpu_arch`) that has them, sm_89 for FP8, sm_100 (its
   ``a`` features) for FP6 and FP4. The interpreter and an unknown GPU take
   Triton's casts and `qlayers.formats`' FP32 steps, the same values."""
@@ -994,16 +994,6 @@ def _pairs_last(x):
   slices)."""
   pairs = x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2)
   return tuple(p[..., 0] for p in jnp.split(pairs, 2, axis=-1))
-
-
-def _eighths_last(x):
-  """``x (..., 8m)`` as the eight ``(..., m)`` arrays of its elements ``8i +
-  j``, ``j = 0..7`` in turn."""
-  parts = [x]
-  for _ in range(3):  # j's bits, low first
-    parts = [half for p in parts for half in _pairs_last(p)]
-  # Part k holds j = k's three bits reversed.
-  return [parts[int(f"{j:03b}"[::-1], 2)] for j in range(8)]
 
 
 def _quarters_last(x):
@@ -1039,22 +1029,15 @@ _FP6X4 = ("{ .reg .b16 p0, p1, lo, hi; .reg .b32 h0, h1; "
           "cvt.rn.f16x2.FMTx2 h1, p1; "
           "cvt.rn.satfinite.e4m3x2.f16x2 hi, h1; "
           "mov.b32 $0, {lo, hi}; }")
-def _e2m1_words(x, r=None, hardware: bool = False):
-  """E2M1 codes of FP32 ``x (..., 8m)``, eight to a uint32 word along the
-  last axis (element ``8i + j`` in bits ``4j`` to ``4j + 3``: as bytes, the
-  packed payload, low nibble first): ``(..., m)``. Rounded to nearest even,
-  or stochastically with random bytes ``r``, one ``(..., m)`` array per
-  element ``j`` (`qlayers.threefry.hash_bytes`; `qlayers.formats.grid_codes`).
-  ``hardware`` (to nearest only): four PTX ``cvt.rn.satfinite.e2m1x2.f32``
-  per word, which round to nearest even and saturate as `grid_codes` does
-  (+-0 keeps its sign); NaN aside (see `_E2M1X8`), the same words. Words,
-  not bytes: Triton widens each byte to 16 and 32 bits to store it."""
-  return _e2m1_word(_eighths_last(x), r, hardware)
-
-
 def _e2m1_word(parts, r=None, hardware: bool = False):
-  """`_e2m1_words` of eight FP32 arrays, element ``j`` of each word in
-  ``parts[j]`` (its random bytes ``r[j]``): one uint32 array."""
+  """E2M1 codes of eight FP32 arrays as one uint32 array, ``parts[j]``'s in
+  bits ``4j`` to ``4j + 3`` (as bytes, the packed payload, low nibble
+  first). Rounded to nearest even, or stochastically with random bytes
+  ``r[j]`` (`qlayers.threefry.hash_bytes`; `qlayers.formats.grid_codes`).
+  ``hardware``: to nearest by four PTX ``cvt.rn.satfinite.e2m1x2.f32``,
+  which round to nearest even and saturate as `grid_codes` does (+-0 keeps
+  its sign; NaN aside, see `_E2M1X8`), the same words. Words, not bytes:
+  Triton widens each byte to 16 and 32 bits to store it."""
   if not hardware or r is not None:
     r = r or [None] * 8
     return functools.reduce(jnp.bitwise_or, (

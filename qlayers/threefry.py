@@ -6,10 +6,10 @@ Threefry-2x32 hash of the key and the 64-bit counter ``i // 8`` (bytes 0-3:
 the first output word's, low byte first; 4-7: the second's), and its
 magnitude rounds up when its fraction of a grid step plus ``(byte + 1/2) /
 256`` reaches one (`qlayers.formats.round_on_grid`). `random_bytes` draws
-them for a whole array (the XLA path of `qlayers.formats.round_to_format`);
-`bytes_at` for the elements a kernel holds (`qlayers.cast_transpose`), so
-the kernel rounds with the bits XLA would draw, without a random-bits array
-in memory.
+them for a whole array (the XLA path of `qlayers.formats.round_to_format`,
+through `bytes_at`); `eighths_at` for the elements a kernel holds, eight
+arrays to a hash (`qlayers.cast_transpose`), so the kernel rounds with the
+bits XLA would draw, without a random-bits array in memory.
 
 Eight bits per element is what Blackwell's own stochastic conversions take
 (PTX ``cvt.rs.satfinite`` to FP8/FP6/FP4 vectors: one 32-bit word of random

@@ -834,13 +834,17 @@ def test_hadamard_recipe_runs_the_transform_kernel_with_its_bits(
 
 
 def test_words_hold_eight_codes_low_nibble_first():
-  """The 4-bit kernels' words: element ``8i + j`` in bits ``4j``, so their
-  bytes are the packed payload; the eighths are the strided slices."""
+  """The 4-bit kernels' words: a row's elements apart (`_split_last`),
+  eight to a word, element ``8i + j`` in bits ``4j``, so their bytes are
+  the packed payload."""
   x = jax.random.normal(jax.random.key(4), (4, 64), jnp.float32) * 4
-  for j, part in enumerate(ct._eighths_last(x)):  # noqa: SLF001
-    np.testing.assert_array_equal(part, x[:, j::8])
+  parts = ct._split_last(x)  # noqa: SLF001
+  for j, part in enumerate(parts):
+    np.testing.assert_array_equal(part, x[:, j])
+  words = ct._join_last([ct._e2m1_word(parts[k:k + 8])  # noqa: SLF001
+                         for k in range(0, 64, 8)])
   codes = np.asarray(formats.cast(x, "e2m1"))
-  got = ct._words_to_bytes(ct._e2m1_words(x))  # noqa: SLF001
+  got = ct._words_to_bytes(words)  # noqa: SLF001
   np.testing.assert_array_equal(got, codes[:, 0::2] | (codes[:, 1::2] << 4))
 
 
