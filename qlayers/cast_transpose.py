@@ -1164,60 +1164,35 @@ def _lane_groups_max(x, size: int):
   return jnp.broadcast_to(m, (n // size, size)).reshape(n)
 
 
-def _nvfp4_square_kernel(amax_ref, t_ref, q_ref, s_ref, qt_ref, st_ref, *,
-                         interpret: bool, hardware: bool = False):
-  """One tile ``v`` (rows and columns each 16 or 32; one warp) of 16 x 16
-  blocks, whose one scale serves both copies: each copy's rows in lanes,
-  their elements apart, a block's amax the max over its 16 elements in a
-  lane, then over its 16 lanes."""
-  v = t_ref[...].astype(jnp.float32)
-  levels = _encode_scales(jnp.reshape(amax_ref[...], (1,)), interpret)
-  for y, q, sc in ((v, q_ref, s_ref), (v.T, qt_ref, st_ref)):
-    parts, lanes = _split_last(y), y.shape[0]
-    words, scales = [], []
-    for k in range(0, len(parts), NV_BLOCK):
-      block = parts[k:k + NV_BLOCK]
-      mult, e4m3 = _nvfp4_blocks(_lane_groups_max(functools.reduce(
-          jnp.maximum, (_fp32_bits(p) for p in block)), NV_BLOCK), levels,
-          interpret)
-      words += [_zero_where_nan_scale(_e2m1_word(
-          [p * mult for p in block[m:m + 8]], None, hardware), mult)
-                for m in range(0, NV_BLOCK, 8)]
-      # One per block: its lanes hold the same.
-      scales.append(jnp.max(e4m3.reshape(lanes // NV_BLOCK, NV_BLOCK),
-                            axis=1))
-    q[...] = _join_last(words)
-    sc[...] = _join_last(scales).astype(jnp.float8_e4m3fn)
-
-
-def _nvfp4_kernel(*refs, hadamard: bool, stochastic: bool, interpret: bool,
-                  hardware: bool = False):
-  """One tile ``v`` (rows and columns each 16 or 32; one warp): the 1 x 16
-  copy of ``v`` along its rows and that of ``v.T`` (of its 16-point
-  transform along ``t``'s rows if ``hadamard``), each row's elements
-  apart (`_split_last`), so a block's amax, transform, scale and words run
-  in registers; eight E2M1 codes to a word (`_e2m1_word`), as the MXFP4
-  kernel does."""
+def _nvfp4_kernel(*refs, square: bool, hadamard: bool, stochastic: bool,
+                  interpret: bool, hardware: bool = False):
+  """One tile ``v`` (rows and columns each 16 or 32; one warp): the copy of
+  ``v`` along its rows and that of ``v.T`` (of its 16-point transform along
+  ``t``'s rows if ``hadamard``), each row's elements apart
+  (`_split_last`), so a block's amax, transform, scale and words run in
+  registers; eight E2M1 codes to a word (`_e2m1_word`), as the MXFP4
+  kernel does. With ``square``, 16 x 16 blocks: a block's amax is then
+  over its 16 lanes too, one scale per block (one tensor amax)."""
   if stochastic:
     origin_ref, key_ref, *refs = refs
-  amax_ref, amax_t_ref, t_ref, q_ref, s_ref, qt_ref, st_ref = refs
+  amaxes, (t_ref, q_ref, s_ref, qt_ref, st_ref) = refs[:-5], refs[-5:]
+  levels = [_encode_scales(jnp.reshape(a[...], (1,)), interpret)
+            for a in amaxes]  # the copies' (square: one for both)
   pl, _ = _pallas()
   v = t_ref[...].astype(jnp.float32)
   if stochastic:  # this tile's place in t: its shard's (`origin`) and in it
     rows, cols = origin_ref[2], origin_ref[3]
     i, j = (origin_ref[a] + pl.program_id(a).astype(jnp.uint32) * v.shape[a]
             for a in (0, 1))
-  for c, (y, amax, q, sc) in enumerate(((v, amax_ref, q_ref, s_ref),
-                                        (v.T, amax_t_ref, qt_ref, st_ref))):
-    parts = _split_last(y)
+  for c, (y, q, sc) in enumerate(((v, q_ref, s_ref), (v.T, qt_ref, st_ref))):
+    parts, lanes = _split_last(y), y.shape[0]
     if c and hadamard:
       parts = _transform_parts(parts, NV_BLOCK)
-    levels = _encode_scales(jnp.reshape(amax[...], (1,)), interpret)
     u = None
     if stochastic:
       # Each copy draws the random bytes of its own places (`threefry`):
       # word w of a row is the hash at column w of its eighths.
-      down = jax.lax.broadcasted_iota(jnp.uint32, (y.shape[0],), 0)
+      down = jax.lax.broadcasted_iota(jnp.uint32, (lanes,), 0)
       row, col, width = ((i + down, j >> 3, cols >> 3) if c == 0
                          else (j + down, i >> 3, rows >> 3))
       u = [byte for w in range(len(parts) // 8) for byte in
@@ -1226,14 +1201,26 @@ def _nvfp4_kernel(*refs, hadamard: bool, stochastic: bool, interpret: bool,
     words, scales = [], []
     for k in range(0, len(parts), NV_BLOCK):
       block = parts[k:k + NV_BLOCK]
-      mult, e4m3 = _nvfp4_blocks(functools.reduce(
-          jnp.maximum, (_fp32_bits(p) for p in block)), levels, interpret)
+      mag = functools.reduce(jnp.maximum, (_fp32_bits(p) for p in block))
+      mult, e4m3 = _nvfp4_blocks(
+          _lane_groups_max(mag, NV_BLOCK) if square else mag,
+          levels[c % len(levels)], interpret)
       words += [_zero_where_nan_scale(_e2m1_word(
           [p * mult for p in block[m:m + 8]], u and u[k + m:k + m + 8],
           hardware), mult) for m in range(0, NV_BLOCK, 8)]
-      scales.append(e4m3)
+      # A 16 x 16 block's lanes hold its one scale.
+      scales.append(jnp.max(e4m3.reshape(lanes // NV_BLOCK, NV_BLOCK),
+                            axis=1) if square else e4m3)
     q[...] = _join_last(words)
     sc[...] = _join_last(scales).astype(jnp.float8_e4m3fn)
+
+
+def _lane_groups_max(x, size: int):
+  """The max of each ``size`` consecutive elements of 1-D ``x`` (a kernel's
+  lanes), in each of them."""
+  n = x.shape[0]
+  m = jnp.max(x.reshape(n // size, size), axis=1, keepdims=True)
+  return jnp.broadcast_to(m, (n // size, size)).reshape(n)
 
 
 def nvfp4_tile_rows(rows: int) -> int:
@@ -1321,58 +1308,30 @@ def _nvfp4_call(shape: tuple[int, int], square: bool, hadamard: bool,
   """`nvfp4_cast_transpose`'s kernel for a ``shape`` tensor: a function of
   (with ``stochastic``: the shard's origin in t and the keys' words,) the
   amaxes and the tensor, returning its four 2-D results."""
-  if square:
-    return _nvfp4_square_call(shape, hardware, interpret)
   pl, plt = _pallas()
   rows, cols = shape
   # Tiles of 32 where the dims allow (a warp's lanes each hold a row),
-  # else 16.
+  # else 16; a scale per 16 x 16 block (square) or per 1 x 16.
   tr, tc = (32 if d % 32 == 0 else NV_BLOCK for d in shape)
+  b, m, e4m3 = NV_BLOCK, NV_BLOCK if square else 1, jnp.float8_e4m3fn
   one = pl.BlockSpec((1,), lambda i, j: (0,))
-  in_specs = [one, one]
+  in_specs = [one] if square else [one, one]
   if stochastic:
     in_specs = [pl.BlockSpec((4,), lambda i, j: (0,))] * 2 + in_specs
-  e4m3 = jnp.float8_e4m3fn
   return pl.pallas_call(
-      functools.partial(_nvfp4_kernel, hadamard=hadamard,
+      functools.partial(_nvfp4_kernel, square=square, hadamard=hadamard,
                         stochastic=stochastic, interpret=interpret,
                         hardware=hardware),
       grid=(rows // tr, cols // tc),
       in_specs=in_specs + [pl.BlockSpec((tr, tc), lambda i, j: (i, j))],
       out_specs=[pl.BlockSpec((tr, tc // 8), lambda i, j: (i, j)),
-                 pl.BlockSpec((tr, tc // NV_BLOCK), lambda i, j: (i, j)),
+                 pl.BlockSpec((tr // m, tc // b), lambda i, j: (i, j)),
                  pl.BlockSpec((tc, tr // 8), lambda i, j: (j, i)),
-                 pl.BlockSpec((tc, tr // NV_BLOCK), lambda i, j: (j, i))],
+                 pl.BlockSpec((tc // m, tr // b), lambda i, j: (j, i))],
       out_shape=[jax.ShapeDtypeStruct((rows, cols // 8), jnp.uint32),
-                 jax.ShapeDtypeStruct((rows, cols // NV_BLOCK), e4m3),
+                 jax.ShapeDtypeStruct((rows // m, cols // b), e4m3),
                  jax.ShapeDtypeStruct((cols, rows // 8), jnp.uint32),
-                 jax.ShapeDtypeStruct((cols, rows // NV_BLOCK), e4m3)],
-      compiler_params=plt.CompilerParams(num_warps=1),
-      interpret=interpret, name="qlayers_nvfp4_cast_transpose")
-
-
-def _nvfp4_square_call(shape: tuple[int, int], hardware: bool,
-                       interpret: bool):
-  """`_nvfp4_call` for 16 x 16 blocks: tiles of 32 where the dims allow,
-  else 16, one warp each."""
-  pl, plt = _pallas()
-  rows, cols = shape
-  tr, tc = (32 if d % 32 == 0 else NV_BLOCK for d in shape)
-  b, e4m3 = NV_BLOCK, jnp.float8_e4m3fn
-  return pl.pallas_call(
-      functools.partial(_nvfp4_square_kernel, interpret=interpret,
-                        hardware=hardware),
-      grid=(rows // tr, cols // tc),
-      in_specs=[pl.BlockSpec((1,), lambda i, j: (0,)),
-                pl.BlockSpec((tr, tc), lambda i, j: (i, j))],
-      out_specs=[pl.BlockSpec((tr, tc // 8), lambda i, j: (i, j)),
-                 pl.BlockSpec((tr // b, tc // b), lambda i, j: (i, j)),
-                 pl.BlockSpec((tc, tr // 8), lambda i, j: (j, i)),
-                 pl.BlockSpec((tc // b, tr // b), lambda i, j: (j, i))],
-      out_shape=[jax.ShapeDtypeStruct((rows, cols // 8), jnp.uint32),
-                 jax.ShapeDtypeStruct((rows // b, cols // b), e4m3),
-                 jax.ShapeDtypeStruct((cols, rows // 8), jnp.uint32),
-                 jax.ShapeDtypeStruct((cols // b, rows // b), e4m3)],
+                 jax.ShapeDtypeStruct((cols // m, rows // b), e4m3)],
       compiler_params=plt.CompilerParams(num_warps=1),
       interpret=interpret, name="qlayers_nvfp4_cast_transpose")
 
