@@ -821,7 +821,7 @@ def _fp4_kernel(*refs, rule: str, stochastic: bool, hadamard=(0, 0),
                          else (j + down, i >> 3, rows >> 3))
       u = [byte for w in range(b // 8) for byte in threefry.eighths_at(
           key_ref[2 * c], key_ref[2 * c + 1], row, col + w, width)]
-    q[...] = _block_e2m1_words(parts, mult, u, hardware)
+    q[...] = _join_last(_block_e2m1_words(parts, mult, u, hardware))
     sc[...] = _scales_out(code, rule)[:, None]
 
 
@@ -1052,14 +1052,12 @@ def _e2m1_word(parts, r=None, hardware: bool = False):
 
 def _block_e2m1_words(parts, mult, r, hardware: bool):
   """The E2M1 words of blocks held apart (``parts``: their elements, one
-  array each, `_split_last`) scaled by ``mult``: eight codes to a word
-  (`_e2m1_word`; ``r``: the elements' random bytes, one array each, or
-  None), joined along a new last axis, zeros where the scale is NaN
-  (`_zero_where_nan_scale`)."""
-  words = [_e2m1_word([p * mult for p in parts[k:k + 8]],
-                      r and r[k:k + 8], hardware)
-           for k in range(0, len(parts), 8)]
-  return _zero_where_nan_scale(_join_last(words), mult[..., None])
+  array each, `_split_last`) scaled by ``mult``, as a list: eight codes to
+  a word (`_e2m1_word`; ``r``: the elements' random bytes, one array each,
+  or None), zeros where the scale is NaN (`_zero_where_nan_scale`)."""
+  return [_zero_where_nan_scale(_e2m1_word(
+      [p * mult for p in parts[k:k + 8]], r and r[k:k + 8], hardware), mult)
+          for k in range(0, len(parts), 8)]
 
 
 def _words_to_bytes(words):
@@ -1205,9 +1203,8 @@ def _nvfp4_kernel(*refs, square: bool, hadamard: bool, stochastic: bool,
       mult, e4m3 = _nvfp4_blocks(
           _lane_groups_max(mag, NV_BLOCK) if square else mag,
           levels[c % len(levels)], interpret)
-      words += [_zero_where_nan_scale(_e2m1_word(
-          [p * mult for p in block[m:m + 8]], u and u[k + m:k + m + 8],
-          hardware), mult) for m in range(0, NV_BLOCK, 8)]
+      words += _block_e2m1_words(block, mult, u and u[k:k + NV_BLOCK],
+                                 hardware)
       # A 16 x 16 block's lanes hold its one scale.
       scales.append(jnp.max(e4m3.reshape(lanes // NV_BLOCK, NV_BLOCK),
                             axis=1) if square else e4m3)
