@@ -103,7 +103,7 @@ __all__ = ["TILE", "supported", "cast_transpose", "row_cast_transpose",
            "mx_supported",
            "mx_cast_transpose", "block_cast_transpose", "fp4_supported",
            "fp4_cast_transpose", "nvfp4_supported", "nvfp4_cast_transpose",
-           "nvfp4_amaxes", "nvfp4_tile_rows", "transform_supported",
+           "nvfp4_amaxes", "transform_supported",
            "transform"]
 
 # Rows and columns of one tile; both dims of ``t`` must be multiples of it.
@@ -1134,12 +1134,13 @@ def _join_last(parts):
   return parts[0]
 
 
-def _transform_parts(parts, size: int):
+def _transform_parts(parts, size: int, norm: bool = True):
   """`qlayers.hadamard.transform` over each ``size`` consecutive arrays of
   the list ``parts`` (a kernel's elements apart, `_split_last`): the
   signs, `qlayers.hadamard.butterfly`'s stages (the same pairs and sums,
-  in registers) and the factor."""
-  signs, norm = hadamard_lib.random_signs(size), hadamard_lib._norm(size)  # noqa: SLF001
+  in registers) and, with ``norm``, the factor."""
+  signs = hadamard_lib.random_signs(size)
+  factor = hadamard_lib._norm(size)  # noqa: SLF001
   out = []
   for start in range(0, len(parts), size):
     block = [-p if sign < 0 else p
@@ -1150,7 +1151,7 @@ def _transform_parts(parts, size: int):
         for i in range(g, g + h):
           block[i], block[i + h] = block[i] + block[i + h], block[i] - block[i + h]
       h //= 2
-    out += [p * norm for p in block]
+    out += [p * factor for p in block] if norm else block
   return out
 
 
@@ -1210,26 +1211,6 @@ def _nvfp4_kernel(*refs, square: bool, hadamard: bool, stochastic: bool,
                             axis=1) if square else e4m3)
     q[...] = _join_last(words)
     sc[...] = _join_last(scales).astype(jnp.float8_e4m3fn)
-
-
-def _lane_groups_max(x, size: int):
-  """The max of each ``size`` consecutive elements of 1-D ``x`` (a kernel's
-  lanes), in each of them."""
-  n = x.shape[0]
-  m = jnp.max(x.reshape(n // size, size), axis=1, keepdims=True)
-  return jnp.broadcast_to(m, (n // size, size)).reshape(n)
-
-
-def nvfp4_tile_rows(rows: int) -> int:
-  """Rows of one `nvfp4_amaxes` tile: 16 times the largest power of two
-  up to 16 that divides ``rows / 16``.
-
-  Example:
-    >>> nvfp4_tile_rows(4096), nvfp4_tile_rows(48)
-    (256, 16)
-  """
-  n = rows // NV_BLOCK
-  return NV_BLOCK * math.gcd(n, NV_BLOCK)
 
 
 @functools.partial(jax.jit, static_argnames=("square", "hadamard",
@@ -1334,13 +1315,25 @@ def _nvfp4_call(shape: tuple[int, int], square: bool, hadamard: bool,
 
 
 def _nvfp4_amax_kernel(t_ref, a_ref, at_ref):
+  """One tile ``v`` (rows and columns each 16 or 32; one warp), each lane a
+  column of it with its rows apart (`_split_last`), so the 16-point
+  transform along the rows runs in registers, as in `_nvfp4_kernel`: the
+  magnitude-bit maxima of each 16 x 16 block of ``v`` and of its
+  transform. The transform's factor, a power of two, scales the maxima
+  rather than each element: a product rounds monotonically, so the max of
+  the scaled magnitudes is the scaled max."""
   v = t_ref[...].astype(jnp.float32)
-  a_ref[...] = jnp.reshape(jnp.max(_fp32_bits(v)), (1, 1))
-  # The transform's elements apart: its stages then run in registers.
-  parts = _transform_parts(_split_last(jnp.transpose(v, (0, 2, 1))),
-                           NV_BLOCK)
-  at_ref[...] = jnp.reshape(jnp.max(functools.reduce(
-      jnp.maximum, (_fp32_bits(p) for p in parts))), (1, 1))
+  parts, lanes = _split_last(v.T), v.shape[1]
+  sums = _transform_parts(parts, NV_BLOCK, norm=False)
+  factor = hadamard_lib._norm(NV_BLOCK)  # noqa: SLF001
+  for out, ps, scale in ((a_ref, parts, False), (at_ref, sums, True)):
+    m = _join_last([jnp.max(functools.reduce(
+        jnp.maximum, (_fp32_bits(p) for p in ps[k:k + NV_BLOCK])).reshape(
+            lanes // NV_BLOCK, NV_BLOCK), axis=1)
+                    for k in range(0, len(ps), NV_BLOCK)]).T
+    if scale:
+      m = _fp32_bits(jax.lax.bitcast_convert_type(m, jnp.float32) * factor)
+    out[...] = m
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -1362,30 +1355,29 @@ def nvfp4_amaxes(t: jax.Array, *, interpret: bool = False
   if not nvfp4_supported(t.shape):
     raise ValueError(f"nvfp4_amaxes takes a 2-D tensor whose dims are "
                      f"multiples of {NV_BLOCK}; got {t.shape}.")
-  rt, b = nvfp4_tile_rows(t.shape[0]), NV_BLOCK
-  a, at = partition.cast(_nvfp4_amax_call, (rt, interpret), t,
-                         layouts=((("r", rt), ("c", b)),) * 2,
-                         block=(rt, b))
+  b = NV_BLOCK
+  a, at = partition.cast(_nvfp4_amax_call, (interpret,), t,
+                         layouts=((("r", b), ("c", b)),) * 2, block=(b, b))
   return tuple(blocks._max_of_bits(x, jnp.float32)  # noqa: SLF001
                for x in (a, at))
 
 
-def _nvfp4_amax_call(shape: tuple[int, int], rt: int, interpret: bool):
-  """`nvfp4_amaxes`' kernel for a ``shape`` tensor, tiles of ``rt`` rows:
-  the two grids of magnitude-bit maxima per tile."""
+def _nvfp4_amax_call(shape: tuple[int, int], interpret: bool):
+  """`nvfp4_amaxes`' kernel for a ``shape`` tensor, tiles as
+  `_nvfp4_call`'s: the two grids of magnitude-bit maxima per 16 x 16
+  block."""
   pl, plt = _pallas()
   rows, cols = shape
+  tr, tc = (32 if d % 32 == 0 else NV_BLOCK for d in shape)
   b = NV_BLOCK
-  n, grid = rt // b, (rows // rt, cols // b)
-  one = pl.BlockSpec((1, 1), lambda i, j: (i, j))
-  partial = jax.ShapeDtypeStruct(grid, jnp.uint32)
-  call = pl.pallas_call(
-      _nvfp4_amax_kernel, grid=grid,
-      in_specs=[pl.BlockSpec((n, b, b), lambda i, j: (i, 0, j))],
-      out_specs=[one, one], out_shape=[partial, partial],
-      compiler_params=plt.CompilerParams(num_warps=4),
+  out = pl.BlockSpec((tr // b, tc // b), lambda i, j: (i, j))
+  partial = jax.ShapeDtypeStruct((rows // b, cols // b), jnp.uint32)
+  return pl.pallas_call(
+      _nvfp4_amax_kernel, grid=(rows // tr, cols // tc),
+      in_specs=[pl.BlockSpec((tr, tc), lambda i, j: (i, j))],
+      out_specs=[out, out], out_shape=[partial, partial],
+      compiler_params=plt.CompilerParams(num_warps=1),
       interpret=interpret, name="qlayers_nvfp4_amaxes")
-  return lambda t: call(t.reshape(rows // b, b, cols))
 
 
 def transform_supported(shape: tuple[int, ...], size: int, axis: int

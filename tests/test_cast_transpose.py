@@ -618,12 +618,17 @@ def test_nvfp4_copies_are_quantize_of_t_and_t_transposed_bit_for_bit(
 
 def test_nvfp4_copies_of_dims_not_multiples_of_32_take_tiles_of_16():
   """A tensor whose dims are multiples of 16 but not of 32 runs the NVFP4
-  kernels on 16-row, 16-column tiles: the same copies, 1 x 16 (stochastic
-  and transformed) and in 16 x 16 blocks."""
+  kernels on 16-row, 16-column tiles: the same amaxes, the same copies,
+  1 x 16 (stochastic and transformed) and in 16 x 16 blocks."""
   spec = _nvfp4_spec()
   keys = (formats.rounding_key(jnp.uint32(5), jnp.uint32(2)),
           formats.rounding_key(jnp.uint32(6), jnp.uint32(2)))
   t = _nvfp4_data(jnp.bfloat16)[:48, :80]
+  for data in (t, t[:32]):  # 16-row tiles; 32-row tiles, 16-column ones
+    got = ct.nvfp4_amaxes(data, interpret=True)
+    want = (qlayers.blocks.amax(data),
+            qlayers.blocks.amax(_transform(data, 16, 0)))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   q, s, qt, st = ct.nvfp4_cast_transpose(t, hadamard=True, keys=keys,
                                          interpret=True)
   rows, cols = (qlayers.scaling.quantize(a, spec, 1, key=k)
