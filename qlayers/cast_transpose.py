@@ -820,7 +820,8 @@ def _fp4_kernel(*refs, rule: str, stochastic: bool, hadamard=(0, 0),
       row, col, width = ((i + down, j >> 3, cols >> 3) if c == 0
                          else (j + down, i >> 3, rows >> 3))
       u = [byte for w in range(b // 8) for byte in threefry.eighths_at(
-          key_ref[2 * c], key_ref[2 * c + 1], row, col + w, width)]
+          key_ref[2 * c], key_ref[2 * c + 1], row, col + w, width,
+          rotl=_rotl_wide if hardware else None)]
     q[...] = _join_last(_block_e2m1_words(parts, mult, u, hardware))
     sc[...] = _scales_out(code, rule)[:, None]
 
@@ -971,6 +972,26 @@ def _truncate_u32(v):
   (k,) = plgpu.elementwise_inline_asm(
       _TRUNCATE_U32, args=[v], constraints="=r,f", pack=1,
       result_shape_dtypes=[jax.ShapeDtypeStruct(v.shape, jnp.int32)])
+  return jax.lax.bitcast_convert_type(k, jnp.uint32)
+
+
+# A Threefry rotation as one wide multiply and an or: x * 2**d in 64 bits
+# holds x << d in its low word and x >> (32 - d) in its high one. The
+# multiply runs on the FMA pipe, the funnel shift it replaces on the ALU
+# pipe that the stochastic kernels' other integer work fills (SASS counts,
+# benchmarks/RESULTS.md); the xor after it folds the or into one LOP3.
+_ROTL_WIDE = ("{ .reg .b64 w; .reg .b32 lo, hi; mul.wide.u32 w, $1, %d; "
+              "mov.b64 {lo, hi}, w; or.b32 $0, lo, hi; }")
+
+
+def _rotl_wide(x, d: int):
+  """uint32 ``x`` rotated left by ``d`` bits in a kernel, by `_ROTL_WIDE`:
+  `qlayers.threefry`'s rotation, the same bits."""
+  from jax.experimental.pallas import triton as plgpu
+  (k,) = plgpu.elementwise_inline_asm(
+      _ROTL_WIDE % (1 << d), args=[jax.lax.bitcast_convert_type(x, jnp.int32)],
+      constraints="=r,r", pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.int32)])
   return jax.lax.bitcast_convert_type(k, jnp.uint32)
 
 
@@ -1196,7 +1217,8 @@ def _nvfp4_kernel(*refs, square: bool, hadamard: bool, stochastic: bool,
                          else (j + down, i >> 3, rows >> 3))
       u = [byte for w in range(len(parts) // 8) for byte in
            threefry.eighths_at(key_ref[2 * c], key_ref[2 * c + 1], row,
-                               col + w, width)]
+                               col + w, width,
+                               rotl=_rotl_wide if hardware else None)]
     words, scales = [], []
     for k in range(0, len(parts), NV_BLOCK):
       block = parts[k:k + NV_BLOCK]

@@ -68,9 +68,11 @@ def _rotl(x, d: int):
   return (x << jnp.uint32(d)) | (x >> jnp.uint32(32 - d))
 
 
-def hash_words(k0, k1, c0, c1) -> tuple[jax.Array, jax.Array]:
+def hash_words(k0, k1, c0, c1, rotl=None) -> tuple[jax.Array, jax.Array]:
   """Threefry-2x32 (20 rounds) of the counter words ``(c0, c1)`` under the
-  key words ``(k0, k1)``, elementwise: its two output words.
+  key words ``(k0, k1)``, elementwise: its two output words. ``rotl(x,
+  d)``: how a GPU kernel rotates a word left by ``d`` bits (None: two
+  shifts and an or).
 
   Example:
     >>> x0, x1 = hash_words(jnp.uint32(0), jnp.uint32(0), jnp.uint32(0),
@@ -78,6 +80,7 @@ def hash_words(k0, k1, c0, c1) -> tuple[jax.Array, jax.Array]:
     >>> hex(int(x0)), hex(int(x1))  # the paper's known-answer test
     ('0x6b200159', '0x99ba4efe')
   """
+  rotl = rotl or _rotl
   k0, k1 = jnp.asarray(k0, jnp.uint32), jnp.asarray(k1, jnp.uint32)
   ks = (k0, k1, k0 ^ k1 ^ jnp.uint32(_PARITY))
   x0 = jnp.asarray(c0, jnp.uint32) + ks[0]
@@ -85,7 +88,7 @@ def hash_words(k0, k1, c0, c1) -> tuple[jax.Array, jax.Array]:
   for group in range(5):
     for r in _ROTATIONS[group % 2]:
       x0 = x0 + x1
-      x1 = _rotl(x1, r) ^ x0
+      x1 = rotl(x1, r) ^ x0
     x0 = x0 + ks[(group + 1) % 3]
     x1 = x1 + (ks[(group + 2) % 3] + jnp.uint32(group + 1))  # one key word
   return x0, x1
@@ -145,10 +148,11 @@ def _spread(x0, x1) -> jax.Array:
   return bits.reshape(x0.shape[:-1] + (x0.shape[-1] * BYTES,))
 
 
-def eighths_at(k0, k1, row, col, width) -> list[jax.Array]:
+def eighths_at(k0, k1, row, col, width, rotl=None) -> list[jax.Array]:
   """`bytes_at` as eight arrays shaped as ``row`` and ``col`` broadcast:
   the ``j``-th holds the bytes of the elements ``8 col + j`` (`hash_bytes`
-  of their hashes), as a kernel that splits its rows in eighths takes them.
+  of their hashes), as a kernel that splits its rows in eighths takes them
+  (``rotl``: `hash_words`').
 
   Example:
     >>> key = jax.random.key(7)
@@ -158,7 +162,8 @@ def eighths_at(k0, k1, row, col, width) -> list[jax.Array]:
     >>> bool((eighths[3] == want[3::8]).all())
     True
   """
-  return hash_bytes(*hash_words(k0, k1, *counter_words(row, col, width)))
+  return hash_bytes(*hash_words(k0, k1, *counter_words(row, col, width),
+                                rotl=rotl))
 
 
 def bytes_at(k0, k1, row, col, width) -> jax.Array:

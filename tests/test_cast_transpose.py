@@ -18,6 +18,7 @@ from qlayers import formats
 from qlayers import hadamard
 from qlayers import ops
 from qlayers import table
+from qlayers import threefry
 from qlayers.dispatch import Operand
 from qlayers.operands import operand, operand_pair
 
@@ -877,3 +878,17 @@ def test_kernels_cast_by_ptx_conversions_where_the_target_has_them(
     assert (f"cvt.rn.satfinite.{ptx}.f32" in text) == want, arch
     if recipe in ("mxfp4", "nvfp4"):  # their stochastic gradient copies
       assert ("cvt.rzi.u32.f32" in text) == want, arch
+      assert ("mul.wide.u32" in text) == want, arch  # Threefry's rotations
+
+
+def test_a_wide_multiply_by_a_power_of_two_is_a_rotation():
+  """`_ROTL_WIDE`'s identity, for each of Threefry's rotations: x * 2**d
+  in 64 bits holds x << d in its low word, x >> (32 - d) in its high one,
+  so their or is `qlayers.threefry`'s rotation of x."""
+  x = np.random.default_rng(3).integers(0, 2**32, 4096, dtype=np.uint64)
+  x[:3] = (0, 2**32 - 1, 2**31)
+  for d in {d for group in threefry._ROTATIONS for d in group}:  # noqa: SLF001
+    wide = x * np.uint64(2**d)
+    got = (wide & np.uint64(2**32 - 1)) | (wide >> np.uint64(32))
+    want = threefry._rotl(jnp.asarray(x, jnp.uint32), d)  # noqa: SLF001
+    np.testing.assert_array_equal(got.astype(np.uint32), np.asarray(want))
