@@ -923,16 +923,14 @@ def nvfp4_supported(shape: tuple[int, ...]) -> bool:
           and all(d >= NV_BLOCK and d % NV_BLOCK == 0 for d in shape))
 
 
-def _tensor_levels(amax: jax.Array) -> jax.Array:
-  """NVFP4's per-tensor ``[S_enc, S_dec, amax finite, 0]`` (FP32 ``(4,)``)
-  of a tensor amax, computed by XLA before the kernel:
+def _encode_scales(amax, interpret: bool):
+  """NVFP4's per-tensor ``(S_enc, S_dec, amax finite)`` in a kernel:
   `qlayers.scale_rules.nvfp4_encode_scale` and its correctly rounded
-  reciprocal, which every thread of the kernel would otherwise divide
-  again."""
-  s_enc = scale_rules.nvfp4_encode_scale(amax)
-  return jnp.stack([s_enc, scale_rules.rdivide_rn(1.0, s_enc),
-                    jnp.isfinite(amax).astype(jnp.float32),
-                    jnp.float32(0.0)])
+  reciprocal."""
+  s = jnp.minimum(_divide(scale_rules.NVFP4_RANGE, amax, interpret),
+                  scale_rules._F32_MAX)  # noqa: SLF001
+  s_enc = jnp.where((amax == 0) | (s == 0), 1.0, s)
+  return s_enc, _divide(1.0, s_enc, interpret), jnp.isfinite(amax)
 
 
 def _nvfp4_blocks(mag_max, levels, interpret: bool):
@@ -1197,10 +1195,9 @@ def _nvfp4_kernel(*refs, square: bool, hadamard: bool, stochastic: bool,
   over its 16 lanes too, one scale per block (one tensor amax)."""
   if stochastic:
     origin_ref, key_ref, *refs = refs
-  tensors, (t_ref, q_ref, s_ref, qt_ref, st_ref) = refs[:-5], refs[-5:]
-  levels = [(jnp.reshape(a[0], (1,)), jnp.reshape(a[1], (1,)),
-             jnp.reshape(a[2], (1,)) != 0.0)
-            for a in tensors]  # the copies' (square: one for both)
+  amaxes, (t_ref, q_ref, s_ref, qt_ref, st_ref) = refs[:-5], refs[-5:]
+  levels = [_encode_scales(jnp.reshape(a[...], (1,)), interpret)
+            for a in amaxes]  # the copies' (square: one for both)
   pl, _ = _pallas()
   v = t_ref[...].astype(jnp.float32)
   if stochastic:  # this tile's place in t: its shard's (`origin`) and in it
@@ -1254,8 +1251,8 @@ def nvfp4_cast_transpose(t: jax.Array, amax: jax.Array | None = None,
   16-point `qlayers.hadamard.transform` of ``t`` along its rows if
   ``hadamard``. Blocks of 1 x 16 (``s (R, C / 16)``, ``st (C, R / 16)``),
   or with ``square`` 16 x 16 blocks shared by both copies (``s (R / 16,
-  C / 16)``, ``st`` its transpose). XLA computes the per-tensor scales
-  from the amaxes (IEEE divisions, once), the kernel each block's scale.
+  C / 16)``, ``st`` its transpose). The kernel computes the per-tensor
+  scales from the amaxes (IEEE divisions) and each block's scale.
 
   Args:
     t: 2-D BF16/FP16/FP32 array, both dims multiples of 16.
@@ -1289,10 +1286,10 @@ def nvfp4_cast_transpose(t: jax.Array, amax: jax.Array | None = None,
   def tensor_amax(a, of):
     return blocks.amax(of()) if a is None else jnp.asarray(a, jnp.float32)
 
-  args = [_tensor_levels(tensor_amax(amax, lambda: t))]
+  args = [jnp.reshape(tensor_amax(amax, lambda: t), (1,))]
   if not square:
-    args.append(_tensor_levels(tensor_amax(amax_t, lambda: (
-        hadamard_lib.transform(t, b) if hadamard else t))))
+    args.append(jnp.reshape(tensor_amax(amax_t, lambda: (
+        hadamard_lib.transform(t, b) if hadamard else t)), (1,)))
   if keys is not None:
     args.insert(0, jnp.concatenate([threefry.key_words(k) for k in keys]))
   scales = ((("r", b), ("c", b)), (("c", b), ("r", b))) if square else (
@@ -1310,15 +1307,14 @@ def _nvfp4_call(shape: tuple[int, int], square: bool, hadamard: bool,
                 stochastic: bool, hardware: bool, interpret: bool):
   """`nvfp4_cast_transpose`'s kernel for a ``shape`` tensor: a function of
   (with ``stochastic``: the shard's origin in t and the keys' words,) the
-  copies' `_tensor_levels` and the tensor, returning its four 2-D
-  results."""
+  amaxes and the tensor, returning its four 2-D results."""
   pl, plt = _pallas()
   rows, cols = shape
   # Tiles of 32 where the dims allow (a warp's lanes each hold a row),
   # else 16; a scale per 16 x 16 block (square) or per 1 x 16.
   tr, tc = (32 if d % 32 == 0 else NV_BLOCK for d in shape)
   b, m, e4m3 = NV_BLOCK, NV_BLOCK if square else 1, jnp.float8_e4m3fn
-  one = pl.BlockSpec((4,), lambda i, j: (0,))  # `_tensor_levels`
+  one = pl.BlockSpec((1,), lambda i, j: (0,))
   in_specs = [one] if square else [one, one]
   if stochastic:
     in_specs = [pl.BlockSpec((4,), lambda i, j: (0,))] * 2 + in_specs
