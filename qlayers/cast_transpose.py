@@ -103,7 +103,7 @@ __all__ = ["TILE", "supported", "cast_transpose", "row_cast_transpose",
            "mx_supported",
            "mx_cast_transpose", "block_cast_transpose", "fp4_supported",
            "fp4_cast_transpose", "nvfp4_supported", "nvfp4_cast_transpose",
-           "nvfp4_amaxes", "transform_supported",
+           "nvfp4_amaxes", "nvfp4_tile_rows", "transform_supported",
            "transform"]
 
 # Rows and columns of one tile; both dims of ``t`` must be multiples of it.
@@ -1336,26 +1336,42 @@ def _nvfp4_call(shape: tuple[int, int], square: bool, hadamard: bool,
       interpret=interpret, name="qlayers_nvfp4_cast_transpose")
 
 
-def _nvfp4_amax_kernel(t_ref, a_ref, at_ref):
-  """One tile ``v`` (rows and columns each 16 or 32; one warp), each lane a
-  column of it with its rows apart (`_split_last`), so the 16-point
-  transform along the rows runs in registers, as in `_nvfp4_kernel`: the
-  magnitude-bit maxima of each 16 x 16 block of ``v`` and of its
-  transform. The transform's factor, a power of two, scales the maxima
-  rather than each element: a product rounds monotonically, so the max of
-  the scaled magnitudes is the scaled max."""
-  v = t_ref[...].astype(jnp.float32)
-  parts, lanes = _split_last(v.T), v.shape[1]
-  sums = _transform_parts(parts, NV_BLOCK, norm=False)
-  factor = hadamard_lib._norm(NV_BLOCK)  # noqa: SLF001
-  for out, ps, scale in ((a_ref, parts, False), (at_ref, sums, True)):
-    m = _join_last([jnp.max(functools.reduce(
-        jnp.maximum, (_fp32_bits(p) for p in ps[k:k + NV_BLOCK])).reshape(
-            lanes // NV_BLOCK, NV_BLOCK), axis=1)
-                    for k in range(0, len(ps), NV_BLOCK)]).T
-    if scale:
-      m = _fp32_bits(jax.lax.bitcast_convert_type(m, jnp.float32) * factor)
-    out[...] = m
+def _nvfp4_amax_kernel(t_ref, a_ref, at_ref, *, tile_rows: int):
+  """``tile_rows`` rows of ``t`` (one warp), in tiles as `_nvfp4_kernel`'s
+  (rows and columns each 16 or 32), each lane a column of a tile with its
+  rows apart (`_split_last`), so the 16-point transform along the rows
+  runs in registers: the magnitude-bit maxima of each 16 columns, of ``t``
+  and of its transform. The transform's factor, a power of two, scales
+  the maxima rather than each element: a product rounds monotonically, so
+  the max of the scaled magnitudes is the scaled max."""
+  pl, _ = _pallas()
+  cols = t_ref.shape[1]
+  maxima = [None, None]
+  for start in range(0, t_ref.shape[0], tile_rows):
+    v = t_ref[pl.ds(start, tile_rows), :].astype(jnp.float32)
+    parts = _split_last(v.T)
+    for c, ps in enumerate((parts, _transform_parts(parts, NV_BLOCK,
+                                                    norm=False))):
+      m = functools.reduce(jnp.maximum, (_fp32_bits(p) for p in ps))
+      maxima[c] = m if maxima[c] is None else jnp.maximum(maxima[c], m)
+  for out, m, scale in ((a_ref, maxima[0], 1.0),
+                        (at_ref, maxima[1], hadamard_lib._norm(NV_BLOCK))):  # noqa: SLF001
+    m = jnp.max(m.reshape(cols // NV_BLOCK, NV_BLOCK), axis=1)
+    if scale != 1.0:
+      m = _fp32_bits(jax.lax.bitcast_convert_type(m, jnp.float32) * scale)
+    out[...] = m.reshape(1, cols // NV_BLOCK)
+
+
+def nvfp4_tile_rows(rows: int) -> int:
+  """Rows of `nvfp4_amaxes`' tiles, whose maxima a reduction of one kernel
+  then combines (a finer grid of maxima, XLA reduces in two): 16 times the
+  largest power of two up to 16 that divides ``rows / 16``.
+
+  Example:
+    >>> nvfp4_tile_rows(4096), nvfp4_tile_rows(48)
+    (256, 16)
+  """
+  return NV_BLOCK * math.gcd(rows // NV_BLOCK, NV_BLOCK)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -1377,26 +1393,28 @@ def nvfp4_amaxes(t: jax.Array, *, interpret: bool = False
   if not nvfp4_supported(t.shape):
     raise ValueError(f"nvfp4_amaxes takes a 2-D tensor whose dims are "
                      f"multiples of {NV_BLOCK}; got {t.shape}.")
-  b = NV_BLOCK
-  a, at = partition.cast(_nvfp4_amax_call, (interpret,), t,
-                         layouts=((("r", b), ("c", b)),) * 2, block=(b, b))
+  rt, b = nvfp4_tile_rows(t.shape[0]), NV_BLOCK
+  a, at = partition.cast(_nvfp4_amax_call, (rt, interpret), t,
+                         layouts=((("r", rt), ("c", b)),) * 2,
+                         block=(rt, b))
   return tuple(blocks._max_of_bits(x, jnp.float32)  # noqa: SLF001
                for x in (a, at))
 
 
-def _nvfp4_amax_call(shape: tuple[int, int], interpret: bool):
-  """`nvfp4_amaxes`' kernel for a ``shape`` tensor, tiles as
-  `_nvfp4_call`'s: the two grids of magnitude-bit maxima per 16 x 16
-  block."""
+def _nvfp4_amax_call(shape: tuple[int, int], rt: int, interpret: bool):
+  """`nvfp4_amaxes`' kernel for a ``shape`` tensor, ``rt`` rows to a
+  program: the two grids of magnitude-bit maxima per ``rt`` x 16."""
   pl, plt = _pallas()
   rows, cols = shape
-  tr, tc = (32 if d % 32 == 0 else NV_BLOCK for d in shape)
+  tc = 32 if cols % 32 == 0 else NV_BLOCK
   b = NV_BLOCK
-  out = pl.BlockSpec((tr // b, tc // b), lambda i, j: (i, j))
-  partial = jax.ShapeDtypeStruct((rows // b, cols // b), jnp.uint32)
+  out = pl.BlockSpec((1, tc // b), lambda i, j: (i, j))
+  partial = jax.ShapeDtypeStruct((rows // rt, cols // b), jnp.uint32)
   return pl.pallas_call(
-      _nvfp4_amax_kernel, grid=(rows // tr, cols // tc),
-      in_specs=[pl.BlockSpec((tr, tc), lambda i, j: (i, j))],
+      functools.partial(_nvfp4_amax_kernel,
+                        tile_rows=32 if rt % 32 == 0 else NV_BLOCK),
+      grid=(rows // rt, cols // tc),
+      in_specs=[pl.BlockSpec((rt, tc), lambda i, j: (i, j))],
       out_specs=[out, out], out_shape=[partial, partial],
       compiler_params=plt.CompilerParams(num_warps=1),
       interpret=interpret, name="qlayers_nvfp4_amaxes")

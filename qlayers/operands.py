@@ -212,11 +212,14 @@ def _partitioned(spec, first: Operand | None, arch: str | None,
     if not _square(spec):
       return spec.granularity == "tensor"
     blocks_of, native = (cast_transpose.TILE_BLOCK,) * 2, 90
-  # Whole blocks (row-wise's 64 x 64 tiles) on every device.
+  # Whole blocks (NVFP4's amax tiles of rows, row-wise's 64 x 64 tiles) on
+  # every device.
   elif spec.granularity == "row":
     blocks_of, native = (cast_transpose.TILE,) * 2, 90
   else:
-    blocks_of = (spec.block_size,) * 2
+    blocks_of = (cast_transpose.nvfp4_tile_rows(rows[0])
+                 if spec.scale_rule == "nvfp4" else spec.block_size,
+                 spec.block_size)
     native = 90 if spec.scale_rule == "deepseek" else 100
   return (table.sm_version(arch) >= native
           and all(n % (b * devices) == 0 for n, b in zip(rows, blocks_of)))
