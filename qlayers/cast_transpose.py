@@ -811,7 +811,8 @@ def _fp4_kernel(*refs, rule: str, stochastic: bool, hadamard=(0, 0),
     if hadamard[c]:
       parts = _transform_parts(parts, hadamard[c])
     mult, code = _pow2_multiplier(functools.reduce(
-        jnp.maximum, (_fp32_bits(p) for p in parts)), formats.E2M1, rule)
+        jnp.maximum, (_doubled_bits(p) for p in parts)) >> 1, formats.E2M1,
+                                   rule)
     u = None
     if stochastic:
       # Each copy draws the random bytes of its own places (`threefry`):
@@ -997,6 +998,13 @@ def _rotl_wide(x, d: int):
 
 def _fp32_bits(v):
   return jax.lax.bitcast_convert_type(v, jnp.uint32) & 0x7FFFFFFF
+
+
+def _doubled_bits(v):
+  """`_fp32_bits` shifted up one: the sign dropped by a multiply, which
+  runs on the FMA pipe where the mask would take the ALU's; ordered as
+  the magnitudes, so a block's max shifted back down is their max's."""
+  return jax.lax.bitcast_convert_type(v, jnp.uint32) * jnp.uint32(2)
 
 
 def _ptx_converts(fmt: Format, interpret: bool) -> bool:
