@@ -810,9 +810,9 @@ def _fp4_kernel(*refs, rule: str, stochastic: bool, hadamard=(0, 0),
     parts = _split_last(y)
     if hadamard[c]:
       parts = _transform_parts(parts, hadamard[c])
-    mult, code = _pow2_multiplier(functools.reduce(
-        jnp.maximum, (_doubled_bits(p) for p in parts)) >> 1, formats.E2M1,
-                                   rule)
+    mag = functools.reduce(jnp.maximum,
+                           (_doubled_bits(p) for p in parts)) >> 1
+    mult, code = _pow2_multiplier(mag, formats.E2M1, rule)
     u = None
     if stochastic:
       # Each copy draws the random bytes of its own places (`threefry`):
@@ -1362,11 +1362,11 @@ def _nvfp4_amax_kernel(t_ref, a_ref, at_ref, *, tile_rows: int):
                                                     norm=False))):
       m = functools.reduce(jnp.maximum, (_fp32_bits(p) for p in ps))
       maxima[c] = m if maxima[c] is None else jnp.maximum(maxima[c], m)
-  for out, m, scale in ((a_ref, maxima[0], 1.0),
-                        (at_ref, maxima[1], hadamard_lib._norm(NV_BLOCK))):  # noqa: SLF001
+  factor = hadamard_lib._norm(NV_BLOCK)  # noqa: SLF001
+  for out, m, scaled in ((a_ref, maxima[0], False), (at_ref, maxima[1], True)):
     m = jnp.max(m.reshape(cols // NV_BLOCK, NV_BLOCK), axis=1)
-    if scale != 1.0:
-      m = _fp32_bits(jax.lax.bitcast_convert_type(m, jnp.float32) * scale)
+    if scaled:
+      m = _fp32_bits(jax.lax.bitcast_convert_type(m, jnp.float32) * factor)
     out[...] = m.reshape(1, cols // NV_BLOCK)
 
 
