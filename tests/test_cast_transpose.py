@@ -881,14 +881,35 @@ def test_kernels_cast_by_ptx_conversions_where_the_target_has_them(
       assert ("mul.wide.u32" in text) == want, arch  # Threefry's rotations
 
 
-def test_a_wide_multiply_by_a_power_of_two_is_a_rotation():
-  """`_ROTL_WIDE`'s identity, for each of Threefry's rotations: x * 2**d
-  in 64 bits holds x << d in its low word, x >> (32 - d) in its high one,
-  so their or is `qlayers.threefry`'s rotation of x."""
+def _run_rotl_ptx(asm: str, x: np.ndarray) -> np.ndarray:
+  """`_ROTL_WIDE`'s statements run on uint64 ``x`` (32-bit values), the
+  three opcodes it uses and no other."""
+  regs = {"$1": x}
+  for stmt in (t.strip() for t in asm.strip("{} ").split(";")):
+    if not stmt or stmt.startswith(".reg") or stmt in ("{", "}"):
+      continue
+    op, args = stmt.split(None, 1)
+    args = [a.strip() for a in args.replace("{", "").replace("}", "").split(
+        ",")]
+    if op == "mul.wide.u32":
+      regs[args[0]] = regs[args[1]] * np.uint64(int(args[2]))
+    elif op == "mov.b64":  # {lo, hi} = w
+      regs[args[0]] = regs[args[2]] & np.uint64(2**32 - 1)
+      regs[args[1]] = regs[args[2]] >> np.uint64(32)
+    elif op == "or.b32":
+      regs[args[0]] = regs[args[1]] | regs[args[2]]
+    else:
+      raise AssertionError(f"unexpected PTX statement {stmt!r}")
+  return regs["$0"].astype(np.uint32)
+
+
+def test_the_wide_multiply_rotation_is_threefrys():
+  """`_ROTL_WIDE` for each of Threefry's rotation distances, its PTX run
+  statement by statement: the or of the halves of x * 2**d in 64 bits is
+  `qlayers.threefry`'s rotation of x."""
   x = np.random.default_rng(3).integers(0, 2**32, 4096, dtype=np.uint64)
   x[:3] = (0, 2**32 - 1, 2**31)
   for d in {d for group in threefry._ROTATIONS for d in group}:  # noqa: SLF001
-    wide = x * np.uint64(2**d)
-    got = (wide & np.uint64(2**32 - 1)) | (wide >> np.uint64(32))
+    got = _run_rotl_ptx(ct._ROTL_WIDE % (1 << d), x)  # noqa: SLF001
     want = threefry._rotl(jnp.asarray(x, jnp.uint32), d)  # noqa: SLF001
-    np.testing.assert_array_equal(got.astype(np.uint32), np.asarray(want))
+    np.testing.assert_array_equal(got, np.asarray(want))
