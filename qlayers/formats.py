@@ -232,11 +232,11 @@ def _grid_steps(x: jax.Array, fmt: Format, r: jax.Array | None,
   random byte ``b``: ``floor(y + (2b + 1) / 512)``, exactly ``(floor(512
   y) + 2b + 1) >> 9``. Mostly FP32 arithmetic, so a GPU kernel spends
   few of its integer instructions on it. ``truncate``: the conversion of
-  ``512 y`` to uint32 (None: ``astype``, which saturates). ``binades``
-  (stochastic rounding only): ``k`` counts on from the format's lowest
-  binade, ``k + (e - emin) * 2**mbits``, its code's magnitude, added
-  before the shift (``(e - emin) * 2**(mbits + 9)``), which a kernel then
-  does in its rounding's additions."""
+  ``512 y`` to uint32 (None: ``astype``, which saturates). ``binades``:
+  ``k`` counts on from the format's lowest binade, ``k + (e - emin) *
+  2**mbits``, its code's magnitude; stochastic rounding adds it before
+  its shift (``(e - emin) * 2**(mbits + 9)``), which a kernel then does
+  in the rounding's additions."""
   x = x.astype(jnp.float32)
   sign = jax.lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0x80000000)
   a = jnp.minimum(jnp.abs(x), fmt.max)  # saturated; NaN stays NaN
@@ -249,6 +249,8 @@ def _grid_steps(x: jax.Array, fmt: Format, r: jax.Array | None,
     y = a * _pow2(fmt.mbits - e)
     k = jax.lax.bitcast_convert_type(y + 2.0**23, jnp.uint32) - jnp.uint32(
         0x4B000000)
+    if binades:
+      k = k + ((e - fmt.emin).astype(jnp.uint32) << fmt.mbits)
   else:  # 512 y, exact; its conversion truncates, the floor of y >= 0
     y512 = a * _pow2(fmt.mbits + 9 - e)
     k = ((y512.astype(jnp.uint32) if truncate is None else truncate(y512))
@@ -292,10 +294,8 @@ def grid_codes(x: jax.Array, fmt: Format,
     >>> grid_codes(jnp.array([0.75, -2.5, 5.0]), E2M1)
     Array([ 2, 12,  6], dtype=uint32)
   """
-  sign, k, e = _grid_steps(x, fmt, r, truncate, binades=r is not None)
+  sign, k, _ = _grid_steps(x, fmt, r, truncate, binades=True)
   sign = sign >> (32 - fmt.bits)
-  if r is None:
-    k = k + ((e - fmt.emin).astype(jnp.uint32) << fmt.mbits)
   code = sign | k
   return jnp.where(jnp.isnan(x), sign, code) if nan else code
 
