@@ -405,9 +405,9 @@ LIKE_T = (("r", 1), ("c", 1))
 LIKE_T_T = (("c", 1), ("r", 1))
 
 
-def _cast_rule(build, params, layouts, in_layouts, block, tile, origin, mesh,
-               value_types, result_types):
-  del build, params, block, tile, origin, mesh, result_types
+def _cast_rule(build, params, layouts, in_layouts, block, tile, origin,
+               reduced, mesh, value_types, result_types):
+  del build, params, block, tile, origin, reduced, mesh, result_types
   shape = dict(zip("rc", value_types[-1].shape))
   # Each dim of t is its shards times pieces, one per divisor a result
   # divides it by (largest first), so a divided dim's sharding follows t's.
@@ -440,7 +440,7 @@ def _cast_rule(build, params, layouts, in_layouts, block, tile, origin, mesh,
 
 
 def _cast_partition(build, params, layouts, in_layouts, block, tile, origin,
-                    mesh, arg_shapes, result_shape):
+                    reduced, mesh, arg_shapes, result_shape):
   del result_shape
   t = arg_shapes[-1]
   axes = _spec(t.sharding, mesh, t.shape)
@@ -469,7 +469,14 @@ def _cast_partition(build, params, layouts, in_layouts, block, tile, origin,
                  zip(axes, local)]
         args = (jnp.stack([jnp.asarray(v, jnp.uint32)
                            for v in (*first, *t.shape)]), *args[1:])
-      return _padded(build, params, layouts, tile, *args)
+      outs = _padded(build, params, layouts, tile, *args)
+      split = tuple(a for dim_axes in axes for a in dim_axes)
+      if not (reduced and split):
+        return outs
+      # A result each shard finds for its own part (an atomic max over its
+      # tiles): the whole tensor's, by max over the shards.
+      return tuple(lax.pmax(o, split) if k in reduced else o
+                   for k, o in enumerate(outs))
 
   return (mesh, lower,
           tuple(NamedSharding(mesh, spec(layout)) for layout in layouts),
@@ -504,9 +511,10 @@ def _padded(build, params, layouts, tile, *args):
 
 
 @functools.partial(custom_partitioning,
-                   static_argnums=(0, 1, 2, 3, 4, 5, 6))
-def _cast(build, params, layouts, in_layouts, block, tile, origin, *args):
-  del in_layouts, origin  # the origin: the first of args
+                   static_argnums=(0, 1, 2, 3, 4, 5, 6, 7))
+def _cast(build, params, layouts, in_layouts, block, tile, origin, reduced,
+          *args):
+  del in_layouts, origin, reduced  # the origin: the first of args
   return build(args[-1].shape, *params)(*args)
 
 
@@ -515,7 +523,8 @@ _cast.def_partition(partition=_cast_partition, sharding_rule=_cast_rule,
 
 
 def cast(build: Callable, params: tuple, *args, layouts, in_layouts=(),
-         block=(1, 1), tile: int = 1, origin: bool = False):
+         block=(1, 1), tile: int = 1, origin: bool = False,
+         reduced: tuple[int, ...] = ()):
   """``build(t.shape, *params)(*args)``, a one-pass cast kernel of ``t``
   (the last of ``args``; the others replicated scalars) whose results lie
   as ``layouts`` say (`LIKE_T`, `LIKE_T_T`, other per-dim ``(source,
@@ -530,7 +539,9 @@ def cast(build: Callable, params: tuple, *args, layouts, in_layouts=(),
   first). ``tile``: without blocks, a shard that splits a ``tile`` of the
   kernel is padded with zeros and cropped. ``origin``: the kernel takes
   first a ``uint32 (4,)`` of its shard's first row and column in ``t`` and
-  ``t``'s shape (zeros and its own shape on one device).
+  ``t``'s shape (zeros and its own shape on one device). ``reduced``: the
+  indices of replicated scalar results that each device finds for its
+  shard alone (a maximum); the rule combines them by ``pmax``.
 
   So a program sharded only through ``jax.jit``'s shardings, which qlayers
   does not see while tracing, does not gather ``t`` whole for the kernel.
@@ -542,4 +553,4 @@ def cast(build: Callable, params: tuple, *args, layouts, in_layouts=(),
     args = (jnp.asarray([0, 0, *args[-1].shape], jnp.uint32), *args)
   return _cast(build, tuple(params), tuple(map(tuple, layouts)),
                tuple(map(tuple, in_layouts)), tuple(block), tile, origin,
-               *args)
+               tuple(reduced), *args)
