@@ -17,7 +17,9 @@ both as ``(R, C)`` and as ``(C, R)``, each row-major; it computes the
 multiplier ``s`` from the tensor's amax itself (and writes ``1 / s``), so
 no kernel of its own sits between the amax and the cast; for a delayed
 scale it also reduces the role's amax history and picks the amax to scale
-by, so XLA keeps no per-operand kernel for either. Its values are those of
+by, so XLA keeps no per-operand kernel for either, and on one device it
+finds the tensor's amax as it casts (the running amax's), so no reduction
+of the tensor runs before it after the first step. Its values are those of
 `qlayers.formats.cast` (the CPU tests run it in Pallas' interpreter and
 compare bits); the transposed copy is handed to its GEMM as ``copy.T``, a
 view XLA lays out over the kernel's buffer, so no transpose pass is left.
@@ -200,8 +202,10 @@ def _divide(numerator: float, b, interpret: bool):
 
 
 def _kernel(*refs, fmt: Format, margin: int, pow2: bool, delayed: bool,
-            transpose: bool, interpret: bool):
-  if delayed:
+            found: bool, transpose: bool, interpret: bool):
+  if found:  # t's amax found here, into the word of the first step's
+    *refs, cur_ref = refs
+  elif delayed:
     *refs, run_ref = refs
   *refs, s_ref = refs
   qt_ref = refs.pop() if transpose else None
@@ -211,21 +215,30 @@ def _kernel(*refs, fmt: Format, margin: int, pow2: bool, delayed: bool,
     amax_ref, t_ref, q_ref = refs
   a = amax_ref[...]
   if not jnp.issubdtype(a.dtype, jnp.floating):
-    # The max of t's magnitude bits (see `cast_transpose`): as blocks.amax.
-    a = blocks._amax_from_bits(a, t_ref.dtype).astype(jnp.float32)  # noqa: SLF001
-  if delayed:  # `qlayers.delayed.delayed_amax`'s selects, t's amax current
+    # The max of magnitude bits (see `cast_transpose`): as blocks.amax.
+    a = blocks._amax_from_bits(  # noqa: SLF001
+        a, jnp.float32 if found else t_ref.dtype).astype(jnp.float32)
+  if found:  # `delayed_amax`'s selects; ``a`` t's amax on the first step
+    stored = jnp.max(history_ref[...], keepdims=True)
+    running = running_ref[...]
+    first = jnp.where(jnp.isfinite(a), jnp.maximum(running, a), a)
+    a = jnp.where(stored > 0, stored, first)
+  elif delayed:  # `qlayers.delayed.delayed_amax`'s selects, t's amax current
     finite = jnp.isfinite(a)
     running = running_ref[...]
     running = jnp.where(finite, jnp.maximum(running, a), running)
     run_ref[...] = running  # the same in every program
     stored = jnp.max(history_ref[...], keepdims=True)
     a = jnp.where(finite, jnp.where(stored > 0, stored, running), a)
-  q, scale = _te_copy(t_ref[...].astype(jnp.float32), jnp.reshape(a, (1, 1)),
-                      fmt, margin, pow2, interpret)
+  v = t_ref[...].astype(jnp.float32)
+  q, scale = _te_copy(v, jnp.reshape(a, (1, 1)), fmt, margin, pow2, interpret)
   q_ref[...] = q
   if transpose:
     qt_ref[...] = q.T
   s_ref[...] = jnp.reshape(scale, (1,))  # the same in every program
+  if found:  # this tile's share of t's amax (`_found_amax`)
+    _, plt = _pallas()
+    plt.atomic_max(cur_ref, (jnp.int32(0),), jnp.max(_fp32_bits(v)))
 
 
 def _te_copy(v, a, fmt: Format, margin: int, pow2: bool, interpret: bool):
@@ -243,10 +256,14 @@ def _te_copy(v, a, fmt: Format, margin: int, pow2: bool, interpret: bool):
 
 
 def _cast_call(shape: tuple[int, int], fmt: Format, margin: int, pow2: bool,
-               history: int, transpose: bool, interpret: bool):
+               history: int, found: bool, transpose: bool, interpret: bool):
   """`cast_transpose`'s kernel for a ``shape`` tensor (``history``: the
   delayed role's history length, 0 without one): a function of the amax
-  ``(1,)``, the history and running amax if delayed, and the tensor."""
+  ``(1,)``, the history and running amax if delayed, and the tensor. With
+  ``found`` the amax is the first step's (`_first_amax_kernel`'s word),
+  and each program writes its tile's amax into that word by an atomic max
+  (`_found_amax`): it holds the whole tensor's on the first step already,
+  and is read only then."""
   pl, plt = _pallas()
   one = pl.BlockSpec((1,), lambda i, j: (0,))
   in_specs = [one]
@@ -257,21 +274,66 @@ def _cast_call(shape: tuple[int, int], fmt: Format, margin: int, pow2: bool,
   copies = [((rows, cols), lambda i, j: (i, j))]
   if transpose:
     copies.append(((cols, rows), lambda i, j: (j, i)))
-  scalars = 2 if history else 1  # the scale, the running amax
+  # The scale; the running amax, or t's amax's bits
+  scalars = [jnp.float32] + [jnp.uint32 if found else jnp.float32] * bool(
+      history)
   return pl.pallas_call(
       functools.partial(_kernel, fmt=fmt, margin=margin, pow2=pow2,
-                        delayed=bool(history), transpose=transpose,
-                        interpret=interpret),
+                        delayed=bool(history), found=found,
+                        transpose=transpose, interpret=interpret),
       grid=(rows // TILE, cols // TILE),
       in_specs=in_specs + [pl.BlockSpec(tile, lambda i, j: (i, j))],
       out_specs=[pl.BlockSpec(tile, index) for _, index in copies]
-      + [one] * scalars,
+      + [one] * len(scalars),
       out_shape=[jax.ShapeDtypeStruct(shape, fmt.dtype)
                  for shape, _ in copies]
-      + [jax.ShapeDtypeStruct((1,), jnp.float32)] * scalars,
+      + [jax.ShapeDtypeStruct((1,), d) for d in scalars],
+      input_output_aliases={0: len(copies) + 1} if found else {},
       compiler_params=plt.CompilerParams(num_warps=4),
       interpret=interpret,
       name="qlayers_cast_transpose" if transpose else "qlayers_cast")
+
+
+def _first_amax_kernel(history_ref, zero_ref, t_ref, out_ref):
+  """While the history is empty (the first step), this block's share of
+  t's amax, its magnitude bits as FP32 (an atomic max into the zeroed
+  word); otherwise nothing, and ``t`` is not read."""
+  del zero_ref
+  pl, plt = _pallas()
+
+  @pl.when(jnp.max(history_ref[...]) == 0)
+  def _():
+    def tile_max(k, m):
+      v = t_ref[:, pl.ds(k * TILE, TILE)].astype(jnp.float32)
+      return jnp.maximum(m, jnp.max(_fp32_bits(v)))
+    m = jax.lax.fori_loop(0, t_ref.shape[1] // TILE, tile_max, jnp.uint32(0))
+    plt.atomic_max(out_ref, (jnp.int32(0),), m)
+
+
+def _first_block(cols: int) -> int:
+  """Columns of one `_first_amax_kernel` block: four tiles where they
+  divide ``cols``, so that a step with a history reads it in few programs,
+  else one; a kernel whose code is the same for every tensor of a dtype
+  (XLA compiles each distinct kernel once)."""
+  return 4 * TILE if cols % (4 * TILE) == 0 else TILE
+
+
+def _first_amax_call(shape: tuple[int, int], history: int, interpret: bool):
+  """`_found_amax`'s first-step kernel for a ``shape`` tensor."""
+  pl, plt = _pallas()
+  rows, cols = shape
+  width = _first_block(cols)
+  one = pl.BlockSpec((1,), lambda i, j: (0,))
+  return pl.pallas_call(
+      _first_amax_kernel,
+      grid=(rows // TILE, cols // width),
+      in_specs=[pl.BlockSpec((history,), lambda i, j: (0,)), one,
+                pl.BlockSpec((TILE, width), lambda i, j: (i, j))],
+      out_specs=[one],
+      out_shape=[jax.ShapeDtypeStruct((1,), jnp.uint32)],
+      input_output_aliases={1: 0},
+      compiler_params=plt.CompilerParams(num_warps=4),
+      interpret=interpret, name="qlayers_first_amax")
 
 
 # Each kernel entry point is jitted with its settings static: a train step
@@ -292,7 +354,8 @@ def cast_transpose(t: jax.Array, fmt: Format | str, *,
   its stored ``1 / s``: `qlayers.scale_rules.unit_scales` for a ``te`` spec.
   The kernel computes ``s`` (an IEEE division, PTX ``div.rn.f32``) and, for
   ``t``'s own amax, the amax from the max of ``t``'s magnitude bits, so only
-  that one reduction runs before it.
+  that one reduction runs before it; none for a delayed role's (`_found_amax`:
+  the kernel finds it as it casts).
 
   Args:
     t: 2-D BF16/FP16/FP32 array, both dims multiples of `TILE`.
@@ -300,7 +363,8 @@ def cast_transpose(t: jax.Array, fmt: Format | str, *,
     amax: the amax to scale by (with ``delayed``: ``t``'s own, the
       current one), an FP32 scalar or the max of ``t``'s magnitude bits as
       `qlayers.blocks` reduces them (the caller's reduction, shared with
-      its own amax); None: ``t``'s own, reduced here.
+      its own amax); None: ``t``'s own, reduced here, or with ``delayed``
+      found by the kernel as it casts (`_found_amax`).
     delayed: ``(history, running)`` of a delayed-scaling role: its amax
       history ``(H,)`` (H a power of two; or the history's amax as one
       element) and the running amax ``()`` before this use. The amax to
@@ -338,6 +402,9 @@ def cast_transpose(t: jax.Array, fmt: Format | str, *,
           "power of two and a scalar running amax; got history "
           f"{history.shape}, running {running.shape}.")
     inputs = [history, jnp.reshape(running, (1,))]
+  if delayed is not None and amax is None:
+    return _found_amax(t, fmt, *inputs, margin=margin, pow2=pow2,
+                       transpose=transpose, interpret=interpret)
   if amax is None:
     a = jnp.max(blocks._magnitude_bits(t))  # noqa: SLF001
   elif jnp.issubdtype(jnp.asarray(amax).dtype, jnp.unsignedinteger):
@@ -345,7 +412,7 @@ def cast_transpose(t: jax.Array, fmt: Format | str, *,
   else:
     a = jnp.asarray(amax, jnp.float32)
   n = inputs[0].shape[0] if inputs else 0
-  outs = partition.cast(_cast_call, (fmt, margin, pow2, n, transpose,
+  outs = partition.cast(_cast_call, (fmt, margin, pow2, n, False, transpose,
                                      interpret),
                         jnp.reshape(a, (1,)), *inputs, t,
                         layouts=(partition.LIKE_T,)
@@ -355,6 +422,42 @@ def cast_transpose(t: jax.Array, fmt: Format | str, *,
   if delayed is None:
     return q, qt, outs[-1][0]
   return q, qt, outs[-2][0], outs[-1][0]
+
+
+def _found_amax(t, fmt: Format, history, running, *, margin: int,
+                pow2: bool, transpose: bool, interpret: bool):
+  """`cast_transpose` of a delayed role without its amax given: no
+  reduction of ``t`` before the cast. Each program of the cast finds its
+  tile's amax and writes it into one word by an atomic max, from which
+  the running amax and the NaN scale of a non-finite ``t`` are set after
+  it (`qlayers.delayed.delayed_amax`'s). Only the first step, whose empty
+  history scales by ``t``'s own amax (with the running one), needs that
+  amax before the cast: `_first_amax_kernel` reads ``t`` for it then, and
+  on every later step reads the history alone.
+
+  The values are `delayed_amax`'s but for one case: with a stored history
+  and a non-finite ``t``, the payload is ``t`` cast by the stored amax
+  (XLA's is all NaN) under the same NaN scale, so it dequantizes, and its
+  GEMMs compute, to NaN alike.
+
+  Under a partitioning rule each device's atomic maximum is its shard's,
+  combined over the devices (`qlayers.partition.cast`'s ``reduced``)."""
+  n = history.shape[0]
+  zero = jnp.zeros((1,), jnp.uint32)
+  first, = partition.cast(_first_amax_call, (n, interpret), history, zero,
+                          t, layouts=((),), tile=TILE, reduced=(0,))
+  outs = partition.cast(_cast_call, (fmt, margin, pow2, n, True, transpose,
+                                     interpret),
+                        first, history, running, t,
+                        layouts=(partition.LIKE_T,)
+                        + (partition.LIKE_T_T,) * transpose + ((),) * 2,
+                        tile=TILE, reduced=(2 + transpose,))
+  q, qt = outs[0], outs[1] if transpose else None
+  cur = blocks._amax_from_bits(outs[-1][0], jnp.float32)  # noqa: SLF001
+  finite = jnp.isfinite(cur)
+  running = running[0]
+  return (q, qt, jnp.where(finite, outs[-2][0], jnp.nan),
+          jnp.where(finite, jnp.maximum(running, cur), running))
 
 
 def _row_amax_kernel(t_ref, r_ref, c_ref):

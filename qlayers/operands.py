@@ -283,7 +283,8 @@ def operand_pair(t: jax.Array, last: Operand, first: Operand | None = None,
   running)`` of a delayed-scaling role whose `delayed_amax` is ``(amax,
   running)``; the per-tensor kernel then chooses that amax itself, from the
   state and ``t``'s amax, and writes the running amax, so ``amax`` and
-  ``running`` are computed only where the kernel does not run. The running
+  ``running`` are computed only where the kernel does not run; without a
+  mesh it finds ``t``'s amax as it casts (`qlayers.cast_transpose`). The running
   amax is then returned third. ``dequantized``
   (for ``last``, for ``first``): that copy's GEMM only dequantizes it to
   BF16 (MX without MX tensor cores); an MXFP8/MXFP6 pair's copy then holds
@@ -336,8 +337,11 @@ def operand_pair(t: jax.Array, last: Operand, first: Operand | None = None,
               *(() if delayed is None else (running,)))
 
     def cuda(t):  # the amax's last step and the scale in the kernel
-      if delayed is not None:  # t's amax: `delayed_amax`'s reduction
-        bits = jnp.max(blocks._magnitude_bits(t))  # noqa: SLF001
+      if delayed is not None:
+        # t's amax found by the kernel as it casts; under a mesh, where that
+        # takes one more all-reduce per operand, `delayed_amax`'s reduction.
+        bits = None if sharding.context_mesh() is None else jnp.max(
+            blocks._magnitude_bits(t))  # noqa: SLF001
         return cast_transpose.cast_transpose(
             _rows(t), spec.fmt, amax=bits,
             delayed=_kernel_state(state, algo), margin=spec.margin,

@@ -368,6 +368,30 @@ def test_roofline_counts_kernels_and_takes_the_slower_bound():
   assert rf["time_us"] > rf["gemm_time_us"]
 
 
+# A delayed role's first-step amax kernel beside a cast kernel: the model
+# prices the first as a later step runs it, reading its history only.
+FIRST_STEP = """HloModule first
+ENTRY %main (h: f32[1024], t: bf16[4096,4096]) -> (u32[1], f8e4m3fn[4096,4096]) {
+  %h = f32[1024]{0} parameter(0)
+  %t = bf16[4096,4096]{1,0} parameter(1)
+  %z = u32[1]{0} constant({0})
+  %first = u32[1]{0} custom-call(%h, %z, %t), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(step)/jvp()/jit(cast_transpose)/qlayers_first_amax/pallas_call"}
+  %cast = f8e4m3fn[4096,4096]{1,0} custom-call(%first, %h, %t), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(step)/jvp()/jit(cast_transpose)/qlayers_cast_transpose/pallas_call"}
+  ROOT %out = (u32[1]{0}, f8e4m3fn[4096,4096]{1,0}) tuple(%first, %cast)
+}
+"""
+
+
+def test_a_first_step_kernel_is_priced_without_its_tensor():
+  comps = gc.parse_module(FIRST_STEP)
+  top = gc.entry(comps)
+  first, cast = top.insts["first"], top.insts["cast"]
+  assert gc.first_step_only(first) and not gc.first_step_only(cast)
+  assert gc.kernel_bytes(top, first) == 4 + 1024 * 4 + 4  # out, history, word
+  assert gc.kernel_bytes(top, cast) == (4096 * 4096 + 4 + 1024 * 4
+                                        + 4096 * 4096 * 2)
+
+
 # A kernel's PTX as XLA:GPU dumps it: one entry, a loop (a branch back to
 # an earlier label), integer and float instructions, directives.
 PTX = """

@@ -193,7 +193,8 @@ def test_the_cast_kernel_casts_each_shard_without_a_mesh_set(results):
                        "qt_spec": [None, "data"]}, r
   assert r["cols"] == {"same_bits": True, "all-gather": None,
                        "qt_spec": ["data", None]}, r
-  assert r["delayed"]["same_bits"] and r["delayed"]["all-gather"] is None, r
+  for name in ("delayed", "delayed_first"):  # a stored history, the first
+    assert r[name]["same_bits"] and r[name]["all-gather"] is None, r
   # 128 rows over 8 devices: 16-row shards of 64-row tiles.
   assert r["split_tiles"] == {"same_bits": True, "all-gather": None,
                               "qt_spec": [None, "data"]}, r
@@ -326,14 +327,15 @@ def cast_without_mesh():
   import collectives  # pylint: disable=g-import-not-at-top
   from qlayers import cast_transpose as ct  # pylint: disable=g-import-not-at-top
   mesh = Mesh(np.array(jax.devices()), ("data",))
-  history = jnp.zeros(16).at[3].set(5.0)
+  stored = jnp.zeros(16).at[3].set(5.0)
 
-  def case(shape, spec, delayed=False):
+  def case(shape, spec, history=None):
     t = jnp.asarray(np.random.default_rng(3).normal(size=shape) * 40,
                     jnp.bfloat16)
 
-    def f(t):
-      kw = dict(delayed=(history, jnp.float32(1.0))) if delayed else {}
+    def f(t):  # delayed: t's amax found by the kernels, over the devices
+      kw = {} if history is None else dict(
+          delayed=(history, jnp.float32(1.0)))
       return ct.cast_transpose(t, "e4m3", interpret=True, **kw)
 
     want = jax.jit(f)(t)
@@ -353,7 +355,9 @@ def cast_without_mesh():
 
   return {"rows": case((1024, 128), P("data")),
           "cols": case((128, 1024), P(None, "data")),
-          "delayed": case((1024, 128), P("data"), delayed=True),
+          "delayed": case((1024, 128), P("data"), history=stored),
+          "delayed_first": case((1024, 128), P("data"),
+                                history=jnp.zeros(16)),
           "split_tiles": case((128, 64), P("data"))}
 
 
