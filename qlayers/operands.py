@@ -284,8 +284,8 @@ def operand_pair(t: jax.Array, last: Operand, first: Operand | None = None,
   running)``; the per-tensor kernel then chooses that amax itself, from the
   state and ``t``'s amax, and writes the running amax, so ``amax`` and
   ``running`` are computed only where the kernel does not run; without a
-  mesh it finds ``t``'s amax as it casts (`qlayers.cast_transpose`). The running
-  amax is then returned third. ``dequantized``
+  mesh it finds ``t``'s amax as it casts (`qlayers.cast_transpose`). The
+  running amax is then returned third. ``dequantized``
   (for ``last``, for ``first``): that copy's GEMM only dequantizes it to
   BF16 (MX without MX tensor cores); an MXFP8/MXFP6 pair's copy then holds
   those values (`scaling.dequantized`), so no dequantize pass is left
