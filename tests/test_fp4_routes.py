@@ -9,6 +9,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -97,6 +98,28 @@ def test_mxfp4_as_nvfp4_exact_flushed_and_nan_blocks():
   np.testing.assert_array_equal(got[0, :64], want[0, :64])
   np.testing.assert_array_equal(got[0, 64:96], 0.0)
   np.testing.assert_array_equal(got[:, 96:], want[:, 96:])
+
+
+def test_mxfp4_as_nvfp4_scale_codes_are_ml_dtypes_powers_of_two():
+  """Every E8M0 code a block can take below the largest, and NaN: each
+  block's two E4M3 scales hold ml_dtypes' E4M3 of ``2**(k - c)`` (normal,
+  subnormal down to 2**-9), 0 further down, NaN for an Inf/NaN block."""
+  spec = qlayers.recipe("mxfp4").fprop.lhs
+  octaves = np.arange(0, -24, -1)  # block i holds 2**-i
+  x = np.repeat(np.exp2(octaves), 32)[None].astype(np.float32)
+  x = np.concatenate([x, np.full((1, 32), np.nan, np.float32)], axis=1)
+  q = quantize(jnp.asarray(x), spec, 1)
+  codes = np.asarray(q.scale).astype(int)[0]
+  top = codes[:-1].max()
+  assert list(codes[:-1]) == list(top + octaves) and codes[-1] == 255
+  e = codes[:-1] - top + 8
+  want = np.where(e >= -9, np.exp2(e.astype(float)), 0.0).astype(
+      ml_dtypes.float8_e4m3fn).view(np.uint8)
+  got = np.asarray(as_nvfp4(q).block_scale).view(np.uint8)[0]
+  np.testing.assert_array_equal(got[:-2], np.repeat(want, 2))
+  assert list(want[15:18]) == [4, 2, 1] and (want[18:] == 0).all()  # ends
+  assert np.isnan(np.asarray(as_nvfp4(q).block_scale, np.float32)[0, -2:]
+                  ).all()
 
 
 def test_table_needs_the_levels_apart():
