@@ -932,6 +932,19 @@ def attention_flops(comp: Computation, inst: Inst) -> float:
   return gemms * scores * q.arrays[0].dims[-1] * causal
 
 
+def kernel_group(inst: Inst, gemm: bool, attention: bool) -> str:
+  """What a kernel is, for a step's breakdown (`roofline`'s ``groups``):
+  "GEMM", "attention", the qlayers kernel or primitive whose scope its
+  op_name names (``qlayers_cast_transpose``, ...), else its XLA kind: the
+  instruction's name without its number (``input_reduce_fusion``)."""
+  if gemm:
+    return "GEMM"
+  if attention:
+    return "attention"
+  m = re.search(r"\bqlayers_\w+", inst.op_name)
+  return m.group(0) if m else re.sub(r"[._]\d+$", "", inst.name)
+
+
 def roofline(comps, target: Target,
              code: dict[str, KernelCode] | None = None) -> dict:
   """Model step time: every kernel at max(flops/peak, bytes/bandwidth);
@@ -939,12 +952,15 @@ def roofline(comps, target: Target,
   kernels' ``code`` (`kernel_code`), a kernel that is neither a GEMM nor
   attention also takes at least the time to issue its instructions
   (`issue_s`, from its SASS where counted): the issue roof. ``ptx`` then
-  holds the step time and issue time the PTX counts alone would give."""
+  holds the step time and issue time the PTX counts alone would give.
+  ``groups``: the step by `kernel_group`, ``{group: [kernels, model us,
+  bytes, issue us]}``, slowest first."""
   gemms = {g.name: g for _, g in find_gemms(comps)}
   total_s, gemm_s, flops, nbytes, kernels = 0.0, 0.0, 0.0, 0.0, 0
   att_s = att_flops = 0.0
   issue_extra_s, issue_bound = 0.0, []
   ptx_extra_s, sass_kernels, coded = 0.0, 0, 0
+  groups: dict[str, list[float]] = {}
   for comp in kernel_computations(comps):
     for inst in comp.insts.values():
       if not is_kernel(inst) or inst.opcode in ("while", "conditional",
@@ -954,12 +970,14 @@ def roofline(comps, target: Target,
       b = kernel_bytes(comp, inst)
       t = b / (target.tbps * 1e12)
       g = gemms.get(inst.name)
+      af = 0.0 if g is not None else attention_flops(comp, inst)
+      extra = 0.0
       if g is not None:
         peak, _ = gemm_peak(g, target)
         t = max(t, g.flops / (peak * 1e12))
         flops += g.flops
         gemm_s += t
-      elif (af := attention_flops(comp, inst)):
+      elif af:
         t = max(t, af / (target.bf16 * 1e12))
         att_flops += af
         att_s += t
@@ -970,15 +988,23 @@ def roofline(comps, target: Target,
         ptx_extra_s += max(0.0, issue_s(code[inst.name], target, "ptx") - t)
         ti = issue_s(code[inst.name], target)
         if ti > t:
-          issue_extra_s += ti - t
+          extra = ti - t
+          issue_extra_s += extra
           issue_bound.append((inst.name, code[inst.name].kernel,
-                              (ti - t) * 1e6))
+                              extra * 1e6))
           t = ti
       nbytes += b
       total_s += t
+      row = groups.setdefault(kernel_group(inst, g is not None, bool(af)),
+                              [0, 0.0, 0.0, 0.0])
+      row[0] += 1
+      row[1] += t * 1e6
+      row[2] += b
+      row[3] += extra * 1e6
   out = {"kernels": kernels, "gemm_flops": flops, "bytes": nbytes,
          "time_us": total_s * 1e6, "gemm_time_us": gemm_s * 1e6,
-         "attention_flops": att_flops, "attention_time_us": att_s * 1e6}
+         "attention_flops": att_flops, "attention_time_us": att_s * 1e6,
+         "groups": dict(sorted(groups.items(), key=lambda kv: -kv[1][1]))}
   if code is not None:
     issue_bound.sort(key=lambda x: -x[2])
     out.update(issue=True, issue_extra_us=issue_extra_s * 1e6,
@@ -1988,8 +2014,31 @@ def dispatch_label(rec: dict) -> str:
           + (f", FFI: {', '.join(ffi)}" if ffi else ", no FFI library"))
 
 
-def markdown(records: list[dict]) -> str:
-  """One GEMM table and one cost table per (target, Triton flag, program)."""
+def group_rows(recs: list[dict], top: int = 16) -> list[list[str]]:
+  """Rows of where each recipe's step goes (`roofline`'s ``groups``): the
+  ``top`` groups by their largest model time over ``recs``, a cell per
+  recipe "model us (kernels)", and the rest in one row."""
+  recs = [r for r in recs if r["status"] == "ok" and "groups" in
+          r["roofline"]]
+  names = sorted({g for r in recs for g in r["roofline"]["groups"]},
+                 key=lambda g: -max(r["roofline"]["groups"].get(
+                     g, [0, 0.0])[1] for r in recs))
+  def cell(rows):
+    n, us = sum(x[0] for x in rows), sum(x[1] for x in rows)
+    return f"{us:.0f} ({n})" if n else "-"
+  out = [[g] + [cell([r["roofline"]["groups"].get(g, [0, 0.0])])
+                for r in recs] for g in names[:top]]
+  if names[top:]:
+    out.append(["the rest"] + [cell([r["roofline"]["groups"][g]
+                                     for g in names[top:]
+                                     if g in r["roofline"]["groups"]])
+                               for r in recs])
+  return out
+
+
+def markdown(records: list[dict], groups: bool = False) -> str:
+  """One GEMM table and one cost table per (target, Triton flag, program);
+  with ``groups``, also where each recipe's step goes (`group_rows`)."""
   out = []
   groups: dict[tuple, list[dict]] = {}
   for r in records:
@@ -2060,6 +2109,14 @@ def markdown(records: list[dict]) -> str:
           f"{rf['gemm_time_us']:.0f}", ratio,
           *ideal_cells, f"{r['compile_s']:.1f}"))
     out.append("")
+    rows = group_rows(recs) if groups else []
+    if rows:
+      ok = [r["recipe"] for r in recs if r["status"] == "ok"]
+      out += ["Where the step goes: model us (kernels) by kernel group: a "
+              "GEMM, attention, the qlayers kernel or primitive that "
+              "launched it, else XLA's kind of kernel.", ""]
+      out += mdtable.head(["group", *ok], "l" + "r" * len(ok))
+      out += [mdtable.row(*row) for row in rows] + [""]
   return "\n".join(out)
 
 
@@ -2323,6 +2380,9 @@ def main(argv=None) -> int:
                  choices=("materialized", "cudnn"),
                  help="program block's attention: einsum + softmax, or "
                  "jax.nn.dot_product_attention(implementation='cudnn')")
+  p.add_argument("--groups", action="store_true",
+                 help="also print where each recipe's step goes, by kernel "
+                 "group (the records hold it either way)")
   p.add_argument("--host-arch", action="store_true",
                  help="do not tell qlayers which GPU it compiles for (the "
                  "choice when the generation is unknown)")
@@ -2363,7 +2423,7 @@ def main(argv=None) -> int:
   if args.reparse:
     data = json.loads(pathlib.Path(args.reparse[0]).read_text())
     data["records"] = reparse(data["records"], args.reparse[1])
-    text = markdown(data["records"])
+    text = markdown(data["records"], groups=args.groups)
     print(text)
     if args.json:
       pathlib.Path(args.json).write_text(json.dumps(data, indent=1))
@@ -2428,7 +2488,7 @@ def main(argv=None) -> int:
       print(f"{t} Triton {tr}: {len(items)} compiles", flush=True)
       records += run_items(items, sys.executable, args.timeout,
                            ffi_dir=ffi_dir)
-  text = markdown(records)
+  text = markdown(records, groups=args.groups)
   print()
   print(text)
   print(f"total {time.perf_counter() - t0:.0f} s")

@@ -382,6 +382,23 @@ ENTRY %main (h: f32[1024], t: bf16[4096,4096]) -> (u32[1], f8e4m3fn[4096,4096]) 
 """
 
 
+def test_the_step_by_kernel_group_adds_up_to_the_model():
+  comps = gc.parse_module(FIRST_STEP)
+  rf = gc.roofline(comps, gc.TARGETS["h200"])
+  groups = rf["groups"]
+  assert list(groups) == ["qlayers_cast_transpose", "qlayers_first_amax"]
+  assert [g[0] for g in groups.values()] == [1, 1]
+  assert sum(g[1] for g in groups.values()) == pytest.approx(rf["time_us"])
+  assert sum(g[2] for g in groups.values()) == rf["bytes"]
+  gemm = gc.roofline(gc.parse_module(CUBLAS_F8), gc.TARGETS["h200"])
+  assert gemm["groups"]["GEMM"][1] == pytest.approx(gemm["gemm_time_us"])
+  assert sum(g[0] for g in gemm["groups"].values()) == gemm["kernels"]
+  rows = gc.group_rows([{"status": "ok", "recipe": "r",
+                         "roofline": rf}], top=1)
+  assert rows[0][0] == "qlayers_cast_transpose" and rows[1][0] == "the rest"
+  assert rows[1][1].endswith("(1)")
+
+
 def test_a_first_step_kernel_is_priced_without_its_tensor():
   comps = gc.parse_module(FIRST_STEP)
   top = gc.entry(comps)
