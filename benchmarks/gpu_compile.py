@@ -2036,9 +2036,9 @@ def group_rows(recs: list[dict], top: int = 16) -> list[list[str]]:
   return out
 
 
-def markdown(records: list[dict], groups: bool = False) -> str:
+def markdown(records: list[dict], by_group: bool = False) -> str:
   """One GEMM table and one cost table per (target, Triton flag, program);
-  with ``groups``, also where each recipe's step goes (`group_rows`)."""
+  with ``by_group``, also where each recipe's step goes (`group_rows`)."""
   out = []
   groups: dict[tuple, list[dict]] = {}
   for r in records:
@@ -2109,7 +2109,7 @@ def markdown(records: list[dict], groups: bool = False) -> str:
           f"{rf['gemm_time_us']:.0f}", ratio,
           *ideal_cells, f"{r['compile_s']:.1f}"))
     out.append("")
-    rows = group_rows(recs) if groups else []
+    rows = group_rows(recs) if by_group else []
     if rows:
       ok = [r["recipe"] for r in recs if r["status"] == "ok"]
       out += ["Where the step goes: model us (kernels) by kernel group: a "
@@ -2423,7 +2423,7 @@ def main(argv=None) -> int:
   if args.reparse:
     data = json.loads(pathlib.Path(args.reparse[0]).read_text())
     data["records"] = reparse(data["records"], args.reparse[1])
-    text = markdown(data["records"], groups=args.groups)
+    text = markdown(data["records"], by_group=args.groups)
     print(text)
     if args.json:
       pathlib.Path(args.json).write_text(json.dumps(data, indent=1))
@@ -2488,7 +2488,7 @@ def main(argv=None) -> int:
       print(f"{t} Triton {tr}: {len(items)} compiles", flush=True)
       records += run_items(items, sys.executable, args.timeout,
                            ffi_dir=ffi_dir)
-  text = markdown(records, groups=args.groups)
+  text = markdown(records, by_group=args.groups)
   print()
   print(text)
   print(f"total {time.perf_counter() - t0:.0f} s")

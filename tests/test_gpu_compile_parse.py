@@ -397,6 +397,11 @@ def test_the_step_by_kernel_group_adds_up_to_the_model():
                          "roofline": rf}], top=1)
   assert rows[0][0] == "qlayers_cast_transpose" and rows[1][0] == "the rest"
   assert rows[1][1].endswith("(1)")
+  rec = {"status": "ok", "recipe": "r", "target": "h200", "triton": False,
+         "program": "layer", "kernels": "", "compile_s": 0.0,
+         "roofline": rf, "xla_cost": {"flops": 0, "bytes": 0}}
+  assert "Where the step goes" not in gc.markdown([rec])
+  assert "| qlayers_first_amax |" in gc.markdown([rec], by_group=True)
 
 
 def test_a_first_step_kernel_is_priced_without_its_tensor():
