@@ -313,8 +313,8 @@ def _first_amax_kernel(history_ref, zero_ref, t_ref, out_ref):
 def _first_block(cols: int) -> int:
   """Columns of one `_first_amax_kernel` block: four tiles where they
   divide ``cols``, so that a step with a history reads it in few programs,
-  else one; a kernel whose code is the same for every tensor of a dtype
-  (XLA compiles each distinct kernel once)."""
+  else one. The kernel's code still depends on ``cols`` (its row stride),
+  so XLA compiles it once per tensor width and dtype."""
   return 4 * TILE if cols % (4 * TILE) == 0 else TILE
 
 
