@@ -74,8 +74,13 @@ equations (nested ones included), StableHLO lines, and of the optimized HLO
 Compile times on a shared machine drift by tens of percent between runs;
 ``--repeat N`` runs all variants N times, round after round, and reports
 each timing's median and every round's ratio to that round's stock.
-Ratios are against ``stock`` of the same run. ``--json PATH`` writes
-everything; the Markdown table goes to stdout.
+``--cpus 1`` runs every isolated variant on that CPU alone (its
+affinity). On a shared 2-core box that steadied the stock H200 compile
+(10.6-11.3 s in three runs, against 9.0-14.5 s unpinned within the hour:
+``benchmarks/RESULTS.md``, "GPU-target compile time on one pinned CPU"),
+but XLA's parallel phases then run serially, so its ratios read higher
+than unpinned ones. Ratios are against ``stock`` of the same run.
+``--json PATH`` writes everything; the Markdown table goes to stdout.
 
 ``breakdown`` (see ``compile_breakdown.py``) takes the model apart for one
 recipe: one GEMM's forward+backward against ``nnx.Linear``'s, the optimizer
@@ -484,11 +489,31 @@ def measure(model_name: str, variant: str, *, blocks: int | None = None,
   return res
 
 
+@contextlib.contextmanager
+def _pinned(cpus: frozenset[int] | None):
+  """This thread on ``cpus`` alone while it starts a child, which keeps
+  that affinity (Linux's is per thread: XLA's threads here are untouched).
+  A ``preexec_fn`` would do it in the child, but forking a threaded JAX
+  process to run Python there is unsafe."""
+  if cpus is None:
+    yield
+    return
+  before = os.sched_getaffinity(0)
+  os.sched_setaffinity(0, cpus)
+  try:
+    yield
+  finally:
+    os.sched_setaffinity(0, before)
+
+
 def _measure_isolated(model_name: str, variant: str, *, blocks, rules,
                       timeout: float, target: str = "cpu",
                       targets_dir: str | None = None,
-                      optimizer: str = "model") -> dict[str, Any]:
-  """`measure` in a fresh interpreter (no shared caches)."""
+                      optimizer: str = "model",
+                      cpus: frozenset[int] | None = None) -> dict[str, Any]:
+  """`measure` in a fresh interpreter (no shared caches), on ``cpus``
+  only where given (its CPU affinity, inherited by XLA's threads and
+  ptxas)."""
   cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "measure",
          "--model", model_name, "--variant", variant, "--rules", rules,
          "--target", target, "--optimizer", optimizer]
@@ -498,10 +523,11 @@ def _measure_isolated(model_name: str, variant: str, *, blocks, rules,
     cmd += ["--blocks", str(blocks)]
   t0 = time.perf_counter()
   try:
-    proc = subprocess.run(cmd, capture_output=True, text=True,
-                          timeout=timeout, check=False,
-                          env=dict(os.environ,
-                                   JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1"))
+    with _pinned(cpus):
+      proc = subprocess.run(cmd, capture_output=True, text=True,
+                            timeout=timeout, check=False,
+                            env=dict(os.environ,
+                                     JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1"))
   except subprocess.TimeoutExpired:
     return {"model": model_name, "variant": variant,
             "error": f"timed out after {timeout:.0f} s"}
@@ -537,7 +563,9 @@ def render(results: list[dict[str, Any]], header: dict[str, Any]) -> str:
       f"- model: {header['describe']}",
       f"- optimizer: {header.get('optimizer', 'the model' + chr(39) + 's')}",
       f"- conversion: {header['rules']}; each variant in "
-      f"{'a fresh process' if header['isolate'] else 'one shared process'}",
+      f"{'a fresh process' if header['isolate'] else 'one shared process'}"
+      + (f", pinned to CPU(s) {', '.join(map(str, header['cpus']))}"
+         if header.get("cpus") else ""),
       f"- command: `{header['command']}`", "",
       *mdtable.head(
           ["variant", "converted", "trace s", "lower s", "compile s",
@@ -640,6 +668,13 @@ def _run(args: argparse.Namespace) -> int:
     _parse_variant(n)
   if "stock" not in names:
     names.insert(0, "stock")
+  if args.cpus is not None:
+    if not args.isolate:
+      raise SystemExit("--cpus pins the isolated variants' processes; it "
+                       "needs --isolate.")
+    if not args.cpus <= os.sched_getaffinity(0):
+      raise SystemExit(f"--cpus {sorted(args.cpus)}: this process may run "
+                       f"only on {sorted(os.sched_getaffinity(0))}.")
   spec = MODELS[args.model]
   t_start = time.perf_counter()
   header = {
@@ -655,6 +690,7 @@ def _run(args: argparse.Namespace) -> int:
           "the model's" if args.optimizer == "model" else
           "the examples' (global-norm clipping + AdamW, warmup/cosine)"),
       "command": "python benchmarks/compile.py " + " ".join(sys.argv[1:]),
+      "cpus": None if args.cpus is None else sorted(args.cpus),
   }
   runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
   for _ in range(args.repeat):
@@ -700,7 +736,7 @@ def _measure_one(args: argparse.Namespace, name: str) -> dict[str, Any]:
     r = _measure_isolated(args.model, name, blocks=args.blocks,
                           rules=args.rules, timeout=args.timeout,
                           target=args.target, targets_dir=args.targets_dir,
-                          optimizer=args.optimizer)
+                          optimizer=args.optimizer, cpus=args.cpus)
   else:
     try:
       r = measure(args.model, name, blocks=args.blocks, rules=args.rules,
@@ -755,6 +791,19 @@ def _add_optimizer(p: argparse.ArgumentParser) -> None:
                  "clipping + AdamW under warmup/cosine)")
 
 
+def _cpu_set(text: str) -> frozenset[int]:
+  """``--cpus``' value: comma-separated CPU numbers, none negative."""
+  try:
+    cpus = frozenset(int(c) for c in text.split(","))
+  except ValueError:
+    raise argparse.ArgumentTypeError(
+        f"expected comma-separated CPU numbers, got {text!r}") from None
+  if not cpus or min(cpus) < 0:
+    raise argparse.ArgumentTypeError(
+        f"expected CPU numbers >= 0, got {text!r}")
+  return cpus
+
+
 def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   sub = p.add_subparsers(dest="cmd", required=True)
@@ -773,6 +822,10 @@ def _parser() -> argparse.ArgumentParser:
   r.add_argument("--repeat", type=int, default=1, metavar="N",
                  help="measure every variant N times, interleaved, and "
                  "report each timing's median (default 1)")
+  r.add_argument("--cpus", type=_cpu_set, default=None, metavar="LIST",
+                 help="comma-separated CPU numbers each isolated variant "
+                 "runs on (its affinity), e.g. 1: steadier timings on a "
+                 "shared box, XLA's parallel phases run serially")
   r.add_argument("--timeout", type=float, default=1800.0,
                  help="seconds per isolated variant")
   r.add_argument("--json", default=None, metavar="PATH")

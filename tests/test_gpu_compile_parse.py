@@ -960,6 +960,35 @@ def test_compile_cpu_time_counts_child_processes():
   assert cpu >= 0.3 and wall >= 0.3
 
 
+def test_compile_cpus_pins_the_isolated_variant(monkeypatch):
+  """``--cpus`` runs each isolated variant's process on those CPUs only:
+  the child (here a stand-in for ``compile.py measure``) sees that
+  affinity. Bad lists are refused by the parser."""
+  import argparse  # pylint: disable=g-import-not-at-top
+  import json  # pylint: disable=g-import-not-at-top
+  import os  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import compile as cb  # noqa: E402  (benchmarks/compile.py)
+  real_run = subprocess.run
+  report = (f"import os, json; print({cb._RESULT!r} + json.dumps("
+            "{'cpus': sorted(os.sched_getaffinity(0))}))")
+  monkeypatch.setattr(cb.subprocess, "run", lambda cmd, **kw: real_run(
+      [sys.executable, "-c", report], **kw))
+  before = os.sched_getaffinity(0)
+  one = min(before)
+  pinned = cb._measure_isolated("gpt-d64", "stock", blocks=1, rules="all",
+                                timeout=60, cpus=frozenset({one}))
+  assert pinned["cpus"] == [one]
+  assert os.sched_getaffinity(0) == before  # this process is not pinned
+  free = cb._measure_isolated("gpt-d64", "stock", blocks=1, rules="all",
+                              timeout=60)
+  assert free["cpus"] == sorted(os.sched_getaffinity(0))
+  assert cb._cpu_set("1,0") == frozenset({0, 1})
+  for bad in ("", "a", "-1", "1,,2"):
+    with pytest.raises(argparse.ArgumentTypeError):
+      cb._cpu_set(bad)
+
+
 def test_block_presets_are_llama_shapes_with_gqa():
   p8, p70 = gc.BLOCK_PRESETS["llama3-8b"], gc.BLOCK_PRESETS["llama2-70b"]
   assert (p8["d"], p8["heads"], p8["kv_heads"], p8["ff"]) == (4096, 32, 8,
