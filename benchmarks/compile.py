@@ -75,11 +75,11 @@ Compile times on a shared machine drift by tens of percent between runs;
 ``--repeat N`` runs all variants N times, round after round, and reports
 each timing's median and every round's ratio to that round's stock.
 ``--cpus 1`` runs every isolated variant on that CPU alone (its
-affinity). On a shared 2-core box that steadied the stock H200 compile
-(10.6-11.3 s in three runs, against 9.0-14.5 s unpinned within the hour:
-``benchmarks/RESULTS.md``, "GPU-target compile time on one pinned CPU"),
-but XLA's parallel phases then run serially, so its ratios read higher
-than unpinned ones. Ratios are against ``stock`` of the same run.
+affinity). On a shared 2-core box that narrowed the spread: one H200
+fp8_delayed compile took 9.9-14.0 s in five unpinned runs within an hour
+and 12.5-14.7 s in eight pinned ones (``benchmarks/RESULTS.md``,
+"GPU-target compile time on one pinned CPU"). XLA's parallel phases then
+run serially, so its ratios read higher than unpinned ones. Ratios are against ``stock`` of the same run.
 ``--json PATH`` writes everything; the Markdown table goes to stdout.
 
 ``breakdown`` (see ``compile_breakdown.py``) takes the model apart for one
