@@ -50,6 +50,9 @@ AdamW, warmup/cosine), as qlayers' users and the examples train. Loop flavours (
   except the optax wrapper.
 * ``qlayers/RECIPE``: the quantized model with ``qlayers.Optimizer`` and
   ``qlayers.value_and_grad`` (the loop of the examples).
+* ``qlayers-unchecked/RECIPE``: ``qlayers/RECIPE`` with
+  ``qlayers.Optimizer(..., skip_nonfinite=False)``, so the difference is
+  what the optimizer's finiteness check costs.
 
 ``--recipes`` chooses RECIPE (default fp8_current, fp8_delayed, mxfp8,
 deepseek_v3, mxfp4; ``all``: every quantizing recipe). Conversion is
@@ -79,8 +82,9 @@ affinity). On a shared 2-core box that narrowed the spread: one H200
 fp8_delayed compile took 9.9-14.0 s in five unpinned runs within an hour
 and 12.5-14.7 s in eight pinned ones (``benchmarks/RESULTS.md``,
 "GPU-target compile time on one pinned CPU"). XLA's parallel phases then
-run serially, so its ratios read higher than unpinned ones. Ratios are against ``stock`` of the same run.
-``--json PATH`` writes everything; the Markdown table goes to stdout.
+run serially, so its ratios read higher than unpinned ones. Ratios are
+against ``stock`` of the same run. ``--json PATH`` writes everything; the
+Markdown table goes to stdout.
 
 ``breakdown`` (see ``compile_breakdown.py``) takes the model apart for one
 recipe: one GEMM's forward+backward against ``nnx.Linear``'s, the optimizer
@@ -129,7 +133,8 @@ __all__ = ["MODELS", "DEFAULT_RECIPES", "Parts", "build_parts",
 
 DEFAULT_RECIPES = ("fp8_current", "fp8_delayed", "mxfp8", "deepseek_v3",
                    "mxfp4")
-FLAVOURS = ("stock", "qlayers-wide", "stock-opt", "qlayers")
+FLAVOURS = ("stock", "qlayers-wide", "stock-opt", "qlayers",
+            "qlayers-unchecked")
 _RESULT = "COMPILE_RESULT "  # prefix of the child's JSON line on stdout
 
 
@@ -263,9 +268,11 @@ def _parse_variant(name: str) -> tuple[str, str | None]:
   if flavour not in FLAVOURS:
     raise ValueError(f"unknown loop flavour {flavour!r} in variant {name!r}; "
                      f"expected one of {FLAVOURS}")
-  if (flavour in ("stock-opt", "qlayers")) != bool(recipe):
-    raise ValueError(f"variant {name!r}: stock-opt and qlayers take a recipe "
-                     "(stock-opt/fp8_current), stock and qlayers-wide none")
+  if (flavour in ("stock-opt", "qlayers", "qlayers-unchecked")
+      ) != bool(recipe):
+    raise ValueError(f"variant {name!r}: stock-opt, qlayers and "
+                     "qlayers-unchecked take a recipe (stock-opt/fp8_current),"
+                     " stock and qlayers-wide none")
   return flavour, recipe or None
 
 
@@ -330,7 +337,8 @@ def build_parts(model_name: str, variant: str, *, blocks: int | None = None,
   if flavour in ("stock", "stock-opt"):
     opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
   else:
-    opt = qlayers.Optimizer(model, tx)
+    opt = qlayers.Optimizer(
+        model, tx, skip_nonfinite=flavour != "qlayers-unchecked")
   vg = nnx.value_and_grad if flavour == "stock" else qlayers.value_and_grad
   return Parts(model, opt, spec.loss, vg, spec.batch(), flavour, recipe, info)
 

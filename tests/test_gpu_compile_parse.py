@@ -989,6 +989,23 @@ def test_compile_cpus_pins_the_isolated_variant(monkeypatch):
       cb._cpu_set(bad)
 
 
+def test_compile_unchecked_variant_drops_only_the_finiteness_check():
+  """``qlayers-unchecked/R`` is ``qlayers/R`` with the optimizer's
+  ``skip_nonfinite`` off, so their difference is the check's cost."""
+  import compile as cb  # noqa: E402  (benchmarks/compile.py)
+  from qlayers import optim_wrappers  # pylint: disable=g-import-not-at-top
+  opts = {v: cb.build_parts("gpt-d64", v, blocks=1).opt
+          for v in ("qlayers/fp8_current", "qlayers-unchecked/fp8_current")}
+  checked, unchecked = (dict(o.wrapping) for o in opts.values())
+  assert checked.pop("skip_nonfinite") and not unchecked.pop("skip_nonfinite")
+  assert checked == unchecked
+  skips = [optim_wrappers.find_state(o.opt_state, optim_wrappers.SkipState)
+           for o in opts.values()]
+  assert skips[0] is not None and skips[1] is None
+  with pytest.raises(ValueError, match="take a recipe"):
+    cb._parse_variant("qlayers-unchecked")
+
+
 def test_block_presets_are_llama_shapes_with_gqa():
   p8, p70 = gc.BLOCK_PRESETS["llama3-8b"], gc.BLOCK_PRESETS["llama2-70b"]
   assert (p8["d"], p8["heads"], p8["kv_heads"], p8["ff"]) == (4096, 32, 8,
