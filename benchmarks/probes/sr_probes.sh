@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# What the stochastically rounded 4-bit cast kernels would predict with
+# Blackwell's own stochastic conversion and/or with random bits that cost
+# nothing: each patch beside this script applied to a throwaway worktree of
+# the commit it was written against, then gpu_compile.py on the Llama-3-8B
+# block for B200 (benchmarks/RESULTS.md, "What the 4-bit stochastic kernels
+# could reach"). Probes, not library code:
+#   sr_hardware.patch            PTX cvt.rs.satfinite.e2m1x4.f32 rounds,
+#                                fed the same Threefry words (its bits on a
+#                                GPU are not checked against the CPU's);
+#   sr_free_bits.patch           the shipped rounding, each hash replaced by
+#                                two integer instructions (not random);
+#   sr_hardware_free_bits.patch  both.
+# Their kernels' values are not meant to be right: only their instruction
+# counts, and so the predictions, are read.
+#
+#   bash benchmarks/probes/sr_probes.sh OUT_DIR
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+repo=$(cd "$here/../.." && pwd)
+out=$(mkdir -p "${1:?usage: sr_probes.sh OUT_DIR}" && cd "$1" && pwd)
+base=43e205a  # the commit the patches apply to
+py="$repo/.venv-gpu/bin/python"
+targets="${QLAYERS_GPU_TARGETS:-$repo/../shared/gpu-targets}"
+tree=
+cleanup() {
+  if [ -n "$tree" ]; then git -C "$repo" worktree remove --force "$tree"; fi
+}
+trap cleanup EXIT
+for probe in none sr_hardware sr_free_bits sr_hardware_free_bits; do
+  tree=$(mktemp -d)
+  git -C "$repo" worktree add --detach --quiet "$tree" "$base"
+  if [ "$probe" != none ]; then
+    git -C "$tree" apply "$here/$probe.patch"
+  fi
+  (cd "$tree" && PYTHONPATH="$tree" JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 "$py" \
+     benchmarks/gpu_compile.py --targets b200 --triton off \
+     --programs llama3-8b --recipes bf16,mxfp4,nvfp4 --ffi-dir '' \
+     --targets-dir "$targets" --json "$out/$probe.json" \
+     > "$out/$probe.txt" 2>&1)
+  cleanup
+  tree=
+  echo "$probe:"
+  grep -E '^\| (mxfp4|nvfp4) \| [0-9]+ ' "$out/$probe.txt" | cut -d'|' -f2,9,10,12,14
+done
