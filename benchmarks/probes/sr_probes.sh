@@ -21,7 +21,20 @@ repo=$(cd "$here/../.." && pwd)
 out=$(mkdir -p "${1:?usage: sr_probes.sh OUT_DIR}" && cd "$1" && pwd)
 base=43e205a  # the commit the patches apply to
 py="$repo/.venv-gpu/bin/python"
-targets="${QLAYERS_GPU_TARGETS:-$repo/../shared/gpu-targets}"
+# The GPU target files, where gpu_compile.py looks for them from this
+# checkout ($QLAYERS_GPU_TARGETS, else shared/gpu-targets here or up to two
+# folders above): the worktrees lie elsewhere.
+targets=${QLAYERS_GPU_TARGETS:-}
+for dir in "$repo" "$repo/.." "$repo/../.."; do
+  if [ -z "$targets" ] && [ -d "$dir/shared/gpu-targets" ]; then
+    targets=$(cd "$dir/shared/gpu-targets" && pwd)
+  fi
+done
+if [ -z "$targets" ] || [ ! -x "$py" ]; then
+  echo "sr_probes.sh needs .venv-gpu (bash scripts/setup-gpu-compile) and" \
+       "the GPU target files (\$QLAYERS_GPU_TARGETS)" >&2
+  exit 2
+fi
 tree=
 cleanup() {
   if [ -n "$tree" ]; then git -C "$repo" worktree remove --force "$tree"; fi
