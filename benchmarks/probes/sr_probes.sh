@@ -10,7 +10,9 @@
 #                                GPU are not checked against the CPU's);
 #   sr_free_bits.patch           the shipped rounding, each hash replaced by
 #                                two integer instructions (not random);
-#   sr_hardware_free_bits.patch  both.
+#   sr_free_words.patch          on top of sr_hardware.patch, its words
+#                                replaced as sr_free_bits.patch replaces
+#                                the bytes: both changes.
 # Their kernels' values are not meant to be right: only their instruction
 # counts, and so the predictions, are read.
 #
@@ -43,9 +45,14 @@ trap cleanup EXIT
 for probe in none sr_hardware sr_free_bits sr_hardware_free_bits; do
   tree=$(mktemp -d)
   git -C "$repo" worktree add --detach --quiet "$tree" "$base"
-  if [ "$probe" != none ]; then
-    git -C "$tree" apply "$here/$probe.patch"
-  fi
+  case "$probe" in  # the patches, applied in turn
+    none) patches=() ;;
+    sr_hardware_free_bits) patches=(sr_hardware sr_free_words) ;;
+    *) patches=("$probe") ;;
+  esac
+  for patch in "${patches[@]}"; do
+    git -C "$tree" apply "$here/$patch.patch"
+  done
   (cd "$tree" && PYTHONPATH="$tree" JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 "$py" \
      benchmarks/gpu_compile.py --targets b200 --triton off \
      --programs llama3-8b --recipes bf16,mxfp4,nvfp4 --ffi-dir '' \
