@@ -14,6 +14,10 @@ import pytest
 import qlayers
 import qlayers.scaling
 from qlayers import cast_transpose as ct
+from qlayers.cast_transpose import _base
+from qlayers.cast_transpose import _e2m1
+from qlayers.cast_transpose import _lanes
+from qlayers.cast_transpose import fp8
 from qlayers import formats
 from qlayers import hadamard
 from qlayers import ops
@@ -155,10 +159,10 @@ def test_the_first_step_kernel_reads_the_tensor_only_without_a_history():
       top = int((np.asarray(t).view(np.uint32) & 0x7FFFFFFF).max())
       for history, want in ((jnp.zeros(8), top),
                             (jnp.zeros(8).at[5].set(1.0), 0)):
-        got, = ct._first_amax_call(shape, 8, True)(history, zero, t)  # noqa: SLF001
+        got, = fp8._first_amax_call(shape, 8, True)(history, zero, t)  # noqa: SLF001
         assert int(got[0]) == want, (shape, t is special, want)
-  assert ct._first_block(1280) == ct._first_block(4096) == 256  # noqa: SLF001
-  assert ct._first_block(320) == 64  # noqa: SLF001
+  assert fp8._first_block(1280) == fp8._first_block(4096) == 256  # noqa: SLF001
+  assert fp8._first_block(320) == 64  # noqa: SLF001
 
 
 def test_one_layout_is_the_first_of_the_two_bit_for_bit():
@@ -867,17 +871,17 @@ def test_hadamard_recipe_runs_the_transform_kernel_with_its_bits(
 
 
 def test_words_hold_eight_codes_low_nibble_first():
-  """The 4-bit kernels' words: a row's elements apart (`_split_last`),
+  """The 4-bit kernels' words: a row's elements apart (`_lanes.split_last`),
   eight to a word, element ``8i + j`` in bits ``4j``, so their bytes are
   the packed payload."""
   x = jax.random.normal(jax.random.key(4), (4, 64), jnp.float32) * 4
-  parts = ct._split_last(x)  # noqa: SLF001
+  parts = _lanes.split_last(x)
   for j, part in enumerate(parts):
     np.testing.assert_array_equal(part, x[:, j])
-  words = ct._join_last([ct._e2m1_word(parts[k:k + 8])  # noqa: SLF001
-                         for k in range(0, 64, 8)])
+  words = _lanes.join_last([_e2m1.e2m1_word(parts[k:k + 8])
+                            for k in range(0, 64, 8)])
   codes = np.asarray(formats.cast(x, "e2m1"))
-  got = ct._words_to_bytes(words)  # noqa: SLF001
+  got = _lanes.words_to_bytes(words)
   np.testing.assert_array_equal(got, codes[:, 0::2] | (codes[:, 1::2] << 4))
 
 
@@ -909,7 +913,7 @@ def test_kernels_cast_by_ptx_conversions_where_the_target_has_them(
 
 
 def _run_rotl_ptx(asm: str, x: np.ndarray) -> np.ndarray:
-  """`_ROTL_WIDE`'s statements run on uint64 ``x`` (32-bit values), the
+  """`_base.ROTL_WIDE`'s statements run on uint64 ``x`` (32-bit values), the
   three opcodes it uses and no other."""
   regs = {"$1": x}
   for stmt in (t.strip() for t in asm.strip("{} ").split(";")):
@@ -931,12 +935,12 @@ def _run_rotl_ptx(asm: str, x: np.ndarray) -> np.ndarray:
 
 
 def test_the_wide_multiply_rotation_is_threefrys():
-  """`_ROTL_WIDE` for each of Threefry's rotation distances, its PTX run
+  """`_base.ROTL_WIDE` for each of Threefry's rotation distances, its PTX run
   statement by statement: the or of the halves of x * 2**d in 64 bits is
   `qlayers.threefry`'s rotation of x."""
   x = np.random.default_rng(3).integers(0, 2**32, 4096, dtype=np.uint64)
   x[:3] = (0, 2**32 - 1, 2**31)
   for d in {d for group in threefry._ROTATIONS for d in group}:  # noqa: SLF001
-    got = _run_rotl_ptx(ct._ROTL_WIDE % (1 << d), x)  # noqa: SLF001
+    got = _run_rotl_ptx(_base.ROTL_WIDE % (1 << d), x)
     want = threefry._rotl(jnp.asarray(x, jnp.uint32), d)  # noqa: SLF001
     np.testing.assert_array_equal(got, np.asarray(want))
