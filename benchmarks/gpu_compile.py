@@ -73,6 +73,7 @@ import os
 import pathlib
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -2311,6 +2312,13 @@ def run_items(items: list[dict], python: str, timeout: float,
       proc.kill()
       stdout, stderr = proc.communicate()
       stderr += f"\nworker timed out after {timeout:.0f} s"
+    finally:
+      # Stopped early (Ctrl-C, or SIGTERM, which the script makes an
+      # exit): the worker goes too, instead of compiling on to its timeout.
+      if proc.poll() is None:
+        proc.kill()
+        proc.communicate()
+        path.unlink(missing_ok=True)
     finished = 0
     for line in stdout.splitlines():
       if line.startswith("RESULT "):
@@ -2508,4 +2516,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+  # SIGTERM as an exit, so that `run_items` stops its worker on the way out.
+  signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
   sys.exit(main())

@@ -38,10 +38,20 @@ if [ -z "$targets" ] || [ ! -x "$py" ]; then
   exit 2
 fi
 tree=
+compile=
 cleanup() {
+  # The compile and its worker process (its own process group): the
+  # worktree's gpu_compile.py is the old one, which leaves its worker
+  # running when it is stopped.
+  if [ -n "$compile" ]; then
+    kill -- -"$compile" 2>/dev/null || true
+    wait "$compile" || true
+  fi
   if [ -n "$tree" ]; then git -C "$repo" worktree remove --force "$tree"; fi
 }
 trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
 for probe in none sr_hardware sr_free_bits sr_hardware_free_bits; do
   tree=$(mktemp -d)
   git -C "$repo" worktree add --detach --quiet "$tree" "$base"
@@ -53,11 +63,16 @@ for probe in none sr_hardware sr_free_bits sr_hardware_free_bits; do
   for patch in "${patches[@]}"; do
     git -C "$tree" apply "$here/$patch.patch"
   done
-  (cd "$tree" && PYTHONPATH="$tree" JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 "$py" \
-     benchmarks/gpu_compile.py --targets b200 --triton off \
+  # In the background, so that a signal reaches this script's trap at once,
+  # and in a process group of its own (setsid), so that the trap stops it.
+  (cd "$tree" && PYTHONPATH="$tree" JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 exec \
+     setsid "$py" benchmarks/gpu_compile.py --targets b200 --triton off \
      --programs llama3-8b --recipes bf16,mxfp4,nvfp4 --ffi-dir '' \
      --targets-dir "$targets" --json "$out/$probe.json" \
-     > "$out/$probe.txt" 2>&1)
+     > "$out/$probe.txt" 2>&1) &
+  compile=$!
+  wait "$compile"
+  compile=
   cleanup
   tree=
   echo "$probe:"
