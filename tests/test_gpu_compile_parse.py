@@ -1095,30 +1095,32 @@ def test_mesh_link_time_is_each_ring_s_traffic_at_the_link_rate():
   assert gpu_mesh.link_us({}, 8, h200) == 0
 
 
-def test_an_interrupted_run_stops_its_worker(tmp_path):
+def test_an_interrupted_run_stops_its_worker(tmp_path, monkeypatch):
   """A run stopped while its worker compiles (Ctrl-C here; SIGTERM, which
   the script turns into an exit, takes the same way out) kills the worker
   instead of leaving it to compile on until its timeout."""
   import os  # pylint: disable=g-import-not-at-top
-  import signal  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
   import time  # pylint: disable=g-import-not-at-top
   pid_file = tmp_path / "worker.pid"
   worker = tmp_path / "python"  # stands in for the worker's interpreter
-  worker.write_text("#!/bin/sh\necho $$ > " + str(pid_file) + "\nexec sleep 60\n")
+  worker.write_text(f"#!/bin/sh\necho $$ > {pid_file}\nexec sleep 60\n")
   worker.chmod(0o755)
 
-  def interrupt(signum, frame):
-    raise KeyboardInterrupt
+  class Interrupted(subprocess.Popen):
+    """The worker, real; the wait for it interrupted once it has started."""
 
-  old = signal.signal(signal.SIGALRM, interrupt)
-  signal.setitimer(signal.ITIMER_REAL, 0.5)
-  try:
-    with pytest.raises(KeyboardInterrupt):
-      gc.run_items([{"recipe": "bf16"}], str(worker), timeout=60)
-  finally:
-    signal.setitimer(signal.ITIMER_REAL, 0)
-    signal.signal(signal.SIGALRM, old)
-  pid = int(pid_file.read_text())
-  time.sleep(0.1)
+    def communicate(self, *args, timeout=None, **kw):
+      if timeout is not None:  # run_items' wait, not its clean-up
+        deadline = time.monotonic() + 30
+        while not pid_file.exists() or not pid_file.read_text().strip():
+          assert time.monotonic() < deadline, "the worker did not start"
+          time.sleep(0.01)
+        raise KeyboardInterrupt
+      return super().communicate(*args, **kw)
+
+  monkeypatch.setattr(gc.subprocess, "Popen", Interrupted)
+  with pytest.raises(KeyboardInterrupt):
+    gc.run_items([{"recipe": "bf16"}], str(worker), timeout=60)
   with pytest.raises(ProcessLookupError):
-    os.kill(pid, 0)  # gone (reaped by run_items), not sleeping on
+    os.kill(int(pid_file.read_text()), 0)  # gone (reaped), not sleeping on
