@@ -49,7 +49,7 @@ from qlayers.state import QuantVariable
 from qlayers import inspect  # pylint: disable=g-bad-import-order
 from qlayers import recipe_rules  # pylint: disable=g-bad-import-order
 
-__version__ = "0.2.0"
+from qlayers._version import __version__  # pylint: disable=g-bad-import-order
 
 __all__ = [
     # Layers, and the quantized GEMM they all run.

@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from qlayers import _checkpoint_checks as checks
+from qlayers._version import __version__
 from qlayers._checkpoint_checks import (CheckpointCorruptError,
                                         CheckpointMismatchError)
 from qlayers.layers.core import QuantGemm, gemms
@@ -82,7 +83,6 @@ def _replace(var, x):
 def _save_args(model, optimizer):
   """Orbax's save arguments and the qlayers description."""
   import orbax.checkpoint as ocp
-  import qlayers
 
   checks.check_model(model)
   if optimizer is not None and not isinstance(optimizer, nnx.Optimizer):
@@ -91,7 +91,7 @@ def _save_args(model, optimizer):
   trees = {name: tree for name, state in _items(model, optimizer).items()
            if (tree := _tree(state))}
   description = {"format": checks.FORMAT, "format_version": checks.VERSION,
-                 "qlayers_version": qlayers.__version__,
+                 "qlayers_version": __version__,
                  "jax_version": jax.__version__, "items": list(trees),
                  "has_optimizer": optimizer is not None,
                  "layers": checks.layers(model)}
