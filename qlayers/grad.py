@@ -6,7 +6,7 @@ pass, collects every layer's gradient amax (`QuantGradState`) from the
 backward rule. A layer used several times in a step (tied weights, a loop)
 combines its uses by max, not sum: each use reads the gradient amax the
 previous one passed through (`qlayers.QuantGemm.write`), so the uses form a
-chain whose backward rules take the max (`qlayers.ops`); JAX never adds
+chain whose backward rules take the max (`qlayers.gemm`); JAX never adds
 two of them. The state stays plain FP32, which orbax saves, and
 ``nnx.value_and_grad(..., argnums=nnx.DiffState(0, (nnx.Param,
 qlayers.QuantGradState)))`` combines it the same way.

@@ -1,7 +1,7 @@
 """How each operand of a quantized GEMM is made from its wide tensor (no
 Flax): `operand` (rows, Hadamard transform, `scaling.quantize` in the
 layout a `dispatch.Operand` says) and `delayed_amax` (the amax a delayed
-role scales by). `qlayers.ops` runs them inside the GEMM's custom_vjp;
+role scales by). `qlayers.gemm` runs them inside the GEMM's custom_vjp;
 `qlayers.inspect` rebuilds the same copies with them.
 """
 

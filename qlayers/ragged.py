@@ -41,7 +41,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from qlayers import ops
+from qlayers import gemm
 from qlayers import sharding
 from qlayers.recipe import Recipe, recipe as load_recipe
 from qlayers.scaling import ScaleState
@@ -59,7 +59,7 @@ def init_state(recipe: Recipe | str, num_groups: int
     >>> s["w"].amax_history.shape, s["g"].amax.shape
     ((4, 1024), (4,))
   """
-  return ops.init_state(recipe, (num_groups,))
+  return gemm.init_state(recipe, (num_groups,))
 
 
 def _layout(group_sizes: jax.Array, m: int):
@@ -188,7 +188,7 @@ def quantized_ragged_dot(lhs: jax.Array, rhs: jax.Array,
   _check(lhs, rhs, group_sizes, recipe, state)
   if not recipe.delayed:
     state = None
-  out_dtype = jnp.dtype(out_dtype or ops.default_out_dtype(recipe, lhs.dtype))
+  out_dtype = jnp.dtype(out_dtype or gemm.default_out_dtype(recipe, lhs.dtype))
   m, g = lhs.shape[0], rhs.shape[0]
   if m == 0 or g == 0 or rhs.shape[2] == 0 or lhs.shape[1] == 0:
     return jnp.zeros((m, rhs.shape[2]), out_dtype), state
@@ -205,8 +205,8 @@ def quantized_ragged_dot(lhs: jax.Array, rhs: jax.Array,
     keys = jax.random.split(key, g)  # one key, not one per expert
 
   def one(x, w, st, k):
-    return ops.quantized_matmul(x, w, recipe, st, key=k, out_dtype=out_dtype,
-                                backend=backend)
+    return gemm.quantized_matmul(x, w, recipe, st, key=k,
+                                 out_dtype=out_dtype, backend=backend)
 
   # The partitioning rule has no batching rule: under a mesh each expert's
   # GEMM is left to XLA's partitioner (as ops' batched dot_general does).

@@ -82,7 +82,7 @@ def explicit_axes(mesh=None) -> tuple[str, ...]:
 
 def auto_mesh():
   """The context mesh if its GEMMs can use a partitioning rule: more than one
-  device and no manual axis. Explicit axes count as auto: `qlayers.ops`
+  device and no manual axis. Explicit axes count as auto: `qlayers.gemm`
   runs every GEMM core under them in an auto-axes region (`auto_region`),
   so a plan made outside that region already sees the mesh."""
   mesh = context_mesh()

@@ -1,7 +1,7 @@
 """What each GEMM of a quantized matmul consumes, measured (no Flax).
 
 For ``y = x @ w`` under a `Recipe` the three GEMMs quantize each operand
-role along their own contraction axis (see `qlayers.ops`):
+role along their own contraction axis (see `qlayers.gemm`):
 
 ====  =====================  =====================
 role  first GEMM (axis)      second GEMM (axis)
@@ -78,7 +78,7 @@ def uses(recipe: Recipe, role: str) -> tuple[Use, Use]:
 def quantized_copy(t: jax.Array, use: Use, amax, recipe: Recipe,
                    backend=None) -> tuple[jax.Array, QTensor]:
   """``(operand, its quantized copy)``: the 2-D ``t`` Hadamard-transformed as
-  ``use`` says, quantized exactly as `qlayers.ops` quantizes it for that GEMM
+  ``use`` says, quantized exactly as `qlayers.gemm` quantizes it for that GEMM
   (``use.spec`` must not be None)."""
   del recipe
   if use.hadamard:

@@ -145,7 +145,7 @@ class QuantGemm(nnx.Module):
     amax, which the op passes through unchanged. Storing that one chains the
     next use of this GEMM in the step to this one, so the backward pass hands
     each use the later uses' gradient amax to combine by max (see
-    `qlayers.ops`), where a value read twice would have its cotangents
+    `qlayers.gemm`), where a value read twice would have its cotangents
     summed."""
     if not self.delayed:
       return

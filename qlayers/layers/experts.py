@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from qlayers import formats
+from qlayers import gemm
 from qlayers import ops
 from qlayers import ragged
 from qlayers import sharding
@@ -89,7 +90,7 @@ class QuantRaggedDot(QuantGemm):
     entry per expert of ``w``. Inside `qlayers.ops.intercept` the GEMM goes
     to the intercepting function, with ``group_sizes=`` and ``capacity=``
     added to its keywords (`qlayers.inspect` measures experts this way)."""
-    tap = ops._INTERCEPT.get()  # pylint: disable=protected-access
+    tap = gemm._INTERCEPT.get()  # pylint: disable=protected-access
     kw = dict(key=self.rounding_key(), out_dtype=out_dtype,
               backend=self.backend,
               capacity=self.capacity if capacity is None else capacity)
