@@ -329,9 +329,10 @@ def quantized_matmul(x: jax.Array, w: jax.Array, recipe: Recipe | str,
   if math.prod(lead) == 0 or n == 0 or w.shape[0] == 0:
     # Nothing to multiply (an empty batch): no amax to take, state unchanged.
     return jnp.zeros((*lead, n), out_dtype), state
-  if site is not None and _INTERCEPT.get() is not None:
-    return _INTERCEPT.get()(site, x, w, recipe, state, key=key,
-                            out_dtype=out_dtype, backend=backend)
+  tap = interceptor(site)
+  if tap is not None:
+    return tap(site, x, w, recipe, state, key=key, out_dtype=out_dtype,
+               backend=backend)
   dtypes = (x.dtype, w.dtype,
             (sharding.varying_axes(x), sharding.varying_axes(w)), x.shape,
             gather)
@@ -357,8 +358,9 @@ def intercept(fn: Callable) -> Iterator[None]:
   `qlayers.QuantGemm` of a layer passes itself) runs
   ``fn(site, x, w, recipe, state, *, key, out_dtype, backend)`` instead; a
   call without ``site`` (as ``fn`` makes to run the GEMM) is not routed.
-  An MoE's grouped GEMM (`QuantRaggedDot`) has ``w [G, K, N]`` and the
-  keywords ``group_sizes``, ``capacity`` (`ragged.quantized_ragged_dot`).
+  An MoE's grouped GEMM (`qlayers.ragged.quantized_ragged_dot` with a
+  ``site``, as `QuantRaggedDot` calls it) has ``w [G, K, N]`` and the
+  keywords ``group_sizes``, ``capacity``.
   `qlayers.inspect` measures a model's GEMMs this way; outside the block
   nothing changes. Blocks do not nest.
 
@@ -383,6 +385,12 @@ def intercept(fn: Callable) -> Iterator[None]:
     yield
   finally:
     _INTERCEPT.reset(token)
+
+
+def interceptor(site) -> Callable | None:
+  """The function `intercept` routes a call from ``site`` to: None outside
+  its block, or for a call without a site."""
+  return None if site is None else _INTERCEPT.get()
 
 
 def replicated_specs(state):

@@ -154,7 +154,7 @@ def quantized_ragged_dot(lhs: jax.Array, rhs: jax.Array,
                          state: dict[str, ScaleState] | None = None, *,
                          key: jax.Array | None = None, out_dtype=None,
                          backend: str | None = None,
-                         capacity: int | None = None):
+                         capacity: int | None = None, site=None):
   """``lax.ragged_dot(lhs, rhs, group_sizes)`` with every GEMM quantized.
 
   Args:
@@ -172,6 +172,9 @@ def quantized_ragged_dot(lhs: jax.Array, rhs: jax.Array,
       ``[G, capacity, K]`` instead of ``[G, M, K]``); a group's rows past it
       are dropped (output 0, no gradient), as by a capacity-bounded
       dispatch. Default: ``M`` (nothing dropped).
+    site: what `qlayers.ops.intercept` is told the call comes from (a
+      `qlayers.layers.QuantRaggedDot`), which gets ``group_sizes=`` and
+      ``capacity=`` among its keywords; None: never intercepted.
 
   Returns:
     ``(y [M, N], new_state)``: as `ops.quantized_matmul`, per expert (the
@@ -186,6 +189,11 @@ def quantized_ragged_dot(lhs: jax.Array, rhs: jax.Array,
   """
   recipe = load_recipe(recipe)
   _check(lhs, rhs, group_sizes, recipe, state)
+  tap = gemm.interceptor(site)
+  if tap is not None:
+    return tap(site, lhs, rhs, recipe, state, group_sizes=group_sizes,
+               key=key, out_dtype=out_dtype, backend=backend,
+               capacity=capacity)
   if not recipe.delayed:
     state = None
   out_dtype = jnp.dtype(out_dtype or gemm.default_out_dtype(recipe, lhs.dtype))

@@ -164,3 +164,30 @@ def test_capacity_drops_rows_and_their_bias():
   dropped = np.asarray(y)[[2, 5, 6]]
   assert not dropped.any()
   assert np.asarray(y)[[0, 1, 3, 4, 7]].all()
+
+
+def test_intercept_routes_the_grouped_gemm_with_its_keywords():
+  """Inside `qlayers.ops.intercept` an experts layer's grouped GEMM goes to
+  the intercepting function, with the layer as its site and the grouped
+  GEMM's own keywords; the function's result is the layer's, and a call
+  without a site, or outside the block, is not routed."""
+  rd = QuantRaggedDot("fp8_current", num_groups=4, capacity=3)
+  x, w = _x(), jax.random.normal(jax.random.key(1), (4, 32, 16))
+  seen = []
+
+  def fn(site, x, w, recipe, state, **kw):
+    seen.append((site, recipe.name, sorted(kw), int(kw["capacity"])))
+    y, new_state = ops.quantized_ragged_dot(x, w, recipe=recipe, state=state,
+                                            **kw)
+    return y * 2.0, new_state
+
+  want = rd(x, w, SIZES)
+  with ops.intercept(fn):
+    got = rd(x, w, SIZES)
+    direct, _ = ops.quantized_ragged_dot(x, w, SIZES, "fp8_current",
+                                         capacity=3)
+  assert seen == [(rd, "fp8_current",
+                   ["backend", "capacity", "group_sizes", "key", "out_dtype"],
+                   3)]
+  np.testing.assert_array_equal(got, want * 2.0)
+  np.testing.assert_array_equal(direct, want)

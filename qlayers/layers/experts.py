@@ -20,7 +20,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from qlayers import formats
-from qlayers import gemm
 from qlayers import ops
 from qlayers import ragged
 from qlayers import sharding
@@ -90,16 +89,10 @@ class QuantRaggedDot(QuantGemm):
     entry per expert of ``w``. Inside `qlayers.ops.intercept` the GEMM goes
     to the intercepting function, with ``group_sizes=`` and ``capacity=``
     added to its keywords (`qlayers.inspect` measures experts this way)."""
-    tap = gemm._INTERCEPT.get()  # pylint: disable=protected-access
-    kw = dict(key=self.rounding_key(), out_dtype=out_dtype,
-              backend=self.backend,
-              capacity=self.capacity if capacity is None else capacity)
-    if tap is None:
-      y, new_state = ragged.quantized_ragged_dot(
-          x, w, group_sizes, self.recipe, self.read(), **kw)
-    else:
-      y, new_state = tap(self, x, w, self.recipe, self.read(),
-                         group_sizes=group_sizes, **kw)
+    y, new_state = ragged.quantized_ragged_dot(
+        x, w, group_sizes, self.recipe, self.read(), key=self.rounding_key(),
+        out_dtype=out_dtype, backend=self.backend,
+        capacity=self.capacity if capacity is None else capacity, site=self)
     self.write(new_state)
     return y
 
