@@ -142,27 +142,27 @@ def pad_to(x: jax.Array, padded: tuple[int, ...]) -> jax.Array:
   return jnp.pad(x, [(0, p - n) for n, p in zip(x.shape, padded)])
 
 
-def _magnitude_bits(x: jax.Array) -> jax.Array:
+def magnitude_bits(x: jax.Array) -> jax.Array:
   """The bits of ``|x|`` as unsigned integers (same width as ``x``).
 
   For non-negative IEEE floats the order of the bit patterns as unsigned
   integers is the order of the values, and every NaN (exponent all ones,
   mantissa non-zero) lies above +Inf: an integer max of these is the bits
-  of max |x|, or a NaN pattern, which `_amax_from_bits` maps to +Inf.
+  of max |x|, or a NaN pattern, which `amax_from_bits` maps to +Inf.
   """
   utype = np.dtype(f"uint{np.dtype(x.dtype).itemsize * 8}")
   sign = 1 << (utype.itemsize * 8 - 1)
   return jax.lax.bitcast_convert_type(x, utype) & utype.type(sign - 1)
 
 
-def _amax_from_bits(top: jax.Array, dtype) -> jax.Array:
-  """Reduced `_magnitude_bits` as ``dtype`` values, NaN patterns as +Inf."""
+def amax_from_bits(top: jax.Array, dtype) -> jax.Array:
+  """Reduced `magnitude_bits` as ``dtype`` values, NaN patterns as +Inf."""
   inf = np.array(np.inf, dtype).view(top.dtype)
   return jax.lax.bitcast_convert_type(jnp.minimum(top, inf), dtype)
 
 
-def _max_of_bits(mags: jax.Array, dtype, axis=None) -> jax.Array:
-  """`_amax_from_bits` of the max of ``mags`` over ``axis``, NaN patterns
+def max_of_bits(mags: jax.Array, dtype, axis=None) -> jax.Array:
+  """`amax_from_bits` of the max of ``mags`` over ``axis``, NaN patterns
   clamped to +Inf before the max (the same result: the clamp is monotone),
   so that on XLA:GPU the clamp is part of the reduction's kernel rather
   than a kernel of its own after it."""
@@ -196,19 +196,19 @@ def _max_magnitude(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
     x = x.astype(jnp.float32)
   dtype = x.dtype
   axes = tuple(sorted(a % x.ndim for a in axes))
-  mags = _magnitude_bits(x)
+  mags = magnitude_bits(x)
 
   def default(mags):
-    return _max_of_bits(mags, dtype, axes)
+    return max_of_bits(mags, dtype, axes)
 
   def cpu(mags):
     if not axes:
-      return _amax_from_bits(mags, dtype)
+      return amax_from_bits(mags, dtype)
     last = axes[-1]
     n = mags.shape[last]
     k = _chunk(n)
     split = mags.reshape(*mags.shape[:last], n // k, k, *mags.shape[last + 1:])
-    part = _amax_from_bits(jnp.max(split, axis=last + 1), dtype)
+    part = amax_from_bits(jnp.max(split, axis=last + 1), dtype)
     return jnp.max(part, axis=axes)
 
   return jax.lax.platform_dependent(mags, cpu=cpu, default=default)

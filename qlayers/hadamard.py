@@ -100,10 +100,10 @@ def transform(t: jax.Array, size: int, axis: int = 0) -> jax.Array:
     t = jnp.pad(t, ((0, padded - m), (0, 0)))
   y = t.reshape(padded // size, size, k) * random_signs(size)[None, :, None]
   y = butterfly(y, axis=1)
-  return (y * _norm(size)).reshape(padded, k)
+  return (y * norm(size)).reshape(padded, k)
 
 
-def _norm(size: int) -> np.float32:
+def norm(size: int) -> np.float32:
   """``1 / sqrt(size)`` in FP32 (a power of two, so exact, for 4, 16, 64,
   256)."""
   return np.float32(1.0 / np.sqrt(size))

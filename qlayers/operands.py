@@ -341,7 +341,7 @@ def operand_pair(t: jax.Array, last: Operand, first: Operand | None = None,
         # t's amax found by the kernel as it casts; under a mesh, where that
         # takes one more all-reduce per operand, `delayed_amax`'s reduction.
         bits = None if sharding.context_mesh() is None else jnp.max(
-            blocks._magnitude_bits(t))  # noqa: SLF001
+            blocks.magnitude_bits(t))
         return cast_transpose.cast_transpose(
             _rows(t), spec.fmt, amax=bits,
             delayed=_kernel_state(state, algo), margin=spec.margin,

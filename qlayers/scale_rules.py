@@ -49,7 +49,7 @@ __all__ = ["MAX_MARGIN", "divide_rn", "rdivide_rn", "rdivide_rn_integer",
            "e8m0_decode", "unit_scales", "nvfp4_encode_scale", "nvfp4_scales"]
 
 # DeepSeek-V3's floor on the amax of a tile/block before dividing by max.
-_DEEPSEEK_AMAX_FLOOR = 1e-4
+DEEPSEEK_AMAX_FLOOR = 1e-4
 
 
 def _bits(v: jax.Array) -> jax.Array:
@@ -66,7 +66,7 @@ def _f32_fields(value: float) -> tuple[int, int]:
   return ((b >> 23) & 0xFF) - 127, b & 0x7FFFFF
 
 
-_F32_MAX = float(np.finfo(np.float32).max)
+F32_MAX = float(np.finfo(np.float32).max)
 _F32_TINY = float(np.finfo(np.float32).tiny)  # smallest normal, 2**-126
 # Largest TE margin for which max * 2**-margin and 2**margin are normal FP32
 # for every element format (max >= 6), so a zero amax gives s = 1 exactly.
@@ -278,7 +278,7 @@ def te_multiplier(amax_value: jax.Array, fmt: Format, *, margin: int = 0,
   if not pow2:
     a0 = jnp.where(jnp.isfinite(a), a0, jnp.nan)
   s = (divide or rdivide_rn)(fmt.max, a0)
-  s = jnp.minimum(s * (2.0**-margin), _F32_MAX)  # / 2**margin, exactly
+  s = jnp.minimum(s * (2.0**-margin), F32_MAX)  # / 2**margin, exactly
   if pow2:
     # Clearing the mantissa would turn a NaN into Inf: NaN comes after.
     s = _from_bits(_bits(s) & jnp.uint32(0xFF800000))
@@ -315,7 +315,7 @@ def deepseek_scale(a: jax.Array, fmt: Format, pow2: bool) -> jax.Array:
     >>> deepseek_scale(0.0, formats.E4M3, pow2=True)  # 1e-4 / 448, up
     Array(2.3841858e-07, dtype=float32)
   """
-  s = divide_rn(jnp.maximum(a, _DEEPSEEK_AMAX_FLOOR), fmt.max)
+  s = divide_rn(jnp.maximum(a, DEEPSEEK_AMAX_FLOOR), fmt.max)
   if pow2:
     s = _pow2_ceil(s)
   return jnp.where(jnp.isfinite(a), s, jnp.nan)
@@ -439,7 +439,7 @@ def unit_scales(a: jax.Array, spec) -> tuple[jax.Array, jax.Array]:
 # NVFP4: the per-tensor encode scale maps the tensor's amax to the largest
 # E4M3 block scale times the largest E2M1 element.
 NVFP4_RANGE = 448.0 * 6.0
-_F32_SIXTH = np.float32(1.0 / 6.0)
+F32_SIXTH = np.float32(1.0 / 6.0)
 
 
 def nvfp4_encode_scale(tensor_amax: jax.Array) -> jax.Array:
@@ -457,7 +457,7 @@ def nvfp4_encode_scale(tensor_amax: jax.Array) -> jax.Array:
     Array([1., 1.], dtype=float32)
   """
   a = jnp.asarray(tensor_amax, jnp.float32)
-  s = jnp.minimum(rdivide_rn(NVFP4_RANGE, a), _F32_MAX)
+  s = jnp.minimum(rdivide_rn(NVFP4_RANGE, a), F32_MAX)
   return jnp.where((a == 0) | (s == 0), 1.0, s)
 
 
@@ -493,11 +493,11 @@ def nvfp4_scales(block_amax: jax.Array, tensor_amax: jax.Array
   """
   s_enc = nvfp4_encode_scale(tensor_amax)
   s_dec = rdivide_rn(1.0, s_enc)
-  block = block_amax.astype(jnp.float32) * (s_enc * _F32_SIXTH)
+  block = block_amax.astype(jnp.float32) * (s_enc * F32_SIXTH)
   e4m3 = formats.saturate(block, formats.E4M3).astype(jnp.float8_e4m3fn)
   e4m3 = e4m3.astype(jnp.float32)
   scale = e4m3 * s_dec
-  mult = jnp.minimum(rdivide_rn(1.0, scale), _F32_MAX)
+  mult = jnp.minimum(rdivide_rn(1.0, scale), F32_MAX)
   finite = jnp.isfinite(block_amax) & jnp.isfinite(tensor_amax)
   return (jnp.where(finite, mult, 0.0), jnp.where(finite, scale, jnp.nan),
           jnp.where(finite, e4m3, jnp.nan))

@@ -115,7 +115,7 @@ def test_delayed_scale_is_delayed_amax_bit_for_bit(fmt, margin, pow2):
   finite = finite.at[0, 0].set(1.0).at[1, 3].set(2.0).at[2, 5].set(3.0)
   special = _data((128, 192), jnp.bfloat16)
   spec = qlayers.scaling.QuantSpec(format=fmt, margin=margin, pow2=pow2)
-  bits = qlayers.blocks._magnitude_bits  # noqa: SLF001
+  bits = qlayers.blocks.magnitude_bits
   for t in (finite, special):
     for history, running in _STATES:
       history = jnp.asarray(history, jnp.float32)

@@ -142,7 +142,7 @@ def rotl_wide(x, d: int):
 # DeepSeek-V3's floor on a tile's amax, as FP32 bits (a positive float's
 # order is its bits' order).
 DEEPSEEK_FLOOR_BITS = int(np.float32(
-    scale_rules._DEEPSEEK_AMAX_FLOOR).view(np.uint32))  # noqa: SLF001
+    scale_rules.DEEPSEEK_AMAX_FLOOR).view(np.uint32))
 
 
 def pow2_multiplier(mag_max, fmt: Format, rule: str):

@@ -79,7 +79,7 @@ def transform_parts(parts, size: int, norm: bool = True):
   signs, `qlayers.hadamard.butterfly`'s stages (the same pairs and sums,
   in registers) and, with ``norm``, the factor."""
   signs = hadamard_lib.random_signs(size)
-  factor = hadamard_lib._norm(size)  # noqa: SLF001
+  factor = hadamard_lib.norm(size)
   out = []
   for start in range(0, len(parts), size):
     block = [-p if sign < 0 else p

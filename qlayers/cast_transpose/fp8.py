@@ -82,7 +82,7 @@ def _kernel(*refs, fmt: Format, margin: int, pow2: bool, delayed: bool,
   a = amax_ref[...]
   if not jnp.issubdtype(a.dtype, jnp.floating):
     # The max of magnitude bits (see `cast_transpose`): as blocks.amax.
-    a = blocks._amax_from_bits(  # noqa: SLF001
+    a = blocks.amax_from_bits(
         a, jnp.float32 if found else t_ref.dtype).astype(jnp.float32)
   if found:  # `delayed_amax`'s selects; ``a`` t's amax on the first step
     stored = jnp.max(history_ref[...], keepdims=True)
@@ -272,7 +272,7 @@ def cast_transpose(t: jax.Array, fmt: Format | str, *,
     return _found_amax(t, fmt, *inputs, margin=margin, pow2=pow2,
                        transpose=transpose, interpret=interpret)
   if amax is None:
-    a = jnp.max(blocks._magnitude_bits(t))  # noqa: SLF001
+    a = jnp.max(blocks.magnitude_bits(t))
   elif jnp.issubdtype(jnp.asarray(amax).dtype, jnp.unsignedinteger):
     a = jnp.asarray(amax)
   else:
@@ -319,7 +319,7 @@ def _found_amax(t, fmt: Format, history, running, *, margin: int,
                         + (partition.LIKE_T_T,) * transpose + ((),) * 2,
                         tile=TILE, reduced=(2 + transpose,))
   q, qt = outs[0], outs[1] if transpose else None
-  cur = blocks._amax_from_bits(outs[-1][0], jnp.float32)  # noqa: SLF001
+  cur = blocks.amax_from_bits(outs[-1][0], jnp.float32)
   finite = jnp.isfinite(cur)
   running = running[0]
   return (q, qt, jnp.where(finite, outs[-2][0], jnp.nan),
@@ -374,8 +374,8 @@ def row_cast_transpose(t: jax.Array, fmt: Format | str, *, margin: int = 0,
                         block=(TILE, TILE))
   mults, scales = [], []
   for bits, axis in ((r, 1), (c, 0)):
-    a = blocks._amax_from_bits(jnp.max(bits, axis=axis, keepdims=True),  # noqa: SLF001
-                               jnp.float32)
+    a = blocks.amax_from_bits(jnp.max(bits, axis=axis, keepdims=True),
+                              jnp.float32)
     mults.append(scale_rules.te_multiplier(a, fmt, margin=margin, pow2=pow2))
     scales.append(scale_rules.rdivide_rn(1.0, mults[-1]))
   q, qt = partition.cast(

@@ -53,7 +53,7 @@ def _transform_last(y):
   """`qlayers.hadamard.transform` along the last axis of a kernel's FP32
   array: the signs, the butterfly, the factor."""
   size = y.shape[-1]
-  return _butterfly_last(y * _signs_last(y.shape)) * hadamard_lib._norm(size)  # noqa: SLF001
+  return _butterfly_last(y * _signs_last(y.shape)) * hadamard_lib.norm(size)
 
 
 def transform_supported(shape: tuple[int, ...], size: int, axis: int

@@ -46,7 +46,7 @@ def _encode_scales(amax, interpret: bool):
   `qlayers.scale_rules.nvfp4_encode_scale` and its correctly rounded
   reciprocal."""
   s = jnp.minimum(_base.divide(scale_rules.NVFP4_RANGE, amax, interpret),
-                  scale_rules._F32_MAX)  # noqa: SLF001
+                  scale_rules.F32_MAX)
   s_enc = jnp.where((amax == 0) | (s == 0), 1.0, s)
   return s_enc, _base.divide(1.0, s_enc, interpret), jnp.isfinite(amax)
 
@@ -56,12 +56,12 @@ def _nvfp4_blocks(mag_max, levels, interpret: bool):
   bits are ``mag_max``: `qlayers.scale_rules.nvfp4_scales`, in a
   kernel."""
   s_enc, s_dec, finite_tensor = levels
-  amax = blocks._amax_from_bits(mag_max, jnp.float32)  # noqa: SLF001
-  block = amax * (s_enc * scale_rules._F32_SIXTH)  # noqa: SLF001
+  amax = blocks.amax_from_bits(mag_max, jnp.float32)
+  block = amax * (s_enc * scale_rules.F32_SIXTH)
   e4m3 = _base.saturating_cast(block, formats.E4M3, interpret).astype(
       jnp.float32)
   mult = jnp.minimum(_base.divide(1.0, e4m3 * s_dec, interpret),
-                     scale_rules._F32_MAX)  # noqa: SLF001
+                     scale_rules.F32_MAX)
   finite = jnp.isfinite(amax) & finite_tensor
   return jnp.where(finite, mult, 0.0), jnp.where(finite, e4m3, jnp.nan)
 
@@ -237,7 +237,7 @@ def _nvfp4_amax_kernel(t_ref, a_ref, at_ref, *, tile_rows: int):
                                                     norm=False))):
       m = functools.reduce(jnp.maximum, (_base.fp32_bits(p) for p in ps))
       maxima[c] = m if maxima[c] is None else jnp.maximum(maxima[c], m)
-  factor = hadamard_lib._norm(NV_BLOCK)  # noqa: SLF001
+  factor = hadamard_lib.norm(NV_BLOCK)
   for out, m, scaled in ((a_ref, maxima[0], False), (at_ref, maxima[1], True)):
     m = jnp.max(m.reshape(cols // NV_BLOCK, NV_BLOCK), axis=1)
     if scaled:
@@ -280,7 +280,7 @@ def nvfp4_amaxes(t: jax.Array, *, interpret: bool = False
   a, at = partition.cast(_nvfp4_amax_call, (rt, interpret), t,
                          layouts=((("r", rt), ("c", b)),) * 2,
                          block=(rt, b))
-  return tuple(blocks._max_of_bits(x, jnp.float32)  # noqa: SLF001
+  return tuple(blocks.max_of_bits(x, jnp.float32)
                for x in (a, at))
 
 
