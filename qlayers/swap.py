@@ -176,7 +176,7 @@ def one_gemm(layer) -> int:
   return len(rhs)
 
 
-def _min_block(recipe: Recipe) -> tuple[int, str]:
+def min_block(recipe: Recipe) -> tuple[int, str]:
   """Largest scaling block along K or N of the Fprop/Dgrad operands."""
   best = (1, "")
   for gemm in (recipe.fprop, recipe.dgrad):
@@ -195,7 +195,7 @@ def check(layer, recipe: Recipe) -> tuple[int, int]:
   if not experts_einsum(layer):
     one_gemm(layer)
   k, n = dims(layer)
-  block, gran = _min_block(recipe)
+  block, gran = min_block(recipe)
   if min(k, n) < block:
     raise Skip(f"K={k}, N={n}: smaller than one {block}-element {gran} "
                f"scaling block of recipe {recipe.name!r} (mostly padding; "

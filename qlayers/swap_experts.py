@@ -81,7 +81,7 @@ def check(m, recipe: Recipe) -> tuple[int, int]:
     raise swap.Skip(f"holds {ATTR} but no single stacked kernel nnx.Param "
                     "[E, K, N] (name it 'kernel')")
   _, (_, k, n) = found
-  block, gran = swap._min_block(recipe)  # pylint: disable=protected-access
+  block, gran = swap.min_block(recipe)
   if min(k, n) < block:
     raise swap.Skip(f"K={k}, N={n}: smaller than one {block}-element {gran} "
                     f"scaling block of recipe {recipe.name!r}")

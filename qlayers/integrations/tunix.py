@@ -295,7 +295,7 @@ def _check(layer, recipe: Recipe) -> tuple[int, int]:
   size = dict(zip(rhs, layer.w.shape))
   k = math.prod(size[c] for c in contracted)
   n = math.prod(size[c] for c in free)
-  block, gran = swap._min_block(recipe)  # pylint: disable=protected-access
+  block, gran = swap.min_block(recipe)
   if min(k, n) < block:
     raise swap.Skip(f"K={k}, N={n}: smaller than one {block}-element {gran} "
                     f"scaling block of recipe {recipe.name!r}")

@@ -56,7 +56,7 @@ def check(layer, recipe: Recipe) -> tuple[int, int]:
   """``(D, F)`` of Tunix ``MoELayer`` ``layer`` if its expert GEMMs take
   ``recipe``, else raises `qlayers.swap.Skip`."""
   _, d, f = layer.gate_proj.shape
-  block, gran = swap._min_block(recipe)  # pylint: disable=protected-access
+  block, gran = swap.min_block(recipe)
   if min(d, f) < block:
     raise swap.Skip(f"D={d}, F={f}: smaller than one {block}-element {gran} "
                     f"scaling block of recipe {recipe.name!r}")
