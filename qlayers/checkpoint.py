@@ -29,9 +29,9 @@ import numpy as np
 from flax import nnx
 
 from qlayers import _checkpoint_checks as checks
-from qlayers._version import __version__
 from qlayers._checkpoint_checks import (CheckpointCorruptError,
                                         CheckpointMismatchError)
+from qlayers._version import __version__
 from qlayers.layers.core import QuantGemm, gemms
 from qlayers.lora import load_adapters, save_adapters
 from qlayers.safetensors import (SafetensorsError, read_config,
