@@ -202,9 +202,8 @@ def _first_amax_call(shape: tuple[int, int], history: int, interpret: bool):
       interpret=interpret, name="qlayers_first_amax")
 
 
-# Each kernel entry point is jitted with its settings static: a train step
-# calls it once per operand of every layer, and jit traces and lowers one
-# kernel per shape instead of one per call.
+# Jitted with its settings static, as every entry point of the package
+# (`qlayers.cast_transpose`).
 @functools.partial(jax.jit, static_argnames=("fmt", "margin", "pow2",
                                              "transpose", "interpret"))
 def cast_transpose(t: jax.Array, fmt: Format | str, *,
