@@ -153,6 +153,9 @@ class ModelSpec:
   batch: Callable[[], Any]
   loss: Callable[[nnx.Module, Any], jax.Array]
   tx: Callable[[], optax.GradientTransformation]
+  # (tokens, d_model, d_ff): the MLP up projection's GEMM, which
+  # ``compile.py breakdown`` compiles alone.
+  mlp_up: tuple[int, int, int]
 
 
 def _example(name: str):
@@ -224,30 +227,31 @@ MODELS: dict[str, ModelSpec] = {
         "heads, d_ff 256, vocab 256, BF16 GEMMs, batch 8 x 128",
         lambda n: models.build_model(_d64_config(n), seed=0),
         lambda: models.make_batch(_d64_config(8), seed=0), models.loss_fn,
-        lambda: models.make_tx(_d64_config(8))),
+        lambda: models.make_tx(_d64_config(8)), (1024, 64, 256)),
     "gpt-d256": ModelSpec(
         "gpt-d256", 8, "benchmarks/models.py TransformerLM, d_model 256, 4 "
         "heads, d_ff 1024, vocab 256, BF16 GEMMs, batch 8 x 128",
         lambda n: models.build_model(_d256_config(n), seed=0),
         lambda: models.make_batch(_d256_config(8), seed=0), models.loss_fn,
-        lambda: models.make_tx(_d256_config(8))),
+        lambda: models.make_tx(_d256_config(8)), (1024, 256, 1024)),
     "gpt-d64-fused": ModelSpec(
         "gpt-d64-fused", 8, "examples/_common/gpt.py GPT (fused QKV, RMSNorm, "
         "no biases), d_model 64, 4 heads, d_ff 256, vocab 256, BF16 GEMMs, "
         "batch 8 x 128",
         _gpt, lambda: _token_batch(8, 128, 256), _lm_loss,
-        lambda: optax.adamw(3e-4, weight_decay=0.01)),
+        lambda: optax.adamw(3e-4, weight_decay=0.01), (1024, 64, 256)),
     "d512": ModelSpec(
         "d512", 2, "benchmarks/models.py TransformerLM, d_model 512, 4 heads,"
         " d_ff 2048, vocab 256, BF16 GEMMs, batch 8 x 256",
         lambda n: models.build_model(_d512_config(n), seed=0),
         lambda: models.make_batch(_d512_config(2), seed=0), models.loss_fn,
-        lambda: models.make_tx(_d512_config(2))),
+        lambda: models.make_tx(_d512_config(2)), (2048, 512, 2048)),
     "smollm2": ModelSpec(
         "smollm2", 30, "SmolLM2-135M architecture (random init), d_model 576,"
         " 9/3 heads, d_ff 1536, vocab 49152, tied head, BF16 GEMMs, batch "
         "4 x 128, finetune_smollm2 optimizer", _smollm2,
-        lambda: _token_batch(4, 128, 49152), _lm_loss, _smollm2_tx),
+        lambda: _token_batch(4, 128, 49152), _lm_loss, _smollm2_tx,
+        (512, 576, 1536)),
 }
 
 

@@ -63,9 +63,6 @@ __all__ = ["Part", "compile_part", "gemm_parts", "optimizer_parts",
            "hlo_by_source", "main"]
 
 # The MLP up projection of each model: (tokens, K, N).
-GEMM_SHAPES = {"gpt-d64": (1024, 64, 256), "gpt-d64-fused": (1024, 64, 256),
-               "d512": (2048, 512, 2048), "smollm2": (512, 576, 1536)}
-
 SUSPECTS = ("zero-size outputs", "select_n", "convert_element_type",
             "is_finite", "reduce_and", "reduce_max")
 
@@ -268,7 +265,7 @@ def compile_part(group: str, name: str, fn, *args) -> Part:
 def gemm_parts(model_name: str, recipe: str) -> list[Part]:
   """One GEMM fwd+bwd: ``nnx.Linear`` vs ``QuantDense`` (BF16 compute)."""
   import qlayers
-  m, k, n = GEMM_SHAPES[model_name]
+  m, k, n = cb.MODELS[model_name].mlp_up
   x = jax.random.normal(jax.random.key(0), (m, k), jnp.float32)
   ct = jax.random.normal(jax.random.key(1), (m, n), jnp.float32)
   layers = {
