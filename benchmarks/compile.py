@@ -851,6 +851,7 @@ def _parser() -> argparse.ArgumentParser:
   b = sub.add_parser("breakdown", help="where one recipe's step gets its "
                      "size (see compile_breakdown.py)")
   _add_common(b)
+  _add_optimizer(b)
   b.add_argument("--recipe", default="fp8_current")
   b.add_argument("--top", type=int, default=25,
                  help="rows of each by-source / by-primitive table")

@@ -5,9 +5,13 @@ Usage (from the repository root)::
   python benchmarks/compile.py breakdown --recipe fp8_current
   python benchmarks/compile.py breakdown --recipe mxfp8 --model d512 \\
       --json breakdown.json
+  PYTHONPATH=. JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 .venv-gpu/bin/python \\
+      benchmarks/compile.py breakdown --recipe fp8_delayed \\
+      --model gpt-d256 --blocks 8 --optimizer examples --target h200
 
-For one recipe on one model (``compile.py``'s models and loop flavours) it
-compiles, and never runs:
+For one recipe on one model (``compile.py``'s models and loop flavours),
+for the host CPU or, with ``--target``, for a GPU without one (as
+``compile.py measure`` compiles), it compiles, and never runs:
 
 1. the parts on their own: one GEMM's forward+backward (``jax.grad`` over
    kernel and input) as ``nnx.Linear`` and as ``QuantDense`` at the shape of
@@ -41,6 +45,8 @@ compiles, and never runs:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import pathlib
 import re
@@ -220,14 +226,38 @@ def hlo_by_primitive(text: str) -> Counter:
 # Parts
 
 
+@dataclasses.dataclass(frozen=True)
+class Where:
+  """What the parts are compiled for: the host CPU (the default), or a GPU
+  without one (``device`` of a deviceless topology, qlayers told ``arch``),
+  as ``compile.py measure --target`` does."""
+
+  device: Any = None
+  arch: str | None = None
+
+  def place(self, args):
+    if self.device is None:
+      return args
+    on = jax.sharding.SingleDeviceSharding(self.device)
+    return jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on), args)
+
+  def arch_context(self):
+    if self.arch is None:
+      return contextlib.nullcontext()
+    from qlayers import dispatch
+    return dispatch.target_arch(self.arch)
+
+
 class Part:
   """One compiled program and what it is made of."""
 
-  def __init__(self, group: str, name: str, fn, *args):
+  def __init__(self, group: str, name: str, fn, *args, where: Where):
     self.group, self.name = group, name
     t0 = time.perf_counter()
-    traced = jax.jit(fn).trace(*args)
-    lowered = traced.lower()
+    with where.arch_context():
+      traced = jax.jit(fn).trace(*where.place(args))
+      lowered = traced.lower()
     t1 = time.perf_counter()
     compiled = lowered.compile()
     self.compile_s = time.perf_counter() - t1
@@ -254,15 +284,15 @@ class Part:
             "hlo_by_function": dict(self.hlo_sources.most_common())}
 
 
-def compile_part(group: str, name: str, fn, *args) -> Part:
+def compile_part(group: str, name: str, fn, *args, where: Where) -> Part:
   print(f"[breakdown] {group}: {name} ...", flush=True, end=" ")
-  p = Part(group, name, fn, *args)
+  p = Part(group, name, fn, *args, where=where)
   print(f"{p.eqns:,} eqns, {p.hlo:,} HLO instr, {p.compile_s:.1f}s",
         flush=True)
   return p
 
 
-def gemm_parts(model_name: str, recipe: str) -> list[Part]:
+def gemm_parts(model_name: str, recipe: str, where: Where) -> list[Part]:
   """One GEMM fwd+bwd: ``nnx.Linear`` vs ``QuantDense`` (BF16 compute)."""
   import qlayers
   m, k, n = cb.MODELS[model_name].mlp_up
@@ -283,11 +313,13 @@ def gemm_parts(model_name: str, recipe: str) -> list[Part]:
       return jnp.vdot(y.astype(jnp.float32), ct)
 
     out.append(compile_part(f"one GEMM {m}x{k}x{n} fwd+bwd", name,
-                            jax.grad(loss, (0, 2)), params, rest, x, ct))
+                            jax.grad(loss, (0, 2)), params, rest, x, ct,
+                            where=where))
   return out
 
 
-def optimizer_parts(model_name: str, recipe: str, blocks) -> list[Part]:
+def optimizer_parts(model_name: str, recipe: str, where: Where,
+                    **build) -> list[Part]:
   """``opt.update`` alone, given gradients (the Params' own values).
 
   With a delayed-scaling recipe also on the quantized model, whose update
@@ -300,22 +332,25 @@ def optimizer_parts(model_name: str, recipe: str, blocks) -> list[Part]:
     variants.append((f"qlayers/{recipe}",
                      f"qlayers.Optimizer, {recipe} model"))
   for variant, label in variants:
-    parts = cb.build_parts(model_name, variant, blocks=blocks)
+    parts = cb.build_parts(model_name, variant, **build)
     grads = nnx.state(parts.model, nnx.Param)
 
     def update(model, opt, grads):
       opt.update(model, grads)
 
     f, state = cb.functional(update, parts.model, parts.opt)
-    out.append(compile_part("optimizer update alone", label, f, state, grads))
+    out.append(compile_part("optimizer update alone", label, f, state, grads,
+                            where=where))
   return out
 
 
-def scaling_parts(model_name: str) -> list[Part]:
+def scaling_parts(model_name: str, where: Where, *, rules: str,
+                  optimizer: str, **_) -> list[Part]:
   """``qlayers.Optimizer.update`` alone at 1 and 2 blocks (how it grows)."""
   out = []
   for blocks in (1, 2):
-    parts = cb.build_parts(model_name, "qlayers-wide", blocks=blocks)
+    parts = cb.build_parts(model_name, "qlayers-wide", blocks=blocks,
+                           rules=rules, optimizer=optimizer)
     grads = nnx.state(parts.model, nnx.Param)
     n = len(jax.tree.leaves(grads))
 
@@ -325,11 +360,12 @@ def scaling_parts(model_name: str) -> list[Part]:
     f, state = cb.functional(update, parts.model, parts.opt)
     out.append(compile_part("qlayers.Optimizer.update alone, by size",
                             f"{blocks} block(s), {n} Param leaves", f, state,
-                            grads))
+                            grads, where=where))
   return out
 
 
-def value_and_grad_parts(model_name: str, recipe: str, blocks) -> list[Part]:
+def value_and_grad_parts(model_name: str, recipe: str, where: Where,
+                         **build) -> list[Part]:
   """Loss and gradients alone (no optimizer)."""
   import qlayers
   out = []
@@ -340,22 +376,24 @@ def value_and_grad_parts(model_name: str, recipe: str, blocks) -> list[Part]:
        f"nnx.value_and_grad, {recipe} model"),
       (f"qlayers/{recipe}", qlayers.value_and_grad,
        f"qlayers.value_and_grad, {recipe} model")):
-    parts = cb.build_parts(model_name, variant, blocks=blocks)
+    parts = cb.build_parts(model_name, variant, **build)
 
     def loss_and_grads(model, batch, vg=vg, loss_fn=parts.loss_fn):
       return vg(loss_fn)(model, batch)
 
     f, state = cb.functional(loss_and_grads, parts.model)
     out.append(compile_part("value_and_grad alone", label, f, state,
-                            parts.batch))
+                            parts.batch, where=where))
   return out
 
 
-def step_parts(model_name: str, recipe: str, blocks) -> list[Part]:
+def step_parts(model_name: str, recipe: str, where: Where,
+               **build) -> list[Part]:
   out = []
   for variant in ("stock", f"qlayers/{recipe}"):
-    step, state, batch, _ = cb.build_step(model_name, variant, blocks=blocks)
-    out.append(compile_part("whole train step", variant, step, state, batch))
+    step, state, batch, _ = cb.build_step(model_name, variant, **build)
+    out.append(compile_part("whole train step", variant, step, state, batch,
+                            where=where))
   return out
 
 
@@ -442,7 +480,7 @@ def render(parts: list[Part], header: dict[str, Any], top: int) -> str:
   for p in parts:
     groups.setdefault(p.group, []).append(p)
   lines = [f"### Compile breakdown: {header['recipe']} on {header['model']} "
-           f"({header['blocks']} blocks)", "",
+           f"({header['blocks']} blocks), for {header['target']}", "",
            f"- date: {header['started']}; qlayers commit {header['commit']}",
            f"- machine: {header['machine']}",
            f"- versions: {header['versions']}",
@@ -491,12 +529,19 @@ def main(args: argparse.Namespace) -> int:
   started = datetime.datetime.now(datetime.timezone.utc).isoformat(
       timespec="seconds")
   blocks = args.blocks
-  parts = gemm_parts(args.model, args.recipe)
-  parts += optimizer_parts(args.model, args.recipe, blocks)
-  parts += scaling_parts(args.model)
-  parts += value_and_grad_parts(args.model, args.recipe, blocks)
-  parts += step_parts(args.model, args.recipe, blocks)
+  where = Where()
+  if args.target != "cpu":
+    where = Where(*cb._gpu_target(args.target, args.targets_dir))  # noqa: SLF001
+  # What each model is built with: build_parts' keywords.
+  build = {"blocks": blocks, "rules": args.rules, "optimizer": args.optimizer}
+  parts = gemm_parts(args.model, args.recipe, where)
+  parts += optimizer_parts(args.model, args.recipe, where, **build)
+  parts += scaling_parts(args.model, where, **build)
+  parts += value_and_grad_parts(args.model, args.recipe, where, **build)
+  parts += step_parts(args.model, args.recipe, where, **build)
   header = {"recipe": args.recipe, "model": args.model,
+            "target": args.target, "rules": args.rules,
+            "optimizer": args.optimizer,
             "blocks": blocks or cb.MODELS[args.model].blocks,
             "started": started, "commit": cb._commit(),
             "machine": cb._machine(), "versions": cb._versions(),

@@ -1124,3 +1124,28 @@ def test_an_interrupted_run_stops_its_worker(tmp_path, monkeypatch):
     gc.run_items([{"recipe": "bf16"}], str(worker), timeout=60)
   with pytest.raises(ProcessLookupError):
     os.kill(int(pid_file.read_text()), 0)  # gone (reaped), not sleeping on
+
+
+def test_compile_breakdown_traces_its_parts_for_the_target_it_is_given():
+  """``compile.py breakdown --target`` compiles each part as ``measure``
+  does: inputs placed on the target's device, GEMMs chosen for its arch."""
+  import jax  # noqa: E402
+  import jax.numpy as jnp  # noqa: E402
+  import compile_breakdown as bd  # noqa: E402  (benchmarks/)
+  from qlayers import table  # noqa: E402
+  seen = []
+
+  def fn(x):
+    seen.append(table.gpu_arch("cuda"))
+    return x * 2
+
+  x = jnp.ones((4, 8), jnp.float32)
+  cpu = jax.devices("cpu")[0]
+  here = bd.Part("g", "host", fn, x, where=bd.Where())
+  there = bd.Part("g", "target", fn, x, where=bd.Where(cpu, "sm_100"))
+  assert seen == [None, "sm_100"]
+  assert here.hlo > 0 and there.hlo > 0
+  placed, = bd.Where(cpu, "sm_100").place((x,))
+  assert isinstance(placed, jax.ShapeDtypeStruct)
+  assert placed.sharding == jax.sharding.SingleDeviceSharding(cpu)
+  assert bd.Where().place((x,))[0] is x
