@@ -461,6 +461,36 @@ def _gpu_target(target: str, targets_dir: str | None):
   return gpu_compile.gpu_device(spec, folder), spec.arch
 
 
+@dataclasses.dataclass(frozen=True)
+class Where:
+  """What a program is compiled for: the host CPU (the default), or a GPU
+  without one (``device`` of a deviceless topology, qlayers told ``arch``)."""
+
+  device: Any = None
+  arch: str | None = None
+
+  @classmethod
+  def of(cls, target: str, targets_dir: str | None = None) -> "Where":
+    """``--target``'s ``cpu``, ``h200`` or ``b200``."""
+    return cls() if target == "cpu" else cls(*_gpu_target(target,
+                                                          targets_dir))
+
+  def place(self, args):
+    """``args`` as inputs on the target's device (shapes and dtypes only)."""
+    if self.device is None:
+      return args
+    on = jax.sharding.SingleDeviceSharding(self.device)
+    return jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on), args)
+
+  def arch_context(self):
+    """The context to trace in: GEMMs chosen for the target's GPU."""
+    if self.arch is None:
+      return contextlib.nullcontext()
+    from qlayers import dispatch
+    return dispatch.target_arch(self.arch)
+
+
 def measure(model_name: str, variant: str, *, blocks: int | None = None,
             rules: str = "all", target: str = "cpu",
             targets_dir: str | None = None,
@@ -477,16 +507,9 @@ def measure(model_name: str, variant: str, *, blocks: int | None = None,
                          optimizer=optimizer))
   res.update(info)
   jitted = jax.jit(step)
-  arch = contextlib.nullcontext()
-  if target != "cpu":
-    from qlayers import dispatch
-    device, name = _gpu_target(target, targets_dir)
-    where = jax.sharding.SingleDeviceSharding(device)
-    state, batch = jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where),
-        (state, batch))
-    arch = dispatch.target_arch(name)
-  with arch:
+  where = Where.of(target, targets_dir)
+  state, batch = where.place((state, batch))
+  with where.arch_context():
     traced, res["trace_s"], res["trace_cpu_s"] = _timed(
         lambda: jitted.trace(state, batch))
     lowered, res["lower_s"], res["lower_cpu_s"] = _timed(traced.lower)

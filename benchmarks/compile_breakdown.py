@@ -45,8 +45,6 @@ for the host CPU or, with ``--target``, for a GPU without one (as
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
 import json
 import pathlib
 import re
@@ -68,7 +66,6 @@ __all__ = ["Part", "compile_part", "gemm_parts", "optimizer_parts",
            "value_and_grad_parts", "step_parts", "eqn_source",
            "hlo_by_source", "main"]
 
-# The MLP up projection of each model: (tokens, K, N).
 SUSPECTS = ("zero-size outputs", "select_n", "convert_element_type",
             "is_finite", "reduce_and", "reduce_max")
 
@@ -226,33 +223,10 @@ def hlo_by_primitive(text: str) -> Counter:
 # Parts
 
 
-@dataclasses.dataclass(frozen=True)
-class Where:
-  """What the parts are compiled for: the host CPU (the default), or a GPU
-  without one (``device`` of a deviceless topology, qlayers told ``arch``),
-  as ``compile.py measure --target`` does."""
-
-  device: Any = None
-  arch: str | None = None
-
-  def place(self, args):
-    if self.device is None:
-      return args
-    on = jax.sharding.SingleDeviceSharding(self.device)
-    return jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on), args)
-
-  def arch_context(self):
-    if self.arch is None:
-      return contextlib.nullcontext()
-    from qlayers import dispatch
-    return dispatch.target_arch(self.arch)
-
-
 class Part:
   """One compiled program and what it is made of."""
 
-  def __init__(self, group: str, name: str, fn, *args, where: Where):
+  def __init__(self, group: str, name: str, fn, *args, where: cb.Where):
     self.group, self.name = group, name
     t0 = time.perf_counter()
     with where.arch_context():
@@ -284,7 +258,7 @@ class Part:
             "hlo_by_function": dict(self.hlo_sources.most_common())}
 
 
-def compile_part(group: str, name: str, fn, *args, where: Where) -> Part:
+def compile_part(group: str, name: str, fn, *args, where: cb.Where) -> Part:
   print(f"[breakdown] {group}: {name} ...", flush=True, end=" ")
   p = Part(group, name, fn, *args, where=where)
   print(f"{p.eqns:,} eqns, {p.hlo:,} HLO instr, {p.compile_s:.1f}s",
@@ -292,7 +266,7 @@ def compile_part(group: str, name: str, fn, *args, where: Where) -> Part:
   return p
 
 
-def gemm_parts(model_name: str, recipe: str, where: Where) -> list[Part]:
+def gemm_parts(model_name: str, recipe: str, where: cb.Where) -> list[Part]:
   """One GEMM fwd+bwd: ``nnx.Linear`` vs ``QuantDense`` (BF16 compute)."""
   import qlayers
   m, k, n = cb.MODELS[model_name].mlp_up
@@ -318,7 +292,7 @@ def gemm_parts(model_name: str, recipe: str, where: Where) -> list[Part]:
   return out
 
 
-def optimizer_parts(model_name: str, recipe: str, where: Where,
+def optimizer_parts(model_name: str, recipe: str, where: cb.Where,
                     **build) -> list[Part]:
   """``opt.update`` alone, given gradients (the Params' own values).
 
@@ -344,7 +318,7 @@ def optimizer_parts(model_name: str, recipe: str, where: Where,
   return out
 
 
-def scaling_parts(model_name: str, where: Where, *, rules: str,
+def scaling_parts(model_name: str, where: cb.Where, *, rules: str,
                   optimizer: str, **_) -> list[Part]:
   """``qlayers.Optimizer.update`` alone at 1 and 2 blocks (how it grows)."""
   out = []
@@ -364,7 +338,7 @@ def scaling_parts(model_name: str, where: Where, *, rules: str,
   return out
 
 
-def value_and_grad_parts(model_name: str, recipe: str, where: Where,
+def value_and_grad_parts(model_name: str, recipe: str, where: cb.Where,
                          **build) -> list[Part]:
   """Loss and gradients alone (no optimizer)."""
   import qlayers
@@ -387,7 +361,7 @@ def value_and_grad_parts(model_name: str, recipe: str, where: Where,
   return out
 
 
-def step_parts(model_name: str, recipe: str, where: Where,
+def step_parts(model_name: str, recipe: str, where: cb.Where,
                **build) -> list[Part]:
   out = []
   for variant in ("stock", f"qlayers/{recipe}"):
@@ -529,9 +503,7 @@ def main(args: argparse.Namespace) -> int:
   started = datetime.datetime.now(datetime.timezone.utc).isoformat(
       timespec="seconds")
   blocks = args.blocks
-  where = Where()
-  if args.target != "cpu":
-    where = Where(*cb._gpu_target(args.target, args.targets_dir))  # noqa: SLF001
+  where = cb.Where.of(args.target, args.targets_dir)
   # What each model is built with: build_parts' keywords.
   build = {"blocks": blocks, "rules": args.rules, "optimizer": args.optimizer}
   parts = gemm_parts(args.model, args.recipe, where)

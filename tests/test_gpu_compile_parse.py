@@ -1131,6 +1131,7 @@ def test_compile_breakdown_traces_its_parts_for_the_target_it_is_given():
   does: inputs placed on the target's device, GEMMs chosen for its arch."""
   import jax  # noqa: E402
   import jax.numpy as jnp  # noqa: E402
+  import compile as cb  # noqa: E402  (benchmarks/compile.py)
   import compile_breakdown as bd  # noqa: E402  (benchmarks/)
   from qlayers import table  # noqa: E402
   seen = []
@@ -1141,11 +1142,12 @@ def test_compile_breakdown_traces_its_parts_for_the_target_it_is_given():
 
   x = jnp.ones((4, 8), jnp.float32)
   cpu = jax.devices("cpu")[0]
-  here = bd.Part("g", "host", fn, x, where=bd.Where())
-  there = bd.Part("g", "target", fn, x, where=bd.Where(cpu, "sm_100"))
+  here = bd.Part("g", "host", fn, x, where=cb.Where())
+  there = bd.Part("g", "target", fn, x, where=cb.Where(cpu, "sm_100"))
   assert seen == [None, "sm_100"]
   assert here.hlo > 0 and there.hlo > 0
-  placed, = bd.Where(cpu, "sm_100").place((x,))
+  placed, = cb.Where(cpu, "sm_100").place((x,))
   assert isinstance(placed, jax.ShapeDtypeStruct)
   assert placed.sharding == jax.sharding.SingleDeviceSharding(cpu)
-  assert bd.Where().place((x,))[0] is x
+  assert cb.Where().place((x,))[0] is x
+  assert cb.Where.of("cpu") == cb.Where()
