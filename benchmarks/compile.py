@@ -604,9 +604,10 @@ def render(results: list[dict[str, Any]], header: dict[str, Any]) -> str:
       f"- command: `{header['command']}`", "",
       *mdtable.head(
           ["variant", "converted", "trace s", "lower s", "compile s",
-           "compile CPU s", "compile vs stock (wall / CPU)", "jaxpr eqns",
+           "compile CPU s", "compile vs stock (wall / CPU)",
+           "trace + lower + compile s (vs stock)", "jaxpr eqns",
            "StableHLO lines", "HLO instr", "HLO lines", "fusions",
-           "HLO instr vs stock"], "l" + "r" * 12),
+           "HLO instr vs stock"], "l" + "r" * 13),
   ]
   base = next((r for r in results if r["variant"] == "stock"
                and "error" not in r), None)
@@ -614,7 +615,7 @@ def render(results: list[dict[str, Any]], header: dict[str, Any]) -> str:
     if "error" in r:
       lines.append(mdtable.row(r["variant"], f"failed: "
                                f"{r['error'].replace('|', '/')}",
-                               *[None] * 11))
+                               *[None] * 12))
       continue
     conv = "—" if r["variant"] in ("stock", "qlayers-wide") else (
         f"{r['converted']}" + (f" ({r['skipped']} skipped)"
@@ -624,6 +625,8 @@ def render(results: list[dict[str, Any]], header: dict[str, Any]) -> str:
         f"{r['compile_s']:.2f}", f"{r['compile_cpu_s']:.2f}",
         _ratio(r["compile_s"], base and base["compile_s"]) + " / "
         + _ratio(r["compile_cpu_s"], base and base["compile_cpu_s"]),
+        f"{_first_step(r):.2f} ("
+        + _ratio(_first_step(r), base and _first_step(base)) + ")",
         f"{r['jaxpr_eqns']:,}", f"{r['stablehlo_lines']:,}",
         f"{r['hlo_instructions']:,}", f"{r['hlo_lines']:,}",
         f"{r['fusions']:,}",
@@ -639,6 +642,11 @@ def render(results: list[dict[str, Any]], header: dict[str, Any]) -> str:
               for a, b in zip(r["rounds"], base["rounds"])]
       lines.append(f"- {r['variant']}: " + ", ".join(each))
   return "\n".join(lines) + "\n"
+
+
+def _first_step(r: dict[str, Any]) -> float:
+  """What a first step waits for before it runs: trace, lower, compile."""
+  return r["trace_s"] + r["lower_s"] + r["compile_s"]
 
 
 def _machine() -> str:

@@ -135,11 +135,11 @@ def _warn_if_gradient_amax_lost(recipe: Recipe, x, w, state) -> None:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _qmm(plan: Plan, dtypes, x, w, state, key):
-  y, new_state, _ = _qmm_forward(plan, x, w, state, key, dtypes[4])
+  y, new_state, _ = _forward(plan, dtypes[4], x, w, state, key)
   return y, new_state
 
 
-def _qmm_forward(plan: Plan, x, w, state, key, gather=()):
+def _qmm_forward(plan: Plan, gather, x, w, state, key):
   recipe, fprop = plan.recipe, plan.fprop
   kx, kw, kwx, _, _ = _keys(key)
   ax = aw = delayed_x = delayed_w = run_x = run_w = None
@@ -197,23 +197,35 @@ def _qmm_forward(plan: Plan, x, w, state, key, gather=()):
 def _qmm_fwd(plan: Plan, dtypes, x, w, state, key):
   if state is not None:
     _warn_if_gradient_amax_lost(plan.recipe, x, w, state)
-  y, new_state, res = _qmm_forward(plan, x.value, w.value,
-                                   _values(state), _values(key), dtypes[4])
+  y, new_state, res = _forward(plan, dtypes[4], x.value, w.value,
+                               _values(state), _values(key))
   return (y, new_state), res
 
 
 def _qmm_bwd(plan: Plan, dtypes, res, cts):
-  x_dtype, w_dtype, (x_vma, w_vma), x_shape, gather = dtypes
-  x_saved, w_saved, ax, aw, g_state, key = res
   g, out_ct = cts
-  recipe, dgrad, wgrad = plan.recipe, plan.dgrad, plan.wgrad
   # The later uses' gradient amax: the cotangent of the g amax passed on.
-  later = out_ct["g"].amax if recipe.delayed else None
+  later = out_ct["g"].amax if plan.recipe.delayed else None
   later = None if isinstance(later, SymbolicZero) else later
   if isinstance(g, SymbolicZero):  # the output is not used
     return None, None, _g_amax_ct(later), None
+  dx, dw, run_g = _backward(plan, dtypes, res, g)
+  # Only the gradient role's running amax leaves the backward pass (the
+  # forward roles left through the output), max-combined with the later
+  # uses' (a chain of uses: JAX never adds two of them).
+  state_ct = None if run_g is None else _g_amax_ct(
+      run_g if later is None else jnp.maximum(later, run_g))
+  return dx, dw, state_ct, None
+
+
+def _qmm_backward(plan: Plan, dtypes, res, g):
+  """Dgrad and Wgrad of a used output: ``(dx, dw, run_g)``, ``run_g`` this
+  use's gradient amax (None for stateless recipes)."""
+  x_dtype, w_dtype, (x_vma, w_vma), x_shape, gather = dtypes
+  x_saved, w_saved, ax, aw, g_state, key = res
+  recipe, dgrad, wgrad = plan.recipe, plan.dgrad, plan.wgrad
   _, _, _, kd, kwg = _keys(key)
-  ag = state_ct = delayed_g = None
+  ag = run_g = delayed_g = None
   if recipe.delayed:
     ag, run_g = delayed_amax(g, g_state, recipe)
     delayed_g = (g_state, recipe.amax_compute_algo, run_g)
@@ -226,12 +238,7 @@ def _qmm_bwd(plan: Plan, dtypes, res, cts):
                                 keys=(kd, kwg), dtype=recipe.dtype,
                                 dequantized=plan.dequantized["g"])
   if recipe.delayed:
-    # Only the gradient role's running amax leaves the backward pass (the
-    # forward roles left through the output), max-combined with the later
-    # uses' (a chain of uses: JAX never adds two of them).
     run_g, = run
-    state_ct = _g_amax_ct(run_g if later is None
-                          else jnp.maximum(later, run_g))
   qw = w_saved if isinstance(w_saved, scaling.QTensor) else operand(
       w_saved, dgrad.rhs, amax=aw, dtype=recipe.dtype, gather=gather)
   dx = dispatch.run(dgrad, qg, qw).reshape(x_shape)
@@ -242,10 +249,19 @@ def _qmm_bwd(plan: Plan, dtypes, res, cts):
   dw = dispatch.run(wgrad, qx, qg_w)
   dx = sharding.sum_over_broadcast(dx, x_vma)
   dw = sharding.sum_over_broadcast(sharding.reduce_scatter(dw, gather), w_vma)
-  return dx.astype(x_dtype), dw.astype(w_dtype), state_ct, None
+  return dx.astype(x_dtype), dw.astype(w_dtype), run_g
 
 
 _qmm.defvjp(_qmm_fwd, _qmm_bwd, symbolic_zeros=True)
+
+# The forward and backward bodies, jitted with the plan and ``dtypes``
+# static as a trace cache: the GEMMs of every layer of one shape and recipe
+# are traced, differentiated and lowered once, then called (inlined into
+# the caller's program, which compiles the same; 8-block GPT step for H200:
+# trace + lower 5.2 -> 3.5 s, benchmarks/RESULTS.md). The custom_vjp stays
+# outside, so each trace still sees which inputs are differentiated.
+_forward = jax.jit(_qmm_forward, static_argnums=(0, 1))
+_backward = jax.jit(_qmm_backward, static_argnums=(0, 1))
 
 
 def _g_amax_ct(amax):

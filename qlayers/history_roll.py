@@ -130,9 +130,15 @@ def end_step(states: Sequence[ScaleState],
   (`delayed.merge_amax`), then `delayed.update_scales`. One `roll` kernel
   where the program may run on an NVIDIA GPU, on one device or under a
   mesh where it pays (`_under_mesh`); XLA's ops elsewhere, with the same
-  values."""
-  updates = list(updates or [None] * len(states))
+  values. Jitted as a trace cache: the GEMMs of a model share a few
+  signatures, each traced and lowered once (inlined into the caller's
+  program)."""
+  return _end_step(list(states), list(updates or [None] * len(states)))
 
+
+@jax.jit
+def _end_step(states: list[ScaleState], updates: list[jax.Array | None]
+              ) -> list[ScaleState]:
   def xla(states):
     return [delayed.update_scales(
         st if u is None else st._replace(amax=delayed.merge_amax(st.amax, u)))

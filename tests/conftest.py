@@ -66,3 +66,18 @@ def optax_promotion():
   dtype promotion refuses: run optimizer updates under the standard rules."""
   with jax.numpy_dtype_promotion("standard"):
     yield
+
+
+@pytest.fixture(autouse=True)
+def _fresh_traces_when_patched(request):
+  """A test that monkeypatches qlayers' internals traces them afresh, and
+  leaves no trace made under its patches: a layer's GEMMs and a step's end
+  are jitted as trace caches (`qlayers.gemm`, `qlayers.history_roll`), which
+  would otherwise replay a trace made before the patch (or after it, one
+  made under it)."""
+  patched = "monkeypatch" in request.fixturenames
+  if patched:
+    jax.clear_caches()
+  yield
+  if patched:
+    jax.clear_caches()

@@ -259,7 +259,8 @@ def test_nvfp4_matmul_runs_the_pair_kernels_with_the_operands_bits(
                       interpreted)
   monkeypatch.setattr(qlayers.operands.cast_transpose, "nvfp4_amaxes",
                       functools.partial(ct.nvfp4_amaxes, interpret=True))
-  with table.target_arch("sm_100"):  # a new function: traced anew
+  jax.clear_caches()  # the GEMMs' cached traces: traced anew, patched
+  with table.target_arch("sm_100"):
     got = jax.jit(lambda *a: grad(*a))(x, w, state)
   assert calls == [(False, True, False), (True, False, False),
                    (False, True, True)]  # x, w, then g

@@ -1,7 +1,7 @@
 """`checkpoint.Manager.save` killed with SIGKILL: every step the next Manager
 lists is complete and restores exactly (all digests checked), the killed
 step is either complete or absent, and what a killed save left is removed
-by the next save (of any step).
+by the next save that finishes (of any step).
 
 Kills land at random times during a save and, since the end of a save
 takes milliseconds, also exactly in orbax's finalize step: as qlayers'
@@ -187,9 +187,11 @@ def test_killed_saves_leave_complete_steps_and_no_leftovers(tmp_path):
         durations.append(seconds)
       # Read without a Manager (a new Manager would clean up itself).
       names = {p.name for p in directory.iterdir()}
-      assert not names & leftovers, "an earlier save's leftover is still there"
       leftovers = {n for n in names if TMP in n}
       steps = {int(n) for n in names if n.isdigit()}
+      # A save that finished left nothing unfinished, its own or an earlier
+      # save's. (A killed one may die before orbax's cleanup, which runs in
+      # a thread of the new Manager, has removed an earlier leftover.)
       assert how == "killed" or (step in steps and not leftovers), names
       assert steps - {step} == complete, names
       complete = steps

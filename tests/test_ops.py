@@ -414,3 +414,41 @@ def test_the_plan_is_made_once_per_signature_and_reads_its_inputs(
   with dispatch.target_arch("sm_100"):
     gpu = dispatch.plan(r, (8, 64), jnp.float32, (64, 32), jnp.float32)
   assert dict(gpu.fprop.choices)["cuda"].form == "fp8_folded"
+
+
+def test_same_shaped_layers_trace_their_gemms_once(monkeypatch):
+  """The GEMMs of layers of one shape and recipe are traced once per
+  program, forward and backward, however many layers there are; each layer
+  keeps its own values and state. A GPU target traces them anew."""
+  from qlayers import gemm
+  from qlayers import table
+  calls = []
+  real = gemm.operand_pair
+  monkeypatch.setattr(gemm, "operand_pair",
+                      lambda *a, **k: calls.append(1) or real(*a, **k))
+  diff = nnx.DiffState(0, (nnx.Param, qlayers.QuantGradState))
+  x = jax.random.normal(jax.random.key(0), (8, 32))
+
+  def traced(layers: int):
+    calls.clear()
+    model = nnx.Sequential(*[qlayers.QuantDense(
+        32, 32, recipe="fp8_delayed", rngs=nnx.Rngs(i)) for i in range(layers)])
+    gd, state = nnx.split(model)
+
+    def grads(state):
+      return nnx.grad(lambda m: jnp.sum(m(x) ** 2), argnums=diff)(
+          nnx.merge(gd, state))
+    out = jax.jit(grads)(state)
+    return len(calls), out
+
+  once, _ = traced(1)
+  assert once == 3  # x's pair, w's pair; g's pair in the backward pass
+  again, three = traced(3)
+  assert again == 0  # the same signature: the cached traces
+  kernels = [three["layers"][i]["kernel"][...] for i in range(3)]
+  assert not np.array_equal(kernels[0], kernels[1])
+  g_amaxes = [float(three["layers"][i]["quant"]["g_amax"][...])
+              for i in range(3)]
+  assert len(set(g_amaxes)) == 3 and min(g_amaxes) > 0
+  with table.target_arch("sm_90"):
+    assert traced(1)[0] == 3
