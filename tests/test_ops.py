@@ -445,8 +445,8 @@ def test_same_shaped_layers_trace_their_gemms_once(monkeypatch):
   assert once == 3  # x's pair, w's pair; g's pair in the backward pass
   again, three = traced(3)
   assert again == 0  # the same signature: the cached traces
-  kernels = [three["layers"][i]["kernel"][...] for i in range(3)]
-  assert not np.array_equal(kernels[0], kernels[1])
+  kernel_grads = [three["layers"][i]["kernel"][...] for i in range(3)]
+  assert not np.array_equal(kernel_grads[0], kernel_grads[1])
   g_amaxes = [float(three["layers"][i]["quant"]["g_amax"][...])
               for i in range(3)]
   assert len(set(g_amaxes)) == 3 and min(g_amaxes) > 0
