@@ -65,9 +65,9 @@ def init_state(recipe: Recipe | str, num_groups: int
 def _layout(group_sizes: jax.Array, m: int):
   """``(starts, sizes)`` of the groups, clipped to the ``m`` rows."""
   sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
-  ends = jnp.minimum(jnp.cumsum(sizes), m)
-  starts = jnp.minimum(ends - sizes, m)
-  return starts, ends - starts
+  cum = jnp.cumsum(sizes)
+  starts = jnp.minimum(cum - sizes, m)
+  return starts, jnp.minimum(cum, m) - starts
 
 
 def to_groups(t: jax.Array, starts: jax.Array, sizes: jax.Array,

@@ -161,6 +161,23 @@ def test_rows_past_the_groups_are_zero():
   assert np.asarray(y[:13]).all() and not np.asarray(want[13:]).any()
 
 
+def test_groups_past_the_rows_are_clipped():
+  """Sizes summing past the rows: a group keeps its rows up to the last
+  (as `lax.ragged_dot`), and its scales see no other group's rows."""
+  x, w, _ = _data(5)
+  x = x.at[:30].mul(1e5)  # a large first group, a small second one
+  gs = jnp.array([30, 25, 7], jnp.int32)  # 62 > M = 40 rows
+  starts, sizes = ragged._layout(gs, M)
+  np.testing.assert_array_equal(starts, [0, 30, 40])
+  np.testing.assert_array_equal(sizes, [30, 10, 0])
+  want = jax.lax.ragged_dot(x, w, gs, preferred_element_type=jnp.float32)
+  y = ops.ragged_dot("fp8_current")(x, w, gs,
+                                    preferred_element_type=jnp.float32)
+  err = np.abs(np.asarray(y - want)).max(axis=1)
+  scale = np.abs(np.asarray(want)).max(axis=1)
+  assert (err[30:] < 0.1 * scale[30:]).all(), err[30:] / scale[30:]
+
+
 def test_capacity_bounds_the_buffers():
   """``capacity``: buffers [G, capacity, K]; a capacity every group fits
   changes no bit, a smaller one drops each group's rows past it."""
