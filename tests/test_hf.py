@@ -68,3 +68,32 @@ def test_load_errors_change_nothing(tensors):
     load_tensors(small, q, NAMES)
   np.testing.assert_array_equal(block.norm.scale[...], before)
   assert isinstance(block.proj.kernel, nnx.Param)
+
+
+@pytest.mark.parametrize("block,scale_format", [(64, "float32"),
+                                                (128, "ue8m0")])
+def test_merged_lora_keeps_the_checkpoint_layout(tmp_path, block,
+                                                 scale_format):
+  """A frozen FP8 kernel requantizes (`merge_lora`) in its checkpoint's
+  blocks and scale format, so it writes back in them."""
+  rng = np.random.default_rng(1)
+  w = (rng.standard_normal((128, 256)) * 0.1).astype(np.float32)
+  checkpoint.write_safetensors(tmp_path, {"model.proj.weight": w},
+                               fp8_block=(block, block),
+                               scale_format=scale_format)
+  model = Block(nnx.Rngs(0))
+  load_tensors(model, checkpoint.read_safetensors(tmp_path, quantized=True),
+               {"proj.kernel": "model.proj.weight"})
+  qlayers.add_lora(model, 4, rngs=nnx.Rngs(2))
+  model.proj.lora.lora_b[...] = jnp.full((4, 128), 0.01, jnp.bfloat16)
+  qlayers.merge_lora(model)
+  qt = model.proj.kernel.qtensor()
+  assert qt.block == (block, block)
+  scale = np.asarray(qt.scale)
+  assert (np.frexp(scale)[0] == 0.5).all() == (scale_format == "ue8m0")
+  out = tmp_path / "merged"
+  checkpoint.write_safetensors(out, {"model.proj.weight": qt},
+                               fp8_block=(block, block),
+                               scale_format=scale_format)
+  back = checkpoint.read_safetensors(out, quantized=True)["model.proj.weight"]
+  np.testing.assert_array_equal(np.asarray(back.scale), scale)

@@ -24,6 +24,7 @@ blocks (a 576 x 192 kernel in 128 x 128 blocks would store 640 x 256).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from typing import Iterator
@@ -31,6 +32,7 @@ from typing import Iterator
 import jax
 import jax.numpy as jnp
 from flax import nnx
+import numpy as np
 
 from qlayers import scaling
 from qlayers.layers.core import QuantLayer
@@ -46,6 +48,16 @@ __all__ = ["FrozenWeight", "FrozenKernel", "freeze", "frozen_kernels",
 # The weight format of FP8-shipped checkpoints (DeepSeek-V3, Qwen3-FP8).
 CHECKPOINT_SPEC = QuantSpec(format="e4m3", granularity="block",
                             block_size=128, scale_rule="deepseek")
+
+
+def _checkpoint_spec(qt: QTensor) -> QuantSpec:
+  """`CHECKPOINT_SPEC` in block-scaled ``qt``'s layout where it has one."""
+  if qt.format != "e4m3" or qt.granularity != "block":
+    return CHECKPOINT_SPEC
+  block = qt.block[0] if len(set(qt.block)) == 1 else CHECKPOINT_SPEC.block_size
+  mantissa, _ = np.frexp(np.asarray(qt.scale, np.float32))
+  return dataclasses.replace(CHECKPOINT_SPEC, block_size=int(block),
+                             pow2=bool(np.all(mantissa == 0.5)))
 
 
 class FrozenWeight(nnx.Variable):
@@ -107,13 +119,20 @@ class FrozenKernel(nnx.Module):
 
   @classmethod
   def from_qtensor(cls, qt: QTensor, shape=None, *, n_in: int = 1,
-                   spec: QuantSpec = CHECKPOINT_SPEC,
+                   spec: QuantSpec | None = None,
                    dtype=jnp.float32) -> FrozenKernel:
     """A kernel from an ``(out, in)`` QTensor as `read_safetensors` gives
     one (``shape``: the kernel's, default ``(in, out)``); its payload is
-    kept as it is (an FP8 checkpoint loads without requantizing)."""
+    kept as it is (an FP8 checkpoint loads without requantizing).
+
+    ``spec`` (what `requantize`, e.g. `qlayers.merge_lora`, stores): by
+    default the checkpoint's own layout, `CHECKPOINT_SPEC` with the
+    QTensor's square block size and, where every scale is a power of two
+    (UE8M0 scales), power-of-two scales; non-square blocks requantize in
+    128 x 128 blocks."""
     shape = (qt.shape[1], qt.shape[0]) if shape is None else shape
-    return cls(qt, spec, shape, n_in=n_in, dtype=dtype)
+    return cls(qt, spec or _checkpoint_spec(qt), shape, n_in=n_in,
+               dtype=dtype)
 
   def qtensor(self) -> QTensor:
     """The stored `QTensor` (``(N, K)``, axis 1)."""
