@@ -239,8 +239,9 @@ def quantized(layer, recipe: Recipe, backend: str | None) -> nnx.Module:
                     backend=backend), layer)
   w = weight(layer)
   stack = tuple(w.shape[:w.ndim - one_gemm(layer)])
-  if stack and recipe.delayed:
-    # Made under nnx.vmap: one delayed-scaling state per stacked layer.
+  if stack and (recipe.delayed or recipe.sr_key == "step"):
+    # Made under nnx.vmap: one delayed-scaling state and one rounding
+    # seed and counter per stacked layer.
     new.quant = QuantGemm(recipe, backend=backend, batch_shape=stack)
   return new
 
