@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from qlayers.layers.core import QuantGemm, QuantLayer
+from qlayers.layers.core import injected_op, QuantGemm, QuantLayer
 from qlayers.layers.dense import QuantDense
 from qlayers.layers.embed import QuantEmbed
 from qlayers.layers.experts import (QuantExperts, QuantExpertsEinsum,
@@ -153,22 +153,19 @@ def experts_einsum(layer) -> bool:
 
 def one_gemm(layer) -> int:
   """Raises `Skip` unless ``layer`` is one plain GEMM; returns kernel rank."""
-  injected = "a custom {} is injected; replacing the layer would drop it"
   if isinstance(layer, nnx.Embed):
     return 2
+  op = injected_op(layer)
+  if op is not None:
+    raise Skip(f"a custom {op} is injected; replacing the layer would drop "
+               "it")
   if isinstance(layer, nnx.Linear):
-    if layer.dot_general is not jax.lax.dot_general:
-      raise Skip(injected.format("dot_general"))
     return 2
   if isinstance(layer, nnx.LinearGeneral):
     if layer.batch_axis:
       raise Skip(f"batch_axis={dict(layer.batch_axis)} makes it a batched "
                  "GEMM (one weight per batch entry)")
-    if layer.dot_general is not None or layer.dot_general_cls is not None:
-      raise Skip(injected.format("dot_general"))
     return len(layer.in_features) + len(layer.out_features)
-  if layer.einsum_op is not jnp.einsum:
-    raise Skip(injected.format("einsum_op"))
   try:
     _, rhs, *_ = einsum_gemm_plan(layer.einsum_str)
   except ValueError as e:

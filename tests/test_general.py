@@ -157,6 +157,24 @@ def test_bad_shapes_are_refused_naming_the_layer():
     qlayers.QuantEinsum("btd,dnh->btnh", (16, 4), rngs=nnx.Rngs(0))
 
 
+def test_an_injected_op_is_refused_not_dropped():
+  """A drop-in never calls a custom ``dot_general`` / ``einsum_op``: it
+  refuses one rather than ignore it."""
+  dot = lambda *a, **k: jax.lax.dot_general(*a, **k)  # noqa: E731
+  makers = [
+      lambda: qlayers.QuantDense(16, 8, dot_general=dot, rngs=nnx.Rngs(0)),
+      lambda: qlayers.QuantLinearGeneral(16, 8, dot_general=dot,
+                                         rngs=nnx.Rngs(0)),
+      lambda: qlayers.QuantEinsum("bd,dh->bh", (16, 8), rngs=nnx.Rngs(0),
+                                  einsum_op=lambda *a, **k: None),
+  ]
+  for make, op in zip(makers, ("dot_general", "dot_general", "einsum_op")):
+    with pytest.raises(ValueError, match=f"would never call the {op}"):
+      make()
+  qlayers.QuantDense(16, 8, dot_general=jax.lax.dot_general,
+                     rngs=nnx.Rngs(0))  # jax's own is what it runs anyway
+
+
 def test_linear_general_checks_the_local_kernel():
   """Inside jax.shard_map a kernel split along K is a shard of
   ``in_features``: the input is checked against the kernel the layer holds

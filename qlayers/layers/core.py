@@ -231,9 +231,33 @@ def _finish(y, bias, out_sharding):
   return y
 
 
+def injected_op(layer) -> str | None:
+  """The op injected into a stock linear layer (``dot_general`` of
+  ``nnx.Linear`` / ``nnx.LinearGeneral``, ``einsum_op`` of ``nnx.Einsum``),
+  which a quantized drop-in would never call; None where it keeps jax's."""
+  if isinstance(layer, nnx.Linear):
+    return None if layer.dot_general is jax.lax.dot_general else "dot_general"
+  if isinstance(layer, nnx.LinearGeneral):
+    return (None if layer.dot_general is None
+            and layer.dot_general_cls is None else "dot_general")
+  if isinstance(layer, nnx.Einsum):
+    return None if layer.einsum_op is jnp.einsum else "einsum_op"
+  return None
+
+
 class QuantLayer:
   """Mixin of the qlayers layers: each runs its GEMM through the `QuantGemm`
   at ``self.quant`` (`isinstance(m, QuantLayer)` finds them all)."""
+
+  def _refuse_injected_op(self) -> None:
+    """A drop-in runs its own quantized GEMM: an op given to the stock
+    constructor would silently never be called, so it is refused."""
+    op = injected_op(self)
+    if op is not None:
+      raise ValueError(
+          f"{type(self).__name__} runs its own quantized GEMM and would never "
+          f"call the {op} it was given; drop the {op} argument, or keep the "
+          "stock layer for that op.")
 
   quant: QuantGemm
 

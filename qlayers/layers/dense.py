@@ -86,6 +86,7 @@ class QuantDense(QuantLayer, nnx.Linear):
                recipe: Recipe | str = "fp8_delayed",
                backend: str | None = None, **kwargs):
     super().__init__(in_features, out_features, **kwargs)
+    self._refuse_injected_op()
     self.quant = QuantGemm(recipe, backend=backend)
 
   def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:

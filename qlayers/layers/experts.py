@@ -200,6 +200,7 @@ class QuantExpertsEinsum(QuantLayer, nnx.Einsum):
                backend: str | None = None, **kwargs):
     expert_einsum(einsum_str)
     super().__init__(einsum_str, kernel_shape, bias_shape, **kwargs)
+    self._refuse_injected_op()
     self.quant = QuantRaggedDot(recipe, num_groups=kernel_shape[0],
                                 backend=backend)
 

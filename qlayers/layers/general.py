@@ -65,6 +65,7 @@ class QuantLinearGeneral(QuantLayer, nnx.LinearGeneral):
                recipe: Recipe | str = "fp8_delayed",
                backend: str | None = None, **kwargs):
     super().__init__(in_features, out_features, **kwargs)
+    self._refuse_injected_op()
     if self.batch_axis:
       raise ValueError(
           "QuantLinearGeneral does not support batch_axis (a batched GEMM "
@@ -203,6 +204,7 @@ class QuantEinsum(QuantLayer, nnx.Einsum):
                recipe: Recipe | str = "fp8_delayed",
                backend: str | None = None, **kwargs):
     super().__init__(einsum_str, kernel_shape, bias_shape, **kwargs)
+    self._refuse_injected_op()
     _, rhs, *_ = einsum_gemm_plan(self.einsum_str)
     if len(rhs) != len(self.kernel_shape):
       raise ValueError(f"Einsum {einsum_str!r} names {len(rhs)} kernel dims "
