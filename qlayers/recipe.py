@@ -354,17 +354,20 @@ def recipe(name_or_path: "str | os.PathLike | Recipe", **changes) -> Recipe:
     return name_or_path.replace(**changes) if changes else name_or_path
   text = str(name_or_path)
   path = pathlib.Path(text)
-  if not (text.endswith(".toml") or path.is_file()):
-    for d in _recipes_dirs():
-      if (d / f"{text}.toml").is_file():
-        path = d / f"{text}.toml"
-        break
-    else:
-      names = available_recipes()
-      close = difflib.get_close_matches(text, names, n=3, cutoff=0.5)
-      hint = f" did you mean {' or '.join(map(repr, close))}?" if close else ""
-      raise ValueError(f"Unknown recipe {text!r};{hint} available: {names} "
-                       "(or pass a .toml path).")
+  # A shipped recipe's name wins over a same-named file in the working
+  # directory; a path (a PathLike, a folder in it, or .toml) is a file.
+  named = not (isinstance(name_or_path, os.PathLike) or text.endswith(".toml")
+               or os.sep in text or (os.altsep or os.sep) in text)
+  shipped = [d / f"{text}.toml" for d in _recipes_dirs()] if named else []
+  shipped = [f for f in shipped if f.is_file()]
+  if shipped:
+    path = shipped[0]
+  elif named and not path.is_file():
+    names = available_recipes()
+    close = difflib.get_close_matches(text, names, n=3, cutoff=0.5)
+    hint = f" did you mean {' or '.join(map(repr, close))}?" if close else ""
+    raise ValueError(f"Unknown recipe {text!r};{hint} available: {names} "
+                     "(or pass a .toml path).")
   if not path.is_file():
     raise FileNotFoundError(f"Recipe file {path} does not exist.")
   try:

@@ -257,6 +257,13 @@ def test_recipes_are_found_by_name_or_path_only(tmp_path, monkeypatch):
   with pytest.raises(ValueError, match="Unknown recipe 'mine'"):
     qlayers.recipe("mine")
   assert qlayers.recipe(tmp_path / "mine.toml").name == "mine"
+  # A shipped name is not shadowed by a same-named file where it runs.
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "mxfp8").write_text("")
+  (tmp_path / "fp8_delayed").write_text("a log, not TOML\n")
+  assert qlayers.recipe("mxfp8").quantized
+  assert qlayers.recipe("fp8_delayed").delayed
+  assert not qlayers.recipe("./mxfp8").quantized  # a path: the file's
 
 
 def test_wgrad_out_dtype_bfloat16_rounds_the_weight_gradient():
