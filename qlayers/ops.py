@@ -63,7 +63,8 @@ def quantized_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
   for name, t, dims in (("lhs", lhs, lc + lb), ("rhs", rhs, rc + rb)):
     if not all(0 <= d < t.ndim for d in dims):  # lax.dot_general's TypeError
       raise TypeError(f"dot_general: {name} {t.shape} has no dims {dims}.")
-  out_dtype = preferred_element_type or jnp.result_type(lhs, rhs)
+  out_dtype = preferred_element_type or default_out_dtype(
+      recipe, jnp.result_type(lhs, rhs))
   if sharding.explicit_axes():
     ls, rs = sharding.spec_of(lhs), sharding.spec_of(rhs)
     lfree = [d for d in range(lhs.ndim) if d not in lc and d not in lb]

@@ -258,7 +258,8 @@ def ragged_dot(recipe: Recipe | str, *, backend: str | None = None,
       raise NotImplementedError(
           "qlayers ragged_dot does not take group_offset (a shard of the "
           "groups); pass the local groups' rhs and group_sizes.")
-    out_dtype = preferred_element_type or jnp.result_type(lhs, rhs)
+    out_dtype = preferred_element_type or gemm.default_out_dtype(
+        recipe, jnp.result_type(lhs, rhs))
     return quantized_ragged_dot(lhs, rhs, group_sizes, recipe,
                                 out_dtype=out_dtype, backend=backend,
                                 capacity=capacity)[0]

@@ -58,7 +58,8 @@ class GemmRecipe:
     lhs: spec of the left operand (x in Fprop/Wgrad, g in Dgrad).
     rhs: spec of the right operand (w in Fprop/Dgrad, g in Wgrad).
     out_dtype: stored output dtype; ``None`` means the layer's compute dtype
-      for Fprop/Dgrad and FP32 for Wgrad.
+      for Fprop/Dgrad and FP32 for Wgrad. Fprop's is the layers' output
+      dtype unless a layer (or call) is given ``preferred_element_type``.
     accum_dtype: accumulator dtype (FP32 is the only one supported).
     hadamard: block size of a random Hadamard transform applied to both
       operands along the contraction dim before they are quantized (0: none;
@@ -94,7 +95,9 @@ class Recipe:
     amax_history_len: delayed scaling history length (TE default 1024;
       at most `MAX_AMAX_HISTORY_LEN`).
     amax_compute_algo: ``max`` or ``most_recent``.
-    compute_dtype: dtype of unquantized GEMM inputs and layer outputs.
+    compute_dtype: dtype of unquantized GEMM inputs, and of the outputs of
+      inputs narrower than 16 bits; other outputs keep the (promoted) input
+      dtype, as nnx's layers do, unless ``fprop.out_dtype`` is set.
     save_quantized_wgrad_input: keep the Wgrad input ``x`` quantized (FP8)
       between forward and backward instead of in ``compute_dtype``.
     loss_scaling: ``none`` or ``dynamic`` (FP16 needs it).

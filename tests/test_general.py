@@ -188,3 +188,36 @@ def test_linear_general_checks_the_local_kernel():
   full.kernel = nnx.Param(full.kernel[...][:16])  # what a shard holds
   x = jax.random.normal(jax.random.key(0), (3, 16))
   np.testing.assert_array_equal(np.asarray(full(x)), np.asarray(shard(x)))
+
+
+def test_recipe_fprop_out_dtype_is_every_layer_output_dtype(tmp_path):
+  """A recipe's ``[fprop] out_dtype`` is the output dtype of every drop-in
+  and op form; ``preferred_element_type`` still wins over it."""
+  path = tmp_path / "bf16_out.toml"
+  path.write_text('scaling = "current"\n[defaults]\ngranularity = "tensor"\n'
+                  '[fprop]\nout_dtype = "bfloat16"\nx = { format = "e4m3" }\n'
+                  'w = { format = "e4m3" }\n')
+  r = qlayers.recipe(path)
+  x = jnp.ones((4, 16), jnp.float32)
+  rngs = nnx.Rngs(0)
+  outs = {
+      "QuantDense": qlayers.QuantDense(16, 8, recipe=r, rngs=rngs)(x),
+      "QuantLinearGeneral": qlayers.QuantLinearGeneral(
+          16, 8, recipe=r, rngs=rngs)(x),
+      "QuantEinsum": qlayers.QuantEinsum("bd,dh->bh", (16, 8), (8,),
+                                         recipe=r, rngs=rngs)(x),
+      "ops.dot_general": qlayers.ops.dot_general(r)(
+          x, jnp.ones((16, 8)), (((1,), (0,)), ((), ()))),
+      "ops.ragged_dot": qlayers.ops.ragged_dot(r)(
+          x, jnp.ones((2, 16, 8)), jnp.array([1, 3])),
+      "QuantExperts": qlayers.QuantExperts(2, 16, 8, recipe=r, rngs=rngs)(
+          x, jnp.array([1, 3])),
+  }
+  assert {k: v.dtype for k, v in outs.items()} == {
+      k: jnp.bfloat16 for k in outs}
+  wide = qlayers.QuantDense(16, 8, recipe=r, preferred_element_type=
+                            jnp.float32, rngs=rngs)(x)
+  assert wide.dtype == jnp.float32
+  # Without it, the (promoted) input dtype, as nnx.Linear gives.
+  assert qlayers.QuantDense(16, 8, recipe="fp8_current", rngs=rngs)(
+      x).dtype == jnp.float32

@@ -100,7 +100,7 @@ class QuantDense(QuantLayer, nnx.Linear):
                                          dtype=self.dtype)
     y = self.quant.matmul(
         inputs, kernel, bias=bias,
-        out_dtype=self.preferred_element_type or inputs.dtype,
+        out_dtype=self.preferred_element_type,
         out_sharding=out_sharding)
     lora = getattr(self, "lora", None)  # an adapter (see qlayers.add_lora)
     return y if lora is None else y + lora(inputs).astype(y.dtype)

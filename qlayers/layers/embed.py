@@ -56,5 +56,4 @@ class QuantEmbed(QuantLayer, nnx.Embed):
     check_last_dim(f"{type(self).__name__}.attend", query, table.shape[-1],
                    "queries")
     query, _ = self.promote_dtype((query, table), dtype=self.dtype)
-    return self.quant.matmul(query, table.T, out_dtype=query.dtype,
-                             out_sharding=out_sharding)
+    return self.quant.matmul(query, table.T, out_sharding=out_sharding)

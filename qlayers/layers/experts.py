@@ -108,7 +108,8 @@ class QuantRaggedDot(QuantGemm):
           "pass the local groups' rhs and group_sizes.")
     return self.ragged(lhs, rhs, group_sizes,
                        out_dtype=preferred_element_type
-                       or jnp.result_type(lhs, rhs))
+                       or ops.default_out_dtype(self.recipe,
+                                                jnp.result_type(lhs, rhs)))
 
 
   def dot_general(self, lhs: jax.Array, rhs: jax.Array, dimension_numbers,
@@ -125,7 +126,8 @@ class QuantRaggedDot(QuantGemm):
                        f"experts); got batch dims {lb}, {rb}.")
     inner = tuple(tuple(d - (d > b) for d in dims)
                   for dims, b in ((lc, lb[0]), (rc, rb[0])))
-    out = preferred_element_type or jnp.result_type(lhs, rhs)
+    out = preferred_element_type or ops.default_out_dtype(
+        self.recipe, jnp.result_type(lhs, rhs))
 
     def one(a, b, st, key):
       return ops.quantized_dot_general(
@@ -307,7 +309,7 @@ class QuantExperts(QuantLayer, nnx.Module):
     bias = self.bias[...] if self.bias is not None else None
     x, _, bias = nnx.nn.dtypes.promote_dtype((x, kernel, bias),
                                              dtype=self.dtype)
-    y = self.quant.ragged(x, kernel, group_sizes, out_dtype=x.dtype)
+    y = self.quant.ragged(x, kernel, group_sizes)
     if bias is not None:
       gid, valid = ragged.group_ids(group_sizes, x.shape[0],
                                     self.quant.capacity)

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from qlayers import ops
 from qlayers.layers.core import QuantGemm, QuantLayer
 from qlayers.recipe import Recipe
 
@@ -82,8 +83,8 @@ class QuantLinearGeneral(QuantLayer, nnx.LinearGeneral):
                                          dtype=self.dtype)
     dims = ((axis, tuple(range(len(axis)))), ((), ()))
     y = self.quant(inputs, kernel, dims,
-                   preferred_element_type=(self.preferred_element_type
-                                           or inputs.dtype))
+                   preferred_element_type=self.preferred_element_type
+                   or ops.default_out_dtype(self.recipe, inputs.dtype))
     if bias is not None:
       y = y + jnp.reshape(bias, (1,) * (y.ndim - bias.ndim) + bias.shape
                           ).astype(y.dtype)
@@ -232,8 +233,8 @@ class QuantEinsum(QuantLayer, nnx.Einsum):
     dims = ((tuple(lhs.index(c) for c in contracted),
              tuple(rhs.index(c) for c in contracted)), ((), ()))
     y = self.quant(inputs, kernel, dims,
-                   preferred_element_type=(self.preferred_element_type
-                                           or inputs.dtype))
+                   preferred_element_type=self.preferred_element_type
+                   or ops.default_out_dtype(self.recipe, inputs.dtype))
     # dot_general orders the output as the input's free indices, then the
     # kernel's; the equation may want them interleaved.
     have = [c for c in lhs if c in out] + [c for c in rhs if c in out]
