@@ -98,8 +98,14 @@ def read(path: pathlib.Path) -> tuple[dict, dict]:
   if not path.exists():
     raise FileNotFoundError(f"No checkpoint at {path}.")
   if not file.is_file():
+    steps = sorted(int(p.name) for p in path.glob("*")
+                   if p.name.isdigit() and (p / FILE).is_file()
+                   ) if path.is_dir() else []
     raise CheckpointCorruptError(
         f"{path} is not a checkpoint directory." if not path.is_dir() else
+        f"{path} holds the steps {steps} of a checkpoint.Manager, not one "
+        f"checkpoint: restore one with Manager.restore or from "
+        f"{path / str(steps[-1])}." if steps else
         f"{path} has no {FILE}: the save did not finish, or this is not a "
         "qlayers checkpoint.")
   try:
@@ -247,6 +253,9 @@ _RECIPE_DEFAULTS = {
         f.default, (str, int, float, bool, type(None)))}
 
 
+_RECIPE_TEXT = ("name", "description")
+
+
 def layer_diff(ckpt: dict, target: dict) -> list[str]:
   """Differences of two ``{layer path: description}`` (see
   `qlayers.checkpoint.read_metadata`), each recipe setting named."""
@@ -261,8 +270,10 @@ def layer_diff(ckpt: dict, target: dict) -> list[str]:
     fc, ft = flat(c["recipe_config"]), flat(t["recipe_config"])
     # A top-level Recipe field a checkpoint predates holds its default there.
     fc = {**{k: v for k, v in _RECIPE_DEFAULTS.items() if k not in fc}, **fc}
+    # A recipe's name and description say nothing of its numerics.
     fields = [f"{k.replace('/', '.')}: {fc.get(k)!r} vs {ft.get(k)!r}"
-              for k in sorted(set(fc) | set(ft)) if fc.get(k) != ft.get(k)]
+              for k in sorted(set(fc) | set(ft))
+              if fc.get(k) != ft.get(k) and k not in _RECIPE_TEXT]
     if c["type"] != t["type"]:
       fields.append(f"layer type {c['type']} vs {t['type']}")
     if fields:

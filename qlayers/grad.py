@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from qlayers.state import QuantGradState
+from qlayers.state import QuantGradState, QuantVariable
 
 __all__ = ["value_and_grad", "grad", "accumulate_grads"]
 
@@ -81,6 +81,7 @@ def value_and_grad(f: Callable[..., Any], argnums: int = 0, *,
 
 def _value_and_grad(f, argnums, has_aux, wrt, loss_scale, args, kwargs):
   model = args[argnums]
+  check_wrt(model, wrt, "qlayers.value_and_grad")
   graphdef, *typed = nnx.split(model, wrt, QuantGradState, ...)
   diff, qgrad, rest = nnx.as_pure(typed)
 
@@ -100,6 +101,19 @@ def _value_and_grad(f, argnums, has_aux, wrt, loss_scale, args, kwargs):
   grads = nnx.merge_state(_typed(typed[0], g_diff),
                           _typed(typed[1], g_q))
   return ((loss, aux) if has_aux else loss), grads
+
+
+def check_wrt(model: nnx.Module, wrt, where: str) -> None:
+  """Refuses a ``wrt`` filter that takes quantization state: its values are
+  written by the layers and `qlayers.update_scales`, never differentiated or
+  run through an optimizer (that silently corrupts them)."""
+  taken = nnx.state(model, nnx.All(wrt, QuantVariable))
+  if jax.tree.leaves(taken):
+    paths = [".".join(map(str, p)) for p, _ in nnx.to_flat_state(taken)][:3]
+    raise ValueError(
+        f"{where}: wrt={wrt!r} takes quantization state ({', '.join(paths)}"
+        ", ...); differentiate and optimize the Params only (the default "
+        "wrt=nnx.Param).")
 
 
 def _typed(template: nnx.State, values) -> nnx.State:
@@ -125,12 +139,26 @@ def grad(f: Callable[..., Any], argnums: int = 0, *, has_aux: bool = False,
 def accumulate_grads(total: nnx.State | None, grads: nnx.State) -> nnx.State:
   """Adds micro-batch gradients: Params sum, gradient amaxes combine by max.
 
-  Start with ``total=None``. Divide the Param part by the number of
+  Start with ``total=None``. Floating gradients are summed in at least FP32
+  (BF16 partial sums would lose the micro-batches' low bits), so a total of
+  BF16 gradients is FP32. Divide the Param part by the number of
   micro-batches yourself if the loss is a mean.
   """
+  for name, s in (("total", total), ("grads", grads)):
+    if not (isinstance(s, nnx.State) or (name == "total" and s is None)):
+      raise TypeError(f"accumulate_grads(total, grads): {name} must be an "
+                      f"nnx.State of gradients, got {type(s).__name__}.")
   if total is None:
-    return grads
+    return jax.tree.map(_wide, grads)
   qt, pt = nnx.split_state(total, QuantGradState, ...)
   qg, pg = nnx.split_state(grads, QuantGradState, ...)
-  return nnx.merge_state(jax.tree.map(jnp.add, pt, pg),
+  return nnx.merge_state(jax.tree.map(lambda a, b: _wide(a) + _wide(b),
+                                      pt, pg),
                          jax.tree.map(jnp.maximum, qt, qg))
+
+
+def _wide(g: jax.Array) -> jax.Array:
+  """``g`` in at least FP32 if it is floating."""
+  if not jnp.issubdtype(g.dtype, jnp.floating):
+    return g
+  return g if jnp.finfo(g.dtype).bits >= 32 else g.astype(jnp.float32)

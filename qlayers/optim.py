@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from qlayers.grad import check_wrt
 from qlayers.layers.core import gemms, update_scales
 from qlayers.optim_wrappers import (CastMomentsState, LossScaleState,
                                     MasterWeightsState, SkipState,
@@ -81,6 +82,17 @@ class Optimizer(nnx.Optimizer):
                wrt=nnx.Param, master_dtype=jnp.float32, moment_dtype=None,
                skip_nonfinite: bool = True,
                loss_scaling: str | None = None, **loss_scale_kwargs):
+    if not isinstance(model, nnx.Module):
+      raise TypeError(f"qlayers.Optimizer(model, tx): model must be an "
+                      f"nnx.Module, got {type(model).__name__}.")
+    if not (callable(getattr(tx, "init", None))
+            and callable(getattr(tx, "update", None))):
+      hint = (" (pass the optax transformation itself, not an "
+              "nnx.Optimizer)" if isinstance(tx, nnx.Optimizer) else "")
+      raise TypeError(f"qlayers.Optimizer(model, tx): tx must be an optax "
+                      f"GradientTransformation, got {type(tx).__name__}"
+                      f"{hint}.")
+    check_wrt(model, wrt, "qlayers.Optimizer")
     if loss_scaling is None:
       loss_scaling = "dynamic" if _wants_dynamic_loss_scale(model) else "none"
     if loss_scaling not in ("dynamic", "none"):
@@ -119,6 +131,12 @@ class Optimizer(nnx.Optimizer):
 
   def update(self, model, grads, /, **kwargs):
     """Applies one step; see the class docstring."""
+    if not isinstance(model, nnx.Module) or not isinstance(grads, nnx.State):
+      raise TypeError(
+          f"Optimizer.update(model, grads) takes the model, then its "
+          f"gradients (an nnx.State); got {type(model).__name__}, "
+          f"{type(grads).__name__}" + (" (swapped?)" if isinstance(
+              model, nnx.State) else "") + ".")
     params = nnx.as_pure(nnx.state(model, self.wrt))
     param_grads = nnx.as_pure(nnx.state(grads, self.wrt))
     if jax.tree.structure(params) != jax.tree.structure(param_grads):

@@ -217,6 +217,9 @@ def test_mismatches_raise_and_leave_the_target_untouched(trained, tmp_path):
   fails(build(), r"(?s)checkpoint Variables the optimizer does not have:\n"
         r"  opt_state/inner_state/0/count",
         optimizer=qlayers.Optimizer(build(), optax.sgd(0.1)))
+  # A recipe's name and description are not its numerics: a full restore.
+  same = qlayers.recipe(RECIPE).replace(name="mine", description="edited")
+  assert checkpoint.restore(path, build(recipe=same))["restored"] == "full"
   # Asked explicitly, a recipe change loads the Params only.
   target = build(recipe="fp8_current")
   info = checkpoint.restore(path, target, params_only=True)
@@ -495,6 +498,9 @@ def test_manager_keeps_the_latest_steps_and_saves_async(tmp_path):
           np.testing.assert_array_equal(got[k], saved[k], err_msg=k)
     assert m.all_steps() == [1, 2]
   assert sorted(os.listdir(tmp_path)) == ["1", "2"]
+  with pytest.raises(CheckpointCorruptError, match=r"holds the steps \[1, 2\] "
+                     r"of a checkpoint.Manager"):
+    checkpoint.restore(tmp_path, fresh)
   with pytest.raises(FileNotFoundError, match="No checkpoint"):
     checkpoint.Manager(tmp_path / "empty").restore(fresh)
 

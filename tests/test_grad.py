@@ -80,6 +80,25 @@ def test_accumulate_grads_over_micro_batches():
   opt.update(m, total)
   assert float(m.quant.g_amax_history[...][0]) == 5.0
   assert float(m.quant.x_amax_history[...][0]) == float(jnp.max(jnp.abs(xs)))
+  with pytest.raises(TypeError, match="grads must be an nnx.State"):
+    qlayers.accumulate_grads(total, m)
+
+
+def test_accumulated_bf16_gradients_are_summed_in_fp32():
+  """BF16 micro-batch gradients add up in FP32: their sum is exact where
+  BF16 partial sums would round every step."""
+  m = qlayers.QuantDense(16, 8, rngs=nnx.Rngs(0), recipe="bf16",
+                         dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+  vg = qlayers.value_and_grad(lambda m, x: jnp.sum(m(x)))
+  xs = jax.random.normal(jax.random.key(0), (16, 4, 16), jnp.bfloat16)
+  per = [vg(m, x)[1] for x in xs]
+  total = None
+  for g in per:
+    total = qlayers.accumulate_grads(total, g)
+  assert total["kernel"][...].dtype == jnp.float32
+  want = sum(np.asarray(g["kernel"][...], np.float64) for g in per)
+  np.testing.assert_array_equal(np.asarray(total["kernel"][...], np.float64),
+                                want)
 
 
 def test_loss_scale_reaches_value_and_grad():

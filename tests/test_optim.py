@@ -116,6 +116,33 @@ def test_quant_state_bypasses_adam():
   assert float(got["g"].amax_history[0]) == 1e3
 
 
+def test_wrong_arguments_are_refused_by_name():
+  """Arguments swapped or of the wrong kind raise, naming them, before
+  anything changes; a wrt taking quantization state is refused."""
+  m = qlayers.QuantDense(8, 4, rngs=nnx.Rngs(0), recipe=delayed())
+  tx = optax.adam(1e-3)
+  with pytest.raises(TypeError, match="not an nnx.Optimizer"):
+    qlayers.Optimizer(m, nnx.Optimizer(m, tx, wrt=nnx.Param))
+  with pytest.raises(TypeError, match="model must be an nnx.Module"):
+    qlayers.Optimizer(None, tx)
+  for wrt in (nnx.Variable, qlayers.QuantGradState):
+    with pytest.raises(ValueError, match="takes quantization state"):
+      qlayers.Optimizer(m, tx, wrt=wrt)
+    with pytest.raises(ValueError, match="takes quantization state"):
+      qlayers.value_and_grad(lambda m: jnp.sum(m(jnp.ones((2, 8)))),
+                             wrt=wrt)(m)
+  opt = qlayers.Optimizer(m, tx)
+  _, grads = qlayers.value_and_grad(lambda m: jnp.sum(m(jnp.ones((2, 8)))))(m)
+  before = pure(nnx.state(m))
+  with pytest.raises(TypeError, match=r"got State, QuantDense \(swapped\?\)"):
+    opt.update(grads, m)
+  with pytest.raises(TypeError, match="update_scales"):
+    qlayers.update_scales(grads, m)
+  after = pure(nnx.state(m))
+  assert all(np.array_equal(before[k], after[k]) for k in before)
+  assert int(opt.step[...]) == 0
+
+
 @pytest.mark.usefixtures("optax_promotion")
 def test_nonfinite_step_changes_only_skipped():
   m = Vec([1.0, 2.0], jnp.bfloat16)

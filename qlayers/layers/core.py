@@ -327,6 +327,8 @@ def update_scales(model: nnx.Module, grads: nnx.State | None = None) -> int:
     The number of `QuantGemm` modules updated.
 
   Raises:
+    TypeError: ``model`` is not an ``nnx.Module`` or ``grads`` neither None
+      nor an ``nnx.State`` (the two swapped).
     ValueError: ``grads`` holds a gradient amax at a path where ``model``
       has none (the grads of another model); nothing is written then.
 
@@ -346,6 +348,11 @@ def update_scales(model: nnx.Module, grads: nnx.State | None = None) -> int:
     >>> float(model.quant.g_amax_history[0]) > 0
     True
   """
+  if not isinstance(model, nnx.Module) or not (
+      grads is None or isinstance(grads, nnx.State)):
+    raise TypeError(f"update_scales(model, grads) takes the model, then its "
+                    f"gradients (an nnx.State or None); got "
+                    f"{type(model).__name__}, {type(grads).__name__}.")
   found = list(gemms(model))
   updates = _grad_amaxes(model, grads)
   for path, gemm in found:
