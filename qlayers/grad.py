@@ -82,14 +82,27 @@ def value_and_grad(f: Callable[..., Any], argnums: int = 0, *,
 def _value_and_grad(f, argnums, has_aux, wrt, loss_scale, args, kwargs):
   model = args[argnums]
   check_wrt(model, wrt, "qlayers.value_and_grad")
-  graphdef, *typed = nnx.split(model, wrt, QuantGradState, ...)
+  # The model and the other NNX objects among the arguments (an nnx.Rngs, a
+  # second model), split together (a Variable they share stays one) and
+  # merged inside the differentiated function: what ``f`` writes to them is
+  # written back, as nnx.value_and_grad does. Only the model's ``wrt``
+  # Variables and gradient amaxes are differentiated.
+  is_node = nnx.graph.is_graph_node
+  nodes = (model, {i: a for i, a in enumerate(args)
+                   if i != argnums and is_node(a)},
+           {k: v for k, v in kwargs.items() if is_node(v)})
+  filters = (nnx.All(wrt, _in_model), nnx.All(QuantGradState, _in_model), ...)
+  graphdef, *typed = nnx.split(nodes, *filters)
   diff, qgrad, rest = nnx.as_pure(typed)
 
   def inner(diff, qgrad):
-    m = nnx.merge(graphdef, diff, qgrad, rest)
-    out = f(*args[:argnums], m, *args[argnums + 1:], **kwargs)
+    merged = nnx.merge(graphdef, diff, qgrad, rest)
+    m, arg_nodes, kw_nodes = merged
+    a = [arg_nodes.get(i, x) for i, x in enumerate(args)]
+    a[argnums] = m
+    out = f(*a, **{**kwargs, **kw_nodes})
     loss, aux = out if has_aux else (out, None)
-    *_, new_rest = nnx.split(m, wrt, QuantGradState, ...)
+    *_, new_rest = nnx.split(merged, *filters)
     return loss, (aux, nnx.as_pure(new_rest))
 
   loss, vjp_fn, (aux, new_rest) = jax.vjp(inner, diff, qgrad, has_aux=True)
@@ -97,10 +110,14 @@ def _value_and_grad(f, argnums, has_aux, wrt, loss_scale, args, kwargs):
   if loss_scale is not None:
     seed = seed * jnp.asarray(loss_scale, loss.dtype)
   g_diff, g_q = vjp_fn(seed)
-  nnx.update(model, new_rest)
-  grads = nnx.merge_state(_typed(typed[0], g_diff),
-                          _typed(typed[1], g_q))
-  return ((loss, aux) if has_aux else loss), grads
+  nnx.update(nodes, new_rest)
+  grads = nnx.merge_state(_typed(typed[0], g_diff), _typed(typed[1], g_q))
+  return ((loss, aux) if has_aux else loss), grads.get(0, nnx.State({}))
+
+
+def _in_model(path, _) -> bool:
+  """Whether a Variable's path is in the model (``nodes[0]``)."""
+  return path[0] == 0
 
 
 def check_wrt(model: nnx.Module, wrt, where: str) -> None:

@@ -177,3 +177,39 @@ def test_jitted_step_matches_nnx_value_and_grad():
     assert l1 == l2 and g1.keys() == g2.keys()
     for k in g2:
       assert np.array_equal(g1[k], g2[k]), k
+
+
+def test_other_nnx_arguments_are_merged_and_written_back():
+  """An nnx.Rngs or a second (delayed, eval-mode) model among the loss's
+  arguments: the same loss and gradients as nnx.value_and_grad, their
+  state written back, only the model differentiated."""
+
+  class Net(nnx.Module):
+    def __init__(self, recipe, seed):
+      self.l = qlayers.QuantDense(8, 8, recipe=recipe, rngs=nnx.Rngs(seed))
+      self.drop = nnx.Dropout(0.5)
+
+    def __call__(self, x, rngs=None):
+      return self.drop(self.l(x), rngs=rngs)
+
+  def loss(student, teacher, x, rngs):
+    return jnp.mean((student(x, rngs) - teacher(x)) ** 2)
+
+  x = jax.random.normal(jax.random.key(0), (4, 8))
+  teacher = Net("fp8_delayed", 1)
+  teacher.eval()
+  got, want = [], []
+  for vg, out in ((qlayers.value_and_grad(loss), got),
+                  (nnx.value_and_grad(loss), want)):
+    rngs = nnx.Rngs(dropout=3)
+    out.append(vg(Net("fp8_current", 0), teacher, x, rngs))
+    out.append(int(rngs.dropout.count[...]))
+  (l1, g1), n1 = got
+  (l2, g2), n2 = want
+  assert float(l1) == float(l2) and n1 == n2 == 1
+  # A keyword argument too.
+  l3, _ = qlayers.value_and_grad(lambda s, t, x, *, rngs: loss(s, t, x, rngs))(
+      Net("fp8_current", 0), teacher, x, rngs=nnx.Rngs(dropout=3))
+  assert float(l3) == float(l1)
+  np.testing.assert_array_equal(g1["l"]["kernel"][...], g2["l"]["kernel"][...])
+  assert sorted(g1["l"].keys()) == ["bias", "kernel"]
