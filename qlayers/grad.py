@@ -7,7 +7,10 @@ backward rule. A layer used several times in a step (tied weights, a loop)
 combines its uses by max, not sum: each use reads the gradient amax the
 previous one passed through (`qlayers.QuantGemm.write`), so the uses form a
 chain whose backward rules take the max (`qlayers.gemm`); JAX never adds
-two of them. The state stays plain FP32, which orbax saves, and
+two of them. Inside ``nnx.scan`` that holds for a layer in the carry, not
+for one broadcast (``in_axes=None``): scan sums a broadcast input's
+cotangents and drops the body's writes to it. The state stays plain FP32,
+which orbax saves, and
 ``nnx.value_and_grad(..., argnums=nnx.DiffState(0, (nnx.Param,
 qlayers.QuantGradState)))`` combines it the same way.
 
