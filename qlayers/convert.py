@@ -198,18 +198,20 @@ class ConversionReport:
         cells = [c.ljust(w) for c, w in zip(r, widths)] + [r[-1]]
         lines.append("  " + "  ".join(cells).rstrip())
     table("converted", ["path", "layer", "(K, N)", "recipe", "rule"],
-          [[c.path + (f" (= {', '.join(c.aliases)})" if c.aliases else ""),
+          [[(c.path or "(model)")
+            + (f" (= {', '.join(c.aliases)})" if c.aliases else ""),
             f"{c.old_type} -> {c.new_type}", c.shape, c.recipe,
             _rule_str(c.rule, self.operation)] for c in self.converted])
     table("kept wide", ["path", "layer", "rule"],
-          [[k.path, k.layer_type,
+          [[k.path or "(model)", k.layer_type,
             ("no rule matched" if k.rule is None
              else _rule_str(k.rule, self.operation))
             + (f": {k.why}" if k.why else "")] for k in self.kept_wide])
     table("skipped", ["path", "layer", "reason"],
           [[s.path or "(model)", s.layer_type, s.reason] for s in self.skipped])
     table("left as they were", ["path", "layer", "reason"],
-          [[s.path, s.layer_type, s.reason] for s in self.already_quantized])
+          [[s.path or "(model)", s.layer_type, s.reason]
+           for s in self.already_quantized])
     table("rules that matched nothing", ["pattern", "recipe"],
           [[_rule_str(_rule_name(r), self.operation), _recipe_name(r.recipe)]
            for r in self.unmatched_rules])

@@ -68,13 +68,14 @@ def _children(node):
   return []
 
 
-def sites(model: nnx.Module, want) -> list[Site]:
-  """Every module ``want`` accepts (not the model itself), sorted by path,
-  with all the places that reference it (a shared layer has several)."""
+def sites(model: nnx.Module, want, root: bool = False) -> list[Site]:
+  """Every module ``want`` accepts (the model itself too if ``root``: a
+  swap of one of its attributes), sorted by path, with all the places that
+  reference it (a shared layer has several)."""
   found: dict[int, Site] = {}
   nodes = list(nnx.iter_graph(model))
   for path, node in nodes:
-    if path and isinstance(node, nnx.Module) and want(node):
+    if (path or root) and isinstance(node, nnx.Module) and want(node):
       found.setdefault(id(node), Site(path_str(path), node, []))
   for path, node in nodes:
     for key, child in _children(node):

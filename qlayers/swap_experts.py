@@ -57,7 +57,7 @@ def is_quantized(m) -> bool:
 
 def sites(model: nnx.Module) -> list[swap.Site]:
   """Every experts module of ``model``, with its path and references."""
-  return swap.sites(model, is_experts)
+  return swap.sites(model, is_experts, root=True)
 
 
 def _kernel(m) -> tuple[str, tuple[int, ...]] | None:
@@ -121,5 +121,5 @@ def routers(linear: list[swap.Site], experts: list[swap.Site]
           and isinstance(s.layer, (nnx.Linear, nnx.LinearGeneral))
           and swap.dims(s.layer)[1] == num):
         out.setdefault(id(s.layer), f"router of the {num} experts at "
-                       f"{e.path} (kept wide)")
+                       f"{e.path or '(model)'} (kept wide)")
   return out

@@ -79,6 +79,29 @@ def test_experts_converted_router_kept_wide_raw_reported():
   assert not nnx.state(moe, qlayers.QuantVariable)
 
 
+def test_an_experts_module_that_is_the_model_converts_too():
+  """The grouped GEMM is swapped on the module, so the module may be the
+  model itself (a router beside the experts stays wide); and back."""
+
+  class Flat(Experts):
+    def __init__(self, rngs):
+      super().__init__(D, H, rngs)
+      self.router = nnx.Linear(D, E, rngs=rngs)
+
+  for model in (Experts(D, H, nnx.Rngs(0)), Flat(nnx.Rngs(0))):
+    x = jax.random.normal(jax.random.key(1), (8, D))
+    want = ops.ragged_dot("fp8_current")(x, model.kernel[...], SIZES)
+    converted, kept, _ = _kinds(qlayers.quantize(model, "fp8_current"))
+    assert converted == {"": "QuantRaggedDot at .ragged_dot"}
+    assert isinstance(model.ragged_dot, QuantRaggedDot)
+    np.testing.assert_array_equal(model(x, SIZES), want)
+    if isinstance(model, Flat):
+      assert kept == {"router": "router of the 4 experts at (model) (kept "
+                                "wide)"}
+    qlayers.dequantize_model(model)
+    assert model.ragged_dot is jax.lax.ragged_dot
+
+
 def test_delayed_experts_train_with_per_expert_state():
   moe = MoE(nnx.Rngs(0))
   qlayers.quantize(moe, "fp8_delayed")
