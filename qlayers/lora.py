@@ -1,8 +1,10 @@
 """LoRA adapters beside (frozen) quantized base weights.
 
-`add_lora` puts an ``nnx.LoRA`` (``nnx.LoRAParam`` ``lora_a (in, r)``,
-``lora_b (r, out)``, BF16 by default) at ``layer.lora`` of each
-`qlayers.QuantDense`, whose output then adds ``x @ lora_a @ lora_b`` (the
+`add_lora` puts an ``nnx.LoRA`` (``nnx.LoRAParam`` ``lora_a (K, r)``,
+``lora_b (r, N)``, BF16 by default) at ``layer.lora`` of each
+`qlayers.QuantDense`, `qlayers.QuantLinearGeneral` and `qlayers.QuantEinsum`
+(the projections of `qlayers.QuantAttentionProj` too), whose output then
+adds ``x @ lora_a @ lora_b`` over the GEMM's flattened ``K`` and ``N`` (the
 state names of ``nnx.LoRALinear``). The base GEMM stays quantized; the
 adapter GEMMs run in the adapters' dtype. Train the adapters only with
 ``wrt=nnx.LoRAParam`` (`qlayers.value_and_grad`, `qlayers.Optimizer`, or
@@ -16,8 +18,10 @@ in its own format) for export with `qlayers.checkpoint.write_safetensors`.
 
 from __future__ import annotations
 
+import math
 import os
 import pathlib
+import warnings
 from typing import Callable, Iterator
 
 import jax.numpy as jnp
@@ -25,8 +29,10 @@ import numpy as np
 from flax import nnx
 
 from qlayers import safetensors
+from qlayers.layers.core import QuantLayer
 from qlayers.layers.dense import QuantDense
-from qlayers.layers.frozen import FrozenKernel
+from qlayers.layers.frozen import FrozenKernel, _n_in
+from qlayers.layers.general import QuantEinsum, QuantLinearGeneral
 
 __all__ = ["add_lora", "lora_layers", "merge_lora", "save_adapters",
            "load_adapters"]
@@ -36,23 +42,48 @@ def _path(path) -> str:
   return ".".join(map(str, path))
 
 
-def lora_layers(model: nnx.Module) -> Iterator[tuple[tuple, QuantDense]]:
-  """Every `qlayers.QuantDense` of ``model`` with an adapter, with its path."""
+_ADAPTABLE = (QuantDense, QuantLinearGeneral, QuantEinsum)
+
+
+def lora_layers(model: nnx.Module) -> Iterator[tuple[tuple, nnx.Module]]:
+  """Every layer of ``model`` with an adapter, with its path."""
   for path, node in nnx.iter_graph(model):
-    if isinstance(node, QuantDense) and getattr(node, "lora", None) is not None:
+    if (isinstance(node, _ADAPTABLE)
+        and getattr(node, "lora", None) is not None):
       yield path, node
+
+
+def _gemm_dims(layer) -> tuple[int, int] | None:
+  """``(K, N)`` of the GEMM an adapter sits beside: the kernel's leading
+  (contracted) dims and the rest; None where the contracted dims of an
+  einsum's kernel do not lead."""
+  if isinstance(layer, QuantDense):
+    return layer.in_features, layer.out_features
+  try:
+    n_in = _n_in(layer, "add_lora")
+  except ValueError:  # a stack of layers
+    return None
+  if n_in is None:
+    return None
+  shape = tuple(layer.kernel.shape)
+  return math.prod(shape[:n_in]), math.prod(shape[n_in:])
 
 
 def add_lora(model: nnx.Module, rank: int, *, rngs: nnx.Rngs,
              param_dtype=jnp.bfloat16, dtype=None,
              where: Callable[[str], bool] | None = None) -> int:
   """Adds an ``nnx.LoRA`` adapter of rank ``rank`` at ``.lora`` of every
-  `qlayers.QuantDense` in ``model`` (those whose dotted path ``where``
-  accepts), in place; returns how many.
+  `qlayers.QuantDense`, `qlayers.QuantLinearGeneral` and `qlayers.QuantEinsum`
+  in ``model`` (those whose dotted path ``where`` accepts), in place;
+  returns how many.
 
   ``lora_a`` is initialised by ``nnx.LoRA`` (He uniform) and ``lora_b`` to
   zero, so the model's outputs do not change until it trains. ``dtype``: the
-  adapter GEMMs' dtype (default ``param_dtype``).
+  adapter GEMMs' dtype (default ``param_dtype``). A layer that has one
+  keeps it. A quantized layer that cannot take one (an einsum whose kernel
+  does not lead with its contracted dims, a stack of general layers, the
+  experts' grouped GEMMs, a tied embedding) is named in a warning; a model
+  with no quantized layer (where ``where`` accepts) is a ValueError.
 
   Example:
     >>> import jax.numpy as jnp
@@ -69,13 +100,28 @@ def add_lora(model: nnx.Module, rank: int, *, rngs: nnx.Rngs,
   """
   if rank < 1:
     raise ValueError(f"rank must be >= 1, got {rank}.")
-  todo = [n for p, n in nnx.iter_graph(model) if isinstance(n, QuantDense)
-          and getattr(n, "lora", None) is None
-          and (where is None or where(_path(p)))]
-  for node in todo:
-    node.lora = nnx.LoRA(node.in_features, rank, node.out_features,
-                         dtype=dtype or param_dtype, param_dtype=param_dtype,
-                         rngs=rngs)
+  found = [(_path(p), n) for p, n in nnx.iter_graph(model)
+           if isinstance(n, QuantLayer) and (where is None or where(_path(p)))]
+  todo, refused = [], []
+  for path, node in found:
+    dims = _gemm_dims(node) if isinstance(node, _ADAPTABLE) else None
+    if dims is None:
+      refused.append(f"{path or '(model)'} ({type(node).__name__})")
+    elif getattr(node, "lora", None) is None:
+      todo.append((node, dims))
+  if refused:
+    warnings.warn(
+        f"add_lora left without an adapter: {', '.join(refused)} (it takes "
+        "QuantDense, QuantLinearGeneral and QuantEinsum layers whose kernel "
+        "leads with its contracted dims); pass where= to leave them out "
+        "and silence this.", stacklevel=2)
+  if not found:
+    raise ValueError("add_lora found no quantized layer to adapt" + (
+        " where `where` accepts one" if where is not None else "") +
+        " (quantize the model first: qlayers.quantize).")
+  for node, (k, n) in todo:
+    node.lora = nnx.LoRA(k, rank, n, dtype=dtype or param_dtype,
+                         param_dtype=param_dtype, rngs=rngs)
   return len(todo)
 
 
@@ -98,6 +144,7 @@ def merge_lora(model: nnx.Module) -> int:
     lora = node.lora
     delta = (lora.lora_a[...].astype(jnp.float32)
              @ lora.lora_b[...].astype(jnp.float32))
+    delta = delta.reshape(node.kernel.shape)
     if isinstance(node.kernel, FrozenKernel):
       node.kernel.requantize(node.kernel.dequantize(jnp.float32) + delta)
     else:

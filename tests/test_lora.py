@@ -154,3 +154,51 @@ def test_stock_nnx_loop_trains_the_adapters_only(optax_promotion):
   assert float(last) < float(first)
   np.testing.assert_array_equal(_bits(net.up.kernel.payload[...]),
                                 _bits(payload))
+
+
+def test_attention_and_einsum_projections_take_adapters():
+  """QuantLinearGeneral (attention's projections) and QuantEinsum get
+  adapters over their GEMM's flattened K and N: the output adds exactly the
+  einsum of a kernel delta lora_a @ lora_b, and merge_lora folds that delta
+  into the kernel; what cannot take one is named, and a model with nothing
+  to adapt is an error."""
+  rngs = nnx.Rngs(0)
+  attn = qlayers.QuantAttentionProj(32, 4, 8, recipe="bf16", rngs=rngs)
+  ein = qlayers.QuantEinsum("btd,dnh->bnth", (32, 4, 8), recipe="bf16",
+                            rngs=rngs)
+  model = nnx.Dict(attn=attn, ein=ein)
+  assert qlayers.add_lora(model, 2, rngs=nnx.Rngs(1),
+                          param_dtype=jnp.float32) == 5
+  x = jax.random.normal(jax.random.key(3), (2, 6, 32))
+  for layer in (attn.query, attn.out, ein):
+    layer.lora.lora_b[...] = jax.random.normal(
+        jax.random.key(4), layer.lora.lora_b.shape)
+  q, _, _ = attn.qkv(x)
+  heads = jax.random.normal(jax.random.key(5), (2, 6, 4, 8))
+  cases = [(attn.query, x, q), (attn.out, heads, attn.out(heads)),
+           (ein, x, ein(x))]
+  for layer, inp, got in cases:
+    delta = (layer.lora.lora_a[...] @ layer.lora.lora_b[...]).reshape(
+        layer.kernel.shape)
+    lora = layer.lora
+    del layer.lora
+    base = layer(inp)
+    layer.kernel[...] = layer.kernel[...] + delta
+    want = layer(inp)
+    layer.kernel[...] = layer.kernel[...] - delta
+    layer.lora = lora
+    np.testing.assert_allclose(got - base, want - base, rtol=0.05, atol=0.05)
+    assert float(jnp.abs(got - base).max()) > 0.1
+  y = ein(x)
+  assert qlayers.merge_lora(model) == 5
+  np.testing.assert_allclose(ein(x), y, rtol=0.03, atol=0.03)
+
+  experts = qlayers.QuantExperts(4, 32, 16, recipe="fp8_current", rngs=rngs)
+  mixed = nnx.Dict(dense=qlayers.QuantDense(32, 16, rngs=rngs),
+                   experts=experts)
+  with pytest.warns(UserWarning, match=r"left without an adapter: experts "
+                    r"\(QuantExperts\)"):
+    assert qlayers.add_lora(mixed, 2, rngs=nnx.Rngs(1)) == 1
+  with pytest.raises(ValueError, match="no quantized layer to adapt"):
+    qlayers.add_lora(nnx.Dict(plain=nnx.Linear(4, 4, rngs=rngs)), 2,
+                     rngs=nnx.Rngs(1))

@@ -85,6 +85,7 @@ class QuantLinearGeneral(QuantLayer, nnx.LinearGeneral):
     y = self.quant(inputs, kernel, dims,
                    preferred_element_type=self.preferred_element_type
                    or ops.default_out_dtype(self.recipe, inputs.dtype))
+    y = lora_term(self, inputs, dims, y)
     if bias is not None:
       y = y + jnp.reshape(bias, (1,) * (y.ndim - bias.ndim) + bias.shape
                           ).astype(y.dtype)
@@ -108,6 +109,30 @@ class QuantLinearGeneral(QuantLayer, nnx.LinearGeneral):
       raise ValueError(f"{name} expects input dims {want} at axis "
                        f"{self.axis}, got shape {shape}.")
     return axis
+
+
+def lora_term(layer, inputs: jax.Array, dims, y: jax.Array) -> jax.Array:
+  """``y`` plus the output of ``layer``'s adapter (`qlayers.add_lora`; none:
+  ``y``): ``inputs`` contracted as ``dims`` contracts them with the kernel,
+  with ``lora_a (K, r)`` seen as the kernel's leading (contracted) dims,
+  then with ``lora_b (r, N)`` as its trailing ones, in the adapter's
+  dtype; the same layout as the quantized GEMM's output."""
+  lora = getattr(layer, "lora", None)
+  if lora is None:
+    return y
+  shape = tuple(layer.kernel.shape)
+  (_, kernel_dims), _ = dims
+  n_in = len(kernel_dims)
+  if sorted(kernel_dims) != list(range(n_in)):
+    raise ValueError(f"{type(layer).__name__}: its adapter needs the "
+                     "contracted kernel dims first; this call contracts "
+                     f"kernel dims {kernel_dims} of {shape}.")
+  dt = lora.dtype
+  a = lora.lora_a[...].astype(dt).reshape(*shape[:n_in], -1)
+  h = jax.lax.dot_general(inputs.astype(dt), a, dims)
+  out = (h @ lora.lora_b[...].astype(dt)).reshape(*h.shape[:-1],
+                                                 *shape[n_in:])
+  return y + out.astype(y.dtype)
 
 
 # ----------------------------------------------------------------------------
@@ -235,6 +260,7 @@ class QuantEinsum(QuantLayer, nnx.Einsum):
     y = self.quant(inputs, kernel, dims,
                    preferred_element_type=self.preferred_element_type
                    or ops.default_out_dtype(self.recipe, inputs.dtype))
+    y = lora_term(self, inputs, dims, y)
     # dot_general orders the output as the input's free indices, then the
     # kernel's; the equation may want them interleaved.
     have = [c for c in lhs if c in out] + [c for c in rhs if c in out]
