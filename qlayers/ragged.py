@@ -38,6 +38,8 @@ times the activation instead of G times.
 
 from __future__ import annotations
 
+import numbers
+
 import jax
 import jax.numpy as jnp
 
@@ -200,11 +202,11 @@ def quantized_ragged_dot(lhs: jax.Array, rhs: jax.Array,
   m, g = lhs.shape[0], rhs.shape[0]
   if m == 0 or g == 0 or rhs.shape[2] == 0 or lhs.shape[1] == 0:
     return jnp.zeros((m, rhs.shape[2]), out_dtype), state
-  if capacity is not None and (not isinstance(capacity, int)
-                               or capacity < 1):
+  if capacity is not None and (not isinstance(capacity, numbers.Integral)
+                               or isinstance(capacity, bool) or capacity < 1):
     raise ValueError(f"ragged_dot: capacity must be a positive int, got "
                      f"{capacity!r}.")
-  rows = min(capacity or m, m)
+  rows = min(int(capacity or m), m)
   starts, sizes = _layout(jnp.asarray(group_sizes), m)
   keys = key
   typed = key is not None and jax.dtypes.issubdtype(key.dtype,

@@ -92,10 +92,16 @@ def test_refusals():
                                rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match=r"tokens of shape \(m, 32\)"):
     layer(jnp.ones((2, 3, 32)), SIZES)
-  rd = QuantRaggedDot("fp8_delayed", num_groups=4)
-  with pytest.raises(ValueError, match=r"amax of shape \(4,\); a grouped "
-                     r"GEMM of 2 experts keeps one per expert"):
-    rd(_x(), jnp.ones((2, 32, 16)), SIZES[:2])
+  for name in ("fp8_delayed", "nvfp4"):  # state or rounding seeds per expert
+    rd = QuantRaggedDot(name, num_groups=4)
+    with pytest.raises(ValueError, match=r"keeps state for 4 experts "
+                       r"\(num_groups=4\), but the weights hold 2"):
+      rd(_x(), jnp.ones((2, 32, 16)), SIZES[:2])
+  ein = QuantExpertsEinsum("ecd,edf->ecf", (4, 32, 16), recipe="fp8_current",
+                           rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"the input has 3 experts \(dim 0 of "
+                     r"\(3, 5, 32\)\), the weights 4"):
+    ein(jnp.ones((3, 5, 32)))
   with pytest.raises(NotImplementedError, match="group_offset"):
     rd(_x(), jnp.ones((4, 32, 16)), SIZES, group_offset=jnp.array([0]))
 

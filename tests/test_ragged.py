@@ -200,6 +200,8 @@ def test_capacity_bounds_the_buffers():
   np.testing.assert_array_equal(small[1][kept], full[1][kept])
   with pytest.raises(ValueError, match="capacity must be a positive int"):
     ops.ragged_dot("mxfp8", capacity=0)(x, w, jnp.array(SIZES, jnp.int32))
+  np_small = run(np.int64(5))  # a NumPy integer is an int
+  np.testing.assert_array_equal(np_small[0], small[0])
 
 
 def test_one_key_or_one_per_expert():

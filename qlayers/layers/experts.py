@@ -68,6 +68,19 @@ class QuantRaggedDot(QuantGemm):
     self.num_groups = num_groups
     self.capacity = capacity
 
+  def _check_experts(self, n: int | None) -> None:
+    """Refuses weights of ``n`` experts where this module keeps per-expert
+    state (delayed scaling, step-keyed rounding) for another number (its
+    local shard's inside ``shard_map``)."""
+    state = self.read()
+    have = (state["x"].amax.shape[0] if state is not None
+            else self.sr_seed.shape[0] if self.recipe.sr_key == "step"
+            else None)
+    if n is not None and have is not None and have != n:
+      raise ValueError(
+          f"QuantRaggedDot keeps state for {have} experts (num_groups="
+          f"{self.num_groups}), but the weights hold {n}.")
+
   def rounding_key(self) -> jax.Array | None:
     """One stochastic-rounding key per expert (``sr_key = "step"``; None
     otherwise): `QuantGemm.rounding_key` of each expert's seed."""
@@ -89,6 +102,7 @@ class QuantRaggedDot(QuantGemm):
     entry per expert of ``w``. Inside `qlayers.ops.intercept` the GEMM goes
     to the intercepting function, with ``group_sizes=`` and ``capacity=``
     added to its keywords (`qlayers.inspect` measures experts this way)."""
+    self._check_experts(jnp.shape(w)[0] if jnp.ndim(w) == 3 else None)
     y, new_state = ragged.quantized_ragged_dot(
         x, w, group_sizes, self.recipe, self.read(), key=self.rounding_key(),
         out_dtype=out_dtype, backend=self.backend,
@@ -134,11 +148,13 @@ class QuantRaggedDot(QuantGemm):
           a, b, (inner, ((), ())), self.recipe, st, key=key,
           preferred_element_type=out, backend=self.backend)
 
-    state = self.read()
-    if state is not None and state["x"].amax.shape != (rhs.shape[rb[0]],):
+    if lhs.shape[lb[0]] != rhs.shape[rb[0]]:
       raise ValueError(
-          f"QuantRaggedDot keeps state of shape {state['x'].amax.shape}, one "
-          f"per expert, but the GEMM has {rhs.shape[rb[0]]} experts.")
+          f"QuantRaggedDot.dot_general: the input has {lhs.shape[lb[0]]} "
+          f"experts (dim {lb[0]} of {lhs.shape}), the weights "
+          f"{rhs.shape[rb[0]]} (dim {rb[0]} of {rhs.shape}).")
+    self._check_experts(rhs.shape[rb[0]])
+    state = self.read()
     with sharding.unpartitioned():
       y, new_state = jax.vmap(one, in_axes=(lb[0], rb[0], 0, 0))(
           lhs, rhs, state, self.rounding_key())
