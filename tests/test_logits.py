@@ -111,6 +111,25 @@ def test_chunked_loss_equals_full(tied, chunk):
   assert np.all(np.asarray(gx_full)[~np.asarray(mask)] == 0)
 
 
+def test_masked_labels_may_be_anything_and_unmasked_ones_must_fit():
+  """Padding labels (the vocabulary size, -100) at masked positions change
+  neither the loss nor its gradients; an unmasked one outside the
+  vocabulary makes the loss NaN instead of picking another class."""
+  head = qlayers.QuantLogits(16, 64, rngs=nnx.Rngs(0))
+  x, labels, mask = _lm_loss_inputs(12)
+  vg = nnx.value_and_grad(lambda h, y: h.loss(x, y, mask=mask, chunk_size=5))
+  want, g_want = vg(head, labels)
+  for pad in (64, -100):
+    got, g_got = vg(head, jnp.where(mask, labels, pad))
+    assert float(got) == float(want)
+    np.testing.assert_array_equal(g_got["kernel"][...],
+                                  g_want["kernel"][...])
+  i = np.argwhere(np.asarray(mask))[0]
+  for bad in (64, -1):
+    assert np.isnan(float(head.loss(x, labels.at[tuple(i)].set(bad),
+                                    mask=mask)))
+
+
 def test_chunked_loss_memory():
   batch, seq, d, vocab = 1, 512, 16, 4096
   head = qlayers.QuantLogits(d, vocab, rngs=nnx.Rngs(0))

@@ -183,13 +183,18 @@ class QuantLogits(QuantLayer, nnx.Module):
     With ``chunk_size``, the sequence is processed ``chunk_size`` positions
     at a time (logits, logsumexp, picked logit), each chunk rematerialised
     in the backward pass: peak memory holds one ``(batch, chunk, vocab)``
-    block instead of ``(batch, seq, vocab)``. The value and gradients equal
-    the unchunked ones up to float summation order. A sequence that is not
-    a multiple of ``chunk_size`` is padded with masked positions.
+    block instead of ``(batch, seq, vocab)``. With a wide recipe the value
+    and gradients equal the unchunked ones up to float summation order; a
+    quantizing recipe scales each chunk's operands by their own amax (per
+    tensor: the chunk's), so they differ by that rounding too (about 1e-4
+    relative for ``fp8_current``). A sequence that is not a multiple
+    of ``chunk_size`` is padded with masked positions.
 
     Args:
       x: hidden states ``(..., seq, in_features)``.
-      labels: integer classes in ``[0, vocab_size)``, shape ``(..., seq)``.
+      labels: integer classes in ``[0, vocab_size)``, shape ``(..., seq)``;
+        at masked positions any value (padding), elsewhere one outside makes
+        the loss NaN.
       chunk_size: positions per chunk (``None``: the whole sequence at once).
       mask: booleans ``(..., seq)``; False positions are left out of the
         mean.
@@ -230,8 +235,14 @@ class QuantLogits(QuantLayer, nnx.Module):
       logits, new_state = self._logits(xc, kernel, bias,
                                        None if state is None else st, kc)
       lse = jax.nn.logsumexp(logits, axis=-1)
-      picked = _pick(logits, yc)
-      total = jnp.sum((lse - picked) * mc)
+      # A masked position adds 0 whatever its label (padding may hold any);
+      # an unmasked label outside [0, vocab) makes the loss NaN (a negative
+      # one would otherwise pick from the end).
+      keep = mc > 0
+      valid = (yc >= 0) & (yc < logits.shape[-1])
+      picked = jnp.where(valid, _pick(logits, jnp.where(keep & valid, yc, 0)),
+                         jnp.nan)
+      total = jnp.sum(jnp.where(keep, (lse - picked) * mc, 0.0))
       if new_state is None:
         return g_amax, (total, ())
       return new_state["g"].amax, (total, (new_state["x"].amax,
