@@ -85,6 +85,10 @@ def read_file(path: str | os.PathLike) -> dict[str, np.ndarray]:
       header = json.loads(f.read(n))
     except ValueError as e:
       raise SafetensorsError(f"{path}: the header is not JSON ({e}).") from e
+  if not isinstance(header, dict):
+    raise SafetensorsError(f"{path}: the header is a JSON "
+                           f"{type(header).__name__}, not an object of "
+                           "tensors.")
   data = np.memmap(path, np.uint8, "r", offset=8 + n) if size > 8 + n else (
       np.zeros(0, np.uint8))
   out = {}
@@ -95,12 +99,17 @@ def read_file(path: str | os.PathLike) -> dict[str, np.ndarray]:
                                           "data_offsets"} <= set(info):
       raise SafetensorsError(f"{path}: tensor {name!r} lacks dtype, shape "
                              f"or data_offsets in the header: {info!r}.")
-    dtype = DTYPES.get(info["dtype"])
+    dtype = DTYPES.get(info["dtype"]) if isinstance(info["dtype"], str) else None
     if dtype is None:
       raise SafetensorsError(f"{path}: tensor {name!r} has unknown dtype "
                              f"{info['dtype']!r} (known: {sorted(DTYPES)}).")
-    shape = tuple(int(d) for d in info["shape"])
-    begin, end = (int(o) for o in info["data_offsets"])
+    shape, offsets = info["shape"], info["data_offsets"]
+    if not (_naturals(shape) and _naturals(offsets) and len(offsets) == 2
+            and offsets[0] <= offsets[1]):
+      raise SafetensorsError(f"{path}: tensor {name!r} has shape {shape!r} "
+                             f"and data_offsets {offsets!r}; they must be "
+                             "non-negative integers, [begin, end] in order.")
+    shape, (begin, end) = tuple(shape), offsets
     want = math.prod(shape) * dtype.itemsize
     if end - begin != want:
       raise SafetensorsError(f"{path}: tensor {name!r} {info['dtype']} "
@@ -114,12 +123,32 @@ def read_file(path: str | os.PathLike) -> dict[str, np.ndarray]:
   return out
 
 
+def _naturals(x) -> bool:
+  """A JSON list of non-negative integers."""
+  return isinstance(x, list) and all(
+      isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in x)
+
+
+def _index(path: pathlib.Path) -> dict[str, str]:
+  """``weight_map`` of the shard index in folder ``path`` (tensor -> shard
+  file), checked."""
+  try:
+    index = json.loads((path / INDEX).read_text())
+  except ValueError as e:
+    raise SafetensorsError(f"{path / INDEX} is not JSON ({e}).") from None
+  weight_map = index.get("weight_map") if isinstance(index, dict) else None
+  if not (isinstance(weight_map, dict) and all(
+      isinstance(v, str) for v in weight_map.values())):
+    raise SafetensorsError(f"{path / INDEX} has no weight_map of tensor "
+                           "names to shard files.")
+  return weight_map
+
+
 def _files(path: pathlib.Path) -> list[pathlib.Path]:
   if path.is_file():
     return [path]
   if (path / INDEX).is_file():
-    index = json.loads((path / INDEX).read_text())
-    names = sorted(set(index.get("weight_map", {}).values()))
+    names = sorted(set(_index(path).values()))
     missing = [n for n in names if not (path / n).is_file()]
     if missing:
       raise SafetensorsError(f"{path / INDEX} names shards that are "
@@ -142,11 +171,13 @@ def read_config(path: str | os.PathLike) -> dict:
 
 def _block(config: Mapping) -> tuple[int, int]:
   q = config.get("quantization_config") or {}
-  block = tuple(q.get("weight_block_size") or (128, 128))
-  if len(block) != 2:
+  block = q.get("weight_block_size") or [128, 128]
+  if not (isinstance(block, (list, tuple)) and len(block) == 2
+          and _naturals(list(block)) and min(block) > 0):
     raise SafetensorsError(f"quantization_config.weight_block_size must be "
-                           f"[rows, cols], got {list(block)}.")
-  return block
+                           f"[rows, cols] of positive integers, got "
+                           f"{block!r}.")
+  return tuple(block)
 
 
 # ----------------------------------------------------------------------------
@@ -197,7 +228,8 @@ def read_safetensors(path: str | os.PathLike, quantized: bool = False
   Raises:
     SafetensorsError: an FP8 weight without its scale (or a scale without
       its weight), a scale of the wrong shape or dtype, an unknown dtype, a
-      truncated file.
+      truncated file, a malformed header, block size or shard index (one
+      placing a tensor in a shard that does not hold it).
 
   Example:
     >>> import tempfile, numpy as np
@@ -216,6 +248,18 @@ def read_safetensors(path: str | os.PathLike, quantized: bool = False
   for f in _files(path):
     for name, t in read_file(f).items():
       raw[name], where[name] = t, f
+  if path.is_dir() and (path / INDEX).is_file():
+    # Each tensor from the shard the index names, and none it does not.
+    stray = {}
+    for name, shard in _index(path).items():
+      if name not in raw or where[name] != path / shard:
+        stray[name] = shard
+    if stray:
+      raise SafetensorsError(
+          f"{path / INDEX} places tensors in shards that do not hold them "
+          f"(or hold them elsewhere too): "
+          + ", ".join(f"{n} -> {s}" for n, s in list(stray.items())[:5])
+          + ".")
   out = {}
   for name, t in raw.items():
     if name.endswith(SCALE_SUFFIX):

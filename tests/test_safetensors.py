@@ -282,6 +282,48 @@ def test_errors_name_the_problem(tmp_path):
     checkpoint.read_safetensors(path)
 
 
+def _raw(path, header, data=b"\0" * 16):
+  """A .safetensors file of ``header`` (any JSON) and ``data``."""
+  text = json.dumps(header).encode()
+  path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+  return path
+
+
+def test_malformed_headers_configs_and_indexes_are_named(tmp_path):
+  """What a damaged or hand-made checkpoint may hold is an error naming the
+  file and tensor, never a NumPy or Python one, nor a silent pick."""
+  a = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
+  cases = [([a], "header is a JSON list"),
+           ({"a": {**a, "data_offsets": [-4, 4]}}, "non-negative integers"),
+           ({"a": {**a, "shape": [-2]}}, "non-negative integers"),
+           ({"a": {**a, "data_offsets": [8, 0]}}, r"\[begin, end\] in order"),
+           ({"a": {**a, "dtype": ["F32"]}}, r"unknown dtype \['F32'\]")]
+  for i, (header, match) in enumerate(cases):
+    f = _raw(tmp_path / f"{i}.safetensors", header)
+    with pytest.raises(checkpoint.SafetensorsError, match=match):
+      checkpoint.read_safetensors(f)
+  q, s = ref_quantize(np.ones((200, 130), np.float32))
+  for block in ([0, 128], ["128", "128"], [128]):
+    with pytest.raises(checkpoint.SafetensorsError,
+                       match="positive integers"):
+      checkpoint.read_safetensors(_single(
+          tmp_path / f"b{block}", {"w.weight": q, "w.weight_scale_inv": s},
+          {"quantization_config": {"weight_block_size": block}}))
+  # An index must place each tensor in the shard that holds it.
+  d = tmp_path / "sharded"
+  d.mkdir()
+  st_write(d / "s0.safetensors", {"x": np.ones(2, np.float32)})
+  st_write(d / "s1.safetensors", {"y": np.ones(2, np.float32)})
+  for weight_map, match in (({"x": "s0.safetensors", "y": "s0.safetensors"},
+                             r"y -> s0.safetensors"),
+                            ({"x": "s0.safetensors", "y": "s1.safetensors",
+                              "z": "s1.safetensors"}, r"z -> s1.safetensors")):
+    (d / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": weight_map}))
+    with pytest.raises(checkpoint.SafetensorsError, match=match):
+      checkpoint.read_safetensors(d)
+
+
 def test_e8m0_scales_decode_exactly(tmp_path):
   # Every power of two UE8M0 encodes (codes 1..254) round-trips.
   codes = np.arange(1, 255, dtype=np.uint8).view(E8M0)
