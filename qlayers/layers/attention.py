@@ -53,7 +53,8 @@ class QuantAttentionProj(nnx.Module):
     use_bias: add biases to all projections.
     dtype: computation dtype (default: inferred from inputs and params).
     param_dtype: dtype of the Params (FP32 masters by default).
-    precision: ``lax.Precision`` of unquantized GEMMs.
+    precision: kept for ``nnx.MultiHeadAttention``'s signature; the recipe sets
+      every projection's operand precision (a wide recipe: its compute dtype).
     kernel_init: initializer of the Q/K/V kernels.
     out_kernel_init: initializer of the output kernel (default
       ``kernel_init``).
