@@ -59,7 +59,7 @@ def block_shape(shape: tuple[int, ...], spec,
     return None
   block = [1] * ndim
   if spec.granularity == "row":
-    block[axis] = shape[axis]
+    block[axis] = max(shape[axis], 1)  # an empty row: one (empty) block
     return tuple(block)
   block[axis] = spec.block_size
   if spec.granularity == "block":
@@ -172,8 +172,8 @@ def max_of_bits(mags: jax.Array, dtype, axis=None) -> jax.Array:
 
 
 def _chunk(n: int) -> int:
-  """The largest divisor of ``n`` that is at most 32."""
-  return next(k for k in range(min(n, 32), 0, -1) if n % k == 0)
+  """The largest divisor of ``n`` that is at most 32 (1 for an empty dim)."""
+  return next((k for k in range(min(n, 32), 0, -1) if n % k == 0), 1)
 
 
 def _max_magnitude(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
@@ -196,6 +196,9 @@ def _max_magnitude(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
     x = x.astype(jnp.float32)
   dtype = x.dtype
   axes = tuple(sorted(a % x.ndim for a in axes))
+  if any(x.shape[a] == 0 for a in axes):  # nothing reduced: 0 (max's floor)
+    return jnp.zeros([n for a, n in enumerate(x.shape) if a not in axes],
+                     dtype)
   mags = magnitude_bits(x)
 
   def default(mags):

@@ -213,9 +213,26 @@ def round_to_format(x: jax.Array, fmt: Format | str, *,
     >>> round_to_format(jnp.array([0.25, 0.75, 2.6, 9.0]), "e2m1")
     Array([0., 1., 3., 6.], dtype=float32)
   """
-  fmt = get_format(fmt)
+  fmt = _element_format(get_format(fmt), "round_to_format")
   r = None if key is None else threefry.random_bytes(key, x.shape)
   return round_on_grid(x, fmt, r)
+
+
+def _element_format(fmt: Format, where: str) -> Format:
+  """``fmt``, unless it is E8M0: unsigned, no zero, a scale's format."""
+  if fmt is E8M0:
+    raise ValueError(f"E8M0 holds scales: use scaling.mx_scale_codes, not "
+                     f"{where}().")
+  return fmt
+
+
+def _unsigned_zero(sign: jax.Array, magnitude_is_zero: jax.Array,
+                   fmt: Format) -> jax.Array:
+  """``sign`` cleared where the magnitude is 0 for FNUZ formats, which have
+  no -0 (their code 0x80 is NaN); ``sign`` as it is for the others."""
+  if fmt not in (E4M3FNUZ, E5M2FNUZ):
+    return sign
+  return jnp.where(magnitude_is_zero, jnp.zeros_like(sign), sign)
 
 
 def _grid_steps(x: jax.Array, fmt: Format, r: jax.Array | None,
@@ -273,6 +290,7 @@ def round_on_grid(x: jax.Array, fmt: Format,
     Array([ 1., -2.,  4.], dtype=float32)
   """
   sign, k, e = _grid_steps(x, fmt, r)
+  sign = _unsigned_zero(sign, k == 0, fmt)
   v = jax.lax.bitcast_convert_type(
       k.astype(jnp.float32) * _pow2(e - fmt.mbits), jnp.uint32) | sign
   return jnp.where(jnp.isnan(x), x, jax.lax.bitcast_convert_type(
@@ -294,8 +312,9 @@ def grid_codes(x: jax.Array, fmt: Format,
     >>> grid_codes(jnp.array([0.75, -2.5, 5.0]), E2M1)
     Array([ 2, 12,  6], dtype=uint32)
   """
+  _element_format(fmt, "grid_codes")
   sign, k, _ = _grid_steps(x, fmt, r, truncate, binades=True)
-  sign = sign >> (32 - fmt.bits)
+  sign = _unsigned_zero(sign >> (32 - fmt.bits), k == 0, fmt)
   code = sign | k
   return jnp.where(jnp.isnan(x), sign, code) if nan else code
 
@@ -345,10 +364,7 @@ def cast(x: jax.Array, fmt: Format | str, *,
     >>> cast(jnp.array([-6.0, 0.5]), "e2m1")  # codes: sign | exp | mantissa
     Array([15,  1], dtype=uint8)
   """
-  fmt = get_format(fmt)
-  if fmt is E8M0:
-    raise ValueError("E8M0 holds scales: use scaling.mx_scale_codes, not "
-                     "cast().")
+  fmt = _element_format(get_format(fmt), "cast")
   if fmt.packed:
     r = None if key is None else threefry.random_bytes(key, x.shape)
     return grid_codes(x, fmt, r).astype(jnp.uint8)
@@ -369,14 +385,23 @@ def cast(x: jax.Array, fmt: Format | str, *,
 def encode(values: jax.Array, fmt: Format | str) -> jax.Array:
   """Bit codes (uint8) of values already on ``fmt``'s grid (see `round_to_format`).
 
-  NaN maps to code 0 for formats without NaN (the MX scale carries it).
+  FP8 and E8M0 codes are their dtype's (as ml_dtypes gives them: NaN to
+  the format's NaN, E5M2's +-Inf to its Inf; an FNUZ zero is +0, its 0x80
+  being NaN). FP6/FP4 have neither: NaN maps to code 0 (the MX scale
+  carries it).
 
   Example:
     >>> encode(jnp.array([1.5, -28.0]), "e3m2")
     Array([14, 63], dtype=uint8)
+    >>> encode(jnp.array([jnp.inf, jnp.nan]), "e5m2")
+    Array([124, 126], dtype=uint8)
   """
   fmt = get_format(fmt)
   v = values.astype(jnp.float32)
+  if fmt.dtype is not None:  # on the grid: the convert is exact
+    if fmt in (E4M3FNUZ, E5M2FNUZ):  # what rounds to zero is +0 (as cast)
+      v = jnp.where(jnp.abs(v) <= fmt.min_subnormal / 2, 0.0, v)
+    return jax.lax.bitcast_convert_type(v.astype(fmt.dtype), jnp.uint8)
   sign = jnp.signbit(v).astype(jnp.uint32)
   mag = jnp.abs(jnp.where(jnp.isnan(v), 0.0, v))
   bits = jax.lax.bitcast_convert_type(mag, jnp.uint32)
@@ -449,7 +474,8 @@ def packed_size(n: int, fmt: Format | str) -> int:
 
 
 def pack(codes: jax.Array, fmt: Format | str) -> jax.Array:
-  """Packs unpacked uint8 ``codes`` of a 4- or 6-bit format along the last axis.
+  """Packs unpacked uint8 ``codes`` of a 4- or 6-bit format along the last axis
+  (each below ``2**bits``: higher bits are dropped).
 
   Example:
     >>> pack(jnp.array([1, 15, 2, 3], jnp.uint8), "e2m1")  # low nibble first
@@ -457,6 +483,9 @@ def pack(codes: jax.Array, fmt: Format | str) -> jax.Array:
   """
   fmt = get_format(fmt)
   elems, nbytes = _group(fmt)
+  if codes.dtype != jnp.uint8:
+    raise TypeError(f"pack expects uint8 codes (formats.cast gives them), "
+                    f"got {codes.dtype}.")
   n = codes.shape[-1]
   packed_size(n, fmt)  # validates
   lead = codes.shape[:-1]

@@ -431,7 +431,8 @@ def _quantize(x, spec: QuantSpec, axis: int, amax, key) -> QTensor:
   if nvfp4:
     # The tensor's amax is the largest block amax (padding adds zeros).
     tensor_amax = jnp.asarray(
-        jnp.max(block_amax) if amax is None else amax, jnp.float32)
+        amax if amax is not None else jnp.max(block_amax)
+        if block_amax.size else 0.0, jnp.float32)
     mult, scale, e4m3 = scale_rules.nvfp4_scales(block_amax, tensor_amax)
     # The two levels apart (``scale`` is their product): S_dec as
     # `nvfp4_scales` computes it, and the E4M3 block scales (exact).

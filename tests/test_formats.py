@@ -275,3 +275,33 @@ def test_stochastic_rounding_is_the_exact_floor_of_magnitude_plus_byte(fmt):
         lambda v: jnp.trunc(v).astype(jnp.int32).astype(jnp.uint32)), codes)
     assert (kernel_codes(lambda v: (v + 512).astype(jnp.uint32))
             != codes).any()
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "e4m3fnuz", "e5m2fnuz",
+                                 "e8m0"])
+def test_encode_of_fp8_and_e8m0_is_ml_dtypes_code(fmt):
+  """NaN, +-Inf and FNUZ's zeros (no -0: its 0x80 is NaN) encode as ml_dtypes
+  does, through every element function that gives codes or values."""
+  f = F.get_format(fmt)
+  x = np.array([np.nan, np.inf, -np.inf, 1.0, 2.0], np.float32)
+  if fmt != "e8m0":
+    x = np.concatenate([x, [-0.0, 0.0, -1e-5, 1e-5]]).astype(np.float32)
+  want = x.astype(f.np_dtype).view(np.uint8)
+  got = np.asarray(F.encode(jnp.asarray(x), fmt))
+  np.testing.assert_array_equal(got, want)
+  if fmt.endswith("fnuz"):
+    tiny = x[-4:]
+    r = np.asarray(F.round_to_format(jnp.asarray(tiny), fmt))
+    assert not np.signbit(r[r == 0]).any()
+    np.testing.assert_array_equal(F.grid_codes(jnp.asarray(tiny), f),
+                                  tiny.astype(f.np_dtype).view(np.uint8))
+
+
+def test_scale_format_and_non_codes_are_refused():
+  for fn in (F.round_to_format, F.cast):
+    with pytest.raises(ValueError, match="E8M0 holds scales"):
+      fn(jnp.ones(2), "e8m0")
+  with pytest.raises(ValueError, match="E8M0 holds scales"):
+    F.grid_codes(jnp.ones(2), F.E8M0)
+  with pytest.raises(TypeError, match="pack expects uint8 codes"):
+    F.pack(jnp.array([1.7, 1, 2, 3]), "e2m1")

@@ -549,3 +549,18 @@ def test_packed_blocks_with_a_nan_scale_hold_zero_codes(spec):
   assert np.all(deq[0, :b]) and np.all(deq[1, b:2 * b])
   assert np.all(deq) == (spec.scale_rule == "nvfp4")
   np.testing.assert_array_equal(codes == 0, deq)
+
+
+@pytest.mark.parametrize("spec", [
+    S.QuantSpec(), S.QuantSpec(granularity="row"),
+    S.QuantSpec(granularity="mx"), S.QuantSpec(granularity="block"),
+    S.QuantSpec(format="e2m1", granularity="tile", scale_rule="nvfp4")],
+    ids=["tensor", "row", "mx", "block", "nvfp4"])
+def test_empty_arrays_quantize_to_empty_qtensors(spec):
+  """Every granularity takes an array with no elements (an empty batch) and
+  gives back an empty one; the amax of nothing is 0."""
+  for shape in ((0,), (2, 0), (0, 32)):
+    if spec.granularity == "block" and len(shape) < 2:
+      continue
+    assert S.quantize(jnp.zeros(shape), spec).dequantize().shape == shape
+  assert float(S.amax(jnp.zeros((0, 3)))) == 0.0

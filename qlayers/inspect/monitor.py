@@ -153,7 +153,8 @@ def plot_amax_history(model: nnx.Module, path: str | pathlib.Path, *,
                       layers: str | None = None) -> pathlib.Path:
   """Draws the stored amax history of every delayed-scaling layer matching
   the regex ``layers``, one panel per role, oldest step on the left (the
-  history holds the last ``amax_history_len`` completed steps)."""
+  history holds the last ``amax_history_len`` completed steps); a stacked
+  layer or the experts draw one line per entry, ``path[i]``."""
   pat = re.compile(layers) if layers else None
   found = [(p, g) for p, g in _tap.gemm_paths(model).items()
            if g.delayed and (pat is None or pat.search(p))]
@@ -165,14 +166,15 @@ def plot_amax_history(model: nnx.Module, path: str | pathlib.Path, *,
   for ax, role in zip(axes, ("x", "w", "g")):
     for p, g in found:
       hist = np.asarray(getattr(g, f"{role}_amax_history")[...])
-      if hist.ndim != 1:
-        continue  # a stacked (nnx.vmap) layer: one history per entry
-      seen = np.nonzero(hist)[0]
-      if not seen.size:
-        continue
-      n = int(seen[-1]) + 1  # entries past the oldest recorded step are empty
-      ys = hist[:n][::-1]  # index 0 is the most recent step
-      ax.plot(np.arange(-n + 1, 1), np.where(ys > 0, ys, math.nan), label=p)
+      rows = hist.reshape(-1, hist.shape[-1])  # stacked / experts: per entry
+      for i, h in enumerate(rows):
+        seen = np.nonzero(h)[0]
+        if not seen.size:
+          continue
+        n = int(seen[-1]) + 1  # entries past the oldest step are empty
+        ys = h[:n][::-1]  # index 0 is the most recent step
+        ax.plot(np.arange(-n + 1, 1), np.where(ys > 0, ys, math.nan),
+                label=p if hist.ndim == 1 else f"{p}[{i}]")
     _label(ax, f"{role}: amax history", "step (0: the last completed)",
            log=True)
   return save_figure(fig, plt, path)

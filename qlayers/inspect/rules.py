@@ -18,13 +18,13 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import re
 from typing import Iterable, Sequence
 
 from qlayers import convert
 from qlayers.inspect.masked import GEMMS
 from qlayers.inspect.report import Report, dump_json
-from qlayers.inspect.sensitivity import keep_wide_pattern
-from qlayers.recipe import Recipe
+from qlayers.inspect.sensitivity import _recipe_name, keep_wide_pattern
 
 __all__ = ["SQRT3_RULE", "gradient_noise", "noise_fallback", "save_rules",
            "load_rules"]
@@ -116,8 +116,10 @@ def noise_fallback(reports: Report | Iterable[Report],
     raise ValueError(f"threshold must be a positive finite fraction of the "
                      f"gradient norm, got {threshold!r}.")
   rules = convert.DEFAULT_RULES if rules is None else tuple(rules)
-  noisy = [p for p, r in gradient_noise(reports, gemm=gemm).items()
-           if r > threshold]
+  # An expert's row (``moe[3]``) is its layer's: rules match layer paths.
+  noisy = list(dict.fromkeys(
+      re.sub(r"\[\d+\]$", "", p)
+      for p, r in gradient_noise(reports, gemm=gemm).items() if r > threshold))
   if not noisy:
     return rules
   return (convert.Rule(pattern=keep_wide_pattern(noisy), recipe=None),
@@ -129,14 +131,14 @@ def noise_fallback(reports: Report | Iterable[Report],
 
 
 def _rule_dict(rule: convert.Rule) -> dict:
-  r = rule.recipe
   return {"pattern": rule.pattern, "head": rule.head, "backend": rule.backend,
-          "recipe": r.name if isinstance(r, Recipe) else r}
+          "recipe": _recipe_name(rule.recipe)}
 
 
 def save_rules(rules: Iterable[convert.Rule],
                path: str | pathlib.Path) -> pathlib.Path:
-  """Writes ``rules`` as JSON (``{"rules": [...]}``; recipes by name).
+  """Writes ``rules`` as JSON (``{"rules": [...]}``; recipes by name or
+  path: a `Recipe` its name does not load is a ValueError).
 
   Example:
     >>> import qlayers, tempfile, pathlib

@@ -185,7 +185,8 @@ class Sensitivity:
     def prop(p):
       d = dataclasses.asdict(p)
       d["rules"] = [{"pattern": r.pattern, "head": r.head,
-                     "recipe": _recipe_name(r.recipe)} for r in p.rules]
+                     "backend": r.backend, "recipe": _recipe_name(r.recipe)}
+                    for r in p.rules]
       d["pattern"] = p.pattern
       return d
     return jsonable({
@@ -203,9 +204,22 @@ class Sensitivity:
 
 
 def _recipe_name(r) -> str | None:
+  """How a rule's recipe is written to JSON: its name or path. A `Recipe`
+  that its name no longer loads (changed fields) cannot be written so."""
   if r is None:
     return None
-  return r.name if isinstance(r, Recipe) else str(r)
+  if not isinstance(r, Recipe):
+    return str(r)
+  try:
+    same = load_recipe(r.name) == r
+  except (ValueError, OSError):
+    same = False
+  if not same:
+    raise ValueError(
+        f"Recipe {r.name!r} is not the recipe its name loads (changed "
+        "fields); rules are saved with recipes by name or path: write it to "
+        "a TOML file and give the rule that path.")
+  return r.name
 
 
 def _pct(a: float, b: float) -> float:
@@ -320,6 +334,9 @@ class _Evaluator:
 
 
 def _as_batches(batches) -> list[tuple]:
+  if hasattr(batches, "shape"):  # an array iterates over its rows
+    raise TypeError(f"batches is one array of shape {batches.shape}; pass a "
+                    "list of batches (one batch: [x], or [(x, y)]).")
   out = [b if isinstance(b, tuple) else (b,) for b in batches]
   if not out:
     raise ValueError("sensitivity needs at least one batch.")
@@ -400,6 +417,10 @@ def sensitivity(model: nnx.Module, loss_fn: Callable[..., jax.Array],
 
   wide_loss = run.reference()
   all_loss, all_sqnr = run(np.ones((n, 3)))
+  if not (math.isfinite(wide_loss) and math.isfinite(all_loss)):
+    raise ValueError(
+        f"The loss is not finite (unquantized {wide_loss}, all quantized "
+        f"{all_loss}): nothing can be ranked; check the batches for NaN/Inf.")
 
   def candidate(path, gemm, mask):
     loss, sq = run(mask)
