@@ -575,6 +575,12 @@ def test_sensitivity_errors():
     qlayers.inspect.sensitivity(
         model, loss_fn, [batch], "mxfp8",
         rules=[qlayers.Rule(pattern="", recipe=None)])
+  with pytest.raises(TypeError, match="batches is one array"):
+    qlayers.inspect.sensitivity(model, lambda m, a: loss_fn(m, a, a),
+                                jnp.ones((4, 64)), "mxfp8")
+  nan = (batch[0].at[0, 0].set(jnp.nan), batch[1])
+  with pytest.raises(ValueError, match="loss is not finite"):
+    qlayers.inspect.sensitivity(model, loss_fn, [nan], "mxfp8")
 
 
 def test_masked_matmul_refuses_a_mask_it_has_no_branch_for():

@@ -1,6 +1,7 @@
 """qlayers.inspect.rules: the gradient-noise fallback honours its threshold;
 rules files round-trip, and a sensitivity file gives its proposal."""
 
+import dataclasses
 import importlib
 import json
 import math
@@ -64,6 +65,20 @@ def test_noise_fallback_keeps_wide_exactly_the_layers_above_the_threshold():
       {"a": "b", "b": "a"}[noisier]]
 
 
+def test_noise_fallback_names_a_grouped_gemm_by_its_layer():
+  """Each expert is measured as its own row (``moe[e]``); the rule keeping
+  them wide names the layer, which quantize matches."""
+  model = nnx.Dict(moe=qlayers.QuantExperts(2, 32, 16, recipe="mxfp4",
+                                            rngs=nnx.Rngs(0)))
+  x = jax.random.normal(jax.random.key(0), (6, 32))
+  gs = jnp.array([2, 4])
+  rep = qlayers.inspect.collect(model, lambda m, x: jnp.mean(m.moe(x, gs) ** 2),
+                                x)
+  assert {o.path for o in rep.outputs} == {"moe[0]", "moe[1]"}
+  rule, = qlayers.inspect.noise_fallback(rep, 1e-9, rules=())
+  assert rule.pattern == "^(moe)$" and rule.matches("moe")
+
+
 def test_noise_fallback_default_threshold_and_errors():
   reps = _reports(1)
   # MXFP4 Wgrad noise here is well below 1/sqrt(3) of the gradient norm.
@@ -101,6 +116,16 @@ def test_rules_files_round_trip_and_read_a_sensitivity(tmp_path):
                        proposed=props[1])
   sens.to_json(tmp_path / "s.json")
   assert qlayers.inspect.load_rules(tmp_path / "s.json") == props[1].rules
+  # A rule's backend survives a sensitivity file; a recipe its name no
+  # longer loads is refused rather than saved as the stock one.
+  props[1] = dataclasses.replace(props[1], rules=rules[:2])
+  sens.proposed = props[1]
+  sens.to_json(tmp_path / "s2.json")
+  assert qlayers.inspect.load_rules(tmp_path / "s2.json")[1].backend == "xla"
+  changed = qlayers.Rule(pattern="x", recipe=qlayers.recipe(
+      "fp8_delayed", amax_history_len=16))
+  with pytest.raises(ValueError, match="not the recipe its name loads"):
+    qlayers.inspect.save_rules((changed,), tmp_path / "c.json")
   assert qlayers.inspect.load_rules(tmp_path / "s.json", k=1) == props[0].rules
   with pytest.raises(ValueError, match="no proposal keeps 3"):
     qlayers.inspect.load_rules(tmp_path / "s.json", k=3)
