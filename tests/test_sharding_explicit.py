@@ -105,3 +105,10 @@ def test_checkpoint_roundtrip(results):
   assert r["same_state"]
   assert r["next_loss"][0] == r["next_loss"][1]
   assert r["specs"]["up/kernel"] == "P('fsdp', 'model')"
+
+
+def test_stacked_delayed_layers_built_under_a_mesh(results):
+  r = multidevice.result(results, "stacked_delayed_built_under_a_mesh")
+  _close(r["mesh"]["losses"], r["single"]["losses"])
+  np.testing.assert_array_equal(r["mesh"]["x_amax"], r["single"]["x_amax"])
+  assert r["mesh"]["spec"] == "P(None, None)"

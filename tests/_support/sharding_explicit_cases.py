@@ -242,6 +242,51 @@ def size_one_axes():
   return out
 
 
+class _Stack(nnx.Module):
+  """Three fp8_delayed layers made under nnx.vmap, applied with nnx.scan."""
+
+  def __init__(self, rngs):
+    @nnx.split_rngs(splits=3)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+      return qlayers.QuantDense(16, 16, recipe="fp8_delayed", rngs=rngs)
+    self.layers = make(rngs)
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+    def body(layer, x):
+      return jnp.tanh(layer(x))
+    return body(self.layers, x)
+
+
+@case
+def stacked_delayed_built_under_a_mesh():
+  """Built under the mesh (its state placed from inside nnx.vmap), the
+  stack trains as off the mesh."""
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((16, 16)),
+                  jnp.float32)
+  loss = lambda m, x: jnp.mean(m(x) ** 2)  # noqa: E731
+  out = {}
+  for name in ("single", "mesh"):
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(
+        jax.sharding.AxisType.Explicit,)) if name == "mesh" else None
+    with jax.set_mesh(mesh) if mesh else contextlib.nullcontext():
+      model = _Stack(nnx.Rngs(0))
+      opt = qlayers.Optimizer(model, optax.sgd(0.1))
+      xs = jax.device_put(x, P("fsdp")) if mesh else x
+
+      @nnx.jit
+      def step(model, opt, x):
+        value, grads = qlayers.value_and_grad(loss)(model, x)
+        opt.update(model, grads)
+        return value
+      out[name] = {"losses": [float(step(model, opt, xs)) for _ in range(2)],
+                   "x_amax": np.asarray(model.layers.quant.x_amax[...]).tolist(),
+                   "spec": str(jax.typeof(
+                       model.layers.quant.x_amax_history[...]).sharding.spec)}
+  return out
+
+
 # ----------------------------------------------------------------------------
 # Checkpoints of a sharded model and optimizer (qlayers.checkpoint as is).
 
