@@ -180,9 +180,9 @@ def _spec(sharding, mesh, shape) -> list[tuple[str, ...]]:
   """Mesh axes per dim of an array of ``shape`` laid out by ``sharding``.
 
   The partitioner hands over its own shardings, which may split a mesh axis
-  into sub-axes (after a reshape, say) that no `PartitionSpec` names; such
-  an operand counts as unsharded (it is then resharded to what the plan
-  needs, which is always correct).
+  into sub-axes (after a reshape, say) that no `PartitionSpec` names, or
+  split a dim unevenly; such an operand counts as unsharded (it is then
+  resharded to what the plan needs, which is always correct).
   """
   ndim = len(shape)
   if isinstance(sharding, NamedSharding):
@@ -190,7 +190,11 @@ def _spec(sharding, mesh, shape) -> list[tuple[str, ...]]:
     return [_names(e) for e in spec]
   if sharding is None:
     return [()] * ndim
-  counts = [n // max(t, 1) for n, t in zip(shape, sharding.shard_shape(shape))]
+  try:
+    local = sharding.shard_shape(shape)
+  except ValueError:  # uneven (a dim the axes do not divide): unsharded too
+    return [()] * ndim
+  counts = [n // max(t, 1) for n, t in zip(shape, local)]
   for dims in _candidates(mesh, counts):
     named = NamedSharding(mesh, P(*map(_entry, dims)))
     if named.is_equivalent_to(sharding, ndim):

@@ -164,6 +164,12 @@ def test_scales_are_global_bit_for_bit(results, key):
   assert r[key] == {"fsdp": True, "model": True, "both": True}
 
 
+def test_uneven_shards_are_gathered(results):
+  """The outputs bit for bit, the gradients up to summation order."""
+  for recipe, r in multidevice.result(results, "uneven_shards").items():
+    assert r["y"] and r["grads"] < 1e-6, (recipe, r)
+
+
 def test_delayed_amax_is_global(results):
   r = multidevice.result(results, "scales_global")["delayed_amax"]
   assert r["sharded"] == r["single"] == r["true"]

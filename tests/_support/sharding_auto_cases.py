@@ -248,6 +248,31 @@ def scales_global():
   return out
 
 
+@case
+def uneven_shards():
+  """Rows the mesh axis does not divide (60 over 8): the GEMM's
+  partitioning rule gathers them, with one device's values."""
+  rng = np.random.default_rng(2)
+  x = rng.standard_normal((60, 64)).astype(np.float32)
+  w = rng.standard_normal((64, 32)).astype(np.float32)
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(
+      jax.sharding.AxisType.Auto,))
+  out = {}
+  for recipe in ("fp8_current", "mxfp8"):
+    def loss(x, w, recipe=recipe):
+      y, _ = ops.quantized_matmul(x, w, recipe)
+      return jnp.sum(y.astype(jnp.float32) ** 2), y
+    vg = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+    (_, y0), g0 = jax.jit(vg)(jnp.asarray(x), jnp.asarray(w))
+    with jax.set_mesh(mesh):
+      (_, y1), g1 = jax.jit(lambda x, w: vg(
+          jax.lax.with_sharding_constraint(x, P("data")), w))(x, w)
+    out[recipe] = {"y": bool(np.array_equal(y0, y1)), "grads": max(
+        float(np.max(np.abs(a - b)) / np.max(np.abs(a)))
+        for a, b in zip(g0, g1))}
+  return out
+
+
 # ----------------------------------------------------------------------------
 # Inside shard_map: local shards, global amaxes (lax.pmax), summed gradients.
 
