@@ -197,3 +197,12 @@ def test_intercept_routes_the_grouped_gemm_with_its_keywords():
                    3)]
   np.testing.assert_array_equal(got, want * 2.0)
   np.testing.assert_array_equal(direct, want)
+
+
+def test_params_take_metadata_as_nnx_layers_do():
+  layer = qlayers.QuantExperts(2, 32, 16, use_bias=True, recipe="fp8_current",
+                               kernel_metadata={"tag": "experts_kernel"},
+                               bias_metadata={"tag": "experts_bias"},
+                               rngs=nnx.Rngs(0))
+  assert layer.kernel.get_metadata()["tag"] == "experts_kernel"
+  assert layer.bias.get_metadata()["tag"] == "experts_bias"

@@ -15,6 +15,9 @@ and `qlayers.Optimizer` handle like any other layer's.
 
 from __future__ import annotations
 
+from types import MappingProxyType
+from typing import Any, Mapping
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -269,6 +272,8 @@ class QuantExperts(QuantLayer, nnx.Module):
     kernel_init: initializer of the ``(E, K, N)`` kernel (default: LeCun
       normal per expert).
     bias_init: initializer of the ``(E, N)`` bias.
+    kernel_metadata, bias_metadata: metadata of the Params (e.g.
+      ``{"out_sharding": ("expert", None, "model")}``), as nnx's layers take.
     rngs: the random number generators.
     recipe: the quantization recipe (default ``"fp8_delayed"``).
     backend: force a GEMM backend (see `QuantGemm`).
@@ -296,14 +301,17 @@ class QuantExperts(QuantLayer, nnx.Module):
   def __init__(self, num_experts: int, in_features: int, out_features: int,
                *, use_bias: bool = False, dtype=None,
                param_dtype=jnp.float32, kernel_init=default_kernel_init,
-               bias_init=nnx.initializers.zeros_init(), rngs: nnx.Rngs,
-               recipe: Recipe | str = "fp8_delayed",
+               bias_init=nnx.initializers.zeros_init(),
+               kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+               bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+               rngs: nnx.Rngs, recipe: Recipe | str = "fp8_delayed",
                backend: str | None = None, capacity: int | None = None):
     shape = (num_experts, in_features, out_features)
-    self.kernel = nnx.Param(kernel_init(rngs.params(), shape, param_dtype))
+    self.kernel = nnx.Param(kernel_init(rngs.params(), shape, param_dtype),
+                            **kernel_metadata)
     self.bias = (nnx.Param(bias_init(rngs.params(),
                                      (num_experts, out_features),
-                                     param_dtype))
+                                     param_dtype), **bias_metadata)
                  if use_bias else nnx.data(None))
     self.num_experts = num_experts
     self.in_features = in_features
