@@ -44,7 +44,9 @@ def value_and_grad(f: Callable[..., Any], argnums: int = 0, *,
   path, the gradient amax of this step (`qlayers.Optimizer` writes it, or
   `qlayers.update_scales`).
   Other state the model mutates in ``f`` (forward quantization state, batch
-  statistics, RNG counters) is written back to the model, as with NNX.
+  statistics, RNG counters) is written back to the model, as with NNX, and
+  so is what ``f`` writes to the other NNX objects among its arguments (an
+  ``nnx.Rngs``, a teacher model), which are not differentiated.
 
   Args:
     f: the loss function; its ``argnums`` argument is the model.
