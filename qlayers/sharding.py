@@ -313,15 +313,12 @@ def replicated(x):
   if not isinstance(x, jax.core.Tracer):
     try:
       concrete = jax.sharding.get_mesh()
-    except ValueError:  # a value made under a transform (nnx.vmap's init):
-      concrete = _TRACED  # constrained as a traced one is
-    if concrete is None or (concrete is not _TRACED and concrete.empty):
-      return x
-    if concrete is not _TRACED:
+    except ValueError:  # made under a transform (nnx.vmap's init): no
+      pass  # concrete mesh to place it on; constrained as a traced value
+    else:
+      if concrete is None or concrete.empty:
+        return x
       return jax.device_put(x, NamedSharding(concrete, spec))
   if explicit_axes(mesh):
     return jax.sharding.reshard(x, spec)
   return lax.with_sharding_constraint(x, spec)
-
-
-_TRACED = object()
