@@ -187,6 +187,12 @@ def test_shard_map(results, recipe):
     assert r["g_amax"][1] == pytest.approx(r["g_amax"][0], rel=1e-6)
 
 
+def test_fsdp_kernel_shard_in_a_quantdense(results):
+  r = multidevice.result(results, "fsdp_layer_in_shard_map")
+  assert r["loss"][1] == pytest.approx(r["loss"][0], rel=1e-6)
+  assert r["dkernel"] < 1e-5
+
+
 def test_layer_inside_shard_map(results):
   r = multidevice.result(results, "shard_map_layer")
   assert r["loss"][1] == pytest.approx(r["loss"][0], rel=1e-6)

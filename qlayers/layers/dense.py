@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from qlayers import sharding
 from qlayers.layers.core import QuantGemm, QuantLayer
 from qlayers.recipe import Recipe
 
@@ -92,7 +93,10 @@ class QuantDense(QuantLayer, nnx.Linear):
   def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
     """Applies the quantized linear map along the last input dimension."""
     kernel = self.kernel[...]
-    check_last_dim(type(self).__name__, inputs, kernel.shape[0])
+    # An FSDP shard of the kernel (`sharding.gathered_weights`) takes the
+    # whole K, as `ops.quantized_matmul` does.
+    check_last_dim(type(self).__name__, inputs,
+                   sharding.weight_shards(kernel)[1][0])
     bias = self.bias[...] if self.bias is not None else None
     # Promoted as nnx.Linear promotes them; the kernel is quantized from its
     # stored value (the promoted copy is not used).

@@ -367,6 +367,36 @@ def shard_map_layer():
                      float(model.quant.w_amax[...])]}
 
 
+@case
+def fsdp_layer_in_shard_map():
+  """A QuantDense whose kernel is an FSDP shard along K inside shard_map
+  (`sharding.gathered_weights`): the whole K gathered as payloads, the
+  weight gradient reduce-scattered; as on one device."""
+  x, y = (jnp.asarray(a) for a in st.data())
+  mesh = st.mesh_for("dp")
+  make = lambda: qlayers.QuantDense(st.D, st.D, use_bias=False,  # noqa: E731
+                                    rngs=nnx.Rngs(0))
+  ref_loss, ref_g = nnx.jit(qlayers.value_and_grad(st.mse))(make(), x, y)
+  graphdef, state = nnx.split(make())
+  spec = lambda p, v: P("data", None) if "kernel" in str(p) else P()  # noqa
+  specs = jax.tree_util.tree_map_with_path(spec, state)
+
+  def body(state, x, y):
+    with sharding.gathered_weights("data"):
+      m = nnx.merge(graphdef, state)
+      loss, g = qlayers.value_and_grad(
+          lambda m, x, y: lax.pmean(st.mse(m, x, y), "data"))(m, x, y)
+    return loss, g["kernel"][...]
+
+  loss, kernel = jax.jit(jax.shard_map(
+      body, mesh=mesh, in_specs=(specs, P("data"), P("data")),
+      out_specs=(P(), P("data", None))))(state, x, y)
+  want = ref_g["kernel"][...]
+  return {"loss": [float(ref_loss), float(loss)],
+          "dkernel": float(jnp.max(jnp.abs(kernel - want))
+                           / jnp.max(jnp.abs(want)))}
+
+
 # ----------------------------------------------------------------------------
 # Every layer kind, under tensor parallelism on an auto mesh.
 
