@@ -31,7 +31,7 @@ from flax import nnx
 from qlayers import safetensors
 from qlayers.layers.core import QuantLayer
 from qlayers.layers.dense import QuantDense
-from qlayers.layers.frozen import FrozenKernel, _n_in
+from qlayers.layers.frozen import FrozenKernel, contracted_dims
 from qlayers.layers.general import QuantEinsum, QuantLinearGeneral
 
 __all__ = ["add_lora", "lora_layers", "merge_lora", "save_adapters",
@@ -60,7 +60,7 @@ def _gemm_dims(layer) -> tuple[int, int] | None:
   if isinstance(layer, QuantDense):
     return layer.in_features, layer.out_features
   try:
-    n_in = _n_in(layer, "add_lora")
+    n_in = contracted_dims(layer, "add_lora")
   except ValueError:  # a stack of layers
     return None
   if n_in is None:

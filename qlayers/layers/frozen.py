@@ -174,7 +174,7 @@ class FrozenKernel(nnx.Module):
     return self.nbytes / math.prod(self.shape)
 
 
-def _n_in(layer, where: str) -> int | None:
+def contracted_dims(layer, where: str) -> int | None:
   """The number of leading input (contracted) dims of ``layer``'s kernel;
   None for an einsum whose contracted dims do not lead; ValueError for a
   kernel of another shape (a stack of layers made under ``nnx.vmap``)."""
@@ -244,7 +244,7 @@ def freeze(model: nnx.Module, *, spec: QuantSpec | None = None) -> int:
   for path, node in nnx.iter_graph(model):
     where = "/".join(map(str, path)) or type(node).__name__
     kinds = (QuantDense, QuantLinearGeneral, QuantEinsum)
-    n_in = (_n_in(node, where) if isinstance(node, kinds)
+    n_in = (contracted_dims(node, where) if isinstance(node, kinds)
             and isinstance(node.kernel, nnx.Param) else 0)
     if n_in is None or (isinstance(node, QuantLayer) and not isinstance(
         node, (*kinds, QuantEmbed))):
