@@ -60,3 +60,70 @@ def test_mxfp8_never_saturates_on_an_input_rounded_to_bf16():
   assert amax == 1.75 == float(jnp.asarray(amax, jnp.bfloat16))
   for st in rep.row("lin", "x").gemms.values():
     assert st["amax"] == 1.75 and st["scale"] == 2.0**-8
+
+
+_LAYERS = 3
+
+
+class _Stack(nnx.Module):
+  """Three QuantDense layers stacked by nnx.vmap and run by nnx.scan, or
+  the same three layers (same weights) in a Python loop."""
+
+  def __init__(self, scanned: bool, remat: bool = False):
+    @nnx.split_rngs(splits=_LAYERS)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+      return qlayers.QuantDense(32, 32, recipe="fp8_current", rngs=rngs)
+
+    stack = make(nnx.Rngs(0))
+    self.scanned, self.remat = scanned, remat
+    if scanned:
+      self.layers = stack
+    else:
+      self.layers = nnx.List([
+          qlayers.QuantDense(32, 32, recipe="fp8_current", rngs=nnx.Rngs(0))
+          for _ in range(_LAYERS)])
+      for i, layer in enumerate(self.layers):
+        layer.kernel[...] = stack.kernel[...][i]
+        layer.bias[...] = stack.bias[...][i]
+
+  def __call__(self, x):
+    if not self.scanned:
+      for layer in self.layers:
+        x = layer(x) * 4.0
+      return x
+
+    def body(layer, x):
+      return layer(x) * 4.0
+
+    if self.remat:
+      body = nnx.remat(body)
+    return nnx.scan(body, in_axes=(0, nnx.Carry), out_axes=nnx.Carry)(
+        self.layers, x)
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_a_scanned_stack_is_measured_per_iteration_as_its_unrolled_layers(
+    remat):
+  # Each iteration's x, w and g (and so its dgrad/wgrad SQNR) come from that
+  # iteration: the scan's rows equal those of the same layers unrolled. (The
+  # forward runs iterations 0..2, the backward 2..0; pairing them by order
+  # mixed iteration 2's x with iteration 0's g.)
+  x = jax.random.normal(jax.random.key(1), (8, 32))
+  loss_fn = lambda m, x: jnp.sum(m(x))
+  scanned = qlayers.inspect.collect(_Stack(True, remat), loss_fn, x)
+  unrolled = qlayers.inspect.collect(_Stack(False), loss_fn, x)
+  assert scanned.paths == ["layers[0]", "layers[1]", "layers[2]"]
+  assert unrolled.paths == ["layers/0", "layers/1", "layers/2"]
+  for i in range(_LAYERS):
+    for role in "xwg":
+      got = scanned.row(f"layers[{i}]", role)
+      want = unrolled.row(f"layers/{i}", role)
+      assert got.amax == pytest.approx(want.amax, rel=1e-5), (i, role)
+      assert got.sqnr_db == pytest.approx(want.sqnr_db, abs=0.05), (i, role)
+    for gemm in ("fprop", "dgrad", "wgrad"):
+      assert scanned.output(f"layers[{i}]", gemm) == pytest.approx(
+          unrolled.output(f"layers/{i}", gemm), abs=0.05), (i, gemm)
+  # The gradient grows backwards through the layers (x4 per layer).
+  g = [scanned.row(f"layers[{i}]", "g").amax for i in range(_LAYERS)]
+  assert g[0] > g[1] > g[2]

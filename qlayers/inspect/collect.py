@@ -53,8 +53,8 @@ class _Site:
 
   path: str
   use: int
-  order: float  # position of this call in the trace (execution order;
-  # the experts of a grouped GEMM in between, in expert order)
+  order: tuple[int, ...]  # position of this call in the trace (execution
+  # order), then the loop iteration and the expert, where there are several
   recipe: Recipe
   backend: str | None
 
@@ -64,36 +64,51 @@ class _Site:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _probe(put: Callable, y):
+def _probe(put: Callable, y, tag):
+  del tag
   return y
 
 
-def _probe_fwd(put, y):
+def _probe_fwd(put, y, tag):
   del put
-  return y, None
+  return y, tag
 
 
-def _probe_bwd(put, res, g):
-  del res
-  jax.debug.callback(put, g.reshape(-1, g.shape[-1]))
-  return (g,)
+def _probe_bwd(put, tag, g):
+  jax.debug.callback(put, tag, g.reshape(-1, g.shape[-1]))
+  return g, None
 
 
 _probe.defvjp(_probe_fwd, _probe_bwd)
 
 
+def _fingerprint(*arrays) -> jax.Array:
+  """A few bits that tell one call's operands from another's: each array's
+  FP32 bit patterns summed as integers (exact, so any order of summation
+  gives the same value). A layer run in a loop transform (``nnx.scan``)
+  is traced once but runs once per iteration, each time with other
+  operands: the forward and backward records of one iteration carry the
+  same fingerprint, those of two iterations (almost surely) not."""
+  bits = [jnp.sum(jax.lax.bitcast_convert_type(
+      jax.lax.stop_gradient(a).astype(jnp.float32), jnp.uint32),
+      dtype=jnp.uint32) for a in arrays]
+  return jnp.stack(bits)
+
+
 class _Collector:
   """The tap of one `collect` call: counts the calls of each layer and keeps
-  what the pass sends out, ``records``: ``(site, "fwd" | "bwd", host
-  arrays)``; "fwd" holds (x, w, state) as the GEMM consumed them, "bwd" the
-  gradient g."""
+  what the pass sends out, ``records``: ``(site, "fwd" | "bwd",
+  fingerprint, host arrays)``; "fwd" holds (x, w, state) as the GEMM
+  consumed them, "bwd" the gradient g; the fingerprint (`_fingerprint`)
+  pairs them per loop iteration."""
 
   def __init__(self):
     self.calls: dict[str, int] = {}
-    self.records: list[tuple[_Site, str, Any]] = []
+    self.records: list[tuple[_Site, str, bytes, Any]] = []
 
-  def _put(self, site: _Site, kind: str, arrays) -> None:
-    self.records.append((site, kind, jax.tree.map(np.asarray, arrays)))
+  def _put(self, site: _Site, kind: str, tag, arrays) -> None:
+    self.records.append((site, kind, np.asarray(tag).tobytes(),
+                         jax.tree.map(np.asarray, arrays)))
 
   def __call__(self, gemm: QuantGemm, x, w, recipe: Recipe, state, *,
                key=None, out_dtype=None, backend=None, group_sizes=None,
@@ -108,14 +123,17 @@ class _Collector:
       return y, new_state
     use = self.calls.get(path, 0)
     self.calls[path] = use + 1
-    site = _Site(path, use, sum(self.calls.values()) - 1, recipe, backend)
+    site = _Site(path, use, (sum(self.calls.values()) - 1,), recipe, backend)
     sg = jax.lax.stop_gradient
     operands = (sg(x.reshape(-1, x.shape[-1])), sg(w),
                 numerics.plain_state(state))
     if group_sizes is not None:  # split per expert on the host (_experts)
       operands += (ragged.group_ids(group_sizes, x.shape[0], capacity),)
-    jax.debug.callback(functools.partial(self._put, site, "fwd"), operands)
-    return _probe(functools.partial(self._put, site, "bwd"), y), new_state
+    tag = _fingerprint(x, w)
+    jax.debug.callback(functools.partial(self._put, site, "fwd"), tag,
+                       operands)
+    return (_probe(functools.partial(self._put, site, "bwd"), y, tag),
+            new_state)
 
 
 def _pass(graphdef, loss_fn, collector, state, args, kwargs):
@@ -169,8 +187,10 @@ def collect(model: nnx.Module, loss_fn: Callable[..., jax.Array], *args,
   converted by `qlayers.quantize`) are measured one by one, as
   ``path[e]`` for each expert ``e`` that got tokens (each expert's GEMMs
   are dense GEMMs of its own rows, with its own scales; one compilation of
-  the statistics per distinct token count). A layer run inside a
-  loop transform (``nnx.scan``, ``lax.map``) reports one iteration. The
+  the statistics per distinct token count). A layer run inside a loop
+  transform (``nnx.scan`` over a stack of layers, ``lax.map``) is measured
+  once per iteration, as ``path[i]`` for iteration ``i`` (layer ``i`` of
+  the stack; experts ``path[i][e]``), each from its own x, w and g. The
   operands of every quantized GEMM (x, w, g) are copied to host memory
   until they are measured: about the model's weights plus two activations
   per layer.
@@ -214,18 +234,8 @@ def _measure(records) -> tuple[dict, dict]:
   """The operands each site recorded -> ``(sites, stats)``, both keyed by
   ``(path, use)``; ``stats[key]`` holds ``"fwd"`` (and ``"bwd"`` when the
   gradient reached the layer) statistics.
-
-  Later records of a site replace earlier ones (a remat recomputes the
-  forward; a loop transform runs a layer once per iteration: the last one
-  is measured).
   """
-  sites: dict[tuple[str, int], _Site] = {}
-  raw: dict[tuple[str, int], dict[str, Any]] = {}
-  for site, kind, arrays in records:
-    key = (site.path, site.use)
-    sites[key] = site
-    raw.setdefault(key, {})[kind] = arrays
-  sites, raw = _experts(sites, raw)
+  sites, raw = _experts(*_iterations(records))
   stats = {}
   for key, got in raw.items():
     site = sites[key]
@@ -240,6 +250,39 @@ def _measure(records) -> tuple[dict, dict]:
                                           backend=site.backend)
   stats = jax.tree.map(np.asarray, stats)
   return {key: sites[key] for key in stats}, stats
+
+
+def _iterations(records) -> tuple[dict, dict]:
+  """The records of each site, one entry per iteration it ran: the forward
+  and backward records that carry one fingerprint are one iteration (a
+  remat's recomputed forward is the same iteration again: the later record
+  replaces the earlier). A site that ran once keeps its path; one run in a
+  loop transform (``nnx.scan`` over stacked layers, ``lax.map``) several
+  times is ``path[i]`` for the ``i``-th iteration (in execution order).
+  Where a site's gradient was recorded, a forward record without its
+  gradient (a recomputed forward that differs in its last bits from the
+  one the backward pass used) is dropped."""
+  sites: dict[tuple[str, int], _Site] = {}
+  runs: dict[tuple[str, int], dict[bytes, dict[str, Any]]] = {}
+  for site, kind, tag, arrays in records:
+    key = (site.path, site.use)
+    sites[key] = site
+    runs.setdefault(key, {}).setdefault(tag, {})[kind] = arrays
+  out_sites, out_raw = {}, {}
+  for key, by_tag in runs.items():
+    site = sites[key]
+    got = [r for r in by_tag.values() if "fwd" in r]
+    if any("bwd" in r for r in got):
+      got = [r for r in got if "bwd" in r]
+    if len(got) == 1:
+      out_sites[key], out_raw[key] = site, got[0]
+      continue
+    for i, r in enumerate(got):
+      k = (f"{site.path}[{i}]", site.use)
+      out_sites[k] = dataclasses.replace(site, path=k[0],
+                                         order=(*site.order, i))
+      out_raw[k] = r
+  return out_sites, out_raw
 
 
 def _experts(sites: dict, raw: dict) -> tuple[dict, dict]:
@@ -260,8 +303,8 @@ def _experts(sites: dict, raw: dict) -> tuple[dict, dict]:
         continue
       st = jax.tree.map(lambda a, e=e: a[e], state)
       k = (f"{site.path}[{e}]", site.use)
-      out_sites[k] = dataclasses.replace(
-          site, path=k[0], order=site.order + (e + 1) / (w.shape[0] + 1))
+      out_sites[k] = dataclasses.replace(site, path=k[0],
+                                         order=(*site.order, e))
       out_raw[k] = {"fwd": (x[rows], w[e], st)}
       if "bwd" in got:
         out_raw[k]["bwd"] = got["bwd"][rows]

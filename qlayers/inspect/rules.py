@@ -116,9 +116,10 @@ def noise_fallback(reports: Report | Iterable[Report],
     raise ValueError(f"threshold must be a positive finite fraction of the "
                      f"gradient norm, got {threshold!r}.")
   rules = convert.DEFAULT_RULES if rules is None else tuple(rules)
-  # An expert's row (``moe[3]``) is its layer's: rules match layer paths.
+  # An expert's or an iteration's row (``moe[3]``, ``blocks.mlp[2][3]``) is
+  # its layer's: rules match layer paths.
   noisy = list(dict.fromkeys(
-      re.sub(r"\[\d+\]$", "", p)
+      re.sub(r"(\[\d+\])+$", "", p)
       for p, r in gradient_noise(reports, gemm=gemm).items() if r > threshold))
   if not noisy:
     return rules
