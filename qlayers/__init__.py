@@ -29,6 +29,7 @@ from qlayers.layers import QuantAttentionProj
 from qlayers.layers import QuantDense
 from qlayers.layers import QuantEinsum
 from qlayers.layers import QuantExperts
+from qlayers.layers import QuantExpertsEinsum
 from qlayers.layers import QuantGemm
 from qlayers.layers import QuantLinearGeneral
 from qlayers.layers import QuantLogits
@@ -55,8 +56,9 @@ __all__ = [
     # Layers, and the quantized GEMM they all run.
     "QuantDense", "QuantLinearGeneral", "QuantEinsum", "QuantAttentionProj",
     "QuantLogits", "QuantGemm",
-    # Mixture of experts: stacked expert kernels (grouped GEMM, ragged_dot).
-    "QuantExperts",
+    # Mixture of experts: stacked expert kernels (grouped GEMM, ragged_dot;
+    # or one GEMM per expert of an einsum over capacity buffers).
+    "QuantExperts", "QuantExpertsEinsum",
     # Converting an existing model.
     "quantize", "dequantize_model", "Rule",
     # Recipes.

@@ -127,3 +127,52 @@ def test_a_scanned_stack_is_measured_per_iteration_as_its_unrolled_layers(
   # The gradient grows backwards through the layers (x4 per layer).
   g = [scanned.row(f"layers[{i}]", "g").amax for i in range(_LAYERS)]
   assert g[0] > g[1] > g[2]
+
+
+def test_einsum_experts_are_measured_per_expert_as_dense_gemms():
+  # Each expert of a QuantExpertsEinsum is its own GEMM (its rows, its
+  # weight, its scales): its rows equal a QuantDense's on that expert's
+  # input and kernel, with the same upstream gradient.
+  experts = qlayers.QuantExpertsEinsum("ecd,edf->ecf", (3, 32, 16),
+                                       recipe="mxfp8", rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (3, 8, 32))
+  x = x * jnp.array([1.0, 5.0, 0.25])[:, None, None]
+  c = jax.random.normal(jax.random.key(2), (3, 8, 16))
+  rep = qlayers.inspect.collect(experts, lambda m, x: jnp.sum(m(x) * c), x)
+  assert rep.paths == ["(model)[0]", "(model)[1]", "(model)[2]"]
+  for e in range(3):
+    dense = qlayers.QuantDense(32, 16, use_bias=False, recipe="mxfp8",
+                               rngs=nnx.Rngs(0))
+    dense.kernel[...] = experts.kernel[...][e]
+    want = qlayers.inspect.collect(
+        dense, lambda m, x, e=e: jnp.sum(m(x) * c[e]), x[e])
+    for role in "xwg":
+      got, ref = rep.row(f"(model)[{e}]", role), want.row("(model)", role)
+      assert (got.amax, got.scale, got.sqnr_db) == (
+          ref.amax, ref.scale, ref.sqnr_db), (e, role)
+    for gemm in ("fprop", "dgrad", "wgrad"):
+      assert rep.output(f"(model)[{e}]", gemm) == pytest.approx(
+          want.output("(model)", gemm), abs=1e-3), (e, gemm)
+
+
+def test_sensitivity_reference_runs_einsum_experts_wide():
+  class Net(nnx.Module):
+    def __init__(self):
+      self.experts = qlayers.QuantExpertsEinsum(
+          "ecd,edf->ecf", (2, 32, 32), recipe="mxfp4", rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+      return self.experts(x)
+
+  net = Net()
+  x = jax.random.normal(jax.random.key(1), (2, 8, 32))
+  loss_fn = lambda m, x: jnp.mean(m(x) ** 2)
+  result = qlayers.inspect.sensitivity(net, loss_fn, [(x,)], "mxfp4",
+                                       gemms=False, grads=False)
+  wide = nnx.Einsum("ecd,edf->ecf", (2, 32, 32), rngs=nnx.Rngs(0))
+  wide.kernel[...] = net.experts.kernel[...]
+  # The reference runs the experts wide (in BF16, the compute dtype): far
+  # nearer the FP32 loss than the all-MXFP4 loss is.
+  want = float(loss_fn(wide, x))
+  assert result.wide_loss == pytest.approx(want, rel=2e-3)
+  assert abs(result.wide_loss - want) < abs(result.all_loss - want) / 5

@@ -183,9 +183,10 @@ def collect(model: nnx.Module, loss_fn: Callable[..., jax.Array], *args,
   an eager call would). Layers that
   run their GEMM outside `QuantGemm.matmul` / ``__call__`` (`QuantLogits`)
   or quantize nothing are listed in `Report.skipped`. The experts of a
-  grouped GEMM (`qlayers.layers.QuantRaggedDot`: `QuantExperts`, experts
-  converted by `qlayers.quantize`) are measured one by one, as
-  ``path[e]`` for each expert ``e`` that got tokens (each expert's GEMMs
+  grouped GEMM (`qlayers.layers.QuantRaggedDot`: `QuantExperts`,
+  `QuantExpertsEinsum`, experts converted by `qlayers.quantize`) are
+  measured one by one, as ``path[e]`` for each expert ``e`` that got tokens
+  (every expert of an einsum over capacity buffers; each expert's GEMMs
   are dense GEMMs of its own rows, with its own scales; one compilation of
   the statistics per distinct token count). A layer run inside a loop
   transform (``nnx.scan`` over a stack of layers, ``lax.map``) is measured

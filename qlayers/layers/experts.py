@@ -149,7 +149,7 @@ class QuantRaggedDot(QuantGemm):
     def one(a, b, st, key):
       return ops.quantized_dot_general(
           a, b, (inner, ((), ())), self.recipe, st, key=key,
-          preferred_element_type=out, backend=self.backend)
+          preferred_element_type=out, backend=self.backend, site=self)
 
     if lhs.shape[lb[0]] != rhs.shape[rb[0]]:
       raise ValueError(
