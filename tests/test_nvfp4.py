@@ -168,6 +168,7 @@ def _call(model, x):
 
 def test_stochastic_rounding_key_comes_from_the_step_not_the_data():
   model = qlayers.QuantDense(32, 32, rngs=nnx.Rngs(0), recipe="nvfp4")
+  model.quant.sr_seed.set_value(jnp.uint32(0))
   x = jax.random.normal(jax.random.key(1), (64, 32))
   g0, g0_again, g1 = (_grads(model, x, jnp.uint32(s)) for s in (0, 0, 1))
   np.testing.assert_array_equal(np.asarray(g0), np.asarray(g0_again))
@@ -204,6 +205,21 @@ def test_companion_rules_and_seeds():
   assert seed_rounding(model) == 3
   seeds = {int(layer.quant.sr_seed[...]) for layer in model.layers}
   assert len(seeds) == 3
+
+
+def test_layers_built_by_hand_get_seeds_from_their_initial_weights():
+  # Without it every hand-built layer had seed 0: layers of equal shapes
+  # drew the same rounding bits at every step.
+  def seeds(key):
+    layers = [qlayers.QuantDense(16, 16, rngs=nnx.Rngs(key + i),
+                                 recipe="nvfp4") for i in range(3)]
+    return [int(layer.quant.sr_seed[...]) for layer in layers]
+
+  assert len(set(seeds(0))) == 3
+  assert seeds(0) == seeds(0)  # the same initial weights, the same seeds
+  layer = qlayers.QuantDense(16, 16, rngs=nnx.Rngs(0), recipe="nvfp4")
+  bits = jax.lax.bitcast_convert_type(layer.kernel[...], jnp.uint32)
+  assert int(layer.quant.sr_seed[...]) == int(jnp.sum(bits, dtype=jnp.uint32))
 
 
 def test_quantize_gives_each_layer_its_own_rounding_seed():

@@ -127,6 +127,7 @@ class QuantTunixEinsum(QuantLayer, nnx.Module):
     self.lora_a = nnx.data(None)
     self.lora_b = nnx.data(None)
     self.quant = QuantGemm(recipe, backend=backend)
+    self.quant.seed_from(self.w[...])
 
   @classmethod
   def from_tunix(cls, layer, recipe: Recipe | str, *,

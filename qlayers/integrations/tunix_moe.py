@@ -125,8 +125,9 @@ class QuantTunixMoE(QuantLayer, nnx.Module):
     self.dtype = dtype
     self.capacity_factor = capacity_factor
     for p in PROJECTIONS:
-      setattr(self, p.replace("_proj", "_quant"), QuantRaggedDot(
-          recipe, num_groups=num_experts, backend=backend))
+      quant = QuantRaggedDot(recipe, num_groups=num_experts, backend=backend)
+      quant.seed_from(getattr(self, p)[...])
+      setattr(self, p.replace("_proj", "_quant"), quant)
 
   @classmethod
   def from_tunix(cls, layer, recipe: Recipe | str, *,

@@ -97,12 +97,39 @@ class QuantGemm(nnx.Module):
       setattr(self, f"{role}_amax", kind(st.amax))
     if self.recipe.sr_key == "step":
       # Stochastic rounding keyed by (seed, call counter): Recipe.sr_key.
-      # Stacked layers get seeds 0, 1, ...;
-      # `qlayers.recipe_rules.seed_rounding` gives each GEMM its own.
+      # Stacked layers get seeds 0, 1, ...; the layers seed them from their
+      # initial weights (`seed_from`), `qlayers.quantize` from their paths
+      # (`qlayers.recipe_rules.seed_rounding`).
       seeds = jnp.arange(math.prod(batch_shape),
                          dtype=jnp.uint32).reshape(tuple(batch_shape))
       self.sr_seed = QuantState(sharding.replicated(seeds))
       self.sr_step = QuantState(sharding.replicated(jnp.zeros_like(seeds)))
+
+  def seed_from(self, weight: jax.Array) -> None:
+    """Seeds step-keyed stochastic rounding (``sr_key = "step"``) from the
+    layer's initial ``weight``: its FP32 bit patterns summed as integers,
+    plus the stack index. Layers built by hand then draw bits as distinct
+    as their initial weights (with one seed, layers of equal shapes would
+    draw the same bits at every step), and the same weights give the same
+    seed on every run. `qlayers.recipe_rules.seed_rounding` replaces them
+    with seeds from the layers' paths. Does nothing for other recipes.
+
+    Example:
+      >>> import jax
+      >>> a, b = QuantGemm("nvfp4"), QuantGemm("nvfp4")
+      >>> a.seed_from(jax.random.normal(jax.random.key(0), (4, 4)))
+      >>> b.seed_from(jax.random.normal(jax.random.key(1), (4, 4)))
+      >>> int(a.sr_seed[...]) != int(b.sr_seed[...])
+      True
+    """
+    if self.recipe.sr_key != "step":
+      return
+    bits = jax.lax.bitcast_convert_type(
+        jnp.asarray(weight).astype(jnp.float32), jnp.uint32)
+    stack = self.sr_seed[...]
+    index = jnp.arange(stack.size, dtype=jnp.uint32).reshape(stack.shape)
+    self.sr_seed.set_value(sharding.replicated(
+        jnp.sum(bits, dtype=jnp.uint32) + index))
 
   @property
   def delayed(self) -> bool:

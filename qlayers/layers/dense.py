@@ -52,8 +52,10 @@ class QuantDense(QuantLayer, nnx.Linear):
   ignored (the recipe sets operand precision). The quantized GEMM and its
   state live in the `QuantGemm` at ``quant`` (`QuantState` /
   `QuantGradState` Variables, never Params); ``model.eval()`` stops it
-  writing state. Stochastic rounding draws its keys from the data being
-  rounded, so the layer needs no RNG stream.
+  writing state. Stochastic rounding needs no RNG stream: it draws its keys
+  from the data being rounded, or (``sr_key = "step"``, NVFP4) from a seed
+  and a step counter in the state, the seed taken from the initial kernel
+  (`QuantGemm.seed_from`; `qlayers.quantize` seeds by layer path).
 
   Args:
     in_features: the number of input features.
@@ -89,6 +91,7 @@ class QuantDense(QuantLayer, nnx.Linear):
     super().__init__(in_features, out_features, **kwargs)
     self._refuse_injected_op()
     self.quant = QuantGemm(recipe, backend=backend)
+    self.quant.seed_from(self.kernel[...])
 
   def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
     """Applies the quantized linear map along the last input dimension."""

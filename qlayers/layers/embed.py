@@ -49,6 +49,7 @@ class QuantEmbed(QuantLayer, nnx.Embed):
                backend: str | None = None, **kwargs):
     super().__init__(num_embeddings, features, **kwargs)
     self.quant = QuantGemm(recipe, backend=backend)
+    self.quant.seed_from(self.embedding[...])
 
   def attend(self, query: jax.Array, out_sharding=None) -> jax.Array:
     """Logits ``(..., num_embeddings)`` of ``query (..., features)``."""

@@ -224,6 +224,7 @@ class QuantExpertsEinsum(QuantLayer, nnx.Einsum):
     self._refuse_injected_op()
     self.quant = QuantRaggedDot(recipe, num_groups=kernel_shape[0],
                                 backend=backend)
+    self.quant.seed_from(self.kernel[...])
 
   def __call__(self, inputs: jax.Array, einsum_str: str | None = None,
                out_sharding=None) -> jax.Array:
@@ -321,6 +322,7 @@ class QuantExperts(QuantLayer, nnx.Module):
     self.param_dtype = param_dtype
     self.quant = QuantRaggedDot(recipe, num_groups=num_experts,
                                 backend=backend, capacity=capacity)
+    self.quant.seed_from(self.kernel[...])
 
   def __call__(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """``x [m, in_features]`` (sorted by expert), ``group_sizes

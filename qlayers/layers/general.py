@@ -72,6 +72,7 @@ class QuantLinearGeneral(QuantLayer, nnx.LinearGeneral):
           "QuantLinearGeneral does not support batch_axis (a batched GEMM "
           "with one weight per batch entry); keep this layer unquantized.")
     self.quant = QuantGemm(recipe, backend=backend)
+    self.quant.seed_from(self.kernel[...])
 
   def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
     """Contracts ``inputs`` over ``axis``; output ``(*rest, *out_features)``."""
@@ -236,6 +237,7 @@ class QuantEinsum(QuantLayer, nnx.Einsum):
       raise ValueError(f"Einsum {einsum_str!r} names {len(rhs)} kernel dims "
                        f"but kernel_shape is {tuple(kernel_shape)}.")
     self.quant = QuantGemm(recipe, backend=backend)
+    self.quant.seed_from(self.kernel[...])
 
   def __call__(self, inputs: jax.Array, einsum_str: str | None = None,
                out_sharding=None) -> jax.Array:

@@ -137,6 +137,7 @@ class QuantLogits(QuantLayer, nnx.Module):
     self.param_dtype = param_dtype
     self.precision = precision
     self.quant = QuantGemm(recipe, backend=backend)
+    self.quant.seed_from(self._weights()[0])
 
   @property
   def tied(self) -> bool:
