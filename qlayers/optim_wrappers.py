@@ -222,6 +222,8 @@ def cast_moments(inner: optax.GradientTransformation,
   The stored arrays are cast to FP32 before ``inner.update`` and its new
   state back to ``dtype`` (BF16 moments as in DeepSeek-V3, arXiv:2412.19437
   section 3.3.2). Scalars (counts, injected hyperparameters) are left alone.
+  ``dtype`` needs FP32's exponent range (float32, bfloat16): Adam's second
+  moment (squared gradients, 1e-8 and below) underflows in float16.
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -231,6 +233,11 @@ def cast_moments(inner: optax.GradientTransformation,
     (dtype(bfloat16), dtype('int32'))
   """
   dtype = _float_dtype(dtype, "moment dtype")
+  if jnp.finfo(dtype).minexp > jnp.finfo(jnp.float32).minexp:
+    raise ValueError(
+        f"moment dtype {dtype} lacks FP32's exponent range: second moments "
+        f"(squared gradients, 1e-8 and below) underflow in it; use "
+        f"bfloat16.")
   inner_init, inner_update = _inner(inner)
 
   def init_fn(params):
@@ -345,6 +352,12 @@ def _skip_state(inner_state, state: SkipState, finite) -> SkipState:
 # Dynamic loss scaling
 
 
+# The largest loss scale: far above what FP16 gradients need (2**24 lifts
+# FP16's smallest subnormal to 1), far below where 1 / scale stops being a
+# normal FP32 (2**-126), which XLA flushes to 0.
+_MAX_LOSS_SCALE = 2.0**64
+
+
 class LossScaleState(NamedTuple):
   """State of `dynamic_loss_scaling`.
 
@@ -371,8 +384,11 @@ def dynamic_loss_scaling(
   FP32 and passed on. A step with non-finite gradients multiplies the scale
   by ``backoff_factor`` (never below 1); ``growth_interval`` finite steps in
   a row multiply it by ``growth_factor`` (the FP16 recipe of Micikevicius et
-  al., arXiv:1710.03740 section 3.2). Wrap a `skip_if_nonfinite` inside so
-  that the overflowing step itself is not applied.
+  al., arXiv:1710.03740 section 3.2), up to 2**64 (gradients that need more
+  are not narrow; past 2**126 the scale's reciprocal would leave FP32's
+  normal range and unscale to 0). Wrap a `skip_if_nonfinite` inside so
+  that the overflowing step itself is not applied. The gradients are passed
+  on in FP32, so narrow Params need `master_weights` inside it.
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -382,8 +398,8 @@ def dynamic_loss_scaling(
     >>> float(s.loss_scale)
     2.0
   """
-  if not (init_scale >= 1.0 and init_scale < float("inf")):
-    raise ValueError(f"init_scale must be finite and >= 1, got {init_scale}.")
+  if not 1.0 <= init_scale <= _MAX_LOSS_SCALE:
+    raise ValueError(f"init_scale must be in [1, 2**64], got {init_scale}.")
   if int(growth_interval) != growth_interval or growth_interval < 1:
     raise ValueError(f"growth_interval must be an integer >= 1, got "
                      f"{growth_interval}.")
@@ -414,9 +430,9 @@ def dynamic_loss_scaling(
                                     **extra)
     good = jnp.where(finite, state.good_steps + 1, 0)
     grow = good >= growth_interval
+    grown = jnp.minimum(state.loss_scale * growth_factor, _MAX_LOSS_SCALE)
     scale = jnp.where(
-        finite, jnp.where(grow, state.loss_scale * growth_factor,
-                          state.loss_scale),
+        finite, jnp.where(grow, grown, state.loss_scale),
         jnp.maximum(state.loss_scale * backoff_factor, 1.0))
     return upd, LossScaleState(inner_state, scale,
                                jnp.where(grow, 0, good).astype(jnp.int32))
@@ -479,4 +495,26 @@ def mixed_precision(
     tx = dynamic_loss_scaling(
         tx, init_scale=init_loss_scale, growth_interval=growth_interval,
         growth_factor=growth_factor, backoff_factor=backoff_factor)
+    if master_dtype is None:
+      tx = _wide_params_only(tx)
   return optax.with_extra_args_support(tx)
+
+
+def _wide_params_only(tx: optax.GradientTransformation):
+  """``tx`` refusing Params narrower than FP32 at init: loss scaling
+  without masters hands its FP32 gradients to a state kept in the Params'
+  dtype."""
+
+  def init_fn(params):
+    narrow = sorted({jnp.dtype(p.dtype).name for p in jax.tree.leaves(params)
+                     if _floating(p) and jnp.dtype(p.dtype).itemsize < 4})
+    if narrow:
+      raise ValueError(
+          f"dynamic loss scaling without master weights (master_dtype=None) "
+          f"on {'/'.join(narrow)} Params: the unscaled gradients are FP32 "
+          f"(narrowed back, the small ones underflow, which loss scaling "
+          f"exists to prevent); keep FP32 masters (master_dtype=jnp.float32, "
+          f"the default).")
+    return tx.init(params)
+
+  return tx._replace(init=init_fn)

@@ -458,3 +458,36 @@ def test_mixed_precision_passes_extra_args_through():
   # Unscaled by 2, times -0.25: a's master 1 - 0.25, b's update -0.75.
   assert float(ow.find_state(s, ow.MasterWeightsState).master["a"][0]) == 0.75
   assert float(u["b"][0]) == -0.75 and float(u["a"][0]) == -0.25
+
+
+def test_loss_scale_stops_growing_at_its_cap():
+  # Uncapped, it grew to 2**127 (whose reciprocal flushes to 0: zero updates
+  # counted as good steps), then to Inf, where every step was skipped.
+  tx = ow.dynamic_loss_scaling(optax.sgd(1.0), init_scale=2.0**62,
+                               growth_interval=1)
+  params = {"w": jnp.ones(3)}
+  state = tx.init(params)
+  g = {"w": jnp.full(3, 1e-3)}
+  for _ in range(4):
+    u, state = tx.update(jax.tree.map(lambda a: a * state.loss_scale, g),
+                         state, params)
+    np.testing.assert_allclose(u["w"], -1e-3, rtol=1e-6)
+  assert float(state.loss_scale) == 2.0**64
+  with pytest.raises(ValueError, match="init_scale"):
+    ow.dynamic_loss_scaling(optax.sgd(1.0), init_scale=2.0**65)
+
+
+def test_loss_scaling_without_masters_refuses_narrow_params():
+  tx = ow.mixed_precision(optax.adam(1e-3), master_dtype=None,
+                          dynamic_loss_scale=True)
+  with pytest.raises(ValueError, match="master_dtype=jnp.float32"):
+    tx.init({"w": jnp.ones(4, jnp.float16)})
+  tx.init({"w": jnp.ones(4)})  # FP32 Params need no masters
+
+
+def test_float16_moments_are_refused():
+  # Adam's second moment of 1e-4 gradients (1e-8) underflows in float16:
+  # its updates were 73% off after three steps.
+  with pytest.raises(ValueError, match="bfloat16"):
+    ow.cast_moments(optax.adam(1e-3), jnp.float16)
+  ow.cast_moments(optax.adam(1e-3), jnp.bfloat16)
