@@ -416,12 +416,14 @@ def quantize(model: nnx.Module, recipe: Recipe | str | None,
                             and r not in DEFAULT_RULES]
   if strict and report.unmatched_rules:
     raise _strict_error(report.unmatched_rules, model)
+  made = []  # the GEMMs this call creates
   for site, r, b, shape, rule in filter(None, plan):
     if swap_experts.is_experts(site.layer):
-      swap_experts.quantize(site.layer, r, b)
+      made.append(swap_experts.quantize(site.layer, r, b))
       new = "QuantRaggedDot at .ragged_dot"
     else:
       q = swap.quantized(site.layer, r, b)
+      made.append(q.quant)
       new = type(q).__name__
       swap.replace(site, q)
     report.converted.append(Converted(
@@ -429,7 +431,9 @@ def quantize(model: nnx.Module, recipe: Recipe | str | None,
         None if rule is None else _rule_name(rule), _aliases(site)))
   report.skipped.extend(Skipped(*s) for s in swap.unconverted_matmuls(
       model, _TABLE_NAME, {id(s.layer) for s in experts}))
-  seed_rounding(model)  # step-keyed stochastic rounding: a seed per GEMM
+  # Step-keyed stochastic rounding: a seed per GEMM converted here (the
+  # layers left as they were keep theirs).
+  seed_rounding(model, only=made)
   if frozen:
     freeze(model)
   return report

@@ -93,11 +93,12 @@ def dims(m) -> tuple[int, int]:
   return _kernel(m)[1][1:]
 
 
-def quantize(m, recipe: Recipe, backend: str | None) -> None:
-  """Puts a `QuantRaggedDot` for ``recipe`` at ``m.ragged_dot``."""
+def quantize(m, recipe: Recipe, backend: str | None) -> QuantRaggedDot:
+  """Puts a `QuantRaggedDot` for ``recipe`` at ``m.ragged_dot``; returns it."""
   experts = _kernel(m)[1][0]
-  setattr(m, ATTR, nnx.data(QuantRaggedDot(recipe, num_groups=experts,
-                                           backend=backend)))
+  gemm = QuantRaggedDot(recipe, num_groups=experts, backend=backend)
+  setattr(m, ATTR, nnx.data(gemm))
+  return gemm
 
 
 def dequantize(m) -> None:

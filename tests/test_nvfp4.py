@@ -265,3 +265,18 @@ def test_logits_head_rounds_gradients_by_its_step_counter():
   np.testing.assert_array_equal(dx(5), dx(5))  # the counter, not the data
   assert not np.array_equal(dx(5), dx(6))
   np.testing.assert_array_equal(dx(5, chunk_size=8), dx(5, chunk_size=8))
+
+
+def test_quantize_leaves_the_seeds_of_layers_it_does_not_convert():
+  model = nnx.Sequential(
+      qlayers.QuantDense(16, 16, rngs=nnx.Rngs(0), recipe="nvfp4"),
+      nnx.Linear(16, 16, rngs=nnx.Rngs(1)))
+  seed_rounding(model, seed=1234)
+  kept = int(model.layers[0].quant.sr_seed[...])
+  qlayers.quantize(model, "nvfp4", rules=())
+  assert int(model.layers[0].quant.sr_seed[...]) == kept
+  fresh = nnx.Sequential(nnx.Linear(16, 16, rngs=nnx.Rngs(0)),
+                         nnx.Linear(16, 16, rngs=nnx.Rngs(1)))
+  qlayers.quantize(fresh, "nvfp4", rules=())  # the converted one: by path
+  assert int(model.layers[1].quant.sr_seed[...]) == int(
+      fresh.layers[1].quant.sr_seed[...])

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import warnings
 import zlib
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -304,12 +304,14 @@ def gemms(model: nnx.Module) -> Iterator[tuple[tuple, QuantGemm]]:
       yield path, node
 
 
-def seed_rounding(model: nnx.Module, seed: int = 0) -> int:
+def seed_rounding(model: nnx.Module, seed: int = 0, *,
+                  only: Iterable[QuantGemm] | None = None) -> int:
   """Gives every ``sr_key = "step"`` GEMM of ``model`` its own rounding seed:
   CRC-32 of its module path plus ``seed`` (stacked layers add their index),
-  so layers of equal shapes do not draw the same bits. `qlayers.quantize`
-  calls it with ``seed=0``; call it again for another seed. Returns the
-  number of GEMMs seeded.
+  so layers of equal shapes do not draw the same bits. ``only``: seed just
+  these GEMMs (`qlayers.quantize` seeds the ones it converts, with
+  ``seed=0``, and leaves the others' seeds alone); call it again for another
+  seed. Returns the number of GEMMs seeded.
 
   Example:
     >>> import qlayers
@@ -326,8 +328,10 @@ def seed_rounding(model: nnx.Module, seed: int = 0) -> int:
     True
   """
   n = 0
+  chosen = None if only is None else {id(g) for g in only}
   for path, gemm in gemms(model):
-    if gemm.recipe.sr_key != "step":
+    if gemm.recipe.sr_key != "step" or (
+        chosen is not None and id(gemm) not in chosen):
       continue
     base = zlib.crc32("/".join(map(str, path)).encode()) + seed
     stack = gemm.sr_seed[...]
