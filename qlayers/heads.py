@@ -25,9 +25,11 @@ the conversion report says which one decided (``report.head``):
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax.extend import core as jcore
 from flax import nnx
 
+from qlayers import ops
 from qlayers.swap import dims, path_str, weight
 
 # Primitives that pass a weight on unchanged as far as "is this the layer's
@@ -147,7 +149,11 @@ def _trace(model, example_input, layers):
     return [x for x in jax.tree.leaves(out) if isinstance(x, jax.Array)]
 
   try:
-    closed = jax.make_jaxpr(call)(state, args)
+    # The GEMMs of layers quantized already, as the plain GEMMs they stand
+    # for: packing, native kernels and stochastic rounding would hide
+    # their weights from the flow.
+    with ops.intercept(_plain_gemm):
+      closed = jax.make_jaxpr(call)(state, args)
   except Exception as e:  # the user's model: any error, said with context
     shapes = jax.tree.map(lambda x: getattr(x, "shape", x), args)
     raise ValueError(
@@ -160,6 +166,15 @@ def _trace(model, example_input, layers):
   flow = _Flow()
   outs = flow.run(closed.jaxpr, ins)
   return [src for _, src in outs], flow.fed
+
+
+def _plain_gemm(gemm, x, w, recipe, state, *, out_dtype=None,
+                group_sizes=None, **_):
+  """A quantized GEMM's plain form (shapes and data flow only)."""
+  del gemm, recipe
+  y = (jnp.matmul(x, w) if group_sizes is None
+       else jax.lax.ragged_dot(x, w, group_sizes))
+  return y.astype(out_dtype or y.dtype), state
 
 
 def _found(rule: str, heads: dict, paths: dict[int, str], hint="") -> str:
@@ -181,11 +196,11 @@ def by_tracing(model, layers: list, paths: dict[int, str],
     layer = layers[i]
     if isinstance(layer, nnx.Embed):
       heads[id(layer)] = (
-          f"tied output head: the model's output is a projection onto this "
+          f"tied: the model's output is a projection onto this "
           f"embedding table ({layer.num_embeddings} x {layer.features}), "
           "found by tracing example_input")
     else:
-      heads[id(layer)] = ("output head: its output is the model's output "
+      heads[id(layer)] = ("its output is the model's output "
                           "through no other linear layer, found by tracing "
                           "example_input")
   return heads, _found("by tracing example_input", heads, paths,

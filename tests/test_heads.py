@@ -144,7 +144,7 @@ def test_tied_embedding_head_is_listed():
   report = qlayers.quantize(model, "fp8_current", example_input=TOKENS)
   assert [(k.path, k.layer_type) for k in report.kept_wide] == [
       ("tok", "Embed")]
-  assert "tied output head" in report.kept_wide[0].why
+  assert "tied: the model's output is a projection" in report.kept_wide[0].why
   assert converted(report) == ["fc"] and type(model.tok) is nnx.Embed
 
 
@@ -222,3 +222,25 @@ def test_head_already_quantized_is_still_found(recipe):
   report = qlayers.quantize(model, recipe, example_input=X)
   assert report.head == "by tracing example_input: score"
   assert converted(report) == ["mid", "up"] and wide(report) == []
+
+
+class QuantizedScore(nnx.Module):
+  """A head the user quantized already, fed by two stock layers."""
+
+  def __init__(self, recipe, rngs):
+    self.up = nnx.Linear(D, 2 * D, rngs=rngs)
+    self.down = nnx.Linear(2 * D, D, rngs=rngs)
+    self.score = qlayers.QuantDense(D, D, recipe=recipe, rngs=rngs)
+
+  def __call__(self, x):
+    return self.score(nnx.relu(self.down(nnx.relu(self.up(x)))))
+
+
+@pytest.mark.parametrize("recipe", ["fp8_current", "mxfp4", "nvfp4"])
+def test_a_quantized_head_is_found_whatever_its_gemm_runs(recipe):
+  # The 4-bit packing hid the head's weight from the flow: ``down`` was
+  # taken for the head and kept wide.
+  model = QuantizedScore(recipe, nnx.Rngs(0))
+  report = qlayers.quantize(model, "fp8_current", example_input=X)
+  assert report.head == "by tracing example_input: score"
+  assert converted(report) == ["down", "up"] and wide(report) == []
