@@ -34,7 +34,7 @@ from flax import nnx
 from qlayers import dispatch, swap, swap_experts
 from qlayers.heads import output_heads
 from qlayers.layers.core import seed_rounding
-from qlayers.layers.frozen import freeze
+from qlayers.layers.frozen import FrozenKernel, freeze
 from qlayers.recipe import Recipe, recipe as load_recipe
 
 __all__ = ["Rule", "DEFAULT_KEEP_WIDE", "KEEP_HEAD_WIDE", "DEFAULT_RULES",
@@ -450,8 +450,10 @@ def dequantize_model(model: nnx.Module, *,
   The inverse of `quantize`: each becomes ``nnx.Linear`` /
   ``nnx.LinearGeneral`` / ``nnx.Einsum`` with the same Params (the same
   Variable objects) and hyperparameters; its recipe, backend and
-  quantization state are dropped. Other quantized layers are left as they
-  are (reported).
+  quantization state are dropped. A frozen kernel (`qlayers.freeze`,
+  ``quantize(..., frozen=True)``) comes back as a kernel Param holding its
+  dequantized values, in the dtype it was frozen from. Other quantized
+  layers are left as they are (reported).
 
   Args:
     model: the model.
@@ -486,7 +488,10 @@ def dequantize_model(model: nnx.Module, *,
       plan.append(site)
   for site in plan:
     layer = site.layer
-    swap.replace(site, swap.stock(layer))
+    stock = swap.stock(layer)
+    if isinstance(layer.kernel, FrozenKernel):
+      stock.kernel = nnx.Param(layer.kernel.dequantize())
+    swap.replace(site, stock)
     report.converted.append(Converted(
         site.path, type(layer).__name__, swap.STOCK_OF[type(layer)].__name__,
         swap.dims(layer), layer.recipe.name, None, _aliases(site)))

@@ -183,3 +183,20 @@ def test_frozen_kernels_lists_the_frozen_layers():
   b = qlayers.QuantDense(64, 32, recipe="mxfp8", rngs=nnx.Rngs(0))
   qlayers.freeze(a)
   assert [p for p, _ in frozen_kernels(nnx.List([a, b]))] == [(0,)]
+
+
+def test_dequantize_model_gives_a_frozen_kernel_back_as_a_param():
+  # It reported the layer converted to nnx.Linear, which still held the
+  # FrozenKernel and had no kernel Param (a stock checkpoint could not load).
+  model = nnx.Sequential(nnx.Linear(64, 32, rngs=nnx.Rngs(0),
+                                    param_dtype=jnp.bfloat16))
+  qlayers.quantize(model, "mxfp8", rules=(), frozen=True)
+  frozen = model.layers[0].kernel.dequantize()
+  qlayers.dequantize_model(model)
+  layer = model.layers[0]
+  assert type(layer) is nnx.Linear and isinstance(layer.kernel, nnx.Param)
+  assert layer.kernel[...].dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(layer.kernel[...], np.float32),
+                                np.asarray(frozen, np.float32))
+  assert sorted(nnx.state(model, nnx.Param)["layers"][0]) == ["bias",
+                                                                "kernel"]
