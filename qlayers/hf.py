@@ -22,9 +22,24 @@ from qlayers.scaling import QTensor
 __all__ = ["load_tensors"]
 
 
-def _modules(model) -> dict[str, nnx.Module]:
-  return {".".join(map(str, p)): m for p, m in nnx.iter_graph(model)
-          if isinstance(m, nnx.Module)}
+def _module_at(model, path: str):
+  """The module at dotted ``path`` (attributes, list indices, dict keys),
+  by any of its paths (a layer shared under two names has both); None
+  where there is none."""
+  node = model
+  for part in path.split(".") if path else ():
+    child = getattr(node, part, None)
+    if child is None and hasattr(node, "__getitem__"):
+      for key in ((int(part), part) if part.isdigit() else (part,)):
+        try:
+          child = node[key]
+          break
+        except (KeyError, IndexError, TypeError):
+          continue
+    if child is None:
+      return None
+    node = child
+  return node if isinstance(node, nnx.Module) else None
 
 
 def load_tensors(model: nnx.Module, tensors: Mapping[str, object],
@@ -54,11 +69,10 @@ def load_tensors(model: nnx.Module, tensors: Mapping[str, object],
     >>> type(layer.kernel).__name__, float(layer.kernel[...].mean())
     ('FrozenKernel', 1.0)
   """
-  modules = _modules(model)
   todo, bad = [], []
   for path, name in names.items():
     owner, _, attr = path.rpartition(".")
-    module = modules.get(owner)
+    module = _module_at(model, owner)
     var = getattr(module, attr, None) if module is not None else None
     if name not in tensors:
       bad.append(f"{path}: no tensor {name!r}")

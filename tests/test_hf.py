@@ -97,3 +97,26 @@ def test_merged_lora_keeps_the_checkpoint_layout(tmp_path, block,
                                scale_format=scale_format)
   back = checkpoint.read_safetensors(out, quantized=True)["model.proj.weight"]
   np.testing.assert_array_equal(np.asarray(back.scale), scale)
+
+
+def test_a_tied_layer_loads_under_either_of_its_names(tmp_path):
+  # ``lm_head`` shares the embedding (Hugging Face's tie_word_embeddings):
+  # its second path was "no such Variable in the model".
+  class Net(nnx.Module):
+    def __init__(self):
+      self.embed = nnx.Embed(16, 8, rngs=nnx.Rngs(0))
+      self.lm_head = self.embed
+      self.blocks = nnx.List([nnx.Linear(8, 8, rngs=nnx.Rngs(1))])
+
+  table = np.arange(16 * 8, dtype=np.float32).reshape(16, 8)
+  d = checkpoint.write_safetensors(
+      tmp_path / "t", {"w": table, "b": np.ones(8, np.float32)},
+      fp8_block=None)
+  net = Net()
+  assert qlayers.hf.load_tensors(net, checkpoint.read_safetensors(d), {
+      "lm_head.embedding": "w", "blocks.0.bias": "b"}) == 2
+  np.testing.assert_array_equal(net.embed.embedding[...], table)
+  np.testing.assert_array_equal(net.blocks[0].bias[...], np.ones(8))
+  with pytest.raises(ValueError, match="blocks.1.bias: no such Variable"):
+    qlayers.hf.load_tensors(net, checkpoint.read_safetensors(d),
+                            {"blocks.1.bias": "b"})
