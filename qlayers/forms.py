@@ -79,6 +79,10 @@ def _cpu_fp8(a, b, out_dtype, axes):
   scales is applied once, as the GPU forms do: one scale after the other
   overflows to Inf near the FP32 range."""
   pa, pb = a.payload.astype(jnp.bfloat16), b.payload.astype(jnp.bfloat16)
+  # A transpose of an operand before its (elementwise) quantization would
+  # otherwise fold into this dot as a BF16 dot contracting the lhs's first
+  # axis, which fails at run time (see `_dot_f32`).
+  pa, pb = lax.optimization_barrier((pa, pb))
   out = _dot_f32(pa, pb, axes)
   sa, sb = _outer_scales(a, b)
   return (out * (sa * sb)).astype(out_dtype)

@@ -452,3 +452,18 @@ def test_same_shaped_layers_trace_their_gemms_once(monkeypatch):
   assert len(set(g_amaxes)) == 3 and min(g_amaxes) > 0
   with table.target_arch("sm_90"):
     assert traced(1)[0] == 3
+
+
+@pytest.mark.parametrize("recipe", ["fp8_current", "fp8_rowwise"])
+def test_einsum_whose_lhs_contracts_its_first_axis_runs(recipe):
+  # jnp.einsum swaps the operands for this output order: the lhs contracts
+  # its first axis, and XLA:CPU folded that transpose into a BF16 x BF16 =
+  # F32 dot its runtime refuses.
+  x = jax.random.normal(jax.random.key(0), (8, 16))
+  w = jax.random.normal(jax.random.key(1), (16, 4))
+  dg = qlayers.ops.dot_general(recipe)
+  got = jax.jit(lambda x, w: jnp.einsum("cd,df->fc", x, w, _dot_general=dg))(
+      x, w)
+  want = jnp.einsum("cd,df->cf", x, w, _dot_general=dg).T
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6,
+                             atol=1e-6)
