@@ -207,3 +207,17 @@ def test_params_take_metadata_as_nnx_layers_do():
                                rngs=nnx.Rngs(0))
   assert layer.kernel.get_metadata()["tag"] == "experts_kernel"
   assert layer.bias.get_metadata()["tag"] == "experts_bias"
+
+
+def test_einsum_through_a_stateful_dot_general_says_what_to_do():
+  # jnp.einsum runs its _dot_general under its own jit, where the delayed
+  # state cannot be written: NNX's TraceContextError said nothing of why.
+  rd = QuantRaggedDot("fp8_delayed", num_groups=2)
+  x, w = jnp.ones((2, 4, 32)), jnp.ones((2, 32, 16))
+  with pytest.raises(RuntimeError, match="call it directly"):
+    jnp.einsum("ecd,edf->ecf", x, w, _dot_general=rd.dot_general)
+  dims = (((2,), (1,)), ((0,), (0,)))
+  assert rd.dot_general(x, w, dims).shape == (2, 4, 16)
+  stateless = QuantRaggedDot("fp8_current", num_groups=2)
+  assert jnp.einsum("ecd,edf->ecf", x, w,
+                    _dot_general=stateless.dot_general).shape == (2, 4, 16)

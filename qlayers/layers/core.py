@@ -27,6 +27,7 @@ amax it records is the whole tensor's (see `qlayers.sharding`).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 import zlib
@@ -34,6 +35,7 @@ from typing import Iterable, Iterator
 
 import jax
 import jax.numpy as jnp
+from flax import errors as flax_errors
 from flax import nnx
 
 from qlayers import formats
@@ -220,12 +222,30 @@ class QuantGemm(nnx.Module):
     ``precision`` is ignored: the recipe sets the operand precision.
     """
     del precision
-    y, new_state = ops.quantized_dot_general(
-        lhs, rhs, dimension_numbers, self.recipe, self.read(),
-        preferred_element_type=preferred_element_type, backend=self.backend,
-        key=self.rounding_key(), site=self)
-    self.write(new_state)
+    with self.writing_state("__call__"):
+      y, new_state = ops.quantized_dot_general(
+          lhs, rhs, dimension_numbers, self.recipe, self.read(),
+          preferred_element_type=preferred_element_type,
+          backend=self.backend, key=self.rounding_key(), site=self)
+      self.write(new_state)
     return _finish(y, None, out_sharding)
+
+  @contextlib.contextmanager
+  def writing_state(self, method: str) -> Iterator[None]:
+    """Turns NNX's error for a state write from inside a function jax
+    traces on its own (``jnp.einsum(..., _dot_general=gemm)`` runs it
+    under its own jit) into one saying what to do."""
+    try:
+      yield
+    except flax_errors.TraceContextError as e:
+      raise RuntimeError(
+          f"{type(self).__name__}.{method} (recipe {self.recipe.name!r}) "
+          "writes its state (delayed-scaling amaxes, the rounding counter) "
+          "to its Variables, which it cannot do inside a function jax "
+          "traces on its own, as jnp.einsum(..., _dot_general=...) does: "
+          "call it directly with the dimension numbers, use a qlayers layer "
+          "(QuantEinsum, QuantExpertsEinsum), or a recipe without state "
+          "(fp8_current, mxfp8).") from e
 
 
 def _warn_if_steps_never_ended(gemm: QuantGemm) -> None:

@@ -135,7 +135,9 @@ class QuantRaggedDot(QuantGemm):
     """`lax.dot_general` batched over one dim, the experts: each batch entry
     is its own quantized GEMM with its expert's scales and state (what
     ``jnp.einsum(..., _dot_general=rd.dot_general)`` passes for
-    ``"ecd,edf->ecf"``)."""
+    ``"ecd,edf->ecf"``; jnp.einsum runs it under its own jit, where a
+    recipe with state, delayed or step-keyed rounding, cannot write it:
+    call this method directly then, or use `QuantExpertsEinsum`)."""
     del precision
     (lc, rc), (lb, rb) = dimension_numbers
     if len(lb) != 1:
@@ -158,10 +160,10 @@ class QuantRaggedDot(QuantGemm):
           f"{rhs.shape[rb[0]]} (dim {rb[0]} of {rhs.shape}).")
     self._check_experts(rhs.shape[rb[0]])
     state = self.read()
-    with sharding.unpartitioned():
+    with self.writing_state("dot_general"), sharding.unpartitioned():
       y, new_state = jax.vmap(one, in_axes=(lb[0], rb[0], 0, 0))(
           lhs, rhs, state, self.rounding_key())
-    self.write(new_state)
+      self.write(new_state)
     if out_sharding is not None:
       y = jax.sharding.reshard(y, out_sharding)
     return y
