@@ -183,7 +183,10 @@ def dispatch(x: jax.Array, expert_ids: jax.Array, *, n_experts: int,
 
   Args:
     x: tokens ``[n, d]`` (the local batch shard inside ``shard_map``).
-    expert_ids: int ``[n, k]``, each token's experts in ``[0, n_experts)``.
+    expert_ids: int ``[n, k]``, each token's experts in ``[0, n_experts)``;
+      a copy sent elsewhere (``-1``, a common "no expert" mark) is dropped:
+      sorted past the groups, it comes back from `combine` as 0, as a copy
+      past the capacity does.
     n_experts: experts in all (``g``); must divide by the axis size.
     axis_name: the manual mesh axis the experts are sharded over; None:
       one device, no communication.
@@ -212,6 +215,8 @@ def dispatch(x: jax.Array, expert_ids: jax.Array, *, n_experts: int,
   n, d = x.shape
   k = expert_ids.shape[1]
   flat = expert_ids.reshape(-1).astype(jnp.int32)
+  # Out-of-range ids as ``n_experts``: sorted last, counted in no group.
+  flat = jnp.where((flat >= 0) & (flat < n_experts), flat, n_experts)
   order = jnp.argsort(flat, stable=True)
   xs = x[order // k]
   counts = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
@@ -264,6 +269,10 @@ def combine(ys: jax.Array, route: Route, gates: jax.Array, *,
     >>> combine(xs, route, jnp.full((2, 2), 0.5)).tolist()
     [[1.0, 0.0], [0.0, 1.0]]
   """
+  if gates.ndim != 2 or gates.size != route.order.shape[0]:
+    raise ValueError(f"combine: gates {gates.shape} do not match the "
+                     f"{route.order.shape[0]} token copies dispatch sent "
+                     "(gates must be [n, k] as its expert_ids).")
   n, k = gates.shape
   if (route.dest is None) != (axis_name is None):
     raise ValueError("combine needs the axis_name dispatch was given.")
@@ -274,7 +283,7 @@ def combine(ys: jax.Array, route: Route, gates: jax.Array, *,
     back = _exchange(back, axis_name, None,
                      transport_spec(transport, "g")
                      if not isinstance(transport, QuantSpec) else None)
-    kept = route.slot < cap
+    kept = (route.slot < cap) & (route.dest < devices)
     ys = jnp.where(kept[:, None],
                    back[route.dest, jnp.minimum(route.slot, cap - 1)], 0)
   out = ys[_inverse(route.order)].reshape(n, k, -1).astype(jnp.float32)

@@ -103,6 +103,18 @@ def test_capacity_drops_only_past_the_fullest_pair(cases):
   assert no_drop == 0 and one_short >= 1
 
 
+def test_ids_out_of_range_are_dropped_on_one_device_and_eight(cases):
+  r = multidevice.result(cases, "ids_out_of_range_are_dropped")
+  assert r["one"] <= 1e-6 and r["eight"] <= 1e-6
+
+
+def test_combine_refuses_gates_of_another_k():
+  x, ids = _routed()
+  xs, _, route = ep.dispatch(x, ids, n_experts=3)
+  with pytest.raises(ValueError, match=r"gates \(6, 3\).*12 token copies"):
+    ep.combine(xs, route, jnp.ones((6, 3)))
+
+
 def test_quantized_dispatch_bytes_and_values(cases):
   r = multidevice.result(cases, "quantized_transport")
   bf16 = r["bf16"]

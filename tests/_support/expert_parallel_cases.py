@@ -136,6 +136,23 @@ def capacity_drops_copies():
 
 
 @cases
+def ids_out_of_range_are_dropped():
+  # A copy routed to -1 or past the last expert comes back as 0 (it joined
+  # expert 0, or came back from a clamped index), on one device and on 8.
+  x, w, ids, gates = _inputs()
+  bad = ids.at[::3, 1].set(-1).at[1::3, 0].set(G)
+  valid = (bad >= 0) & (bad < G)
+  kept = jnp.where(valid, gates, 0.0)
+  run = lambda mesh, ids, gates: np.asarray(jax.jit(lambda *a: ep.run(
+      _experts, *a, n_experts=G, mesh=mesh))(w, x, ids, gates))
+  # The reference: the dropped copies sent to expert 0 with gate 0.
+  want = run(None, jnp.where(valid, bad, 0), kept)
+  err = lambda a: float(np.max(np.abs(a - want)) / np.max(np.abs(want)))
+  return {"one": err(run(None, bad, gates)), "eight": err(run(_mesh(), bad,
+                                                               gates))}
+
+
+@cases
 def quantized_transport():
   x, w, ids, gates = _inputs(jnp.bfloat16)
   mesh = _mesh()
