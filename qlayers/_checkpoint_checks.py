@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from qlayers.layers.core import QuantLayer, gemms
+from qlayers.layers.frozen import frozen_kernels
 from qlayers.recipe import Recipe
 
 FILE = "qlayers.json"
@@ -207,6 +208,28 @@ def layers(model) -> dict[str, dict]:
         "amax_history_len": r.amax_history_len if r.delayed else None,
         "recipe_config": json.loads(json.dumps(dataclasses.asdict(r)))}
   return out
+
+
+def frozen(model) -> dict[str, str]:
+  """Per frozen kernel (`qlayers.FrozenKernel`) of ``model``: the layout
+  its payload and scales are read in (element format, granularity, block).
+  The two FP6 formats store alike, so shapes and dtypes alone cannot tell
+  them apart."""
+  out = {}
+  for path, node in frozen_kernels(model):
+    fmt, granularity, block = node.kernel.layout
+    out["/".join(map(str, path))] = f"{fmt} {granularity} block {block}"
+  return out
+
+
+def frozen_diff(ckpt: dict | None, target: dict) -> list[str]:
+  """Frozen kernels whose stored layout differs (checkpoints that predate
+  the record: nothing to compare)."""
+  if ckpt is None:
+    return []
+  return _listed("frozen kernels stored in another layout", [
+      f"{p or '(model)'}: checkpoint {ckpt[p]}, model {target[p]}"
+      for p in sorted(set(ckpt) & set(target)) if ckpt[p] != target[p]])
 
 
 def _listed(title: str, items: list[str], show: int = 8) -> list[str]:

@@ -94,7 +94,8 @@ def _save_args(model, optimizer):
                  "qlayers_version": __version__,
                  "jax_version": jax.__version__, "items": list(trees),
                  "has_optimizer": optimizer is not None,
-                 "layers": checks.layers(model)}
+                 "layers": checks.layers(model),
+                 "frozen": checks.frozen(model)}
   return ocp.args.Composite(**{name: ocp.args.StandardSave(tree)
                                for name, tree in trees.items()}), description
 
@@ -178,6 +179,11 @@ class Manager:
                max_to_keep: int | None = None, async_save: bool = False):
     import orbax.checkpoint as ocp
 
+    if max_to_keep is not None and not (
+        isinstance(max_to_keep, int) and not isinstance(max_to_keep, bool)
+        and max_to_keep >= 1):
+      raise ValueError(f"max_to_keep must be an int >= 1 or None (keep "
+                       f"all), got {max_to_keep!r}.")
     keep = None if max_to_keep is None else (
         ocp.checkpoint_managers.LatestN(max_to_keep))
     self.directory = pathlib.Path(directory).expanduser().absolute()
@@ -189,8 +195,20 @@ class Manager:
 
   def save(self, step: int, model: nnx.Module, *,
            optimizer: nnx.Optimizer | None = None) -> pathlib.Path:
-    """Saves ``model`` (and ``optimizer``) as a new ``step``; returns its
-    directory, complete once `wait_until_finished` returns."""
+    """Saves ``model`` (and ``optimizer``) as a new ``step``, after every
+    step saved so far; returns its directory, complete once
+    `wait_until_finished` returns. To go on from an earlier step (a
+    rollback), `delete` the later ones first."""
+    if not (isinstance(step, (int, np.integer)) and not isinstance(step, bool)
+            and step >= 0):
+      raise TypeError(f"step must be an int >= 0, got {step!r}.")
+    step = int(step)
+    latest = self.latest_step()
+    if latest is not None and step <= latest:
+      raise ValueError(
+          f"step {step} is not after the latest saved step {latest} in "
+          f"{self.directory}; to go on from an earlier step, delete the "
+          f"later ones first (Manager.delete), or save to a new directory.")
     args, description = _save_args(model, optimizer)
     self._orbax.save(step, args=args, custom_metadata=description, force=True)
     return self.directory / str(step)
@@ -208,6 +226,14 @@ class Manager:
 
   def latest_step(self) -> int | None:
     return self._orbax.latest_step()
+
+  def delete(self, step: int) -> None:
+    """Deletes saved ``step`` (after a rollback, the steps past it)."""
+    self.wait_until_finished()
+    if step not in self.all_steps():
+      raise FileNotFoundError(f"No step {step} in {self.directory}; saved: "
+                              f"{self.all_steps()}.")
+    self._orbax.delete(step)
 
   def all_steps(self) -> list[int]:
     return sorted(self._orbax.all_steps())
@@ -238,8 +264,12 @@ def read_metadata(path: str | os.PathLike) -> dict:
 
 def _reset_quant_state(model: nnx.Module) -> None:
   """Fresh delayed-scaling state (as a newly built layer has), keeping the
-  stacked shape of layers made under nnx.vmap and the arrays' shardings."""
+  stacked shape of layers made under nnx.vmap and the arrays' shardings;
+  step-keyed stochastic rounding restarts its counter (each GEMM keeps its
+  seed)."""
   for _, node in gemms(model):
+    if node.recipe.sr_key == "step":
+      node.sr_step.set_value(jnp.zeros_like(node.sr_step[...]))
     if node.delayed:
       fresh = nnx.state(QuantGemm(node.recipe, batch_shape=node.x_amax.shape))
       nnx.update(node, jax.tree.map(
@@ -283,6 +313,9 @@ def restore(path: str | os.PathLike, model: nnx.Module, *,
   if not params_only:
     checks.check(path, checks.layer_diff(layers_c, layers_t),
                  checks.HINTS["quant"])
+  # Frozen payloads are weights: restored either way, read in their layout.
+  checks.check(path, checks.frozen_diff(meta.get("frozen"),
+                                        checks.frozen(model)))
   targets = {name: jax.tree.map(lambda x: jax.ShapeDtypeStruct(
       np.shape(x), jnp.result_type(x), sharding=getattr(x, "sharding", None)),
                                 _tree(state)) for name, state in states.items()}

@@ -568,3 +568,39 @@ def test_format_2_checkpoint_loads(tmp_path):
   with pytest.raises(CheckpointCorruptError, match="_CHECKPOINT_METADATA "
                      "changed since it was saved"):
     checkpoint.restore(path, Legacy())
+
+
+def test_manager_refuses_steps_out_of_order_until_the_later_are_deleted(
+    tmp_path):
+  # A save of step 15 after 30 used to go through (orbax forced): keep-2
+  # then deleted 20, kept the abandoned 30, and a restarted run resumed it.
+  model = build(seed=0)
+  with checkpoint.Manager(tmp_path, max_to_keep=2) as m:
+    for step in (10, 20, 30):
+      m.save(step, model)
+    with pytest.raises(ValueError, match="not after the latest saved step 30"):
+      m.save(15, model)
+    for bad in ("40", -1, 1.5, True):
+      with pytest.raises(TypeError, match="step must be an int"):
+        m.save(bad, model)
+    for later in (20, 30):
+      m.delete(later)
+    m.save(np.int64(15), model)  # the rollback, once the later steps are gone
+    assert m.all_steps() == [15]  # keep-2 had dropped 10 already
+    with pytest.raises(FileNotFoundError, match="No step 99"):
+      m.delete(99)
+  assert checkpoint.Manager(tmp_path).latest_step() == 15
+  for keep in (0, -1, 2.0):
+    with pytest.raises(ValueError, match="max_to_keep"):
+      checkpoint.Manager(tmp_path / "k", max_to_keep=keep)
+
+
+def test_params_only_restarts_the_rounding_counter(tmp_path):
+  model = qlayers.QuantDense(32, 32, recipe="nvfp4", rngs=nnx.Rngs(0))
+  checkpoint.save(tmp_path / "c", model)
+  model.quant.sr_step.set_value(jnp.uint32(3))
+  seed = int(model.quant.sr_seed[...])
+  assert checkpoint.restore(tmp_path / "c", model,
+                            params_only=True)["restored"] == "params_only"
+  assert (int(model.quant.sr_step[...]), int(model.quant.sr_seed[...])) == (
+      0, seed)

@@ -200,3 +200,23 @@ def test_dequantize_model_gives_a_frozen_kernel_back_as_a_param():
                                 np.asarray(frozen, np.float32))
   assert sorted(nnx.state(model, nnx.Param)["layers"][0]) == ["bias",
                                                                 "kernel"]
+
+
+def test_a_frozen_kernel_restores_only_into_its_own_layout(tmp_path):
+  # E3M2 and E2M3 payloads and scales have the same shapes and dtypes: an
+  # E3M2 kernel restored into an E2M3 one decoded its bits as E2M3.
+  def frozen(fmt):
+    layer = qlayers.QuantDense(64, 32, recipe="mxfp6", rngs=nnx.Rngs(0))
+    qlayers.freeze(layer, spec=scaling.QuantSpec(format=fmt,
+                                                 granularity="mx"))
+    return layer
+
+  checkpoint.save(tmp_path / "c", frozen("e3m2"))
+  target = frozen("e2m3")
+  before = np.asarray(target.kernel.payload[...])
+  with pytest.raises(checkpoint.CheckpointMismatchError,
+                     match="(?s)frozen kernels stored in another layout.*e3m2"):
+    checkpoint.restore(tmp_path / "c", target)
+  np.testing.assert_array_equal(target.kernel.payload[...], before)
+  assert checkpoint.restore(tmp_path / "c", frozen("e3m2"))["restored"] == \
+      "full"

@@ -144,6 +144,12 @@ class FrozenKernel(nnx.Module):
                                   zip(self._padded, payload.shape)])
     return QTensor(payload, self.scale[...], *self._layout, 1, (n, k))
 
+  @property
+  def layout(self) -> tuple:
+    """``(element format, granularity, block)`` the stored payload and
+    scales are read in."""
+    return self._layout
+
   def dequantize(self, dtype=None) -> jax.Array:
     """The kernel, in its shape, in ``dtype`` (default: ``self.dtype``)."""
     w = self.qtensor().dequantize(jnp.float32).T.reshape(self.shape)
