@@ -277,6 +277,7 @@ _RECIPE_DEFAULTS = {
 
 
 _RECIPE_TEXT = ("name", "description")
+_DELAYED_ONLY = ("amax_history_len", "amax_compute_algo")
 
 
 def layer_diff(ckpt: dict, target: dict) -> list[str]:
@@ -293,10 +294,13 @@ def layer_diff(ckpt: dict, target: dict) -> list[str]:
     fc, ft = flat(c["recipe_config"]), flat(t["recipe_config"])
     # A top-level Recipe field a checkpoint predates holds its default there.
     fc = {**{k: v for k, v in _RECIPE_DEFAULTS.items() if k not in fc}, **fc}
-    # A recipe's name and description say nothing of its numerics.
+    # A recipe's name and description say nothing of its numerics, nor do
+    # delayed scaling's settings where neither side scales delayed.
+    ignored = _RECIPE_TEXT + (() if "delayed" in (c["scaling"], t["scaling"])
+                              else _DELAYED_ONLY)
     fields = [f"{k.replace('/', '.')}: {fc.get(k)!r} vs {ft.get(k)!r}"
               for k in sorted(set(fc) | set(ft))
-              if fc.get(k) != ft.get(k) and k not in _RECIPE_TEXT]
+              if fc.get(k) != ft.get(k) and k not in ignored]
     if c["type"] != t["type"]:
       fields.append(f"layer type {c['type']} vs {t['type']}")
     if fields:

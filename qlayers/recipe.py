@@ -48,6 +48,8 @@ MAX_AMAX_HISTORY_LEN = 4096
 _QUANT_ONLY_KEYS = ("defaults", "scaling", "amax_history_len",
                     "amax_compute_algo", "save_quantized_wgrad_input",
                     "sr_key")
+# Top-level settings read only by delayed scaling.
+_DELAYED_ONLY_KEYS = ("amax_history_len", "amax_compute_algo")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -337,6 +339,12 @@ def from_dict(data: dict, source: str = "<dict>") -> Recipe:
     r = Recipe(**data, **kwargs)
   except (TypeError, ValueError) as e:
     raise ValueError(f"{source}: {e}") from None
+  delayed_only = [k for k in _DELAYED_ONLY_KEYS if k in data]
+  if delayed_only and r.quantized and not r.delayed:
+    raise ValueError(
+        f"{source}: sets {', '.join(delayed_only)}, which only delayed "
+        f"scaling reads, but scaling is {r.scaling!r}: drop them, or set "
+        'scaling = "delayed".')
   if quant_only and not r.quantized:
     raise ValueError(
         f"{source}: sets {', '.join(quant_only)} but quantizes no GEMM: "

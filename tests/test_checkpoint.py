@@ -604,3 +604,18 @@ def test_params_only_restarts_the_rounding_counter(tmp_path):
                             params_only=True)["restored"] == "params_only"
   assert (int(model.quant.sr_step[...]), int(model.quant.sr_seed[...])) == (
       0, seed)
+
+
+def test_delayed_settings_do_not_block_a_restore_between_current_recipes(
+    tmp_path):
+  layer = qlayers.QuantDense(32, 32, recipe="fp8_current", rngs=nnx.Rngs(0))
+  checkpoint.save(tmp_path / "c", layer)
+  other = qlayers.QuantDense(
+      32, 32, recipe=qlayers.recipe("fp8_current", amax_history_len=16),
+      rngs=nnx.Rngs(1))
+  assert checkpoint.restore(tmp_path / "c", other)["restored"] == "full"
+  delayed = qlayers.QuantDense(
+      32, 32, recipe=qlayers.recipe("fp8_delayed", amax_history_len=16),
+      rngs=nnx.Rngs(1))
+  with pytest.raises(CheckpointMismatchError, match="amax_history_len"):
+    checkpoint.restore(tmp_path / "c", delayed, params_only=False)

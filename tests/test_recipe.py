@@ -308,3 +308,14 @@ def test_benchmark_recipe_variants_differ_from_theirs_only_in_wgrad_dtype():
     assert dataclasses.replace(variant, name=base.name,
                                description=base.description,
                                wgrad=base.wgrad) == base
+
+
+def test_delayed_settings_on_another_scaling_are_refused(tmp_path):
+  # They were accepted and read by nothing, and a checkpoint of the shipped
+  # fp8_current then refused to restore over them.
+  path = tmp_path / "cur.toml"
+  path.write_text('scaling = "current"\namax_history_len = 16\n'
+                  '[defaults]\nformat = "e4m3"\n'
+                  "[fprop]\nx = {}\nw = {}\n")
+  with pytest.raises(ValueError, match="amax_history_len.*only delayed"):
+    qlayers.recipe(path)
