@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 from typing import Iterable
 
 from flax import nnx
@@ -264,15 +265,22 @@ def _rules(rules) -> tuple[Rule, ...]:
   return rules
 
 
-def _decide(site, rule, r, head, backend, report):
+def _decide(site, rule, r, head, backend, report, stale):
   """``(site, recipe, backend, (K, N), rule)`` if the layer at ``site`` is to
-  be swapped for recipe ``r``; otherwise records why not and returns None."""
+  be swapped for recipe ``r``; otherwise records why not (in ``stale`` the
+  paths of layers a rule gives another recipe than the one they keep) and
+  returns None."""
   layer, kind = site.layer, type(site.layer).__name__
   name = None if rule is None else _rule_name(rule)
   if swap.is_quantized(layer) or swap_experts.is_quantized(layer):
     done = getattr(layer, "quant", None) or layer.ragged_dot
+    other = r is not None and r != done.recipe
     report.already_quantized.append(Skipped(
-        site.path, kind, f"already quantized ({done.recipe.name})"))
+        site.path, kind, f"already quantized ({done.recipe.name})" + (
+            f"; not requantized as {r.name} (dequantize_model first)"
+            if other else "")))
+    if other and rule is not None and rule.recipe is not None:
+      stale.append(site.path or "(model)")  # a rule asked for it: warned
     return None
   if isinstance(layer, nnx.Embed) and (rule is None or rule.recipe is None):
     if head:  # a tied output head: listed; embeddings are silent otherwise
@@ -401,7 +409,7 @@ def quantize(model: nnx.Module, recipe: Recipe | str | None,
   experts = swap_experts.sites(model)
   routers = swap_experts.routers(sites, experts + [
       s for s in sites if swap_experts.is_experts_layer(s.layer)])
-  plan, used = [], set()
+  plan, used, stale = [], set(), []
   for site in sites + experts:
     head = heads.get(id(site.layer), "")
     rule = next((r for r in rules if r.matches(site.path, head)), None)
@@ -409,9 +417,15 @@ def quantize(model: nnx.Module, recipe: Recipe | str | None,
     r = default if rule is None else resolved[id(rule)]
     if rule is None and id(site.layer) in routers:
       r, head = None, routers[id(site.layer)]
-    plan.append(_decide(site, rule, r, head, backend, report))
+    plan.append(_decide(site, rule, r, head, backend, report, stale))
   # The built-in rules are a safety net, not something the user asked for:
   # a model without an embedding or head must not read as a rule mistake.
+  if stale:
+    warnings.warn(
+        f"qlayers.quantize: {len(stale)} layers a rule gives a recipe are "
+        f"quantized already with another and keep it ({', '.join(stale[:3])}"
+        f"{', ...' if len(stale) > 3 else ''}); to requantize them, call "
+        "qlayers.dequantize_model(model) first.", stacklevel=2)
   report.unmatched_rules = [r for r in rules if id(r) not in used
                             and r not in DEFAULT_RULES]
   if strict and report.unmatched_rules:
@@ -489,7 +503,7 @@ def dequantize_model(model: nnx.Module, *,
   for site in plan:
     layer = site.layer
     stock = swap.stock(layer)
-    if isinstance(layer.kernel, FrozenKernel):
+    if isinstance(getattr(layer, "kernel", None), FrozenKernel):
       stock.kernel = nnx.Param(layer.kernel.dequantize())
     swap.replace(site, stock)
     report.converted.append(Converted(

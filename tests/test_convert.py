@@ -1,6 +1,8 @@
 """Model conversion: which layers are swapped, Params kept, rules and their
 report, the inverse, the LinearGeneral/Einsum drop-ins, training after."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -238,12 +240,14 @@ def test_already_quantized_left_alone():
   model = LM(n_blocks=1)
   qlayers.quantize(model, "fp8_delayed")
   up = model.blocks[0].mlp.up
-  report = qlayers.quantize(model, "mxfp8",
-                            [qlayers.Rule(pattern="mlp", recipe="mxfp8")])
+  with pytest.warns(UserWarning, match="quantized already with another"):
+    report = qlayers.quantize(model, "mxfp8",
+                              [qlayers.Rule(pattern="mlp", recipe="mxfp8")])
   assert model.blocks[0].mlp.up is up and up.recipe.name == "fp8_delayed"
   assert [c.path for c in report.converted] == ["head"]  # explicit rules
-  assert ("blocks/0/mlp/up", "already quantized (fp8_delayed)") in [
-      (s.path, s.reason) for s in report.already_quantized]
+  assert ("blocks/0/mlp/up", "already quantized (fp8_delayed); not "
+          "requantized as mxfp8 (dequantize_model first)") in [
+              (s.path, s.reason) for s in report.already_quantized]
   assert report.unmatched_rules == []  # it matched, though nothing changed
 
 
@@ -598,3 +602,20 @@ def test_tied_embedding_head_quantized_by_opt_in_rule(sqnr):
   assert np.abs(g[7]).sum() > 0
   qlayers.dequantize_model(model)
   assert type(model.wte) is nnx.Embed and model.wte.embedding is table
+
+
+def test_quantize_warns_when_layers_keep_another_recipe():
+  # The README's flow quantized a model already quantized: nothing changed
+  # and nothing said so.
+  # The report says so; a rule naming the recipe warns (a default recipe
+  # does not: a model may hold layers built with their own recipes).
+  model = nnx.Sequential(nnx.Linear(64, 64, rngs=nnx.Rngs(0)))
+  qlayers.quantize(model, "fp8_delayed", rules=())
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    report = qlayers.quantize(model, "mxfp4", rules=())
+    qlayers.quantize(model, None, [qlayers.Rule(pattern=".*", recipe="fp8_delayed")])
+  assert "not requantized as mxfp4" in report.already_quantized[0].reason
+  with pytest.warns(UserWarning, match="dequantize_model"):
+    qlayers.quantize(model, None, [qlayers.Rule(pattern=".*", recipe="mxfp4")])
+  assert model.layers[0].recipe.name == "fp8_delayed"

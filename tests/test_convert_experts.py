@@ -165,6 +165,7 @@ def test_model_built_with_quant_experts():
       self.up = qlayers.QuantExperts(E, D, H, recipe="mxfp8", rngs=rngs)
   report = qlayers.quantize(Built(nnx.Rngs(0)), "fp8_current")
   assert [(s.path, s.reason) for s in report.already_quantized] == [
-      ("up", "already quantized (mxfp8)")]
+      ("up", "already quantized (mxfp8); not requantized as fp8_current "
+       "(dequantize_model first)")]
   assert [k.path for k in report.kept_wide] == ["router"]
   assert not report.converted and not report.skipped

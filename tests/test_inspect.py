@@ -597,3 +597,10 @@ def test_masked_matmul_refuses_a_mask_it_has_no_branch_for():
   assert np.isnan(np.asarray(run(jnp.array([1.0, 1.0, 1.0])))).all()
   y = np.asarray(run(jnp.array([1.0, 0.0, 0.0])))
   assert np.isfinite(y).all() and (y == 64.0).all()
+
+
+def test_collect_refuses_a_model_without_quantized_gemms():
+  # It returned an empty report (and rep.plot raised "nothing to plot").
+  with pytest.raises(ValueError, match="quantized copy"):
+    qlayers.inspect.collect(nnx.Linear(8, 8, rngs=nnx.Rngs(0)),
+                            lambda m, x: jnp.sum(m(x)), jnp.ones((2, 8)))

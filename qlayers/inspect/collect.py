@@ -163,6 +163,11 @@ def _check(model, loss_fn):
   if any(isinstance(v, jax.core.Tracer) for v in leaves):
     raise RuntimeError("qlayers.inspect runs the model itself (under its own "
                        "jit): call it outside jit/grad, on a concrete model.")
+  if not _tap.gemm_paths(model):
+    raise ValueError(
+        "qlayers.inspect.collect measures quantized GEMMs and the model has "
+        "none: measure a quantized copy (measured = nnx.clone(model); "
+        "qlayers.quantize(measured, recipe)).")
 
 
 def collect(model: nnx.Module, loss_fn: Callable[..., jax.Array], *args,
