@@ -172,8 +172,23 @@ def load(directory: str | os.PathLike | None = None, *,
   'rocm']``."""
   global _state
   with _lock:
-    _state = {b: _load_one(b, directory, gpu_without_device)
-              for b in _LIBRARIES}
+    state = {}
+    for b, (filename, *_) in _LIBRARIES.items():
+      old = (_state or {}).get(b)
+      if old is None or not old["loaded"]:
+        state[b] = _load_one(b, directory, gpu_without_device)
+        continue
+      # XLA keeps a registered handler for the process: another file's
+      # cannot replace it.
+      path = _find(filename, directory)
+      if path is not None and str(path) != old["path"]:
+        raise RuntimeError(
+            f"qlayers' {b} kernels are registered already, from "
+            f"{old['path']} (loaded on first use); load({str(directory)!r}) "
+            f"must come before the first GEMM, qlayers.backends() or "
+            f"available(), in a new process.")
+      state[b] = old
+    _state = state
   return build_info()
 
 
@@ -426,8 +441,11 @@ def supports(a, b, platform: str | None = "cpu") -> tuple[bool, str]:
     return False, f"no native library for platform {platform!r}"
   if target not in loaded(platform):
     entry = _load()[platform]
-    why = entry["reason"] or f"it has no {target} handler"
-    return False, f"{_LIBRARIES[platform][0]} not loaded for {platform} ({why})"
+    if entry["loaded"]:
+      return False, (f"{_LIBRARIES[platform][0]} has no {what} for "
+                     f"{platform} (no {target} handler)")
+    return False, (f"{_LIBRARIES[platform][0]} not loaded for {platform} "
+                   f"({entry['reason']})")
   if platform == "cpu":
     return True, what
   return _gpu_supports(a, b, platform, kind, what)

@@ -386,6 +386,7 @@ def report() -> dict:
     'mx_cudnn'
   """
   from qlayers.recipe import available_recipes, recipe as load  # pylint: disable=g-import-not-at-top
+  gpu_arch("cuda")  # a bad $QLAYERS_GPU_ARCH fails here as in every GEMM
   ffi_ok = _native.available()
   host = _host_platform()
   recipes = {name: load(name) for name in available_recipes()}

@@ -227,9 +227,8 @@ TABLE: tuple[Rule, ...] = (
          "FP32 emulation (arbitrary FP32 tile/block scales): about as fast "
          "as the native kernel on CPU"),
     Rule("cpu", "any", ("mx",), _ANY, "xla", "cpu_mx",
-         "exact BF16 dequantize (a native pass per operand where it "
-         "applies) + XLA's BF16 dot (FP32 accumulation) beats the native "
-         "MX GEMM on CPU"),
+         "exact BF16 dequantize + XLA's BF16 dot (FP32 accumulation) "
+         "beats the native MX GEMM on CPU"),
     # --- NVIDIA.
     Rule("cuda", "any", ("tensor",), ("fp8",), "xla", "fp8_folded",
          "FP8 dot_general with both scales folded into cuBLASLt FP8 (or the "
@@ -436,11 +435,14 @@ def _host_platform() -> str:
 
 
 def select(a, b, backend: str | None = None,
-           platform: str | None = None) -> tuple[str, str]:
+           platform: str | None = None, *, pow2: bool = False
+           ) -> tuple[str, str]:
   """``(backend, reason)`` for a GEMM of ``a`` and ``b`` on ``platform``
-  (default: the host's jax backend)."""
+  (default: the host's jax backend); ``pow2``: their tile/block scales are
+  powers of two (a UE8M0 recipe's specs say so, the QTensors cannot), as
+  `choose` takes it."""
   platform = platform or _host_platform()
-  c = choose(a, b, platform, gpu_arch(platform), backend=backend)
+  c = choose(a, b, platform, gpu_arch(platform), backend=backend, pow2=pow2)
   return c.backend, c.why
 
 

@@ -194,6 +194,28 @@ def test_gpu_arch_follows_the_target_then_the_environment(monkeypatch):
   monkeypatch.setenv("QLAYERS_GPU_ARCH", "volta")
   with pytest.raises(ValueError, match="QLAYERS_GPU_ARCH"):
     dispatch.gpu_arch("cuda")
+  with pytest.raises(ValueError, match="QLAYERS_GPU_ARCH"):
+    qlayers.backends()  # it reported while every GEMM raised
+
+
+def test_backend_names_are_checked_where_given():
+  # "FFI" built a layer that failed only at its first non-empty call, and an
+  # empty batch returned zeros whatever the name.
+  with pytest.raises(ValueError, match="Unknown backend 'FFI'"):
+    qlayers.QuantGemm("mxfp8", backend="FFI")
+  with pytest.raises(ValueError, match="Unknown backend 'bogus'"):
+    qlayers.ops.quantized_matmul(jnp.ones((0, 32)), jnp.ones((32, 8)),
+                                 "mxfp8", backend="bogus")
+
+
+def test_select_takes_power_of_two_scales_as_the_plan_does():
+  a = S.quantize(jnp.ones((4, 128)), S.QuantSpec(
+      format="e4m3", granularity="tile", pow2=True), 1)
+  b = S.quantize(jnp.ones((128, 128)), S.QuantSpec(
+      format="e4m3", granularity="block", pow2=True), 0)
+  with dispatch.target_arch("sm_100"):
+    assert "cuDNN" in dispatch.select(a, b, platform="cuda", pow2=True)[1]
+    assert "FP32 dequantize" in dispatch.select(a, b, platform="cuda")[1]
 
 
 RECIPE_OPERANDS = {

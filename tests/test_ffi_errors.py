@@ -2,12 +2,15 @@
 reading out of bounds. The FFI targets are called directly (bypassing the
 Python wrappers' own checks) so the C++ validation is what is tested."""
 
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from qlayers import _native
+from qlayers import scaling
 
 pytestmark = pytest.mark.skipif(
     not _native.available(), reason=_native.unavailable_reason() or "native library missing")
@@ -121,3 +124,20 @@ def test_wrapper_errors():
     _native.gemm_mx(a, z((4, 2), U8), a, z((4, 2), U8), a_format="fp8", b_format="e4m3")
   with pytest.raises(ValueError, match="2-D"):
     _native.gemm_blockwise(z((2, 4, 128), F8), z((8, 1), F32), a, z((1, 1), F32))
+
+
+def test_loading_another_library_after_first_use_says_so(tmp_path):
+  # It replaced the loaded state with a duplicate-registration failure, and
+  # every forced ffi GEMM then said to reinstall the package.
+  if not _native.available():
+    pytest.skip("libqlayers_cpu.so not built")
+  other = tmp_path / "libqlayers_cpu.so"
+  other.write_bytes(pathlib.Path(
+      _native.build_info()["details"]["cpu"]["path"]).read_bytes())
+  with pytest.raises(RuntimeError, match="registered already"):
+    _native.load(tmp_path)
+  assert _native.available()
+  spec = scaling.QuantSpec(format="e4m3", granularity="row")
+  a = scaling.quantize(jnp.ones((4, 32)), spec, 1)
+  ok, why = _native.supports(a, a, "cpu")
+  assert not ok and "has no row-wise fp8 kernel" in why
