@@ -72,6 +72,13 @@ def _wide(a, b, out_dtype, axes):
   return out.astype(out_dtype)
 
 
+def _cpu_wide(a, b, out_dtype, axes):
+  """`_wide` on CPU: the dot as `_dot_f32` writes it (in `_wide`'s form a
+  BF16 weight gradient of layers stacked by ``nnx.vmap`` fails at run
+  time)."""
+  return _dot_f32(a, b, axes).astype(out_dtype)
+
+
 def _cpu_fp8(a, b, out_dtype, axes):
   """CPU per-tensor / row-wise: XLA's CPU dot upcasts FP8 operands to FP32
   and runs an FP32 GEMM; BF16 holds every FP8 value exactly and its dot with
@@ -178,19 +185,9 @@ def _fnuz(form: Callable) -> Callable:
 def _cpu_mx(a, b, out_dtype, axes):
   """CPU MX: an MX value (at most 4 significant bits times a power of two)
   is exact in BF16, which has FP32's exponent range: exact BF16 copies and
-  XLA's BF16 dot with FP32 accumulation.
-
-  FP8 payloads are laid out as a plain ``(M, K) @ (K, N)`` dot (a transpose
-  of the BF16 copy where the contraction axis is elsewhere), the form the
-  CPU's dot kernel takes directly; packed FP6/FP4 go through `_dot_f32`.
+  XLA's BF16 dot with FP32 accumulation, written as `_dot_f32` writes it.
   """
   ad, bd = a.dequantize(jnp.bfloat16), b.dequantize(jnp.bfloat16)
-  if not (a.fmt.packed or b.fmt.packed):
-    ad = ad.T if axes[0] == 0 else ad
-    bd = bd.T if axes[1] == 1 else bd
-    return lax.dot_general(ad, bd, _dims(1, 0),
-                           preferred_element_type=jnp.float32
-                           ).astype(out_dtype)
   return _dot_f32(ad, bd, axes, precision=lax.Precision.HIGHEST
                   ).astype(out_dtype)
 
@@ -398,6 +395,7 @@ def _ffi(a, b, out_dtype, axes):
 
 FORMS: dict[str, Callable] = {
     "wide": _wide,
+    "cpu_wide": _cpu_wide,
     "cpu_fp8": _cpu_fp8,
     "cpu_mx": _cpu_mx,
     "f32_emulation": _f32_emulation,

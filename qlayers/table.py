@@ -399,7 +399,8 @@ def choose(a, b, platform: str, arch: str | None = None, *,
   """
   requested = _requested(backend)
   if not isinstance(a, QTensor):
-    return Choice("xla", "wide", "unquantized operands")
+    return Choice("xla", "cpu_wide" if platform == "cpu" else "wide",
+                  "unquantized operands")
   where = platform + (f" {arch}" if arch else "")
   if requested == "ffi":
     ok, why = ffi_supports(a, b, platform, arch)
