@@ -154,3 +154,19 @@ def test_attention_rank0_input_is_a_type_error(fused):
   with pytest.raises(TypeError, match=r"contracts axis \(-2, -1\) of sizes "
                      r"\(4, 8\)"):
     p.out(jnp.ones((8,)))
+
+
+def test_attend_takes_a_mask_over_some_of_several_batch_dims():
+  # A mask (A, 1, 1, T, S) for q (A, B, T, H, D) was flattened by its own
+  # leading dims and failed to broadcast.
+  a, b, t, h, d = 2, 3, 4, 2, 8
+  q, k, v = (jax.random.normal(jax.random.key(i), (a, b, t, h, d))
+             for i in range(3))
+  mask = jax.random.bernoulli(jax.random.key(3), 0.7, (a, 1, 1, t, t))
+  mask = mask | jnp.eye(t, dtype=bool)[None, None, None]  # no empty row
+  bias = jax.random.normal(jax.random.key(4), (b, h, t, t))
+  attend = qlayers.QuantAttentionProj.attend
+  got = attend(q, k, v, mask, bias=bias)
+  want = jnp.stack([attend(q[i], k[i], v[i], jnp.broadcast_to(
+      mask[i], (b, h, t, t)), bias=bias) for i in range(a)])
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)

@@ -190,10 +190,19 @@ class QuantAttentionProj(nnx.Module):
     """
     shape = q.shape
     if q.ndim > 4:
+      lead = shape[:-3]
+
       def flat(t):
-        return None if t is None else t.reshape(
-            math.prod(t.shape[:-3]), *t.shape[-3:])
-      q, k, v, mask, bias = map(flat, (q, k, v, mask, bias))
+        return t.reshape(math.prod(lead), *t.shape[-3:])
+
+      def flat_broadcast(t):  # a mask or bias over some of q's batch dims
+        if t is None:
+          return None
+        t = t.reshape((1,) * (q.ndim - t.ndim) + t.shape)
+        return flat(jnp.broadcast_to(t, lead + t.shape[-3:]))
+
+      mask, bias = flat_broadcast(mask), flat_broadcast(bias)
+      q, k, v = map(flat, (q, k, v))
     if mask is not None:
       mask = mask.astype(jnp.bool_)
     # jax.nn promotes narrow inputs to FP32 scores internally, which strict
