@@ -19,6 +19,7 @@ LoRA adapters alone by `save_adapters` / `load_adapters` (`qlayers.lora`).
 from __future__ import annotations
 
 import glob
+import operator
 import os
 import pathlib
 import shutil
@@ -179,11 +180,9 @@ class Manager:
                max_to_keep: int | None = None, async_save: bool = False):
     import orbax.checkpoint as ocp
 
-    if max_to_keep is not None and not (
-        isinstance(max_to_keep, int) and not isinstance(max_to_keep, bool)
-        and max_to_keep >= 1):
-      raise ValueError(f"max_to_keep must be an int >= 1 or None (keep "
-                       f"all), got {max_to_keep!r}.")
+    if max_to_keep is not None:
+      max_to_keep = _natural(max_to_keep, "max_to_keep", 1,
+                             " or None (keep all)")
     keep = None if max_to_keep is None else (
         ocp.checkpoint_managers.LatestN(max_to_keep))
     self.directory = pathlib.Path(directory).expanduser().absolute()
@@ -199,10 +198,7 @@ class Manager:
     step saved so far; returns its directory, complete once
     `wait_until_finished` returns. To go on from an earlier step (a
     rollback), `delete` the later ones first."""
-    if not (isinstance(step, (int, np.integer)) and not isinstance(step, bool)
-            and step >= 0):
-      raise TypeError(f"step must be an int >= 0, got {step!r}.")
-    step = int(step)
+    step = _natural(step, "step", 0)
     latest = self.latest_step()
     if latest is not None and step <= latest:
       raise ValueError(
@@ -249,6 +245,20 @@ class Manager:
 
   def __exit__(self, *exc) -> None:
     self.close()
+
+
+def _natural(value, name: str, least: int, more: str = "") -> int:
+  """``value`` as an int (a Python, NumPy or jax integer scalar, such as an
+  optimizer's step count) of at least ``least``; else a clear error."""
+  try:
+    if isinstance(value, bool):
+      raise TypeError
+    n = operator.index(value)
+  except TypeError:
+    raise TypeError(f"{name} must be an integer, got {value!r}.") from None
+  if n < least:
+    raise ValueError(f"{name} must be >= {least}{more}, got {n}.")
+  return n
 
 
 def read_metadata(path: str | os.PathLike) -> dict:

@@ -55,9 +55,10 @@ def value_and_grad(f: Callable[..., Any], argnums: int = 0, *,
     wrt: filter of the Variables to differentiate (default ``nnx.Param``).
     loss_scale: multiply the seed cotangent by this (FP16 loss scaling; the
       returned value is not scaled, the gradients are). ``None``: 1. The
-      loss must then be computed in a dtype of FP32's range (float32,
-      bfloat16): a float16 loss cannot carry a scale above 65504 (its
-      cotangent is Inf).
+      scale is a cotangent of the loss, in its dtype: a float16 loss
+      cannot carry one above 65504 (2**16 is Inf there, such a step is
+      skipped and a dynamic scale backs off), so compute the loss in
+      float32 to let the scale grow past 2**15.
 
   Called eagerly it runs op by op, as ``nnx.value_and_grad`` does; a fast
   training step is one the caller wraps in ``nnx.jit``.
@@ -116,15 +117,6 @@ def _value_and_grad(f, argnums, has_aux, wrt, loss_scale, args, kwargs):
   loss, vjp_fn, (aux, new_rest) = jax.vjp(inner, diff, qgrad, has_aux=True)
   seed = jnp.ones_like(loss)
   if loss_scale is not None:
-    if jnp.finfo(loss.dtype).maxexp < jnp.finfo(jnp.float32).maxexp:
-      # A dynamic scale grows past the dtype's range (2**16 is Inf in
-      # float16): every such step would overflow and be skipped.
-      raise TypeError(
-          f"qlayers.value_and_grad(loss_scale=...): the loss is "
-          f"{jnp.dtype(loss.dtype).name}, whose range cannot hold a loss "
-          f"scale (float16's largest is 65504); compute the loss in float32 "
-          f"from the model's output (casting a float16 loss at the end "
-          f"overflows the same way in its backward pass).")
     seed = seed * jnp.asarray(loss_scale, loss.dtype)
   g_diff, g_q = vjp_fn(seed)
   nnx.update(nodes, new_rest)

@@ -3,6 +3,7 @@ statistics read the operand the GEMM consumed (its BF16 rounding kept)."""
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -176,3 +177,28 @@ def test_sensitivity_reference_runs_einsum_experts_wide():
   want = float(loss_fn(wide, x))
   assert result.wide_loss == pytest.approx(want, rel=2e-3)
   assert abs(result.wide_loss - want) < abs(result.all_loss - want) / 5
+
+
+def test_einsum_experts_in_a_scan_are_named_by_layer_and_expert():
+  # Their records came in another order inside the scan: moe[0][0] was
+  # layer 0's expert 2. Each record now carries its expert.
+  @nnx.split_rngs(splits=2)
+  @nnx.vmap(in_axes=(0,), out_axes=0)
+  def make(rngs):
+    return qlayers.QuantExpertsEinsum("ecd,edf->ecf", (3, 32, 32),
+                                      recipe="mxfp8", rngs=rngs)
+
+  model = nnx.Dict(moe=make(nnx.Rngs(0)))
+
+  def loss_fn(m, x):
+    body = lambda layer, x: layer(x)
+    return jnp.sum(nnx.scan(body, in_axes=(0, nnx.Carry),
+                            out_axes=nnx.Carry)(m["moe"], x) ** 2)
+
+  x = jax.random.normal(jax.random.key(1), (3, 4, 32))
+  rep = qlayers.inspect.collect(model, loss_fn, x)
+  w = np.asarray(model["moe"].kernel[...])
+  for i in range(2):
+    for e in range(3):
+      got = rep.row(f"moe[{i}][{e}]", "w").amax
+      assert got == pytest.approx(float(np.abs(w[i, e]).max()), rel=1e-6)

@@ -17,6 +17,7 @@ from flax import nnx
 
 from qlayers import ops
 from qlayers.layers import core
+from qlayers.layers.experts import ExpertSite
 
 _ATTR = "_inspect_path"
 
@@ -50,9 +51,17 @@ def label(model: nnx.Module) -> list[str]:
   return list(paths)
 
 
-def path_of(gemm) -> str | None:
-  """The label `label` gave ``gemm`` (None: not labelled)."""
-  return getattr(gemm, _ATTR, None)
+def path_of(site) -> str | None:
+  """The label `label` gave the GEMM of ``site`` (a `QuantGemm`, or an
+  expert's `ExpertSite`; None: not labelled)."""
+  return getattr(split(site)[0], _ATTR, None)
+
+
+def split(site) -> tuple:
+  """``(gemm, expert or None)`` of a site `ops.intercept` hands a tap."""
+  if isinstance(site, ExpertSite):
+    return site.gemm, site.expert
+  return site, None
 
 
 def tapping(fn):

@@ -57,6 +57,8 @@ class _Site:
   # order), then the loop iteration and the expert, where there are several
   recipe: Recipe
   backend: str | None
+  experts: bool = False  # an einsum over experts: one call each, its
+  # expert last in the fingerprint
 
 
 # ----------------------------------------------------------------------------
@@ -84,15 +86,19 @@ _probe.defvjp(_probe_fwd, _probe_bwd)
 
 def _fingerprint(*arrays) -> jax.Array:
   """A few bits that tell one call's operands from another's: each array's
-  FP32 bit patterns summed as integers (exact, so any order of summation
-  gives the same value). A layer run in a loop transform (``nnx.scan``)
-  is traced once but runs once per iteration, each time with other
-  operands: the forward and backward records of one iteration carry the
-  same fingerprint, those of two iterations (almost surely) not."""
-  bits = [jnp.sum(jax.lax.bitcast_convert_type(
-      jax.lax.stop_gradient(a).astype(jnp.float32), jnp.uint32),
-      dtype=jnp.uint32) for a in arrays]
-  return jnp.stack(bits)
+  FP32 bit patterns, times an odd weight per position, summed as integers
+  (exact, so any order of summation gives the same value). A layer run in
+  a loop transform (``nnx.scan``) is traced once but runs once per
+  iteration, each time with other operands: the forward and backward
+  records of one iteration carry the same fingerprint, those of two
+  iterations (almost surely) not; iterations with the very same operands
+  are measured once."""
+  def one(a):
+    bits = jax.lax.bitcast_convert_type(
+        jax.lax.stop_gradient(a).astype(jnp.float32), jnp.uint32).ravel()
+    weight = 2 * jax.lax.iota(jnp.uint32, bits.size) + 1
+    return jnp.sum(bits * weight, dtype=jnp.uint32)
+  return jnp.stack([one(a) for a in arrays])
 
 
 class _Collector:
@@ -110,7 +116,7 @@ class _Collector:
     self.records.append((site, kind, np.asarray(tag).tobytes(),
                          jax.tree.map(np.asarray, arrays)))
 
-  def __call__(self, gemm: QuantGemm, x, w, recipe: Recipe, state, *,
+  def __call__(self, site, x, w, recipe: Recipe, state, *,
                key=None, out_dtype=None, backend=None, group_sizes=None,
                capacity=None):
     kw = dict(key=key, out_dtype=out_dtype, backend=backend)
@@ -118,18 +124,22 @@ class _Collector:
         ops.quantized_matmul(x, w, recipe, state, **kw) if group_sizes is None
         else ragged.quantized_ragged_dot(x, w, group_sizes, recipe, state,
                                          capacity=capacity, **kw))
-    path = _tap.path_of(gemm)
+    path = _tap.path_of(site)
+    expert = _tap.split(site)[1]  # an einsum over experts: one call each
     if path is None or not recipe.quantized or x.size == 0 or y.size == 0:
       return y, new_state
     use = self.calls.get(path, 0)
     self.calls[path] = use + 1
-    site = _Site(path, use, (sum(self.calls.values()) - 1,), recipe, backend)
+    site = _Site(path, use, (sum(self.calls.values()) - 1,), recipe, backend,
+                 expert is not None)
     sg = jax.lax.stop_gradient
     operands = (sg(x.reshape(-1, x.shape[-1])), sg(w),
                 numerics.plain_state(state))
     if group_sizes is not None:  # split per expert on the host (_experts)
       operands += (ragged.group_ids(group_sizes, x.shape[0], capacity),)
     tag = _fingerprint(x, w)
+    if expert is not None:
+      tag = jnp.append(tag, jnp.asarray(expert, jnp.uint32))
     jax.debug.callback(functools.partial(self._put, site, "fwd"), tag,
                        operands)
     return (_probe(functools.partial(self._put, site, "bwd"), y, tag),
@@ -277,17 +287,29 @@ def _iterations(records) -> tuple[dict, dict]:
   out_sites, out_raw = {}, {}
   for key, by_tag in runs.items():
     site = sites[key]
-    got = [r for r in by_tag.values() if "fwd" in r]
-    if any("bwd" in r for r in got):
-      got = [r for r in got if "bwd" in r]
-    if len(got) == 1:
+    tagged = [(t, r) for t, r in by_tag.items() if "fwd" in r]
+    if any("bwd" in r for _, r in tagged):
+      tagged = [(t, r) for t, r in tagged if "bwd" in r]
+    got = [r for _, r in tagged]
+    if site.experts:  # the expert of each record is in its fingerprint
+      experts = [int(np.frombuffer(t, np.uint32)[-1]) for t, _ in tagged]
+      seen: dict[int, int] = {}
+      index = []
+      for e in experts:
+        index.append((seen.get(e, 0), e))
+        seen[e] = seen.get(e, 0) + 1
+      if max(seen.values()) == 1:
+        index = [(e,) for _, e in index]
+    elif len(got) == 1:
       out_sites[key], out_raw[key] = site, got[0]
       continue
-    for i, r in enumerate(got):
-      k = (f"{site.path}[{i}]", site.use)
-      out_sites[k] = dataclasses.replace(site, path=k[0],
-                                         order=(*site.order, i))
-      out_raw[k] = r
+    else:
+      index = [(i,) for i in range(len(got))]
+    for ix, r in zip(index, got):
+      name = (site.path + "".join(f"[{i}]" for i in ix), site.use)
+      out_sites[name] = dataclasses.replace(site, path=name[0],
+                                            order=(*site.order, *ix))
+      out_raw[name] = r
   return out_sites, out_raw
 
 

@@ -41,7 +41,6 @@ from qlayers.inspect import _tap
 from qlayers.inspect import masked
 from qlayers.inspect import numerics
 from qlayers.inspect.report import _grid, dump_json, jsonable
-from qlayers.layers.core import QuantGemm
 from qlayers.recipe import Recipe, recipe as load_recipe
 from qlayers.state import QuantGradState
 
@@ -243,9 +242,9 @@ class _Masked:
   def __init__(self, index: dict[str, int], mask, masks):
     self.index, self.mask, self.masks = index, mask, masks
 
-  def __call__(self, gemm: QuantGemm, x, w, recipe, state, *, key=None,
+  def __call__(self, site, x, w, recipe, state, *, key=None,
                out_dtype=None, backend=None, **grouped):
-    i = self.index.get(_tap.path_of(gemm))
+    i = self.index.get(_tap.path_of(site))
     if i is None:
       kw = dict(key=key, out_dtype=out_dtype, backend=backend)
       if grouped:  # a grouped GEMM: group_sizes, capacity

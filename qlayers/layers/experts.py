@@ -16,7 +16,7 @@ and `qlayers.Optimizer` handle like any other layer's.
 from __future__ import annotations
 
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +37,15 @@ default_kernel_init = nnx.initializers.variance_scaling(
     1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1,
     batch_axis=(0,))
 """LeCun normal per expert: fan-in is ``in_features``, not ``E * in``."""
+
+
+class ExpertSite(NamedTuple):
+  """What an expert's GEMM of `QuantRaggedDot.dot_general` tells
+  `qlayers.ops.intercept` it comes from: the layer's GEMM and the expert
+  (traced: the experts run under ``jax.vmap``)."""
+
+  gemm: "QuantRaggedDot"
+  expert: jax.Array
 
 
 class QuantRaggedDot(QuantGemm):
@@ -148,10 +157,11 @@ class QuantRaggedDot(QuantGemm):
     out = preferred_element_type or ops.default_out_dtype(
         self.recipe, jnp.result_type(lhs, rhs))
 
-    def one(a, b, st, key):
+    def one(a, b, st, key, expert):
       return ops.quantized_dot_general(
           a, b, (inner, ((), ())), self.recipe, st, key=key,
-          preferred_element_type=out, backend=self.backend, site=self)
+          preferred_element_type=out, backend=self.backend,
+          site=ExpertSite(self, expert))
 
     if lhs.shape[lb[0]] != rhs.shape[rb[0]]:
       raise ValueError(
@@ -161,8 +171,9 @@ class QuantRaggedDot(QuantGemm):
     self._check_experts(rhs.shape[rb[0]])
     state = self.read()
     with self.writing_state("dot_general"), sharding.unpartitioned():
-      y, new_state = jax.vmap(one, in_axes=(lb[0], rb[0], 0, 0))(
-          lhs, rhs, state, self.rounding_key())
+      y, new_state = jax.vmap(one, in_axes=(lb[0], rb[0], 0, 0, 0))(
+          lhs, rhs, state, self.rounding_key(),
+          jnp.arange(rhs.shape[rb[0]], dtype=jnp.int32))
       self.write(new_state)
     if out_sharding is not None:
       y = jax.sharding.reshard(y, out_sharding)
