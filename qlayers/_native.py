@@ -181,12 +181,12 @@ def load(directory: str | os.PathLike | None = None, *,
       # XLA keeps a registered handler for the process: another file's
       # cannot replace it.
       path = _find(filename, directory)
-      if path is not None and str(path) != old["path"]:
+      if path is not None and not os.path.samefile(path, old["path"]):
         raise RuntimeError(
             f"qlayers' {b} kernels are registered already, from "
-            f"{old['path']} (loaded on first use); load({str(directory)!r}) "
-            f"must come before the first GEMM, qlayers.backends() or "
-            f"available(), in a new process.")
+            f"{old['path']}; another library ({path}) can only be loaded "
+            f"in a new process, before its first GEMM, qlayers.backends() "
+            f"or available().")
       state[b] = old
     _state = state
   return build_info()

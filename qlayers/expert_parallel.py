@@ -86,13 +86,15 @@ class Route(NamedTuple):
   ``order``: the flat ``(token, k)`` index of each sorted copy ``[n * k]``;
   ``dest``/``slot``: its device and row in the send buffer; ``recv_order``:
   the received rows sorted by local expert ``[devices * capacity]``
-  (``dest``, ``slot`` and ``recv_order`` are None on one device).
+  (``dest``, ``slot`` and ``recv_order`` are None on one device, where
+  ``routed`` says which sorted copies went to an expert).
   """
 
   order: jax.Array
   dest: jax.Array | None = None
   slot: jax.Array | None = None
   recv_order: jax.Array | None = None
+  routed: jax.Array | None = None
 
 
 def transport_spec(spec: QuantSpec | Recipe | str | None,
@@ -221,7 +223,9 @@ def dispatch(x: jax.Array, expert_ids: jax.Array, *, n_experts: int,
   xs = x[order // k]
   counts = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
   if axis_name is None:
-    return xs, counts, Route(order)
+    routed = jnp.arange(n * k) < jnp.sum(counts)  # the rest: dropped ids
+    return (jnp.where(routed[:, None], xs, 0), counts,
+            Route(order, routed=routed))
 
   devices = lax.axis_size(axis_name)
   if n_experts % devices:
@@ -286,6 +290,8 @@ def combine(ys: jax.Array, route: Route, gates: jax.Array, *,
     kept = (route.slot < cap) & (route.dest < devices)
     ys = jnp.where(kept[:, None],
                    back[route.dest, jnp.minimum(route.slot, cap - 1)], 0)
+  if route.routed is not None:  # one device: dropped copies give 0
+    ys = jnp.where(route.routed[:, None], ys, 0)
   out = ys[_inverse(route.order)].reshape(n, k, -1).astype(jnp.float32)
   return jnp.einsum("nkd,nk->nd", out, gates.astype(jnp.float32))
 

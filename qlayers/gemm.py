@@ -62,7 +62,7 @@ from qlayers.recipe import Recipe, recipe as load_recipe
 from qlayers.scaling import ScaleState
 
 __all__ = ["ROLES", "WGRAD_INPUT_NAME", "init_state", "default_out_dtype",
-           "quantized_matmul", "intercept"]
+           "quantized_matmul", "intercept", "intercepting"]
 
 
 ROLES = ("x", "w", "g")
@@ -405,6 +405,11 @@ def intercept(fn: Callable) -> Iterator[None]:
     yield
   finally:
     _INTERCEPT.reset(token)
+
+
+def intercepting() -> bool:
+  """Whether an `intercept` block is active (they do not nest)."""
+  return _INTERCEPT.get() is not None
 
 
 def interceptor(site) -> Callable | None:

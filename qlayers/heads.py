@@ -24,6 +24,8 @@ the conversion report says which one decided (``report.head``):
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
@@ -151,8 +153,9 @@ def _trace(model, example_input, layers):
   try:
     # The GEMMs of layers quantized already, as the plain GEMMs they stand
     # for: packing, native kernels and stochastic rounding would hide
-    # their weights from the flow.
-    with ops.intercept(_plain_gemm):
+    # their weights from the flow (inside another intercept, as they are).
+    with (contextlib.nullcontext() if ops.intercepting()
+          else ops.intercept(_plain_gemm)):
       closed = jax.make_jaxpr(call)(state, args)
   except Exception as e:  # the user's model: any error, said with context
     shapes = jax.tree.map(lambda x: getattr(x, "shape", x), args)

@@ -20,7 +20,7 @@ from qlayers import gemm
 from qlayers import sharding
 from qlayers.gemm import (  # noqa: F401  (re-exported)
     ROLES, WGRAD_INPUT_NAME, default_out_dtype, init_state, intercept,
-    quantized_matmul)
+    intercepting, quantized_matmul)
 from qlayers.operands import (  # noqa: F401  (re-exported)
     delayed_amax, fake_quant_matmul, operand, operand_pair, pairable)
 from qlayers.ragged import (  # noqa: F401  (re-exported)
@@ -31,6 +31,7 @@ from qlayers.scaling import ScaleState
 __all__ = [
     "ROLES", "init_state", "default_out_dtype", "delayed_amax", "operand",
     "quantized_matmul", "quantized_dot_general", "dot_general", "intercept",
+    "intercepting",
     "fake_quant_matmul", "quantized_ragged_dot", "ragged_dot"
 ]
 

@@ -151,3 +151,16 @@ def test_moe_gpt_expert_parallel_step_matches_one_device(cases):
   # x and w of qkv, out, up, down
   assert r["fp8_delayed"]["histories"] == {"x": 4, "w": 4}
   assert r["fp8_delayed"]["hist_rel"] == {"x": 0.0, "w": 0.0}
+
+
+def test_dropped_copies_are_zero_rows_and_come_back_as_zero_on_one_device():
+  # Rows past the groups held token copies: an expert with a bias gave a
+  # -1 copy gate * bias on one device (0 on several).
+  x, ids = _routed()
+  ids = ids.at[0, 1].set(-1)
+  xs, sizes, route = ep.dispatch(x, ids, n_experts=3)
+  assert int(sizes.sum()) == 11
+  np.testing.assert_array_equal(xs[11:], 0)
+  gates = jnp.full((6, 2), 0.5)
+  y = ep.combine(xs + 1.0, route, gates)  # an expert adding a bias
+  np.testing.assert_array_equal(y[0], 0.5 * (x[0] + 1.0))  # one copy kept

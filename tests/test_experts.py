@@ -214,7 +214,7 @@ def test_einsum_through_a_stateful_dot_general_says_what_to_do():
   # state cannot be written: NNX's TraceContextError said nothing of why.
   rd = QuantRaggedDot("fp8_delayed", num_groups=2)
   x, w = jnp.ones((2, 4, 32)), jnp.ones((2, 32, 16))
-  with pytest.raises(RuntimeError, match="call it directly"):
+  with pytest.raises(RuntimeError, match="call this GEMM directly"):
     jnp.einsum("ecd,edf->ecf", x, w, _dot_general=rd.dot_general)
   dims = (((2,), (1,)), ((0,), (0,)))
   assert rd.dot_general(x, w, dims).shape == (2, 4, 16)

@@ -244,3 +244,12 @@ def test_a_quantized_head_is_found_whatever_its_gemm_runs(recipe):
   report = qlayers.quantize(model, "fp8_current", example_input=X)
   assert report.head == "by tracing example_input: score"
   assert converted(report) == ["down", "up"] and wide(report) == []
+
+
+def test_heads_are_traced_inside_an_intercept_block_too():
+  # The plain-GEMM intercept of the trace refused to nest, and the error
+  # blamed the model.
+  model = ClassifierFirst(nnx.Rngs(0))
+  with qlayers.ops.intercept(lambda site, *a, **k: None):
+    report = qlayers.quantize(model, "fp8_current", example_input=X)
+  assert wide(report) == ["score"] and converted(report) == ["mid", "up"]

@@ -604,3 +604,10 @@ def test_collect_refuses_a_model_without_quantized_gemms():
   with pytest.raises(ValueError, match="quantized copy"):
     qlayers.inspect.collect(nnx.Linear(8, 8, rngs=nnx.Rngs(0)),
                             lambda m, x: jnp.sum(m(x)), jnp.ones((2, 8)))
+
+
+def test_monitor_skips_a_model_without_quantized_gemms():
+  # The same script's wide baseline run: collect refuses such a model.
+  monitor = qlayers.inspect.Monitor(lambda m, x: jnp.sum(m(x)), every=1)
+  assert monitor(0, nnx.Linear(8, 8, rngs=nnx.Rngs(0)), jnp.ones((2, 8))) \
+      is None

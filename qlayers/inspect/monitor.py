@@ -78,8 +78,9 @@ class Monitor:
   def __call__(self, step: int, model: nnx.Module, *args, **kwargs
                ) -> dict[str, float] | None:
     """Records step ``step`` if due (`collect` on ``model`` and the batch
-    ``args``); returns its scalars, or None when not due."""
-    if not self.due(step):
+    ``args``); returns its scalars, or None when not due, or when the model
+    has no quantized GEMM (a wide baseline run of the same script)."""
+    if not self.due(step) or not _tap.gemm_paths(model):
       return None
     return self.add(step, collect(model, self.loss_fn, *args, **kwargs))
 

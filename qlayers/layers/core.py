@@ -236,20 +236,21 @@ class QuantGemm(nnx.Module):
 
   @contextlib.contextmanager
   def writing_state(self, method: str) -> Iterator[None]:
-    """Turns NNX's error for a state write from inside a function jax
-    traces on its own (``jnp.einsum(..., _dot_general=gemm)`` runs it
-    under its own jit) into one saying what to do."""
+    """Turns NNX's error for a state write from inside a jax transform
+    NNX does not see (``jax.jit``, or the jit ``jnp.einsum(...,
+    _dot_general=gemm)`` runs it under) into one saying what to do."""
     try:
       yield
     except flax_errors.TraceContextError as e:
       raise RuntimeError(
           f"{type(self).__name__}.{method} (recipe {self.recipe.name!r}) "
           "writes its state (delayed-scaling amaxes, the rounding counter) "
-          "to its Variables, which it cannot do inside a function jax "
-          "traces on its own, as jnp.einsum(..., _dot_general=...) does: "
-          "call it directly with the dimension numbers, use a qlayers layer "
-          "(QuantEinsum, QuantExpertsEinsum), or a recipe without state "
-          "(fp8_current, mxfp8).") from e
+          "to its Variables, which it cannot do inside a jax transform NNX "
+          "does not see: use nnx.jit / nnx.vmap / nnx.grad rather than "
+          "jax's, and call this GEMM directly rather than through "
+          "jnp.einsum(..., _dot_general=...) (which runs it under its own "
+          "jit; QuantEinsum and QuantExpertsEinsum call it directly), or use "
+          "a recipe without state (fp8_current, mxfp8).") from e
 
 
 def _warn_if_steps_never_ended(gemm: QuantGemm) -> None:
