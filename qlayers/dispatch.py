@@ -357,7 +357,9 @@ def _recipe_choices(recipe, platform: str, arch: str | None) -> dict:
                                   ("wgrad", recipe.wgrad, (0, 0))):
     lhs, rhs = gemm_recipe.lhs, gemm_recipe.rhs
     if lhs is None:
-      out[name] = {"backend": "xla", "form": "wide", "why": "unquantized"}
+      wide = choose(None, None, platform, arch)  # the wide form there
+      out[name] = {"backend": wide.backend, "form": wide.form,
+                   "why": "unquantized"}
       continue
     def q(spec, axis):
       last = spec.fmt.packed or prefers_contraction_last(spec.granularity)

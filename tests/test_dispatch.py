@@ -54,7 +54,7 @@ def _same(form):
 
 # Without a native GPU library: what XLA can do on each target.
 EXPECTED = {
-    "cpu": {"bf16": _same("wide"), "fp8_current": _same("cpu_fp8"),
+    "cpu": {"bf16": _same("cpu_wide"), "fp8_current": _same("cpu_fp8"),
             "fp8_delayed": _same("cpu_fp8"), "fp8_rowwise": _same("cpu_fp8"),
             "deepseek_v3": _same("f32_emulation"),
             "deepseek_v3_ue8m0": _same("f32_emulation"), "mxfp8": _same("cpu_mx"),

@@ -275,7 +275,9 @@ def _iterations(records) -> tuple[dict, dict]:
   replaces the earlier). A site that ran once keeps its path; one run in a
   loop transform (``nnx.scan`` over stacked layers, ``lax.map``) several
   times is ``path[i]`` for the ``i``-th iteration (in execution order).
-  Where a site's gradient was recorded, a forward record without its
+  The experts of an einsum (`QuantExpertsEinsum`) carry their index in the
+  fingerprint: ``path[e]``, or ``path[i][e]`` in a loop. Where a site's
+  gradient was recorded, a forward record without its
   gradient (a recomputed forward that differs in its last bits from the
   one the backward pass used) is dropped."""
   sites: dict[tuple[str, int], _Site] = {}
