@@ -55,8 +55,8 @@ from qlayers.scaling import QTensor, QuantSpec
 # The capability table, re-exported: one name space for the GEMM's route.
 from qlayers.table import (  # noqa: F401
     BACKENDS, PLATFORMS, TABLE, Choice, Rule, _host_platform, _requested,
-    _tn_view, choose, gpu_arch, prefers_contraction_last, select,
-    target_arch, targets_gpu)
+    _tn_view, check_backend, choose, gpu_arch, prefers_contraction_last,
+    select, target_arch, targets_gpu)
 
 __all__ = ["plan", "Plan", "Gemm", "Operand", "run", "gemm", "select",
            "choose", "report", "target_arch", "gpu_arch", "TABLE", "FORMS",

@@ -342,9 +342,7 @@ def quantized_matmul(x: jax.Array, w: jax.Array, recipe: Recipe | str,
     _check_state(state, recipe)
   else:
     state = None
-  if backend is not None and backend not in dispatch.BACKENDS:
-    raise ValueError(f"Unknown backend {backend!r}; expected one of "
-                     f"{dispatch.BACKENDS}.")
+  dispatch.check_backend(backend)  # before the empty-batch shortcut
   lead, n = x.shape[:-1], w.shape[1]
   if math.prod(lead) == 0 or n == 0 or w.shape[0] == 0:
     # Nothing to multiply (an empty batch): no amax to take, state unchanged.

@@ -321,13 +321,17 @@ class Choice:
   why: str
 
 
-def _requested(backend: str | None) -> str | None:
-  requested = backend or os.environ.get("QLAYERS_BACKEND") or None
-  if requested is not None and requested not in BACKENDS:
-    raise ValueError(f"Unknown backend {requested!r}; expected one of "
+def check_backend(backend: str | None) -> str | None:
+  """``backend`` if it is None or one of `BACKENDS`; else a ValueError."""
+  if backend is not None and backend not in BACKENDS:
+    raise ValueError(f"Unknown backend {backend!r}; expected one of "
                      f"{BACKENDS} (from the backend argument or "
-                     "QLAYERS_BACKEND).")
-  return requested
+                     "QLAYERS_BACKEND), or None: chosen per platform.")
+  return backend
+
+
+def _requested(backend: str | None) -> str | None:
+  return check_backend(backend or os.environ.get("QLAYERS_BACKEND") or None)
 
 
 @dataclasses.dataclass(frozen=True)

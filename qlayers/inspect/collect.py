@@ -25,6 +25,7 @@ that trace: a model that is not being inspected traces exactly as before.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
@@ -294,12 +295,12 @@ def _iterations(records) -> tuple[dict, dict]:
       tagged = [(t, r) for t, r in tagged if "bwd" in r]
     got = [r for _, r in tagged]
     if site.experts:  # the expert of each record is in its fingerprint
-      experts = [int(np.frombuffer(t, np.uint32)[-1]) for t, _ in tagged]
-      seen: dict[int, int] = {}
-      index = []
-      for e in experts:
-        index.append((seen.get(e, 0), e))
-        seen[e] = seen.get(e, 0) + 1
+      seen = collections.Counter()
+      index = []  # (iteration, expert): the expert's n-th record
+      for t, _ in tagged:
+        e = int(np.frombuffer(t, np.uint32)[-1])
+        index.append((seen[e], e))
+        seen[e] += 1
       if max(seen.values()) == 1:
         index = [(e,) for _, e in index]
     elif len(got) == 1:

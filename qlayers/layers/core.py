@@ -45,7 +45,7 @@ from qlayers import sharding
 from qlayers.recipe import Recipe, recipe as load_recipe
 from qlayers.scaling import ScaleState
 from qlayers.state import QuantGradState, QuantState
-from qlayers.table import BACKENDS
+from qlayers.table import check_backend
 
 __all__ = ["QuantGemm", "QuantLayer", "gemms", "update_scales"]
 
@@ -88,10 +88,7 @@ class QuantGemm(nnx.Module):
                batch_shape: tuple[int, ...] = (),
                use_running_average: bool = False):
     self.recipe = load_recipe(recipe)
-    if backend is not None and backend not in BACKENDS:
-      raise ValueError(f"Unknown backend {backend!r}; expected one of "
-                       f"{BACKENDS} (or None: chosen per platform).")
-    self.backend = backend
+    self.backend = check_backend(backend)
     self._eval = bool(use_running_average)
     state = ops.init_state(self.recipe, tuple(batch_shape))
     # Replicated over the mesh being built under (if any), whatever the
