@@ -108,6 +108,25 @@ def test_quantize_converts_attention_einsums_and_mlps():
   assert "Einsum -> QuantTunixEinsum" in str(report)
 
 
+def test_quantize_gives_every_gemm_its_own_rounding_seed():
+  # The drop-ins are built as size-1 twins, whose seeds are all alike: a
+  # stochastic-rounding recipe must not draw the same bits in every layer.
+  cfg = qwen3.ModelConfig(
+      num_layers=2, vocab_size=64, embed_dim=32, hidden_dim=64, num_heads=2,
+      head_dim=16, num_kv_heads=1, rope_theta=10_000, norm_eps=1e-6,
+      num_experts=2, num_experts_per_tok=1)
+  model = qwen3.Qwen3(cfg, rngs=nnx.Rngs(0))
+  qtunix.quantize(model, "nvfp4")
+  seeds = {"/".join(map(str, p)): np.ravel(g.sr_seed[...]).tolist()
+           for p, g in qlayers.layers.core.gemms(model)}
+  assert len(seeds) == 2 * (4 + 3)  # q, k, v, o einsums; three expert GEMMs
+  firsts = [s[0] for s in seeds.values()]
+  assert len(set(firsts)) == len(firsts), seeds
+  a, b = (_tunix_einsum(*EQUATIONS[0], seed=s) for s in (0, 1))
+  qa, qb = (qtunix.QuantTunixEinsum.from_tunix(t, "nvfp4") for t in (a, b))
+  assert int(qa.quant.sr_seed[...]) != int(qb.quant.sr_seed[...])
+
+
 @pytest.fixture
 def tunix_numpy():
   """Tunix's models broadcast by rank (its RMSNorm) and optax.adam mixes

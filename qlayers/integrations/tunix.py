@@ -47,7 +47,8 @@ from flax import nnx
 
 from qlayers import convert, swap
 from qlayers.integrations import tunix_moe
-from qlayers.layers.core import QuantGemm, QuantLayer, update_scales
+from qlayers.layers.core import (QuantGemm, QuantLayer, gemms, seed_rounding,
+                                 update_scales)
 from qlayers.layers.general import einsum_gemm_plan
 from qlayers.recipe import Recipe, recipe as load_recipe
 from qlayers.state import QuantGradState
@@ -138,6 +139,7 @@ class QuantTunixEinsum(QuantLayer, nnx.Module):
               backend=backend)
     new.w = layer.w
     new.shape = tuple(layer.w.shape)
+    new.quant.seed_from(new.w[...])
     return new
 
   @property
@@ -249,7 +251,7 @@ def quantize(model: nnx.Module, recipe: Recipe | str | None, rules=None, *,
   rules = convert.DEFAULT_RULES if rules is None else (
       (rules,) if isinstance(rules, convert.Rule) else tuple(rules))
   default = None if recipe is None else load_recipe(recipe)
-  done, wide, skipped = [], [], []
+  done, wide, skipped, made = [], [], [], []
   for site in swap.sites(model, lambda m: is_tunix_einsum(m)
                          or tunix_moe.is_tunix_moe(m)):
     layer, kind = site.layer, type(site.layer).__name__
@@ -268,10 +270,15 @@ def quantize(model: nnx.Module, recipe: Recipe | str | None, rules=None, *,
       skipped.append(convert.Skipped(site.path, kind, str(e)))
       continue
     b = rule.backend if rule is not None and rule.backend else backend
-    swap.replace(site, new_cls.from_tunix(layer, r, backend=b))
+    new = new_cls.from_tunix(layer, r, backend=b)
+    swap.replace(site, new)
+    made.extend(g for _, g in gemms(new))
     done.append(convert.Converted(
         site.path, kind, new_cls.__name__, shape, r.name, name,
         tuple(p for _, _, p in site.refs if p != site.path)))
+  # Seeded from their paths, as `qlayers.quantize` seeds what it converts:
+  # the drop-ins' own seeds are their size-1 twins' (all alike).
+  seed_rounding(model, only=made)
   report = convert.quantize(model, recipe, rules, backend=backend, **kwargs)
   ours = {c.path for c in done} | {k.path for k in wide} | {
       s.path for s in skipped}

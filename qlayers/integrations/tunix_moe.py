@@ -141,8 +141,10 @@ class QuantTunixMoE(QuantLayer, nnx.Module):
       if not name.startswith("_"):
         setattr(new, name, value)
     for p in PROJECTIONS:
-      setattr(new, p.replace("_proj", "_quant"), QuantRaggedDot(
-          recipe, num_groups=layer.num_experts, backend=backend))
+      quant = QuantRaggedDot(recipe, num_groups=layer.num_experts,
+                             backend=backend)
+      quant.seed_from(getattr(layer, p)[...])
+      setattr(new, p.replace("_proj", "_quant"), quant)
     return new
 
   @property
