@@ -498,6 +498,10 @@ def dequantize_model(model: nnx.Module, *,
           site.path, kind, "no stock layer to return to"))
     elif why := swap.immutable_ref(site):
       report.skipped.append(Skipped(site.path, kind, why))
+    elif getattr(layer, "lora", None) is not None:
+      report.skipped.append(Skipped(
+          site.path, kind, "holds a LoRA adapter, which the stock layer "
+          "would not call: merge it first (qlayers.merge_lora)"))
     else:
       plan.append(site)
   for site in plan:

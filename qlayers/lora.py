@@ -57,8 +57,6 @@ def _gemm_dims(layer) -> tuple[int, int] | None:
   """``(K, N)`` of the GEMM an adapter sits beside: the kernel's leading
   (contracted) dims and the rest; None where the contracted dims of an
   einsum's kernel do not lead."""
-  if isinstance(layer, QuantDense):
-    return layer.in_features, layer.out_features
   try:
     n_in = contracted_dims(layer, "add_lora")
   except ValueError:  # a stack of layers

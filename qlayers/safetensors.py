@@ -291,10 +291,16 @@ def read_safetensors(path: str | os.PathLike, quantized: bool = False
 # Writing
 
 
+def _wide_float(dtype) -> bool:
+  """FP16 and wider, BF16 among them (ml_dtypes' types are not
+  ``np.floating``)."""
+  return jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize >= 2
+
+
 def _default_fp8(name: str, x) -> bool:
   low = name.lower()
   return (np.ndim(x) == 2 and name.endswith(".weight")
-          and np.issubdtype(np.asarray(x).dtype, np.floating)
+          and _wide_float(np.asarray(x).dtype)
           and not any(k in low for k in ("embed", "norm", "lm_head")))
 
 

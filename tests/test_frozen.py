@@ -220,3 +220,25 @@ def test_a_frozen_kernel_restores_only_into_its_own_layout(tmp_path):
   np.testing.assert_array_equal(target.kernel.payload[...], before)
   assert checkpoint.restore(tmp_path / "c", frozen("e3m2"))["restored"] == \
       "full"
+
+
+def test_a_bf16_layer_quantizes_a_checkpoint_kernel_from_its_stored_values(
+    tmp_path):
+  # FP32 block scales: the dequantized kernel rounded to the BF16 Param
+  # dtype first was requantized off the stored codes (1.8e-3 relative).
+  w = np.asarray(jax.random.normal(jax.random.key(0), (160, 200))
+                 * jnp.linspace(0.01, 3, 160)[:, None], np.float32)
+  d = checkpoint.write_safetensors(tmp_path / "c", {"fc.weight": w})
+  tensors = checkpoint.read_safetensors(d, quantized=True)
+  layer = qlayers.QuantDense(200, 160, recipe="deepseek_v3", use_bias=False,
+                             param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  qlayers.hf.load_tensors(layer, tensors, {"kernel": "fc.weight"})
+  stored = layer.kernel.dequantize(jnp.float32)
+  ref = qlayers.QuantDense(200, 160, recipe="deepseek_v3", use_bias=False,
+                           dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  ref.kernel.set_value(stored)
+  x = jax.random.normal(jax.random.key(1), (4, 200), jnp.bfloat16)
+  y = layer(x)
+  assert y.dtype == jnp.bfloat16 and layer.kernel[...].dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(y, np.float32),
+                                np.asarray(ref(x), np.float32))

@@ -202,3 +202,32 @@ def test_attention_and_einsum_projections_take_adapters():
   with pytest.raises(ValueError, match="no quantized layer to adapt"):
     qlayers.add_lora(nnx.Dict(plain=nnx.Linear(4, 4, rngs=rngs)), 2,
                      rngs=nnx.Rngs(1))
+
+
+def test_dequantize_model_keeps_a_layer_whose_adapter_is_not_merged():
+  # The stock layer kept .lora but never called it: the trained adapter
+  # silently stopped counting.
+  net = _net("fp8_current")
+  net.up.lora.lora_b[...] = jnp.ones_like(net.up.lora.lora_b[...])
+  before = net(X)
+  report = qlayers.dequantize_model(net)
+  assert {s.path for s in report.skipped} == {"up", "down"}
+  assert "merge_lora" in str(report)
+  assert isinstance(net.up, qlayers.QuantDense)
+  np.testing.assert_array_equal(net(X), before)
+
+
+def test_add_lora_names_a_stack_of_dense_layers_and_leaves_it():
+  # A stack made under nnx.vmap got an unstacked adapter: the scan over it
+  # and merge_lora then failed far from the cause.
+  @nnx.split_rngs(splits=3)
+  @nnx.vmap(in_axes=(0,), out_axes=0)
+  def stack(rngs):
+    return qlayers.QuantDense(16, 16, recipe="fp8_current", rngs=rngs)
+
+  model = nnx.Dict(blocks=stack(nnx.Rngs(0)),
+                   head=qlayers.QuantDense(16, 8, rngs=nnx.Rngs(1)))
+  with pytest.warns(UserWarning, match="blocks"):
+    assert qlayers.add_lora(model, 2, rngs=nnx.Rngs(2)) == 1
+  assert getattr(model.blocks, "lora", None) is None
+  assert model.head.lora is not None

@@ -334,3 +334,16 @@ def test_e8m0_scales_decode_exactly(tmp_path):
   got = checkpoint.read_safetensors(path, quantized=True)["w"]
   np.testing.assert_array_equal(got.scale, want[None])
   assert jnp.asarray(got.scale).dtype == jnp.float32
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, ml_dtypes.bfloat16,
+                                   np.float16])
+def test_the_default_filter_quantizes_bf16_and_fp16_weights(tmp_path, dtype):
+  # ml_dtypes' bfloat16 is no np.floating: BF16 weights were written wide,
+  # with no quantization_config and no word.
+  w = np.asarray(np.linspace(-2, 2, 256 * 128).reshape(256, 128), dtype)
+  d = checkpoint.write_safetensors(tmp_path / "c", {"mlp.up_proj.weight": w})
+  back = checkpoint.read_safetensors(d, quantized=True)["mlp.up_proj.weight"]
+  assert isinstance(back, QTensor) and back.format == "e4m3"
+  config = json.loads((pathlib.Path(d) / "config.json").read_text())
+  assert "quantization_config" in config

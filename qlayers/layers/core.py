@@ -310,6 +310,19 @@ class QuantLayer:
 
   quant: QuantGemm
 
+  def gemm_kernel(self) -> tuple[jax.Array, jax.Array]:
+    """``(value, as_read)``: the kernel the GEMM quantizes, and the kernel
+    as ``kernel[...]`` reads it (what dtype promotion sees). One array for a
+    Param; for a frozen kernel (`qlayers.freeze`, a checkpoint's), the value
+    is its FP32 dequantization: rounded to a narrower Param dtype first, a
+    kernel with FP32 block scales would requantize off its stored codes."""
+    kernel = self.kernel
+    if isinstance(kernel, nnx.Variable):
+      value = kernel[...]
+      return value, value
+    value = jax.lax.stop_gradient(kernel.dequantize(jnp.float32))
+    return value, value.astype(kernel.dtype)
+
   @property
   def recipe(self) -> Recipe:
     return self.quant.recipe

@@ -95,7 +95,7 @@ class QuantDense(QuantLayer, nnx.Linear):
 
   def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
     """Applies the quantized linear map along the last input dimension."""
-    kernel = self.kernel[...]
+    kernel, as_read = self.gemm_kernel()
     # An FSDP shard of the kernel (`sharding.gathered_weights`) takes the
     # whole K, as `ops.quantized_matmul` does.
     check_last_dim(type(self).__name__, inputs,
@@ -103,7 +103,7 @@ class QuantDense(QuantLayer, nnx.Linear):
     bias = self.bias[...] if self.bias is not None else None
     # Promoted as nnx.Linear promotes them; the kernel is quantized from its
     # stored value (the promoted copy is not used).
-    inputs, _, bias = self.promote_dtype((inputs, kernel, bias),
+    inputs, _, bias = self.promote_dtype((inputs, as_read, bias),
                                          dtype=self.dtype)
     y = self.quant.matmul(
         inputs, kernel, bias=bias,

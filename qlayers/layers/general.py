@@ -76,11 +76,11 @@ class QuantLinearGeneral(QuantLayer, nnx.LinearGeneral):
 
   def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
     """Contracts ``inputs`` over ``axis``; output ``(*rest, *out_features)``."""
-    kernel = self.kernel[...]
+    kernel, as_read = self.gemm_kernel()
     axis = self._contracted_axes(inputs, kernel)
     bias = self.bias[...] if self.bias is not None else None
     # The kernel is quantized from its stored value (see QuantDense).
-    inputs, _, bias = self.promote_dtype((inputs, kernel, bias),
+    inputs, _, bias = self.promote_dtype((inputs, as_read, bias),
                                          dtype=self.dtype)
     dims = ((axis, tuple(range(len(axis)))), ((), ()))
     y = self.quant(inputs, kernel, dims,
@@ -245,9 +245,9 @@ class QuantEinsum(QuantLayer, nnx.Einsum):
     eq = (einsum_str or self.einsum_str).replace(" ", "")
     lhs, rhs, out, contracted, _ = einsum_gemm_plan(eq)
     lhs, out = _expand_ellipsis(eq, lhs, out, inputs.ndim)
-    kernel = self.kernel[...]
+    kernel, as_read = self.gemm_kernel()
     bias = self.bias[...] if self.bias is not None else None
-    inputs, promoted, bias = self.promote_dtype((inputs, kernel, bias),
+    inputs, promoted, bias = self.promote_dtype((inputs, as_read, bias),
                                                 dtype=self.dtype)
     if len(lhs) != inputs.ndim or len(rhs) != kernel.ndim:
       raise ValueError(f"{type(self).__name__} {eq!r} does not fit input "
