@@ -11,6 +11,7 @@ others, e.g. ``LinearGeneral`` kernels, into the tensors first).
 
 from __future__ import annotations
 
+import math
 from typing import Mapping
 
 import jax.numpy as jnp
@@ -51,8 +52,11 @@ def load_tensors(model: nnx.Module, tensors: Mapping[str, object],
   ``kernel`` becomes a `qlayers.FrozenKernel` holding its payload and scales
   as they are (``frozen=True``: no FP32 master), or the exactly dequantized
   weight (``frozen=False``). Everything else is converted to the Variable's
-  dtype; shapes must match (after the kernel transpose). Every name is
-  checked before anything changes.
+  dtype; shapes must match (after the kernel transpose). A 2-D ``(out, in)``
+  tensor loads into an N-D kernel of a layer with ``in_features``
+  (``nnx.LinearGeneral``, `qlayers.QuantAttentionProj`'s projections:
+  ``(in..., out...)`` flattened to ``(in, out)``). Every name is checked
+  before anything changes.
 
   Example:
     >>> import tempfile, numpy as np
@@ -81,26 +85,49 @@ def load_tensors(model: nnx.Module, tensors: Mapping[str, object],
       bad.append(f"{path}: no such Variable in the model")
       continue
     t = tensors[name]
-    kernel = attr == "kernel" and len(var.shape) == 2 and len(t.shape) == 2
-    shape = tuple(t.shape)[::-1] if kernel else tuple(t.shape)
-    if shape != tuple(var.shape):
+    n_in = _inputs(module, var) if attr == "kernel" and len(t.shape) == 2 \
+        else None
+    kernel = n_in is not None
+    shape = (_flat(var.shape, n_in)[::-1] if kernel else tuple(var.shape))
+    if shape != tuple(t.shape):
       bad.append(f"{path}: model {tuple(var.shape)}, tensor {name!r} "
                  f"{tuple(t.shape)}" + (" (transposed)" if kernel else ""))
       continue
-    todo.append((module, attr, var, t, kernel))
+    todo.append((module, attr, var, t, n_in))
   if bad:
     raise ValueError("load_tensors: " + "; ".join(bad) + ".")
-  for module, attr, var, t, kernel in todo:
-    if isinstance(t, QTensor) and kernel and frozen:
-      setattr(module, attr, FrozenKernel.from_qtensor(t, dtype=_dtype(var)))
+  for module, attr, var, t, n_in in todo:
+    if isinstance(t, QTensor) and n_in is not None and frozen:
+      setattr(module, attr, FrozenKernel.from_qtensor(
+          t, tuple(var.shape), n_in=n_in, dtype=_dtype(var)))
       continue
     x = t.dequantize() if isinstance(t, QTensor) else jnp.asarray(t)
-    x = x.T if kernel else x
+    x = x.T.reshape(var.shape) if n_in is not None else x
     if isinstance(var, FrozenKernel):
       var.requantize(x.astype(jnp.float32))
     else:
       var.set_value(jnp.asarray(x, _dtype(var)))
   return len(todo)
+
+
+def _inputs(module, var) -> int | None:
+  """How many leading (input) dims of kernel ``var`` a 2-D ``(out, in)``
+  tensor flattens: 1 for a 2-D kernel, the layer's input features for an
+  N-D one (``nnx.LinearGeneral``, `qlayers.QuantAttentionProj`'s
+  projections); None where the layer does not say."""
+  if len(var.shape) == 2:
+    return 1
+  if isinstance(var, FrozenKernel):
+    return var.n_in
+  ins = getattr(module, "in_features", None)
+  if ins is None or isinstance(module, nnx.Einsum):
+    return None
+  n_in = len(ins) if isinstance(ins, tuple) else 1
+  return n_in if 0 < n_in < len(var.shape) else None
+
+
+def _flat(shape, n_in: int) -> tuple[int, int]:
+  return math.prod(shape[:n_in]), math.prod(shape[n_in:])
 
 
 def _dtype(var):

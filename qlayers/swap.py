@@ -236,7 +236,7 @@ def quantized(layer, recipe: Recipe, backend: str | None) -> nnx.Module:
   new = adopt(_twin(QUANT_OF[type(layer)], layer, recipe=recipe,
                     backend=backend), layer)
   w = weight(layer)
-  stack = tuple(w.shape[:w.ndim - one_gemm(layer)])
+  stack = tuple(w.shape[:len(w.shape) - one_gemm(layer)])
   if stack and (recipe.delayed or recipe.sr_key == "step"):
     # Made under nnx.vmap: one delayed-scaling state and one rounding
     # seed and counter per stacked layer.

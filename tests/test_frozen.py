@@ -242,3 +242,22 @@ def test_a_bf16_layer_quantizes_a_checkpoint_kernel_from_its_stored_values(
   assert y.dtype == jnp.bfloat16 and layer.kernel[...].dtype == jnp.bfloat16
   np.testing.assert_array_equal(np.asarray(y, np.float32),
                                 np.asarray(ref(x), np.float32))
+
+
+def test_quantize_converts_a_stock_layer_holding_a_checkpoint_kernel(
+    tmp_path):
+  # load_tensors puts a FrozenKernel on a stock nnx.Linear too; quantize
+  # then failed on its missing .ndim.
+  w = np.asarray(jax.random.normal(jax.random.key(0), (32, 64)), np.float32)
+  d = checkpoint.write_safetensors(tmp_path / "c", {"fc.weight": w})
+  model = nnx.Dict(fc=nnx.Linear(64, 32, use_bias=False, rngs=nnx.Rngs(0)))
+  qlayers.hf.load_tensors(model, checkpoint.read_safetensors(d,
+                                                             quantized=True),
+                          {"fc.kernel": "fc.weight"})
+  x = jax.random.normal(jax.random.key(1), (4, 64))
+  wide = model.fc(x)
+  report = qlayers.quantize(model, "fp8_current", rules=())
+  assert [c.path for c in report.converted] == ["fc"]
+  assert type(model.fc.kernel).__name__ == "FrozenKernel"
+  err = jnp.linalg.norm(model.fc(x) - wide) / jnp.linalg.norm(wide)
+  assert 0 < err < 0.1

@@ -120,3 +120,50 @@ def test_a_tied_layer_loads_under_either_of_its_names(tmp_path):
   with pytest.raises(ValueError, match="blocks.1.bias: no such Variable"):
     qlayers.hf.load_tensors(net, checkpoint.read_safetensors(d),
                             {"blocks.1.bias": "b"})
+
+
+@pytest.mark.parametrize("block", [(8, 8), (96, 96)])
+def test_a_checkpoint_in_blocks_no_quantspec_takes_loads_exactly(tmp_path,
+                                                                 block):
+  # read_safetensors took 8 x 8 blocks, and load_tensors then failed inside
+  # a QuantSpec the user never made, naming no tensor.
+  import json
+  from qlayers.safetensors import write_file
+  rng = np.random.default_rng(0)
+  codes = np.clip(rng.standard_normal((48, 40)) * 100, -448, 448).astype(
+      ml_dtypes.float8_e4m3fn)
+  scale = rng.uniform(1e-3, 1e-2, (-(-48 // block[0]),
+                                   -(-40 // block[1]))).astype(np.float32)
+  write_file(tmp_path / "model.safetensors",
+             {"up.weight": codes, "up.weight_scale_inv": scale})
+  (tmp_path / "config.json").write_text(json.dumps(
+      {"quantization_config": {"weight_block_size": list(block)}}))
+  tensors = checkpoint.read_safetensors(tmp_path, quantized=True)
+  layer = qlayers.QuantDense(40, 48, recipe="fp8_current", rngs=nnx.Rngs(0))
+  load_tensors(layer, tensors, {"kernel": "up.weight"})
+  want = codes.astype(np.float32) * np.repeat(
+      np.repeat(scale, block[0], 0), block[1], 1)[:48, :40]
+  np.testing.assert_array_equal(np.asarray(layer.kernel[...]), want.T)
+  assert layer.kernel.spec.block_size == 128  # merge_lora requantizes so
+
+
+@pytest.mark.parametrize("frozen", [True, False])
+def test_attention_projections_load_their_2d_checkpoint_weights(tmp_path,
+                                                                frozen):
+  # Their kernels are (d, heads, head_dim) and (heads, head_dim, d): a 2-D
+  # (out, in) QTensor could neither load nor be reshaped first.
+  rng = np.random.default_rng(0)
+  w = {"q.weight": rng.standard_normal((32, 48)).astype(np.float32),
+       "o.weight": rng.standard_normal((48, 32)).astype(np.float32)}
+  d = checkpoint.write_safetensors(tmp_path / "c", w, fp8_block=(16, 16))
+  wide = checkpoint.read_safetensors(d)
+  proj = qlayers.QuantAttentionProj(48, 4, 8, recipe="fp8_current",
+                                    rngs=nnx.Rngs(0))
+  assert load_tensors(proj, checkpoint.read_safetensors(d, quantized=True),
+                      {"query.kernel": "q.weight", "out.kernel": "o.weight"},
+                      frozen=frozen) == 2
+  assert (type(proj.query.kernel).__name__ == "FrozenKernel") == frozen
+  np.testing.assert_array_equal(np.asarray(proj.query.kernel[...]),
+                                wide["q.weight"].T.reshape(48, 4, 8))
+  np.testing.assert_array_equal(np.asarray(proj.out.kernel[...]),
+                                wide["o.weight"].T.reshape(4, 8, 48))

@@ -54,10 +54,15 @@ def _checkpoint_spec(qt: QTensor) -> QuantSpec:
   """`CHECKPOINT_SPEC` in block-scaled ``qt``'s layout where it has one."""
   if qt.format != "e4m3" or qt.granularity != "block":
     return CHECKPOINT_SPEC
-  block = qt.block[0] if len(set(qt.block)) == 1 else CHECKPOINT_SPEC.block_size
   mantissa, _ = np.frexp(np.asarray(qt.scale, np.float32))
-  return dataclasses.replace(CHECKPOINT_SPEC, block_size=int(block),
+  spec = dataclasses.replace(CHECKPOINT_SPEC,
                              pow2=bool(np.all(mantissa == 0.5)))
+  if len(set(qt.block)) != 1:
+    return spec
+  try:
+    return dataclasses.replace(spec, block_size=int(qt.block[0]))
+  except ValueError:  # a block QuantSpec cannot take (8, 96): 128 x 128
+    return spec
 
 
 class FrozenWeight(nnx.Variable):
@@ -128,7 +133,8 @@ class FrozenKernel(nnx.Module):
     ``spec`` (what `requantize`, e.g. `qlayers.merge_lora`, stores): by
     default the checkpoint's own layout, `CHECKPOINT_SPEC` with the
     QTensor's square block size and, where every scale is a power of two
-    (UE8M0 scales), power-of-two scales; non-square blocks requantize in
+    (UE8M0 scales), power-of-two scales; non-square blocks, and square
+    ones a `QuantSpec` cannot take (8 x 8, 96 x 96), requantize in
     128 x 128 blocks."""
     shape = (qt.shape[1], qt.shape[0]) if shape is None else shape
     return cls(qt, spec or _checkpoint_spec(qt), shape, n_in=n_in,
