@@ -27,6 +27,7 @@ from qlayers.optim_wrappers import (CastMomentsState, LossScaleState,
                                     cast_moments, dynamic_loss_scaling,
                                     find_state, finite_norm, master_weights,
                                     mixed_precision, needs_master,
+                                    resync_masters,
                                     skip_if_nonfinite)
 
 __all__ = ["Optimizer", "mixed_precision", "master_weights", "cast_moments",
@@ -44,7 +45,9 @@ class Optimizer(nnx.Optimizer):
 
   Applies ``tx`` wrapped in `mixed_precision` to the ``wrt`` Params (without
   `master_weights` when no Param is narrower than ``master_dtype``); writes
-  narrow Params exactly from their FP32 masters; then ends the step of every
+  narrow Params exactly from their FP32 masters (a narrow Param changed
+  from outside, by loading weights after the Optimizer was made, first
+  replaces its master: `resync_masters`); then ends the step of every
   quantized GEMM with `qlayers.update_scales` (the gradient amaxes returned
   by `qlayers.value_and_grad` are written, by max and never through ``tx``,
   and every amax history rolls once). Masters and moments are Variables
@@ -143,7 +146,7 @@ class Optimizer(nnx.Optimizer):
       raise ValueError(
           "grads do not match the model's optimized Variables; compute them "
           "with qlayers.value_and_grad (or nnx.grad) using the same `wrt`.")
-    opt_state = nnx.as_pure(self.opt_state)
+    opt_state = resync_masters(nnx.as_pure(self.opt_state), params)
     updates, new_state = self.wrapped_tx.update(
         param_grads, opt_state, params, **nnx.as_pure(kwargs))
     masters = find_state(new_state, MasterWeightsState)

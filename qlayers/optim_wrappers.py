@@ -188,6 +188,24 @@ def master_weights(inner: optax.GradientTransformation, *,
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+def resync_masters(state, params):
+  """``state`` with each master whose narrow Param is not its rounding
+  replaced by the Param: a Param set from outside (weights loaded into the
+  model after the optimizer was made) wins over a master that no longer
+  describes it. `qlayers.Optimizer` calls it before every update; after
+  one, every narrow Param is its master's rounding."""
+  def sync(s):
+    if not isinstance(s, MasterWeightsState):
+      return s
+    master = jax.tree.map(
+        lambda m, p: m if _masked(m) else jnp.where(
+            m.astype(p.dtype) == p, m, p.astype(m.dtype)),
+        s.master, params, is_leaf=_masked)
+    return s._replace(master=master)
+  return jax.tree.map(sync, state,
+                      is_leaf=lambda x: isinstance(x, MasterWeightsState))
+
+
 def _wide(master, params):
   """``params`` with each narrow Param replaced by its master."""
   return jax.tree.map(lambda m, p: p if _masked(m) else m, master, params,

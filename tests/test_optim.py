@@ -85,6 +85,25 @@ def test_bf16_params_follow_fp32_masters():
   assert float(m.w[...][0]) == 1.0 and master[0] != 1.0
 
 
+def test_weights_loaded_after_the_optimizer_replace_their_masters():
+  # The next update rewrote every BF16 Param from the master made at
+  # construction: loaded weights were thrown away after one step.
+  m = Vec([1.0, -3.0, 0.1], jnp.bfloat16)
+  opt = qlayers.Optimizer(m, optax.sgd(1e-4))
+  loaded = jnp.asarray([5.0, 7.0, -2.0], jnp.bfloat16)
+  m.w[...] = loaded  # as checkpoint.restore(path, model) does
+  g = np.array([1.0, -2.0, 0.5], np.float32)
+  opt.update(m, grads_of(m, g))
+  master = optim.find_state(opt.opt_state, optim.MasterWeightsState).master
+  want = np.asarray(loaded, np.float32) - np.float32(1e-4) * g
+  np.testing.assert_array_equal(master["w"][...], want)
+  np.testing.assert_array_equal(m.w[...], want.astype(jnp.bfloat16))
+  opt.update(m, grads_of(m, g))  # a Param that is its master's rounding
+  master = optim.find_state(opt.opt_state, optim.MasterWeightsState).master
+  np.testing.assert_array_equal(  # keeps the master's own bits
+      master["w"][...], want - np.float32(1e-4) * g)
+
+
 @pytest.mark.usefixtures("optax_promotion")
 def test_quant_state_bypasses_adam():
   r = delayed()
