@@ -51,7 +51,8 @@ def check_fields(obj) -> None:
   The one type check of `QuantSpec`, `qlayers.recipe.GemmRecipe` and
   `qlayers.recipe.Recipe`: ``bool`` fields take only booleans (not the
   string ``"false"``), ``int`` fields refuse booleans, ``Literal`` fields
-  take their listed values only. Raises TypeError (wrong type) or ValueError
+  take their listed values only; a NumPy scalar (``np.int64(16)``) is
+  stored as its Python value. Raises TypeError (wrong type) or ValueError
   (a value not listed) naming the field.
 
   Example:
@@ -73,6 +74,8 @@ def check_fields(obj) -> None:
       raise error(
           f"{type(obj).__name__}.{f.name} must be {_type_name(tp)}, got "
           f"{value!r} ({type(value).__name__}).")
+    if isinstance(value, np.generic):  # np.int64(16) -> 16: JSON, TOML
+      object.__setattr__(obj, f.name, value.item())
 
 
 def _literal_values(tp) -> tuple:

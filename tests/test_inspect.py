@@ -611,3 +611,12 @@ def test_monitor_skips_a_model_without_quantized_gemms():
   monitor = qlayers.inspect.Monitor(lambda m, x: jnp.sum(m(x)), every=1)
   assert monitor(0, nnx.Linear(8, 8, rngs=nnx.Rngs(0)), jnp.ones((2, 8))) \
       is None
+
+
+@pytest.mark.parametrize("on", [(1, 0, 0), (0, 0, 0)])
+def test_variants_of_a_step_keyed_recipe_drop_the_key_with_its_operands(on):
+  # nvfp4 rounds only its gradients stochastically: keeping sr_key="step"
+  # on a variant without them was refused, so sensitivity failed on nvfp4.
+  r = masked.variant(qlayers.recipe("nvfp4"), on)
+  assert not r.stochastic and r.sr_key == "data"
+  assert masked.variant(qlayers.recipe("nvfp4"), (1, 1, 0)).sr_key == "step"

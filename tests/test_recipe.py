@@ -319,3 +319,13 @@ def test_delayed_settings_on_another_scaling_are_refused(tmp_path):
                   "[fprop]\nx = {}\nw = {}\n")
   with pytest.raises(ValueError, match="amax_history_len.*only delayed"):
     qlayers.recipe(path)
+
+
+def test_numpy_scalar_fields_are_stored_as_python_values():
+  # np.int64(16) passed the type check, trained, and then failed the
+  # checkpoint's JSON description.
+  import numpy as np
+  r = qlayers.recipe("fp8_delayed", amax_history_len=np.int64(16))
+  assert type(r.amax_history_len) is int and r.amax_history_len == 16
+  spec = QuantSpec(margin=np.int64(1), pow2=np.bool_(True))
+  assert type(spec.margin) is int and type(spec.pow2) is bool

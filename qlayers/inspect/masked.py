@@ -45,6 +45,10 @@ def variant(recipe: Recipe, on) -> Recipe:
   """
   changes = {name: GemmRecipe(out_dtype=getattr(recipe, name).out_dtype)
              for name, keep in zip(GEMMS, on) if not keep}
+  kept = [getattr(recipe, n) for n, keep in zip(GEMMS, on) if keep]
+  if recipe.sr_key == "step" and not any(
+      s is not None and s.stochastic for g in kept for s in (g.lhs, g.rhs)):
+    changes["sr_key"] = "data"  # no stochastic operand left to key
   return dataclasses.replace(recipe, **changes)
 
 
