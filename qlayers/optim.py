@@ -22,6 +22,7 @@ from flax import nnx
 
 from qlayers.grad import check_wrt
 from qlayers.layers.core import gemms, update_scales
+from qlayers.layers.frozen import FrozenWeight
 from qlayers.optim_wrappers import (CastMomentsState, LossScaleState,
                                     MasterWeightsState, SkipState,
                                     cast_moments, dynamic_loss_scaling,
@@ -96,6 +97,15 @@ class Optimizer(nnx.Optimizer):
                       f"GradientTransformation, got {type(tx).__name__}"
                       f"{hint}.")
     check_wrt(model, wrt, "qlayers.Optimizer")
+    if not jax.tree.leaves(nnx.state(model, wrt)):
+      frozen = any(isinstance(v, FrozenWeight) for _, v in nnx.iter_graph(
+          model))
+      raise ValueError(
+          f"qlayers.Optimizer: wrt={wrt!r} selects no Variable of the model, "
+          "so training would change nothing" + (
+              "; its kernels are frozen (FrozenWeight, not Params): add "
+              "adapters with qlayers.add_lora and train wrt=nnx.LoRAParam"
+              if frozen else "") + ".")
     if loss_scaling is None:
       loss_scaling = "dynamic" if _wants_dynamic_loss_scale(model) else "none"
     if loss_scaling not in ("dynamic", "none"):

@@ -299,3 +299,31 @@ def test_stock_linear_with_quant_gemm_refuses_a_scalar_like_lax():
     stock(jnp.float32(1.0))
   with pytest.raises(TypeError, match=r"lhs \(\) has no dims"):
     lin(jnp.float32(1.0))
+
+
+def test_eval_mode_runs_inside_a_loop_nnx_does_not_see():
+  # A greedy decode loop (lax.fori_loop under nnx.jit) failed for delayed
+  # scaling: eval mode still wrote the gradient amax from the loop's trace.
+  m = qlayers.QuantDense(8, 8, rngs=nnx.Rngs(0), recipe=delayed())
+  m.eval()
+  before = pure(nnx.state(m, qlayers.QuantVariable))
+
+  @nnx.jit
+  def decode(m, x):
+    return jax.lax.fori_loop(0, 3, lambda _, h: jnp.tanh(m(h)), x)
+
+  x = jax.random.normal(jax.random.key(0), (2, 8))
+  want = x
+  for _ in range(3):
+    want = jnp.tanh(m(want))
+  np.testing.assert_array_equal(decode(m, x), want)
+  after = pure(nnx.state(m, qlayers.QuantVariable))
+  for k in before:
+    assert np.array_equal(before[k], after[k]), k
+
+
+def test_a_training_layer_under_jax_jit_says_to_use_nnx_jit():
+  # QuantDense (QuantGemm.matmul) raised NNX's bare TraceContextError.
+  m = qlayers.QuantDense(8, 8, rngs=nnx.Rngs(0), recipe=delayed())
+  with pytest.raises(RuntimeError, match="nnx.jit"):
+    jax.jit(lambda x: m(x))(jnp.ones((2, 8)))

@@ -104,6 +104,15 @@ def test_weights_loaded_after_the_optimizer_replace_their_masters():
       master["w"][...], want - np.float32(1e-4) * g)
 
 
+def test_an_optimizer_over_nothing_is_refused_naming_frozen_kernels():
+  # A fully frozen model (no adapters) trained silently, changing nothing.
+  m = qlayers.QuantDense(16, 8, use_bias=False, rngs=nnx.Rngs(0),
+                         recipe="fp8_current")
+  qlayers.freeze(m)
+  with pytest.raises(ValueError, match="add_lora"):
+    qlayers.Optimizer(m, optax.sgd(1e-3))
+
+
 @pytest.mark.usefixtures("optax_promotion")
 def test_quant_state_bypasses_adam():
   r = delayed()

@@ -172,7 +172,8 @@ class QuantGemm(nnx.Module):
   def write(self, new_state: dict[str, ScaleState] | None) -> None:
     """Stores what the op returned (nothing for a stateless recipe): the
     forward roles' running amax (not in eval mode), and the gradient role's
-    amax, which the op passes through unchanged. Storing that one chains the
+    amax, which the op passes through unchanged (in eval mode, not where a
+    jax transform NNX does not see forbids the write). Storing that one chains the
     next use of this GEMM in the step to this one, so the backward pass hands
     each use the later uses' gradient amax to combine by max (see
     `qlayers.gemm`), where a value read twice would have its cotangents
@@ -180,8 +181,13 @@ class QuantGemm(nnx.Module):
     if not self.delayed:
       return
     # set_value, not [...] =: assignment inside a trace re-traces in NNX.
-    self.g_amax.set_value(new_state["g"].amax)
-    if self.use_running_average:
+    if not self.use_running_average:
+      self.g_amax.set_value(new_state["g"].amax)
+    else:  # the same value: only the chain, which a trace NNX cannot
+      try:  # write from (an eval decode loop under lax.fori_loop) skips
+        self.g_amax.set_value(new_state["g"].amax)
+      except flax_errors.TraceContextError:
+        pass
       return
     for role in ("x", "w"):
       getattr(self, f"{role}_amax").set_value(
@@ -209,10 +215,11 @@ class QuantGemm(nnx.Module):
     output has ``out_dtype`` (see `ops.quantized_matmul` for the default)
     and, when given, the sharding ``out_sharding``.
     """
-    y, new_state = ops.quantized_matmul(
-        x, w, self.recipe, self.read(), out_dtype=out_dtype,
-        key=self.rounding_key(), backend=self.backend, site=self)
-    self.write(new_state)
+    with self.writing_state("matmul"):
+      y, new_state = ops.quantized_matmul(
+          x, w, self.recipe, self.read(), out_dtype=out_dtype,
+          key=self.rounding_key(), backend=self.backend, site=self)
+      self.write(new_state)
     return _finish(y, bias, out_sharding)
 
   def __call__(self, lhs: jax.Array, rhs: jax.Array, dimension_numbers,

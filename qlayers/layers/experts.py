@@ -115,11 +115,12 @@ class QuantRaggedDot(QuantGemm):
     to the intercepting function, with ``group_sizes=`` and ``capacity=``
     added to its keywords (`qlayers.inspect` measures experts this way)."""
     self._check_experts(jnp.shape(w)[0] if jnp.ndim(w) == 3 else None)
-    y, new_state = ragged.quantized_ragged_dot(
-        x, w, group_sizes, self.recipe, self.read(), key=self.rounding_key(),
-        out_dtype=out_dtype, backend=self.backend,
-        capacity=self.capacity if capacity is None else capacity, site=self)
-    self.write(new_state)
+    with self.writing_state("ragged"):
+      y, new_state = ragged.quantized_ragged_dot(
+          x, w, group_sizes, self.recipe, self.read(),
+          key=self.rounding_key(), out_dtype=out_dtype, backend=self.backend,
+          capacity=self.capacity if capacity is None else capacity, site=self)
+      self.write(new_state)
     return y
 
   def __call__(self, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,

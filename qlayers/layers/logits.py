@@ -171,9 +171,10 @@ class QuantLogits(QuantLayer, nnx.Module):
     """FP32 logits ``(..., vocab_size)`` of ``x (..., in_features)``."""
     self._check(x)
     kernel, bias, state = self._weights()
-    y, new_state = self._logits(x, kernel, bias, state,
-                                self.quant.rounding_key())
-    self.quant.write(new_state)
+    with self.quant.writing_state("matmul"):
+      y, new_state = self._logits(x, kernel, bias, state,
+                                  self.quant.rounding_key())
+      self.quant.write(new_state)
     return y
 
   def loss(self, x: jax.Array, labels: jax.Array, *,
@@ -219,7 +220,8 @@ class QuantLogits(QuantLayer, nnx.Module):
       raise ValueError(f"chunk_size must be positive, got {chunk_size}.")
 
     kernel, bias, state = self._weights()
-    key = self.quant.rounding_key()  # None unless sr_key = "step"
+    with self.quant.writing_state("matmul"):
+      key = self.quant.rounding_key()  # None unless sr_key = "step"
     seq = x.shape[-2]
     batch = math.prod(x.shape[:-2])
     x = x.reshape(batch, seq, x.shape[-1])
@@ -272,7 +274,8 @@ class QuantLogits(QuantLayer, nnx.Module):
       amaxes = tuple(jnp.max(a, axis=0) for a in amaxes)
     if state is not None:
       ax, aw = amaxes
-      self.quant.write({"x": state["x"]._replace(amax=ax),
-                        "w": state["w"]._replace(amax=aw),
-                        "g": state["g"]._replace(amax=g_amax)})
+      with self.quant.writing_state("matmul"):
+        self.quant.write({"x": state["x"]._replace(amax=ax),
+                          "w": state["w"]._replace(amax=aw),
+                          "g": state["g"]._replace(amax=g_amax)})
     return total / jnp.maximum(jnp.sum(mask), 1.0)
