@@ -230,8 +230,10 @@ def quantized(layer, recipe: Recipe, backend: str | None) -> nnx.Module:
   if experts_einsum(layer):
     new = adopt(_twin(QuantExpertsEinsum, layer, recipe=recipe,
                       backend=backend), layer)
+    w = layer.kernel
+    stack = tuple(w.shape[:len(w.shape) - len(layer.kernel_shape)])
     new.quant = QuantRaggedDot(recipe, num_groups=layer.kernel_shape[0],
-                               backend=backend)
+                               backend=backend, stack=stack)
     return new
   new = adopt(_twin(QUANT_OF[type(layer)], layer, recipe=recipe,
                     backend=backend), layer)

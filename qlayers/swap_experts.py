@@ -61,10 +61,11 @@ def sites(model: nnx.Module) -> list[swap.Site]:
 
 
 def _kernel(m) -> tuple[str, tuple[int, ...]] | None:
-  """``(name, shape)`` of the stacked kernel: ``kernel`` if it is a rank-3
-  Param, else the only rank-3 Param, else None."""
+  """``(name, shape)`` of the stacked kernel ``[*stack, E, K, N]`` (the
+  stack: layers made under ``nnx.vmap``): ``kernel`` if it is a Param of
+  rank >= 3, else the only such Param, else None."""
   stacked = {k: tuple(np.shape(v.get_value())) for k, v in vars(m).items()
-             if isinstance(v, nnx.Param) and np.ndim(v.get_value()) == 3}
+             if isinstance(v, nnx.Param) and np.ndim(v.get_value()) >= 3}
   if "kernel" in stacked:
     return "kernel", stacked["kernel"]
   return next(iter(stacked.items())) if len(stacked) == 1 else None
@@ -80,7 +81,7 @@ def check(m, recipe: Recipe) -> tuple[int, int]:
   if found is None:
     raise swap.Skip(f"holds {ATTR} but no single stacked kernel nnx.Param "
                     "[E, K, N] (name it 'kernel')")
-  _, (_, k, n) = found
+  _, (*_, k, n) = found
   block, gran = swap.min_block(recipe)
   if min(k, n) < block:
     raise swap.Skip(f"K={k}, N={n}: smaller than one {block}-element {gran} "
@@ -90,13 +91,14 @@ def check(m, recipe: Recipe) -> tuple[int, int]:
 
 def dims(m) -> tuple[int, int]:
   """``(K, N)`` of an experts module's stacked kernel."""
-  return _kernel(m)[1][1:]
+  return _kernel(m)[1][-2:]
 
 
 def quantize(m, recipe: Recipe, backend: str | None) -> QuantRaggedDot:
   """Puts a `QuantRaggedDot` for ``recipe`` at ``m.ragged_dot``; returns it."""
-  experts = _kernel(m)[1][0]
-  gemm = QuantRaggedDot(recipe, num_groups=experts, backend=backend)
+  *stack, experts, _, _ = _kernel(m)[1]
+  gemm = QuantRaggedDot(recipe, num_groups=experts, backend=backend,
+                        stack=tuple(stack))
   setattr(m, ATTR, nnx.data(gemm))
   return gemm
 
@@ -113,7 +115,7 @@ def routers(linear: list[swap.Site], experts: list[swap.Site]
   out = {}
   for e in experts:
     found = _kernel(e.layer)
-    num = found[1][0] if found else getattr(e.layer, "num_experts", None)
+    num = found[1][-3] if found else getattr(e.layer, "num_experts", None)
     if not isinstance(num, int):
       continue
     parent = e.path.rpartition("/")[0]

@@ -169,3 +169,47 @@ def test_model_built_with_quant_experts():
        "(dequantize_model first)")]
   assert [k.path for k in report.kept_wide] == ["router"]
   assert not report.converted and not report.skipped
+
+
+class ScannedMoE(nnx.Module):
+  """Two MoE layers made under nnx.vmap, run by nnx.scan: experts as a
+  ragged_dot module and as an einsum, each beside its router."""
+
+  def __init__(self, rngs):
+    @nnx.split_rngs(splits=2)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+      return nnx.Dict(router=nnx.Linear(D, E, rngs=rngs),
+                      up=Experts(D, D, rngs),
+                      mix=nnx.Einsum("ecd,edf->ecf", (E, D, D), rngs=rngs))
+    self.layers = make(rngs)
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+    def body(layer, x):
+      h = nnx.relu(layer.up(x, SIZES))
+      return layer.mix(h.reshape(E, -1, D)).reshape(x.shape)
+    return body(self.layers, x)
+
+
+def test_stacked_experts_convert_with_per_layer_per_expert_state():
+  # The state was made per expert only: nnx.scan refused it (or, with as
+  # many layers as experts, sliced it to a scalar), and the router of a
+  # stacked ragged module was quantized while its experts were skipped.
+  model = ScannedMoE(nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (8, D))
+  wide = model(x)
+  report = qlayers.quantize(model, "fp8_delayed")
+  converted, kept, _ = _kinds(report)
+  assert set(converted) == {"layers/up", "layers/mix"}
+  assert "router of the 4 experts" in kept["layers/router"]
+  for gemm in (model.layers.up.ragged_dot, model.layers.mix.quant):
+    assert gemm.x_amax.shape == (2, E)
+    assert gemm.x_amax_history.shape[:2] == (2, E)
+  y = model(x)
+  err = jnp.linalg.norm(y - wide) / jnp.linalg.norm(wide)
+  assert 0 < err < 0.1
+  amax = model.layers.up.ragged_dot.x_amax[...]
+  np.testing.assert_array_equal(amax[0], [float(jnp.max(jnp.abs(x[:3]))), 0,
+                                          float(jnp.max(jnp.abs(x[3:7]))),
+                                          float(jnp.max(jnp.abs(x[7:])))])

@@ -61,6 +61,9 @@ class QuantRaggedDot(QuantGemm):
     capacity: the most tokens of one expert the GEMM holds; more are dropped
       (see `qlayers.ops.quantized_ragged_dot`). Default: no limit.
     use_running_average: start in eval mode.
+    stack: leading dims of a stack of expert layers made under ``nnx.vmap``
+      and run by ``nnx.scan`` (`qlayers.quantize` sets it): the state is
+      ``(*stack, num_groups)``, and each layer of the stack sees its own.
 
   Example:
     >>> import jax.numpy as jnp
@@ -74,8 +77,10 @@ class QuantRaggedDot(QuantGemm):
   def __init__(self, recipe: Recipe | str = "fp8_delayed", *,
                num_groups: int, backend: str | None = None,
                capacity: int | None = None,
-               use_running_average: bool = False):
-    super().__init__(recipe, backend=backend, batch_shape=(num_groups,),
+               use_running_average: bool = False,
+               stack: tuple[int, ...] = ()):
+    super().__init__(recipe, backend=backend,
+                     batch_shape=(*stack, num_groups),
                      use_running_average=use_running_average)
     self.num_groups = num_groups
     self.capacity = capacity
@@ -85,9 +90,10 @@ class QuantRaggedDot(QuantGemm):
     state (delayed scaling, step-keyed rounding) for another number (its
     local shard's inside ``shard_map``)."""
     state = self.read()
-    have = (state["x"].amax.shape[0] if state is not None
-            else self.sr_seed.shape[0] if self.recipe.sr_key == "step"
-            else None)
+    per_expert = (state["x"].amax if state is not None
+                  else self.sr_seed if self.recipe.sr_key == "step" else None)
+    have = None if per_expert is None else (
+        per_expert.shape[-1] if per_expert.ndim else 0)
     if n is not None and have is not None and have != n:
       raise ValueError(
           f"QuantRaggedDot keeps state for {have} experts (num_groups="
