@@ -23,7 +23,7 @@ from qlayers.convert import dequantize_model
 from qlayers.convert import quantize
 from qlayers.convert import Rule
 from qlayers.dispatch import report as backends
-from qlayers.grad import accumulate_grads
+from qlayers.grad import accumulate_grads, average_grads
 from qlayers.grad import value_and_grad
 from qlayers.layers import QuantAttentionProj
 from qlayers.layers import QuantDense
@@ -64,8 +64,8 @@ __all__ = [
     # Recipes.
     "recipe", "Recipe", "available_recipes",
     # Training.
-    "value_and_grad", "accumulate_grads", "Optimizer", "update_scales",
-    "remat_policy",
+    "value_and_grad", "accumulate_grads", "average_grads", "Optimizer",
+    "update_scales", "remat_policy",
     # Quantization state (never nnx.Param): all of it, and the gradient part.
     "QuantVariable", "QuantGradState",
     # Fine-tuning: frozen quantized base weights and LoRA adapters beside them.

@@ -30,7 +30,7 @@ from flax import nnx
 
 from qlayers.state import QuantGradState, QuantVariable
 
-__all__ = ["value_and_grad", "grad", "accumulate_grads"]
+__all__ = ["value_and_grad", "grad", "accumulate_grads", "average_grads"]
 
 
 def value_and_grad(f: Callable[..., Any], argnums: int = 0, *,
@@ -115,6 +115,13 @@ def _value_and_grad(f, argnums, has_aux, wrt, loss_scale, args, kwargs):
     return loss, (aux, nnx.as_pure(new_rest))
 
   loss, vjp_fn, (aux, new_rest) = jax.vjp(inner, diff, qgrad, has_aux=True)
+  if jnp.shape(loss) != () or not jnp.issubdtype(jnp.result_type(loss),
+                                                 jnp.floating):
+    raise TypeError(f"qlayers.value_and_grad: the loss must be a real "
+                    f"scalar (as for jax.grad), got shape {jnp.shape(loss)} "
+                    f"{jnp.result_type(loss)}" + (
+                        " (has_aux=True: return (loss, aux))"
+                        if isinstance(loss, tuple) else "") + ".")
   seed = jnp.ones_like(loss)
   if loss_scale is not None:
     seed = seed * jnp.asarray(loss_scale, loss.dtype)
@@ -167,8 +174,9 @@ def accumulate_grads(total: nnx.State | None, grads: nnx.State) -> nnx.State:
 
   Start with ``total=None``. Floating gradients are summed in at least FP32
   (BF16 partial sums would lose the micro-batches' low bits), so a total of
-  BF16 gradients is FP32. Divide the Param part by the number of
-  micro-batches yourself if the loss is a mean.
+  BF16 gradients is FP32. If the loss is a mean, divide the total with
+  `average_grads`: dividing every leaf would divide the gradient amaxes too,
+  and the next steps' gradients would saturate.
   """
   for name, s in (("total", total), ("grads", grads)):
     if not (isinstance(s, nnx.State) or (name == "total" and s is None)):
@@ -181,6 +189,29 @@ def accumulate_grads(total: nnx.State | None, grads: nnx.State) -> nnx.State:
   return nnx.merge_state(jax.tree.map(lambda a, b: _wide(a) + _wide(b),
                                       pt, pg),
                          jax.tree.map(jnp.maximum, qt, qg))
+
+
+def average_grads(total: nnx.State, n: int) -> nnx.State:
+  """``total`` (from `accumulate_grads`) with its Params' gradients divided
+  by ``n``, the number of micro-batches; the gradient amaxes are kept.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from qlayers.state import QuantGradState
+    >>> g = nnx.State({"w": nnx.Param(jnp.ones(2) * 4),
+    ...                "g_amax": QuantGradState(jnp.float32(3))})
+    >>> out = average_grads(g, 2)
+    >>> out["w"][...].tolist(), float(out["g_amax"][...])
+    ([2.0, 2.0], 3.0)
+  """
+  if not isinstance(total, nnx.State):
+    raise TypeError(f"average_grads(total, n): total must be an nnx.State "
+                    f"of gradients, got {type(total).__name__}.")
+  if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+    raise ValueError(f"average_grads: n must be a positive int, got {n!r}.")
+  amaxes, rest = nnx.split_state(total, QuantGradState, ...)
+  return nnx.merge_state(jax.tree.map(lambda g: g / n, rest), amaxes)
 
 
 def _wide(g: jax.Array) -> jax.Array:

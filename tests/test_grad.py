@@ -214,3 +214,26 @@ def test_other_nnx_arguments_are_merged_and_written_back():
   np.testing.assert_array_equal(g1["l"]["kernel"][...], g2["l"]["kernel"][...])
   assert sorted(g1["l"].keys()) == ["bias", "kernel"]
 
+
+
+def test_a_loss_that_is_not_a_real_scalar_is_refused():
+  # The gradient of the loss's sum came back silently (nnx raises).
+  m = qlayers.QuantDense(8, 4, rngs=nnx.Rngs(0))
+  with pytest.raises(TypeError, match="real scalar.*shape \\(2, 4\\)"):
+    qlayers.value_and_grad(lambda m: m(jnp.ones((2, 8))))(m)
+
+
+def test_average_grads_divides_the_params_and_keeps_the_amaxes():
+  # Dividing every leaf divided the gradient amaxes too: the next steps'
+  # FP8 gradients saturated.
+  m = qlayers.QuantDense(8, 4, rngs=nnx.Rngs(0), recipe="fp8_delayed")
+  x = jnp.linspace(-1, 1, 16).reshape(2, 8)
+  total = None
+  for c in (1.0, 3.0):
+    _, g = qlayers.value_and_grad(lambda m: c * jnp.sum(m(x)))(m)
+    total = qlayers.accumulate_grads(total, g)
+  mean = qlayers.average_grads(total, 2)
+  np.testing.assert_allclose(mean["kernel"][...], total["kernel"][...] / 2)
+  assert float(mean["quant"]["g_amax"][...]) == 3.0
+  with pytest.raises(ValueError, match="positive int"):
+    qlayers.average_grads(total, 0)
