@@ -192,8 +192,9 @@ def dispatch(x: jax.Array, expert_ids: jax.Array, *, n_experts: int,
     n_experts: experts in all (``g``); must divide by the axis size.
     axis_name: the manual mesh axis the experts are sharded over; None:
       one device, no communication.
-    capacity: rows each device may send to each other device (default
-      ``n * k``: nothing dropped); copies past it are dropped.
+    capacity: rows each device may send to each other device, itself
+      included (one device: to itself; default ``n * k``: nothing
+      dropped); copies past it, in expert order, are dropped.
     transport: a `QuantSpec`, recipe or recipe name the buffer travels in
       (see `transport_spec`); None: ``x``'s dtype.
 
@@ -222,8 +223,15 @@ def dispatch(x: jax.Array, expert_ids: jax.Array, *, n_experts: int,
   order = jnp.argsort(flat, stable=True)
   xs = x[order // k]
   counts = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
+  cap = n * k if capacity is None else int(capacity)
+  if cap < 1:
+    raise ValueError(f"capacity must be >= 1, got {capacity}.")
   if axis_name is None:
-    routed = jnp.arange(n * k) < jnp.sum(counts)  # the rest: dropped ids
+    # One device sends to itself: as on a mesh, the copies past
+    # ``capacity`` (in expert order) are dropped, and so are dropped ids.
+    ends = jnp.minimum(jnp.cumsum(counts), cap)
+    counts = jnp.diff(ends, prepend=0).astype(jnp.int32)
+    routed = jnp.arange(n * k) < ends[-1]
     return (jnp.where(routed[:, None], xs, 0), counts,
             Route(order, routed=routed))
 
@@ -232,9 +240,6 @@ def dispatch(x: jax.Array, expert_ids: jax.Array, *, n_experts: int,
     raise ValueError(f"n_experts={n_experts} experts do not split over the "
                      f"{devices} devices of mesh axis {axis_name!r}.")
   local = n_experts // devices
-  cap = n * k if capacity is None else int(capacity)
-  if cap < 1:
-    raise ValueError(f"capacity must be >= 1, got {capacity}.")
   dest = flat[order] // local
   per_dest = counts.reshape(devices, local)
   ends = jnp.cumsum(per_dest.sum(1))

@@ -164,3 +164,23 @@ def test_dropped_copies_are_zero_rows_and_come_back_as_zero_on_one_device():
   gates = jnp.full((6, 2), 0.5)
   y = ep.combine(xs + 1.0, route, gates)  # an expert adding a bias
   np.testing.assert_array_equal(y[0], 0.5 * (x[0] + 1.0))  # one copy kept
+
+
+def test_capacity_applies_on_one_device_too():
+  # One device sends to itself: capacity was ignored there, so the same
+  # code dropped copies on a mesh and none on one device.
+  x, ids = _routed()  # experts 0, 1, 2 get 4 copies each
+  xs, sizes, route = ep.dispatch(x, ids, n_experts=3, capacity=6)
+  assert sizes.tolist() == [4, 2, 0]  # the first six copies, expert order
+  np.testing.assert_array_equal(xs[6:], 0)
+  y = ep.combine(xs, route, jnp.ones((6, 2)))
+  kept = {0: 4, 1: 2}
+  want = np.zeros((6, 4), np.float32)
+  for token, row in enumerate(np.asarray(ids)):
+    for e in row:
+      if kept.get(int(e), 0):
+        kept[int(e)] -= 1
+        want[token] += np.asarray(x[token])
+  np.testing.assert_array_equal(y, want)
+  with pytest.raises(ValueError, match="capacity must be >= 1"):
+    ep.dispatch(x, ids, n_experts=3, capacity=0)
