@@ -26,6 +26,7 @@ swapping use public Flax functions only (`qlayers.swap`).
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import warnings
 from typing import Iterable
@@ -92,6 +93,8 @@ class Rule:
       raise ValueError(f"Rule pattern {self.pattern!r} is not a valid regular "
                        f"expression: {e}.") from None
     if self.recipe is not None:
+      if isinstance(self.recipe, os.PathLike):
+        object.__setattr__(self, "recipe", os.fspath(self.recipe))
       if not isinstance(self.recipe, (str, Recipe)):
         raise TypeError(f"Rule recipe must be a name, a path, a Recipe or "
                         f"None, got {type(self.recipe).__name__}.")

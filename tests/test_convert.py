@@ -619,3 +619,11 @@ def test_quantize_warns_when_layers_keep_another_recipe():
   with pytest.warns(UserWarning, match="dequantize_model"):
     qlayers.quantize(model, None, [qlayers.Rule(pattern=".*", recipe="mxfp4")])
   assert model.layers[0].recipe.name == "fp8_delayed"
+
+
+def test_a_rule_takes_a_recipe_path():
+  # Its message said paths were taken; a pathlib.Path was refused.
+  import pathlib
+  path = pathlib.Path(qlayers.__file__).parent.parent / "recipes/mxfp8.toml"
+  rule = qlayers.Rule(pattern="up", recipe=path)
+  assert rule.recipe == str(path)

@@ -620,3 +620,17 @@ def test_variants_of_a_step_keyed_recipe_drop_the_key_with_its_operands(on):
   r = masked.variant(qlayers.recipe("nvfp4"), on)
   assert not r.stochastic and r.sr_key == "data"
   assert masked.variant(qlayers.recipe("nvfp4"), (1, 1, 0)).sr_key == "step"
+
+
+def test_a_block_flushed_by_a_zero_scale_is_underflow_not_saturation():
+  # NVFP4: a quiet 1x16 block's E4M3 scale rounds to 0; its payload
+  # saturates (multiplier FLT_MAX) but it dequantizes to 0.
+  x = np.zeros((1, 32), np.float32)
+  x[0, 0] = 1000.0
+  x[0, 16:] = np.linspace(1e-4, 1e-3, 16)
+  r = qlayers.recipe("nvfp4")
+  t, q = numerics.quantized_copy(jnp.asarray(x), numerics.uses(r, "x")[0],
+                                 None, r)
+  assert float(np.asarray(q.scale).ravel()[1]) == 0
+  st = numerics.operand_stats(t, q)
+  assert float(st["underflow"]) == 0.5 and float(st["saturated"]) == 0

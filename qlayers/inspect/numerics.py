@@ -132,8 +132,8 @@ def operand_stats(t: jax.Array, q: QTensor) -> dict[str, jax.Array]:
       tensor); ``scale_min``: the smallest over blocks holding a non-zero.
     saturated: fraction of elements whose scaled magnitude exceeds the
       format's max (clipped to it), see `SATURATION_TOLERANCE`.
-    underflow: fraction of elements non-zero in ``t`` whose payload is zero
-      (flushed); ``zeros``: fraction already zero in ``t``.
+    underflow: fraction of elements non-zero in ``t`` whose payload or
+      scale is zero (flushed); ``zeros``: fraction already zero in ``t``.
     sqnr_db: `sqnr_db` of ``t`` against ``q`` dequantized.
   """
   tq = _in_layout(t, q).astype(jnp.float32)  # in q's layout
@@ -148,8 +148,11 @@ def operand_stats(t: jax.Array, q: QTensor) -> dict[str, jax.Array]:
       "amax": jnp.max(jnp.abs(tq)).astype(f32),
       "scale": jnp.max(s).astype(f32),
       "scale_min": jnp.min(jnp.where(nonzero, s, jnp.inf)).astype(f32),
-      "saturated": jnp.mean((scaled > limit).astype(f32)),
-      "underflow": jnp.mean((nonzero & (payload == 0)).astype(f32)),
+      # A block scale of 0 (NVFP4's E4M3 scale underflowed) flushes its
+      # block whatever its payload: underflow, not saturation.
+      "saturated": jnp.mean(((scaled > limit) & (s > 0)).astype(f32)),
+      "underflow": jnp.mean((nonzero & ((payload == 0) | (s == 0))
+                             ).astype(f32)),
       "zeros": jnp.mean((~nonzero).astype(f32)),
       "sqnr_db": sqnr_db(tq, deq),
   }
