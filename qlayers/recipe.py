@@ -339,12 +339,21 @@ def from_dict(data: dict, source: str = "<dict>") -> Recipe:
     r = Recipe(**data, **kwargs)
   except (TypeError, ValueError) as e:
     raise ValueError(f"{source}: {e}") from None
-  delayed_only = [k for k in _DELAYED_ONLY_KEYS if k in data]
+  keys = list(data) + ["[defaults]"] * ("[defaults]" in quant_only)
+  _check_settings(r, keys, source)
+  return r
+
+
+def _check_settings(r: Recipe, keys, source: str) -> None:
+  """Refuses settings ``keys`` (given in a file or as overrides) that
+  ``r`` would never read."""
+  delayed_only = [k for k in _DELAYED_ONLY_KEYS if k in keys]
   if delayed_only and r.quantized and not r.delayed:
     raise ValueError(
         f"{source}: sets {', '.join(delayed_only)}, which only delayed "
         f"scaling reads, but scaling is {r.scaling!r}: drop them, or set "
         'scaling = "delayed".')
+  quant_only = [k for k in keys if k in _QUANT_ONLY_KEYS or k == "[defaults]"]
   if quant_only and not r.quantized:
     raise ValueError(
         f"{source}: sets {', '.join(quant_only)} but quantizes no GEMM: "
@@ -352,7 +361,6 @@ def from_dict(data: dict, source: str = "<dict>") -> Recipe:
         "(e.g. [fprop] x = {} w = {}; [defaults] only fills in their "
         "fields), or, for a wide recipe, drop these settings (as bf16.toml "
         "has none).")
-  return r
 
 
 def recipe(name_or_path: "str | os.PathLike | Recipe", **changes) -> Recipe:
@@ -362,7 +370,7 @@ def recipe(name_or_path: "str | os.PathLike | Recipe", **changes) -> Recipe:
   ``recipe("fp8_delayed", amax_history_len=16)``.
   """
   if isinstance(name_or_path, Recipe):
-    return name_or_path.replace(**changes) if changes else name_or_path
+    return _changed(name_or_path, changes)
   text = str(name_or_path)
   path = pathlib.Path(text)
   # A shipped recipe's name wins over a same-named file in the working
@@ -386,5 +394,13 @@ def recipe(name_or_path: "str | os.PathLike | Recipe", **changes) -> Recipe:
   except tomllib.TOMLDecodeError as e:
     raise ValueError(f"{path}: not valid TOML: {e}") from None
   data.setdefault("name", path.stem)
-  r = from_dict(data, str(path))
-  return r.replace(**changes) if changes else r
+  return _changed(from_dict(data, str(path)), changes)
+
+
+def _changed(r: Recipe, changes: dict) -> Recipe:
+  """``r`` with the overrides ``changes``, refused where unread."""
+  if not changes:
+    return r
+  out = r.replace(**changes)
+  _check_settings(out, list(changes), f"recipe {r.name!r} with {changes}")
+  return out

@@ -261,3 +261,21 @@ def test_quantize_converts_a_stock_layer_holding_a_checkpoint_kernel(
   assert type(model.fc.kernel).__name__ == "FrozenKernel"
   err = jnp.linalg.norm(model.fc(x) - wide) / jnp.linalg.norm(wide)
   assert 0 < err < 0.1
+
+
+def test_freezing_a_delayed_layer_keeps_its_stored_codes_in_the_gemm():
+  # The trained kernel's larger amaxes in the weight history scaled the
+  # frozen kernel again: every stored code was rounded a second time.
+  layer = qlayers.QuantDense(64, 32, recipe="fp8_delayed", rngs=nnx.Rngs(0))
+  amax = float(jnp.max(jnp.abs(layer.kernel[...])))
+  history = layer.quant.w_amax_history
+  history.set_value(history[...].at[:3].set([1.5 * amax, 2 * amax, amax]))
+  qlayers.freeze(layer)
+  stored = layer.kernel.dequantize(jnp.float32)
+  a = float(jnp.max(jnp.abs(stored)))
+  np.testing.assert_array_equal(layer.quant.w_amax_history[...], a)
+  spec = layer.recipe.fprop.rhs
+  again = scaling.quantize(stored.T, spec, axis=1, amax=jnp.float32(a))
+  np.testing.assert_array_equal(np.asarray(again.payload).view(np.uint8),
+                                np.asarray(layer.kernel.payload[...]
+                                           ).view(np.uint8))

@@ -329,3 +329,15 @@ def test_numpy_scalar_fields_are_stored_as_python_values():
   assert type(r.amax_history_len) is int and r.amax_history_len == 16
   spec = QuantSpec(margin=np.int64(1), pow2=np.bool_(True))
   assert type(spec.margin) is int and type(spec.pow2) is bool
+
+
+def test_overrides_a_recipe_would_not_read_are_refused_as_in_a_file():
+  # recipe("fp8_current", amax_history_len=16) gave current scaling and no
+  # history, where a file setting it is refused.
+  with pytest.raises(ValueError, match="only delayed scaling reads"):
+    qlayers.recipe("fp8_current", amax_history_len=16)
+  with pytest.raises(ValueError, match="quantizes no GEMM"):
+    qlayers.recipe("bf16", scaling="delayed")
+  r = qlayers.recipe("fp8_delayed", amax_history_len=16)
+  assert r.amax_history_len == 16 and r.delayed
+  assert qlayers.recipe("fp8_delayed", scaling="current").delayed is False

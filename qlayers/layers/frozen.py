@@ -221,6 +221,20 @@ def frozen_kernels(model: nnx.Module) -> Iterator[tuple[tuple, nnx.Module]]:
       yield path, node
 
 
+def _settle_delayed(node) -> None:
+  """Fills a delayed GEMM's weight amax history with the frozen kernel's
+  amax, which no step changes again: scaled by it, the GEMM requantizes
+  the stored codes as they are (the trained kernel's larger amaxes in the
+  history would round them again, for as many steps as the history
+  holds)."""
+  gemm = node.quant
+  if not gemm.delayed:
+    return
+  a = jnp.max(jnp.abs(node.kernel.dequantize(jnp.float32)))
+  gemm.w_amax_history.set_value(jnp.full_like(gemm.w_amax_history[...], a))
+  gemm.w_amax.set_value(jnp.full_like(gemm.w_amax[...], a))
+
+
 def freeze(model: nnx.Module, *, spec: QuantSpec | None = None) -> int:
   """Replaces the kernel Param of every `qlayers.QuantDense`,
   `qlayers.QuantLinearGeneral` and `qlayers.QuantEinsum` (whose contracted
@@ -270,6 +284,7 @@ def freeze(model: nnx.Module, *, spec: QuantSpec | None = None) -> int:
     todo.append((node, s, n_in))
   for node, s, n_in in todo:
     node.kernel = FrozenKernel.quantize(node.kernel[...], s, n_in=n_in)
+    _settle_delayed(node)
   if left:
     warnings.warn(f"freeze: {', '.join(left)} keep their wide weights "
                   "(only QuantDense, QuantLinearGeneral and QuantEinsum "
