@@ -67,11 +67,14 @@ def _f32_fields(value: float) -> tuple[int, int]:
 
 
 F32_MAX = float(np.finfo(np.float32).max)
-F32_TINY = float(np.finfo(np.float32).tiny)  # 2**-126, the least normal
 _F32_TINY = float(np.finfo(np.float32).tiny)  # smallest normal, 2**-126
 # Largest TE margin for which max * 2**-margin and 2**margin are normal FP32
 # for every element format (max >= 6), so a zero amax gives s = 1 exactly.
-MAX_MARGIN = 126
+# The largest margin. As Transformer Engine's rule, a scale below 2**-126
+# flushes to 0 and decodes as NaN: that takes an amax above max * 2**(126 -
+# margin), past 10**30 at this margin, where a larger one would flush
+# ordinary data (margin 126: any amax above the format's max).
+MAX_MARGIN = 32
 
 
 def _pow2_ceil(v: jax.Array) -> jax.Array:
@@ -280,8 +283,6 @@ def te_multiplier(amax_value: jax.Array, fmt: Format, *, margin: int = 0,
     a0 = jnp.where(jnp.isfinite(a), a0, jnp.nan)
   s = (divide or rdivide_rn)(fmt.max, a0)
   s = jnp.minimum(s * (2.0**-margin), F32_MAX)  # / 2**margin, exactly
-  if margin:  # max / amax >= 2**-126 for every format: only a margin
-    s = jnp.maximum(s, F32_TINY)  # flushes it to 0 (which decodes NaN)
   if pow2:
     # Clearing the mantissa would turn a NaN into Inf: NaN comes after.
     s = _from_bits(_bits(s) & jnp.uint32(0xFF800000))

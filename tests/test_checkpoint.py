@@ -614,7 +614,8 @@ def test_delayed_settings_do_not_block_a_restore_between_current_recipes(
   layer = qlayers.QuantDense(32, 32, recipe="fp8_current", rngs=nnx.Rngs(0))
   checkpoint.save(tmp_path / "c", layer)
   other = qlayers.QuantDense(
-      32, 32, recipe=qlayers.recipe("fp8_current", amax_history_len=16),
+      32, 32, recipe=qlayers.recipe("fp8_current").replace(
+          amax_history_len=16),  # recipe(..., amax_history_len=) refuses it
       rngs=nnx.Rngs(1))
   assert checkpoint.restore(tmp_path / "c", other)["restored"] == "full"
   delayed = qlayers.QuantDense(
