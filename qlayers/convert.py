@@ -305,9 +305,9 @@ def _decide(site, rule, r, head, backend, report, stale):
   return site, r, backend, shape, rule
 
 
-def _strict_error(bad, model) -> ValueError:
-  paths = [s.path for s in swap.sites(model, lambda m: isinstance(
-      m, swap.STOCK))]
+def strict_error(bad, paths) -> ValueError:
+  """The error of ``strict=True`` for the rules ``bad``, listing the layer
+  ``paths`` the rules were matched against."""
   return ValueError(
       "qlayers.quantize(strict=True): these rules decide no layer: "
       + "; ".join(f"{_rule_name(r)!r} -> {_recipe_name(r.recipe)}"
@@ -432,7 +432,9 @@ def quantize(model: nnx.Module, recipe: Recipe | str | None,
   report.unmatched_rules = [r for r in rules if id(r) not in used
                             and r not in DEFAULT_RULES]
   if strict and report.unmatched_rules:
-    raise _strict_error(report.unmatched_rules, model)
+    raise strict_error(report.unmatched_rules, [
+        s.path for s in swap.sites(model, lambda m: isinstance(
+            m, swap.STOCK))])
   made = []  # the GEMMs this call creates
   for site, r, b, shape, rule in filter(None, plan):
     if swap_experts.is_experts(site.layer):

@@ -163,12 +163,22 @@ def _trace(model, example_input, layers):
         f"qlayers.quantize: tracing the model on example_input (shapes "
         f"{shapes}) to find its output head failed: {type(e).__name__}: "
         f"{e}") from e
-  owner = {id(weight(l).get_value()): i for i, l in enumerate(layers)}
+  owner = {id(leaf): i for i, l in enumerate(layers)
+           if (leaf := _weight_leaf(l)) is not None}
   ins = [(owner.get(id(leaf)), frozenset()) for leaf in jax.tree.leaves(state)]
   ins += [_NONE] * (len(closed.jaxpr.invars) - len(ins))
   flow = _Flow()
   outs = flow.run(closed.jaxpr, ins)
   return [src for _, src in outs], flow.fed
+
+
+def _weight_leaf(layer):
+  """The array of ``layer``'s weight the traced model reads (a frozen
+  kernel's payload), or None."""
+  w = weight(layer)
+  if w is None:
+    return None
+  return (w if isinstance(w, nnx.Variable) else w.payload).get_value()
 
 
 def _plain_gemm(gemm, x, w, recipe, state, *, out_dtype=None,

@@ -201,8 +201,14 @@ def check(layer, recipe: Recipe) -> tuple[int, int]:
   return k, n
 
 
-def weight(layer) -> nnx.Variable:
-  return layer.embedding if isinstance(layer, nnx.Embed) else layer.kernel
+def weight(layer):
+  """The Variable (or `qlayers.FrozenKernel`) holding ``layer``'s matmul
+  weight: ``embedding``, ``kernel``, or a Tunix drop-in's ``w``; None for a
+  layer of experts (``QuantTunixMoE``)."""
+  if isinstance(layer, nnx.Embed):
+    return layer.embedding
+  kernel = getattr(layer, "kernel", None)
+  return kernel if kernel is not None else getattr(layer, "w", None)
 
 
 def _zero_init(key, shape, dtype):

@@ -261,3 +261,59 @@ def test_without_tunix_the_module_imports_and_says_what_to_install(
   assert module.quantize and module.QuantTunixEinsum  # the rest works
   with pytest.raises(ImportError, match=r"qlayers\[tunix\]"):
     module.PeftTrainer(None, None, None)
+
+
+def test_quantize_traces_a_tunix_model_for_its_head(tunix_numpy):
+  # A QuantTunixEinsum holds its weight at .w: tracing with example_input
+  # failed on its missing .kernel.
+  del tunix_numpy
+  model = _qwen3()
+  i = _model_inputs(_tokens()[0])
+  report = qtunix.quantize(model, "fp8_current", example_input=(
+      i["input_tokens"], i["positions"], None, i["attention_mask"]))
+  assert [k.path for k in report.kept_wide] == ["lm_head"]  # by name
+  assert "by tracing example_input" in report.head
+
+
+def test_an_einsum_holding_adapters_is_skipped_with_the_reason():
+  # qwix's LoRA puts w_lora_a / w_lora_b beside w: the drop-in dropped them
+  # and reported the layer converted.
+  layer = _tunix_einsum(*EQUATIONS[0])
+  layer.w_lora_a = nnx.LoRAParam(jnp.zeros((32, 2)))
+  net = nnx.Dict(proj=layer)
+  report = qtunix.quantize(net, "fp8_current")
+  assert net.proj is layer and "w_lora_a" in report.skipped[0].reason
+  assert "add_lora" in report.skipped[0].reason
+
+
+def test_add_lora_refuses_nothing_to_adapt_and_keeps_trained_adapters():
+  model = _qwen3()
+  with pytest.raises(ValueError, match="quantize the model first"):
+    qtunix.add_lora(model, 2, rngs=nnx.Rngs(0))
+  qtunix.quantize(model, "fp8_current")
+  assert qtunix.add_lora(model, 2, rngs=nnx.Rngs(0)) == 4
+  q = model.layers[0].attn.q_proj
+  q.lora_b[...] = jnp.ones_like(q.lora_b[...])
+  assert qtunix.add_lora(model, 2, rngs=nnx.Rngs(1)) == 0
+  np.testing.assert_array_equal(q.lora_b[...], 1.0)
+
+
+def test_strict_checks_before_swapping_anything():
+  # It swapped the attention projections, then said "Nothing was changed".
+  model = _qwen3()
+  with pytest.raises(ValueError, match="no_such_layer.*Nothing was changed"):
+    qtunix.quantize(model, "fp8_current", rules=[
+        qlayers.Rule(pattern="no_such_layer", recipe=None)], strict=True)
+  assert type(model.layers[0].attn.q_proj) is qwen3.Einsum
+  assert type(model.layers[0].mlp.up_proj) is nnx.Linear
+  qtunix.quantize(model, "fp8_current", rules=[  # a Tunix layer matches
+      qlayers.Rule(pattern="attn/q_proj", recipe=None)], strict=True)
+
+
+def test_an_ellipsis_takes_any_number_of_leading_dims():
+  q = qtunix.QuantTunixEinsum("...TM,MD->...TD", (32, 16), recipe="bf16",
+                              rngs=nnx.Rngs(0))
+  for shape in [(3, 32), (2, 3, 32), (2, 2, 3, 32)]:
+    x = jax.random.normal(jax.random.key(0), shape)
+    want = jnp.einsum("...TM,MD->...TD", x, q.w[...])
+    np.testing.assert_allclose(q(x), want, rtol=2e-2, atol=2e-2)

@@ -32,7 +32,9 @@ module (a Param ``w`` and ``jnp.einsum``), which it does not. Here:
 The hook lives in the one method Tunix meant for it,
 ``create_train_step_fn`` (and ``create_eval_step_fn``); the rest of the
 trainer (data, jit, checkpoints, metrics) is Tunix's. Tunix's checkpoints
-hold the Params only: a restored run starts its amax histories afresh.
+of a full-weight run hold the whole model state (amax histories included,
+restored exactly into a model quantized alike); in LoRA mode, the adapters
+only (a restored run starts its histories afresh).
 """
 
 from __future__ import annotations
@@ -45,11 +47,11 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from qlayers import convert, swap
+from qlayers import convert, swap, swap_experts
 from qlayers.integrations import tunix_moe
 from qlayers.layers.core import (QuantGemm, QuantLayer, gemms, seed_rounding,
                                  update_scales)
-from qlayers.layers.general import einsum_gemm_plan
+from qlayers.layers.general import _expand_ellipsis, einsum_gemm_plan
 from qlayers.recipe import Recipe, recipe as load_recipe
 from qlayers.state import QuantGradState
 
@@ -153,6 +155,8 @@ class QuantTunixEinsum(QuantLayer, nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     lhs, rhs, out, contracted, free = self.gemm_plan()
+    lhs, out = _expand_ellipsis(self.einsum_str.replace(" ", ""), lhs, out,
+                                x.ndim)
     if x.ndim != len(lhs):
       raise ValueError(f"{type(self).__name__} {self.einsum_str!r}: input of "
                        f"shape {x.shape} has not {len(lhs)} dims.")
@@ -168,7 +172,8 @@ class QuantTunixEinsum(QuantLayer, nnx.Module):
     if have != out:
       y = jnp.transpose(y, [have.index(c) for c in out])
     if self.lora_a is not None:
-      r = next(c for c in string.ascii_letters if c not in self.einsum_str)
+      r = next(c for c in string.ascii_letters
+               if c not in self.einsum_str and c not in lhs)
       eq = (f"{''.join(lhs)},{''.join(contracted)}{r},{r}{''.join(free)}"
             f"->{''.join(out)}")
       y = y + jnp.einsum(eq, x, jnp.astype(self.lora_a[...], y.dtype),
@@ -199,7 +204,12 @@ def add_lora(model: nnx.Module, rank: int, *, rngs: nnx.Rngs,
       ``None``: every one.
 
   Returns:
-    The number of layers that got adapters.
+    The number of layers that got adapters (a layer that has one keeps
+    it).
+
+  Raises:
+    ValueError: no `QuantTunixEinsum` (``filter`` matched none, or the
+      model is not quantized yet).
   """
   if rank < 1:
     raise ValueError(f"LoRA rank must be >= 1, got {rank}.")
@@ -208,6 +218,12 @@ def add_lora(model: nnx.Module, rank: int, *, rngs: nnx.Rngs,
                 model, lambda m: isinstance(m, QuantTunixEinsum))
              if filter is None or convert.Rule(
                  pattern=filter, recipe=None).matches(s.path)])
+  if not layers:
+    raise ValueError(
+        "qlayers.integrations.tunix.add_lora found no QuantTunixEinsum"
+        + (f" whose path matches {filter!r}" if filter else "")
+        + ": quantize the model first (qlayers.integrations.tunix.quantize).")
+  layers = [layer for layer in layers if layer.lora_a is None]
   for layer in layers:
     k, n = _sizes(layer)
     init = nnx.initializers.he_uniform(in_axis=tuple(range(len(k))),
@@ -234,8 +250,9 @@ def quantize(model: nnx.Module, recipe: Recipe | str | None, rules=None, *,
 
   Args:
     model, recipe, rules, backend: as `qlayers.quantize`.
-    **kwargs: passed on to `qlayers.quantize` (``example_input``,
-      ``strict``); ``inplace=False`` is not supported.
+    **kwargs: passed on to `qlayers.quantize` (``example_input``;
+      ``strict`` checks the Tunix layers' paths too, before anything
+      changes); ``inplace=False`` is not supported.
 
   Example:
     >>> import jax.numpy as jnp
@@ -251,9 +268,12 @@ def quantize(model: nnx.Module, recipe: Recipe | str | None, rules=None, *,
   rules = convert.DEFAULT_RULES if rules is None else (
       (rules,) if isinstance(rules, convert.Rule) else tuple(rules))
   default = None if recipe is None else load_recipe(recipe)
+  tunix_sites = swap.sites(model, lambda m: is_tunix_einsum(m)
+                          or tunix_moe.is_tunix_moe(m))
+  if kwargs.pop("strict", False):
+    _check_strict(model, rules, tunix_sites)
   done, wide, skipped, made = [], [], [], []
-  for site in swap.sites(model, lambda m: is_tunix_einsum(m)
-                         or tunix_moe.is_tunix_moe(m)):
+  for site in tunix_sites:
     layer, kind = site.layer, type(site.layer).__name__
     moe = tunix_moe.is_tunix_moe(layer)
     new_cls = tunix_moe.QuantTunixMoE if moe else QuantTunixEinsum
@@ -291,11 +311,30 @@ def quantize(model: nnx.Module, recipe: Recipe | str | None, rules=None, *,
   return report
 
 
+def _check_strict(model, rules, tunix_sites) -> None:
+  """`qlayers.quantize`'s ``strict`` check over the Tunix layers and the
+  others, before anything changes (a ``head`` rule, which needs the head
+  found by tracing, is not checked)."""
+  paths = [s.path for s in tunix_sites + swap.sites(model, swap.is_gemm)
+           + swap_experts.sites(model)]
+  bad = [r for r in rules if r not in convert.DEFAULT_RULES and not r.head
+         and not any(r.matches(p) for p in paths)]
+  if bad:
+    raise convert.strict_error(bad, paths)
+
+
 def _check(layer, recipe: Recipe) -> tuple[int, int]:
   """``(K, N)`` of Tunix ``Einsum`` ``layer`` if it takes ``recipe``."""
   if getattr(layer, "w_scale", None) is not None:
     raise swap.Skip("its weight is scaled by a separate w_scale Param, which "
                     "the drop-in would drop")
+  extra = sorted(k for k, v in vars(layer).items()
+                 if isinstance(v, nnx.Variable) and k != "w")
+  if extra or hasattr(layer, "qwix_path"):
+    raise swap.Skip(f"it holds {', '.join(extra) or 'qwix state'} beside w "
+                    "(qwix LoRA?), which the drop-in would drop: quantize "
+                    "first, then add adapters with "
+                    "qlayers.integrations.tunix.add_lora")
   try:
     _, rhs, _, contracted, free = einsum_gemm_plan(layer.einsum_str)
   except ValueError as e:
@@ -346,7 +385,9 @@ if _peft is not None:
     (LoRA when the model has ``nnx.LoRAParam``s, full-weight SFT
     otherwise); only ``create_train_step_fn`` and ``create_eval_step_fn``
     differ (see the module docstring). With a model without delayed
-    recipes it trains exactly as Tunix's.
+    recipes it trains exactly as Tunix's, except that its eval runs in
+    eval mode: a step-keyed stochastic recipe (``nvfp4``) does not advance
+    its rounding counters there.
 
     Example:
       >>> import jax.numpy as jnp, optax
