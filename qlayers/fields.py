@@ -51,8 +51,9 @@ def check_fields(obj) -> None:
   The one type check of `QuantSpec`, `qlayers.recipe.GemmRecipe` and
   `qlayers.recipe.Recipe`: ``bool`` fields take only booleans (not the
   string ``"false"``), ``int`` fields refuse booleans, ``Literal`` fields
-  take their listed values only; a NumPy scalar (``np.int64(16)``) is
-  stored as its Python value. Raises TypeError (wrong type) or ValueError
+  take their listed values only; a NumPy integer or boolean
+  (``np.int64(16)``) in an ``int`` or ``bool`` field is stored as its
+  Python value. Raises TypeError (wrong type) or ValueError
   (a value not listed) naming the field.
 
   Example:

@@ -115,13 +115,15 @@ def _value_and_grad(f, argnums, has_aux, wrt, loss_scale, args, kwargs):
     return loss, (aux, nnx.as_pure(new_rest))
 
   loss, vjp_fn, (aux, new_rest) = jax.vjp(inner, diff, qgrad, has_aux=True)
+  if isinstance(loss, (tuple, list, dict)):
+    raise TypeError(f"qlayers.value_and_grad: the loss function returned a "
+                    f"{type(loss).__name__}, not a scalar; for (loss, aux) "
+                    "pass has_aux=True.")
   if jnp.shape(loss) != () or not jnp.issubdtype(jnp.result_type(loss),
                                                  jnp.floating):
     raise TypeError(f"qlayers.value_and_grad: the loss must be a real "
                     f"scalar (as for jax.grad), got shape {jnp.shape(loss)} "
-                    f"{jnp.result_type(loss)}" + (
-                        " (has_aux=True: return (loss, aux))"
-                        if isinstance(loss, tuple) else "") + ".")
+                    f"{jnp.result_type(loss)}.")
   seed = jnp.ones_like(loss)
   if loss_scale is not None:
     seed = seed * jnp.asarray(loss_scale, loss.dtype)

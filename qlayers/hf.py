@@ -120,7 +120,8 @@ def _inputs(module, var) -> int | None:
   if isinstance(var, FrozenKernel):
     return var.n_in
   ins = getattr(module, "in_features", None)
-  if ins is None or isinstance(module, nnx.Einsum):
+  if (ins is None or isinstance(module, nnx.Einsum)
+      or getattr(module, "batch_axis", None)):  # (batch, in..., out...)
     return None
   n_in = len(ins) if isinstance(ins, tuple) else 1
   return n_in if 0 < n_in < len(var.shape) else None

@@ -199,11 +199,18 @@ def resync_masters(state, params):
       return s
     master = jax.tree.map(
         lambda m, p: m if _masked(m) else jnp.where(
-            m.astype(p.dtype) == p, m, p.astype(m.dtype)),
+            _bits(m.astype(p.dtype)) == _bits(p), m, p.astype(m.dtype)),
         s.master, params, is_leaf=_masked)
     return s._replace(master=master)
   return jax.tree.map(sync, state,
                       is_leaf=lambda x: isinstance(x, MasterWeightsState))
+
+
+def _bits(x: jax.Array) -> jax.Array:
+  """``x``'s bit patterns: compared as such, a narrowing convert cannot be
+  elided as excess precision (XLA's ``xla_allow_excess_precision``)."""
+  unsigned = jnp.dtype(f"uint{x.dtype.itemsize * 8}")
+  return jax.lax.bitcast_convert_type(x, unsigned)
 
 
 def _wide(master, params):

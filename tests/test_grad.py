@@ -221,6 +221,9 @@ def test_a_loss_that_is_not_a_real_scalar_is_refused():
   m = qlayers.QuantDense(8, 4, rngs=nnx.Rngs(0))
   with pytest.raises(TypeError, match="real scalar.*shape \\(2, 4\\)"):
     qlayers.value_and_grad(lambda m: m(jnp.ones((2, 8))))(m)
+  with pytest.raises(TypeError, match="has_aux=True"):
+    qlayers.value_and_grad(lambda m: (jnp.sum(m(jnp.ones((2, 8)))),
+                                      {"acc": 1.0}))(m)
 
 
 def test_average_grads_divides_the_params_and_keeps_the_amaxes():

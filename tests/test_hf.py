@@ -167,3 +167,12 @@ def test_attention_projections_load_their_2d_checkpoint_weights(tmp_path,
                                 wide["q.weight"].T.reshape(48, 4, 8))
   np.testing.assert_array_equal(np.asarray(proj.out.kernel[...]),
                                 wide["o.weight"].T.reshape(4, 8, 48))
+
+
+def test_a_batched_linear_general_kernel_takes_no_flattened_tensor():
+  # (batch, in..., out...): flattened as (in, out) it loaded the wrong way.
+  layer = nnx.LinearGeneral((4, 8), 16, axis=(-2, -1), batch_axis={0: 3},
+                            rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"model \(3, 4, 8, 16\)"):
+    load_tensors(layer, {"w": np.zeros((128, 12), np.float32)},
+                 {"kernel": "w"})

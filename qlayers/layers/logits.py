@@ -171,7 +171,7 @@ class QuantLogits(QuantLayer, nnx.Module):
     """FP32 logits ``(..., vocab_size)`` of ``x (..., in_features)``."""
     self._check(x)
     kernel, bias, state = self._weights()
-    with self.quant.writing_state("matmul"):
+    with self.quant.writing_state("matmul (of a QuantLogits)"):
       y, new_state = self._logits(x, kernel, bias, state,
                                   self.quant.rounding_key())
       self.quant.write(new_state)
@@ -220,7 +220,7 @@ class QuantLogits(QuantLayer, nnx.Module):
       raise ValueError(f"chunk_size must be positive, got {chunk_size}.")
 
     kernel, bias, state = self._weights()
-    with self.quant.writing_state("matmul"):
+    with self.quant.writing_state("matmul (of a QuantLogits)"):
       key = self.quant.rounding_key()  # None unless sr_key = "step"
     seq = x.shape[-2]
     batch = math.prod(x.shape[:-2])
@@ -274,7 +274,7 @@ class QuantLogits(QuantLayer, nnx.Module):
       amaxes = tuple(jnp.max(a, axis=0) for a in amaxes)
     if state is not None:
       ax, aw = amaxes
-      with self.quant.writing_state("matmul"):
+      with self.quant.writing_state("matmul (of a QuantLogits)"):
         self.quant.write({"x": state["x"]._replace(amax=ax),
                           "w": state["w"]._replace(amax=aw),
                           "g": state["g"]._replace(amax=g_amax)})
