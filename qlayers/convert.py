@@ -268,11 +268,12 @@ def _rules(rules) -> tuple[Rule, ...]:
   return rules
 
 
-def _decide(site, rule, r, head, backend, report, stale):
+def _decide(site, rule, r, head, backend, report, stale, stacked):
   """``(site, recipe, backend, (K, N), rule)`` if the layer at ``site`` is to
   be swapped for recipe ``r``; otherwise records why not (in ``stale`` the
   paths of layers a rule gives another recipe than the one they keep) and
-  returns None."""
+  returns None. ``stacked``: ids of the experts modules whose kernels are
+  stacks of layers (`swap_experts.stacks`)."""
   layer, kind = site.layer, type(site.layer).__name__
   name = None if rule is None else _rule_name(rule)
   if swap.is_quantized(layer) or swap_experts.is_quantized(layer):
@@ -294,7 +295,8 @@ def _decide(site, rule, r, head, backend, report, stale):
     return None
   try:
     moe = swap_experts.is_experts(layer)
-    shape = (swap_experts.check if moe else swap.check)(layer, r)
+    shape = (swap_experts.check(layer, r, id(layer) in stacked) if moe
+             else swap.check(layer, r))
     why = None if moe else swap.immutable_ref(site)
     if why:
       raise swap.Skip(why)
@@ -410,8 +412,9 @@ def quantize(model: nnx.Module, recipe: Recipe | str | None,
   # MoE experts holding their grouped GEMM (`qlayers.swap_experts`); the
   # routers beside them stay wide unless a rule decides them.
   experts = swap_experts.sites(model)
-  routers = swap_experts.routers(sites, experts + [
-      s for s in sites if swap_experts.is_experts_layer(s.layer)])
+  moe = experts + [s for s in sites if swap_experts.is_experts_layer(s.layer)]
+  stacked = swap_experts.stacks(sites, moe)
+  routers = swap_experts.routers(sites, moe, stacked)
   plan, used, stale = [], set(), []
   for site in sites + experts:
     head = heads.get(id(site.layer), "")
@@ -420,7 +423,8 @@ def quantize(model: nnx.Module, recipe: Recipe | str | None,
     r = default if rule is None else resolved[id(rule)]
     if rule is None and id(site.layer) in routers:
       r, head = None, routers[id(site.layer)]
-    plan.append(_decide(site, rule, r, head, backend, report, stale))
+    plan.append(_decide(site, rule, r, head, backend, report, stale,
+                        stacked))
   # The built-in rules are a safety net, not something the user asked for:
   # a model without an embedding or head must not read as a rule mistake.
   if stale:

@@ -6,9 +6,11 @@ from its own ``__call__`` cannot be reached. What it can reach is the way
 ``nnx.Linear`` takes ``dot_general``: an *experts module* holds its grouped
 GEMM as an attribute, ``self.ragged_dot = jax.lax.ragged_dot``, next to a
 stacked kernel ``nnx.Param [E, K, N]`` (``kernel``, or its only rank-3
-Param). `quantize` sets that attribute to a `QuantRaggedDot` (recipe,
-backend, one delayed-scaling history per expert) and leaves the module, its
-Params and its code as they were; `dequantize` puts ``jax.lax.ragged_dot``
+Param; ``[*stack, E, K, N]`` for a stack of such modules made under
+``nnx.vmap``, which a router beside it stacked alike confirms). `quantize`
+sets that attribute to a `QuantRaggedDot` (recipe, backend, one
+delayed-scaling history per expert and stacked layer) and leaves the
+module, its Params and its code as they were; `dequantize` puts ``jax.lax.ragged_dot``
 back. The router of such experts (a linear layer beside them with ``E``
 outputs) is kept wide. Stacked expert weights used any other way are
 reported with what to do (`swap.unconverted_matmuls`).
@@ -26,7 +28,7 @@ from qlayers.layers.experts import QuantRaggedDot
 from qlayers.recipe import Recipe
 
 __all__ = ["is_experts", "is_experts_layer", "is_quantized", "sites",
-           "check", "quantize", "dequantize", "dims", "routers"]
+           "check", "quantize", "dequantize", "dims", "routers", "stacks"]
 
 ATTR = "ragged_dot"  # the attribute holding an experts module's grouped GEMM
 
@@ -71,9 +73,36 @@ def _kernel(m) -> tuple[str, tuple[int, ...]] | None:
   return next(iter(stacked.items())) if len(stacked) == 1 else None
 
 
-def check(m, recipe: Recipe) -> tuple[int, int]:
+def stacks(linear: list[swap.Site], experts: list[swap.Site]) -> set[int]:
+  """Ids of the experts modules of ``experts`` whose kernel has dims before
+  ``[E, K, N]`` that are a stack of layers made under ``nnx.vmap``: a
+  router beside them (a linear layer under the same parent) has a kernel
+  ``[*stack, D, E]`` with the same leading dims. Einsum experts declare
+  their kernel's shape, so their stack is known without one."""
+  out = set()
+  for e in experts:
+    found = _kernel(e.layer)
+    if found is None:
+      continue
+    shape = found[1]
+    if len(shape) == 3 or isinstance(e.layer, nnx.Einsum):
+      out.add(id(e.layer))
+      continue
+    parent = e.path.rpartition("/")[0]
+    for s in linear:
+      k = getattr(s.layer, "kernel", None)
+      if (s.path.startswith(parent + "/" if parent else "")
+          and isinstance(s.layer, (nnx.Linear, nnx.LinearGeneral))
+          and isinstance(k, nnx.Variable) and len(k.shape) == len(shape) - 1
+          and tuple(k.shape[:-2]) == shape[:-3]
+          and k.shape[-1] == shape[-3]):
+        out.add(id(e.layer))
+  return out
+
+
+def check(m, recipe: Recipe, stacked: bool = False) -> tuple[int, int]:
   """``(K, N)`` if experts module ``m`` can take ``recipe``, else raises
-  `swap.Skip`."""
+  `swap.Skip`; ``stacked``: a kernel of rank > 3 is a stack (`stacks`)."""
   if vars(m)[ATTR] is not jax.lax.ragged_dot:
     raise swap.Skip(f"a custom {ATTR} is injected; replacing it would drop "
                     "it")
@@ -81,6 +110,11 @@ def check(m, recipe: Recipe) -> tuple[int, int]:
   if found is None:
     raise swap.Skip(f"holds {ATTR} but no single stacked kernel nnx.Param "
                     "[E, K, N] (name it 'kernel')")
+  if len(found[1]) > 3 and not stacked:
+    raise swap.Skip(
+        f"kernel {found[1]} has dims before [E, K, N], and no router beside "
+        "it stacked alike (kernel [*stack, D, E]) shows them to be a stack "
+        "of layers made under nnx.vmap")
   _, (*_, k, n) = found
   block, gran = swap.min_block(recipe)
   if min(k, n) < block:
@@ -108,14 +142,19 @@ def dequantize(m) -> None:
   setattr(m, ATTR, nnx.static(jax.lax.ragged_dot))
 
 
-def routers(linear: list[swap.Site], experts: list[swap.Site]
-            ) -> dict[int, str]:
+def routers(linear: list[swap.Site], experts: list[swap.Site],
+            stacked: set[int] = frozenset()) -> dict[int, str]:
   """``{id(layer): why}`` for the routers of ``experts``: a linear layer
-  with ``E`` outputs under the module that holds an experts module."""
+  with ``E`` outputs under the module that holds an experts module
+  (``stacked``: the ids `stacks` gives, whose kernels' leading dims are a
+  stack)."""
   out = {}
   for e in experts:
     found = _kernel(e.layer)
-    num = found[1][-3] if found else getattr(e.layer, "num_experts", None)
+    if found and (len(found[1]) == 3 or id(e.layer) in stacked):
+      num = found[1][-3]
+    else:
+      num = getattr(e.layer, "num_experts", None)
     if not isinstance(num, int):
       continue
     parent = e.path.rpartition("/")[0]

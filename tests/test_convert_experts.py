@@ -213,3 +213,20 @@ def test_stacked_experts_convert_with_per_layer_per_expert_state():
   np.testing.assert_array_equal(amax[0], [float(jnp.max(jnp.abs(x[:3]))), 0,
                                           float(jnp.max(jnp.abs(x[3:7]))),
                                           float(jnp.max(jnp.abs(x[7:])))])
+
+
+def test_an_unstacked_kernel_of_rank_four_is_skipped_with_the_reason():
+  # Without a router stacked alike, its leading dim was taken for a stack
+  # and its second for the experts: converted, then failing at its call.
+  class Experts4(nnx.Module):
+    def __init__(self, rngs):
+      self.kernel = nnx.Param(jax.random.normal(rngs.params(), (E, D, 2, 8)))
+      self.ragged_dot = jax.lax.ragged_dot
+
+    def __call__(self, x, sizes):
+      return self.ragged_dot(x, self.kernel[...].reshape(E, D, 16), sizes)
+
+  model = nnx.Dict(up=Experts4(nnx.Rngs(0)))
+  report = qlayers.quantize(model, "fp8_delayed")
+  assert "dims before [E, K, N]" in _kinds(report)[2]["up"]
+  assert model.up.ragged_dot is jax.lax.ragged_dot
