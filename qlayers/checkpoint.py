@@ -287,6 +287,24 @@ def _reset_quant_state(model: nnx.Module) -> None:
           if isinstance(o, jax.Array) else f, fresh, nnx.state(node)))
 
 
+def _placeable(x, path):
+  """The sharding to read ``x``'s array into: an abstract target's
+  (``nnx.eval_shape`` under a mesh) placed on the concrete mesh set with
+  ``jax.set_mesh``."""
+  sharding = getattr(x, "sharding", None)
+  if not (isinstance(sharding, jax.sharding.NamedSharding) and isinstance(
+      sharding.mesh, jax.sharding.AbstractMesh)):
+    return sharding
+  mesh = jax.sharding.get_mesh()
+  if mesh.empty or mesh.shape_tuple != sharding.mesh.shape_tuple:
+    raise ValueError(
+        f"Restoring {path}: the target's arrays are abstract, sharded over "
+        f"the mesh {dict(sharding.mesh.shape)}, but no such concrete mesh "
+        "is set: restore under jax.set_mesh(mesh) with the mesh the target "
+        "was made for.")
+  return jax.sharding.NamedSharding(mesh, sharding.spec)
+
+
 def restore(path: str | os.PathLike, model: nnx.Module, *,
             optimizer: nnx.Optimizer | None = None,
             params_only: bool | None = None, verify: bool = True) -> dict:
@@ -327,7 +345,7 @@ def restore(path: str | os.PathLike, model: nnx.Module, *,
   checks.check(path, checks.frozen_diff(meta.get("frozen"),
                                         checks.frozen(model)))
   targets = {name: jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-      np.shape(x), jnp.result_type(x), sharding=getattr(x, "sharding", None)),
+      np.shape(x), jnp.result_type(x), sharding=_placeable(x, path)),
                                 _tree(state)) for name, state in states.items()}
   with _checkpointer() as ckptr:
     saved = checks.orbax_read(path, lambda: ckptr.metadata(path).item_metadata)

@@ -112,3 +112,12 @@ def test_stacked_delayed_layers_built_under_a_mesh(results):
   _close(r["mesh"]["losses"], r["single"]["losses"])
   np.testing.assert_array_equal(r["mesh"]["x_amax"], r["single"]["x_amax"])
   assert r["mesh"]["spec"] == "P(None, None)"
+
+
+def test_freeze_names_shards_its_blocks_cannot_take_and_abstract_restores(
+    results):
+  r = multidevice.result(results, "freeze_and_abstract_restore")
+  assert "sharded over explicit mesh axes" in r["freeze"]
+  assert r["still_param"]
+  assert r["same_state"]
+  assert r["specs"]["up/kernel"] == "P('fsdp', 'model')"

@@ -235,6 +235,23 @@ def _settle_delayed(node) -> None:
   gemm.w_amax.set_value(jnp.full_like(gemm.w_amax[...], a))
 
 
+def _frozen(node, spec: QuantSpec, n_in: int) -> FrozenKernel:
+  """``node``'s kernel quantized as ``spec``; a kernel sharded over explicit
+  mesh axes that the blocks cannot be split in is an error naming it."""
+  try:
+    return FrozenKernel.quantize(node.kernel[...], spec, n_in=n_in)
+  except Exception as e:  # JAX's ShardingTypeError is not public
+    if type(e).__name__ != "ShardingTypeError":
+      raise
+    spec_of = jax.typeof(node.kernel.get_value()).sharding.spec
+    raise ValueError(
+        f"freeze: a {type(node).__name__} kernel of shape "
+        f"{tuple(node.kernel.shape)} is sharded over explicit mesh axes "
+        f"({spec_of}) that its scaling blocks ({spec.granularity}) cannot "
+        "be split in; freeze the model before sharding it (outside jax.set_mesh), "
+        "or shard it over Auto axes.") from e
+
+
 def freeze(model: nnx.Module, *, spec: QuantSpec | None = None) -> int:
   """Replaces the kernel Param of every `qlayers.QuantDense`,
   `qlayers.QuantLinearGeneral` and `qlayers.QuantEinsum` (whose contracted
@@ -248,8 +265,9 @@ def freeze(model: nnx.Module, *, spec: QuantSpec | None = None) -> int:
 
   Raises:
     ValueError: a layer's recipe quantizes no weight (``"bf16"``) and no
-      ``spec`` was given, or a kernel is a stack (the message names the
-      layer). Other qlayers layers (an einsum contracting trailing kernel
+      ``spec`` was given, a kernel is a stack, or a kernel is sharded over
+      explicit mesh axes its blocks cannot be split in (nothing is then
+      frozen). Other qlayers layers (an einsum contracting trailing kernel
       dims, logits heads, experts) keep their weights, with a warning
       naming them.
 
@@ -282,8 +300,9 @@ def freeze(model: nnx.Module, *, spec: QuantSpec | None = None) -> int:
       raise ValueError(f"{where}: recipe {node.recipe.name!r} quantizes no "
                        "weight; pass freeze(..., spec=QuantSpec(...)).")
     todo.append((node, s, n_in))
-  for node, s, n_in in todo:
-    node.kernel = FrozenKernel.quantize(node.kernel[...], s, n_in=n_in)
+  made = [_frozen(node, s, n_in) for node, s, n_in in todo]
+  for (node, _, _), kernel in zip(todo, made):  # all made: nothing half-done
+    node.kernel = kernel
     _settle_delayed(node)
   if left:
     warnings.warn(f"freeze: {', '.join(left)} keep their wide weights "

@@ -319,5 +319,36 @@ def checkpoint_roundtrip():
             "specs": st.specs(nnx.state(fresh, nnx.Param))}
 
 
+
+@case
+def freeze_and_abstract_restore():
+  """freeze of a kernel whose blocks its explicit shards split: an error
+  naming it, nothing frozen; a checkpoint restored into an nnx.eval_shape
+  target made under the mesh (was: reported as corrupt)."""
+  out = {}
+  with jax.set_mesh(st.mesh_for("fsdp_tp", explicit=True)):
+    layer = qlayers.QuantDense(
+        128, 256, recipe="deepseek_v3", rngs=nnx.Rngs(0),
+        kernel_metadata={"out_sharding": ("fsdp", "model")})
+    try:
+      qlayers.freeze(layer)
+      out["freeze"] = "frozen"
+    except ValueError as e:
+      out["freeze"] = str(e)
+    out["still_param"] = isinstance(layer.kernel, nnx.Param)
+    model = st.MLP("fp8_delayed", rngs=nnx.Rngs(0), layout="fsdp_tp")
+    path = tempfile.mkdtemp() + "/ckpt"
+    qlayers.checkpoint.save(path, model)
+    target = nnx.eval_shape(
+        lambda: st.MLP("fp8_delayed", rngs=nnx.Rngs(1), layout="fsdp_tp"))
+    qlayers.checkpoint.restore(path, target)
+    out["same_state"] = all(
+        bool(np.array_equal(np.asarray(a), np.asarray(b)))
+        for a, b in zip(jax.tree.leaves(nnx.state(model)),
+                        jax.tree.leaves(nnx.state(target))))
+    out["specs"] = st.specs(nnx.state(target, nnx.Param))
+  return out
+
+
 if __name__ == "__main__":
   case.main()
