@@ -53,11 +53,13 @@ def train_step(model, optimizer, inputs, targets):
 
   ``qlayers.value_and_grad`` returns the Params' gradients together with
   the gradient-side quantization state, and ``qlayers.Optimizer.update``
-  applies both (and rolls every delayed-scaling history once).
+  applies both (and rolls every delayed-scaling history once). The loss
+  scale is the ``fp16`` recipe's dynamic one (1 for the others).
   """
   def loss_fn(model):
     return next_token_loss(model(inputs), targets)
-  loss, grads = qlayers.value_and_grad(loss_fn)(model)
+  loss, grads = qlayers.value_and_grad(
+      loss_fn, loss_scale=optimizer.loss_scale)(model)
   optimizer.update(model, grads)
   return loss
 
