@@ -307,7 +307,9 @@ def _state_dtypes(old, new):
           f"{jax.tree_util.keystr(path)} from {a.dtype}{list(a.shape)} to "
           f"{b.dtype}{list(b.shape)}; a skipped step must return the same "
           "types (store moments in one dtype, e.g. with cast_moments or "
-          "master_weights).")
+          "master_weights). Gradients of another dtype than their Params "
+          "do this (accumulate_grads sums BF16 gradients in FP32: cast the "
+          "total to the Params' dtype, or keep FP32 masters).")
 
 
 def skip_if_nonfinite(

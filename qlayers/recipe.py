@@ -323,7 +323,11 @@ def from_dict(data: dict, source: str = "<dict>") -> Recipe:
       where = f"{source}: {gname}.{role}"
       t = _table(table[role], where, '{ format = "e4m3" }, or {} for '
                  "the [defaults]")
-      return _spec({**defaults, **t}, where)
+      spec = {**defaults, **t}
+      if (t.get("granularity") in ("tensor", "row") and "block_size" not in t
+          and "block_size" in defaults):
+        del spec["block_size"]  # the [defaults]' blocks are not this one's
+      return _spec(spec, where)
 
     lhs, rhs = merged(lrole), merged(rrole)
     try:

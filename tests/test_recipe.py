@@ -341,3 +341,21 @@ def test_overrides_a_recipe_would_not_read_are_refused_as_in_a_file():
   r = qlayers.recipe("fp8_delayed", amax_history_len=16)
   assert r.amax_history_len == 16 and r.delayed
   assert qlayers.recipe("fp8_delayed", scaling="current").delayed is False
+
+
+def test_a_per_tensor_operand_drops_the_defaults_block_size(tmp_path):
+  # TOML has no null: the operand could not unset [defaults]' block_size,
+  # and its error blamed the operand.
+  path = tmp_path / "mixed.toml"
+  path.write_text("""
+[defaults]
+format = "e4m3"
+granularity = "tile"
+block_size = 64
+[fprop]
+x = {}
+w = { granularity = "tensor" }
+""")
+  r = qlayers.recipe(path)
+  assert r.fprop.lhs.block_size == 64
+  assert r.fprop.rhs.granularity == "tensor"
