@@ -279,10 +279,12 @@ def _decide(site, rule, r, head, backend, report, stale, stacked):
   if swap.is_quantized(layer) or swap_experts.is_quantized(layer):
     done = getattr(layer, "quant", None) or layer.ragged_dot
     other = r is not None and r != done.recipe
+    undo = ("dequantize_model first" if type(layer) in swap.STOCK_OF
+            or swap_experts.is_quantized(layer) else
+            "it has no stock layer to return to: rebuild the model")
     report.already_quantized.append(Skipped(
         site.path, kind, f"already quantized ({done.recipe.name})" + (
-            f"; not requantized as {r.name} (dequantize_model first)"
-            if other else "")))
+            f"; not requantized as {r.name} ({undo})" if other else "")))
     if other and rule is not None and rule.recipe is not None:
       stale.append(site.path or "(model)")  # a rule asked for it: warned
     return None

@@ -317,3 +317,11 @@ def test_an_ellipsis_takes_any_number_of_leading_dims():
     x = jax.random.normal(jax.random.key(0), shape)
     want = jnp.einsum("...TM,MD->...TD", x, q.w[...])
     np.testing.assert_allclose(q(x), want, rtol=2e-2, atol=2e-2)
+
+
+def test_requantizing_a_drop_in_says_to_rebuild_not_to_dequantize():
+  # "dequantize_model first" went in a circle: it cannot undo a drop-in.
+  net = nnx.Dict(a=qtunix.QuantTunixEinsum(
+      "btd,dnh->btnh", (32, 2, 16), recipe="fp8_current", rngs=nnx.Rngs(0)))
+  report = qlayers.quantize(net, "mxfp8", rules=())
+  assert "rebuild the model" in report.already_quantized[0].reason
