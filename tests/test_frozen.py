@@ -279,3 +279,21 @@ def test_freezing_a_delayed_layer_keeps_its_stored_codes_in_the_gemm():
   np.testing.assert_array_equal(np.asarray(again.payload).view(np.uint8),
                                 np.asarray(layer.kernel.payload[...]
                                            ).view(np.uint8))
+
+
+def test_a_frozen_nvfp4_kernel_stores_the_codes_its_gemm_uses():
+  # A quiet 16x16 block beside a large tensor amax has a subnormal E4M3
+  # scale: the GEMM's requantization of the stored kernel moved 70 of 512
+  # weights by 25%.
+  w = np.zeros((32, 16), np.float32)
+  w[0, 0] = 40.0
+  w[16:, :] = np.linspace(-1, 1, 256).reshape(16, 16) * 2.79e-4
+  layer = qlayers.QuantDense(32, 16, recipe="nvfp4", use_bias=False,
+                             rngs=nnx.Rngs(0))
+  layer.kernel[...] = jnp.asarray(w)
+  qlayers.freeze(layer)
+  stored = layer.kernel.dequantize(jnp.float32)
+  used = scaling.quantize(stored.T, layer.recipe.fprop.rhs, 1).dequantize(
+      jnp.float32).T
+  np.testing.assert_array_equal(used, stored)
+  assert float(jnp.abs(stored[16:]).max()) > 0  # the quiet block is kept

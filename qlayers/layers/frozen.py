@@ -116,10 +116,21 @@ class FrozenKernel(nnx.Module):
   def quantize(cls, kernel: jax.Array, spec: QuantSpec, *,
                n_in: int = 1) -> FrozenKernel:
     """``kernel`` (``n_in`` leading input dims) quantized as ``spec`` says,
-    along its input (contraction) dims."""
+    along its input (contraction) dims.
+
+    The GEMM quantizes the kernel it reads, the dequantized one: stored as
+    the fixed point of that requantization, the codes are the ones the GEMM
+    uses. Most layouts are one already; an NVFP4 block whose E4M3 scale is
+    subnormal (a quiet block beside a large tensor amax) reaches it after
+    one more round, which the GEMM would otherwise make at every call."""
     k = math.prod(kernel.shape[:n_in])
-    qt = scaling.quantize(kernel.reshape(k, -1).T.astype(jnp.float32), spec,
-                          axis=1)
+    w = kernel.reshape(k, -1).T.astype(jnp.float32)
+    qt = scaling.quantize(w, spec, axis=1)
+    if not spec.stochastic:
+      for _ in range(2):
+        qt = scaling.quantize(qt.dequantize(jnp.float32)[:w.shape[0],
+                                                         :w.shape[1]],
+                              spec, axis=1)
     return cls(qt, spec, kernel.shape, n_in=n_in, dtype=kernel.dtype)
 
   @classmethod
