@@ -17,7 +17,7 @@ from typing import Mapping
 import jax.numpy as jnp
 from flax import nnx
 
-from qlayers.layers.frozen import FrozenKernel
+from qlayers.layers.frozen import FrozenKernel, settle_delayed
 from qlayers.scaling import QTensor
 
 __all__ = ["load_tensors"]
@@ -100,11 +100,13 @@ def load_tensors(model: nnx.Module, tensors: Mapping[str, object],
     if isinstance(t, QTensor) and n_in is not None and frozen:
       setattr(module, attr, FrozenKernel.from_qtensor(
           t, tuple(var.shape), n_in=n_in, dtype=_dtype(var)))
+      settle_delayed(module)
       continue
     x = t.dequantize() if isinstance(t, QTensor) else jnp.asarray(t)
     x = x.T.reshape(var.shape) if n_in is not None else x
     if isinstance(var, FrozenKernel):
       var.requantize(x.astype(jnp.float32))
+      settle_delayed(module)
     else:
       var.set_value(jnp.asarray(x, _dtype(var)))
   return len(todo)

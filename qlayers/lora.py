@@ -31,7 +31,8 @@ from flax import nnx
 from qlayers import safetensors
 from qlayers.layers.core import QuantLayer
 from qlayers.layers.dense import QuantDense
-from qlayers.layers.frozen import FrozenKernel, contracted_dims
+from qlayers.layers.frozen import (FrozenKernel, contracted_dims,
+                                    settle_delayed)
 from qlayers.layers.general import QuantEinsum, QuantLinearGeneral
 
 __all__ = ["add_lora", "lora_layers", "merge_lora", "save_adapters",
@@ -145,6 +146,7 @@ def merge_lora(model: nnx.Module) -> int:
     delta = delta.reshape(node.kernel.shape)
     if isinstance(node.kernel, FrozenKernel):
       node.kernel.requantize(node.kernel.dequantize(jnp.float32) + delta)
+      settle_delayed(node)
     else:
       kernel = node.kernel[...]
       node.kernel[...] = (kernel.astype(jnp.float32) + delta).astype(

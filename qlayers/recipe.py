@@ -324,8 +324,9 @@ def from_dict(data: dict, source: str = "<dict>") -> Recipe:
       t = _table(table[role], where, '{ format = "e4m3" }, or {} for '
                  "the [defaults]")
       spec = {**defaults, **t}
-      if (t.get("granularity") in ("tensor", "row") and "block_size" not in t
-          and "block_size" in defaults):
+      if ("granularity" in t and "block_size" not in t
+          and "block_size" in defaults
+          and t["granularity"] != defaults.get("granularity")):
         del spec["block_size"]  # the [defaults]' blocks are not this one's
       return _spec(spec, where)
 
@@ -371,7 +372,9 @@ def recipe(name_or_path: "str | os.PathLike | Recipe", **changes) -> Recipe:
   """Loads a recipe by name (``"fp8_delayed"``) or from a TOML file path.
 
   Keyword ``changes`` override top-level fields, e.g.
-  ``recipe("fp8_delayed", amax_history_len=16)``.
+  ``recipe("fp8_delayed", amax_history_len=16)``; as in a file, a setting
+  the recipe would not read (``amax_history_len`` of a current-scaling
+  recipe, ``scaling`` of one that quantizes nothing) is refused.
   """
   if isinstance(name_or_path, Recipe):
     return _changed(name_or_path, changes)

@@ -68,12 +68,12 @@ def _f32_fields(value: float) -> tuple[int, int]:
 
 F32_MAX = float(np.finfo(np.float32).max)
 _F32_TINY = float(np.finfo(np.float32).tiny)  # smallest normal, 2**-126
-# Largest TE margin for which max * 2**-margin and 2**margin are normal FP32
-# for every element format (max >= 6), so a zero amax gives s = 1 exactly.
-# The largest margin. As Transformer Engine's rule, a scale below 2**-126
-# flushes to 0 and decodes as NaN: that takes an amax above max * 2**(126 -
-# margin), past 10**30 at this margin, where a larger one would flush
-# ordinary data (margin 126: any amax above the format's max).
+# The largest TE margin. Under Transformer Engine's rule a scale below
+# 2**-126 flushes to 0 and decodes as NaN: at this margin that takes an
+# amax above max * 2**(126 - margin), past 10**30; a larger margin flushes
+# ordinary data (at 126, any amax above the format's max). Below it,
+# max * 2**-margin and 2**margin are normal FP32 for every element format
+# (max >= 6), so a zero amax gives s = 1 exactly.
 MAX_MARGIN = 32
 
 

@@ -297,3 +297,19 @@ def test_a_frozen_nvfp4_kernel_stores_the_codes_its_gemm_uses():
       jnp.float32).T
   np.testing.assert_array_equal(used, stored)
   assert float(jnp.abs(stored[16:]).max()) > 0  # the quiet block is kept
+
+
+def test_merging_into_a_frozen_delayed_layer_keeps_the_codes_its_gemm_uses():
+  # merge_lora stored a kernel of another amax under the old history: the
+  # GEMM rounded every merged code again.
+  layer = qlayers.QuantDense(64, 32, recipe="fp8_delayed", use_bias=False,
+                             rngs=nnx.Rngs(0))
+  qlayers.freeze(layer)
+  qlayers.add_lora(layer, 4, rngs=nnx.Rngs(1))
+  layer.lora.lora_b[...] = (0.05 * jax.random.normal(
+      jax.random.key(2), layer.lora.lora_b.shape)).astype(
+          layer.lora.lora_b.dtype)
+  qlayers.merge_lora(layer)
+  stored = layer.kernel.dequantize(jnp.float32)
+  a = float(jnp.max(jnp.abs(stored)))
+  np.testing.assert_array_equal(layer.quant.w_amax_history[...], a)

@@ -355,7 +355,11 @@ block_size = 64
 [fprop]
 x = {}
 w = { granularity = "tensor" }
+[dgrad]
+g = {}
+w = { granularity = "mx" }
 """)
   r = qlayers.recipe(path)
   assert r.fprop.lhs.block_size == 64
   assert r.fprop.rhs.granularity == "tensor"
+  assert r.dgrad.rhs.block_size == 32  # MX blocks are 32

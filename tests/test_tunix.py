@@ -306,6 +306,11 @@ def test_strict_checks_before_swapping_anything():
         qlayers.Rule(pattern="no_such_layer", recipe=None)], strict=True)
   assert type(model.layers[0].attn.q_proj) is qwen3.Einsum
   assert type(model.layers[0].mlp.up_proj) is nnx.Linear
+  with pytest.raises(ValueError, match="'attn/q_proj' -> mxfp8"):
+    qtunix.quantize(model, "fp8_current", rules=[  # shadowed: decides none
+        qlayers.Rule(pattern="attn/q_proj", recipe=None),
+        qlayers.Rule(pattern="attn/q_proj", recipe="mxfp8")], strict=True)
+  assert type(model.layers[0].attn.q_proj) is qwen3.Einsum
   qtunix.quantize(model, "fp8_current", rules=[  # a Tunix layer matches
       qlayers.Rule(pattern="attn/q_proj", recipe=None)], strict=True)
 

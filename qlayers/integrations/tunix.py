@@ -48,6 +48,7 @@ import optax
 from flax import nnx
 
 from qlayers import convert, swap, swap_experts
+from qlayers.heads import output_heads
 from qlayers.integrations import tunix_moe
 from qlayers.layers.core import (QuantGemm, QuantLayer, gemms, seed_rounding,
                                  update_scales)
@@ -271,7 +272,7 @@ def quantize(model: nnx.Module, recipe: Recipe | str | None, rules=None, *,
   tunix_sites = swap.sites(model, lambda m: is_tunix_einsum(m)
                           or tunix_moe.is_tunix_moe(m))
   if kwargs.pop("strict", False):
-    _check_strict(model, rules, tunix_sites)
+    _check_strict(model, rules, tunix_sites, kwargs.get("example_input"))
   done, wide, skipped, made = [], [], [], []
   for site in tunix_sites:
     layer, kind = site.layer, type(site.layer).__name__
@@ -311,16 +312,25 @@ def quantize(model: nnx.Module, recipe: Recipe | str | None, rules=None, *,
   return report
 
 
-def _check_strict(model, rules, tunix_sites) -> None:
+def _check_strict(model, rules, tunix_sites, example_input) -> None:
   """`qlayers.quantize`'s ``strict`` check over the Tunix layers and the
-  others, before anything changes (a ``head`` rule, which needs the head
-  found by tracing, is not checked)."""
-  paths = [s.path for s in tunix_sites + swap.sites(model, swap.is_gemm)
-           + swap_experts.sites(model)]
-  bad = [r for r in rules if r not in convert.DEFAULT_RULES and not r.head
-         and not any(r.matches(p) for p in paths)]
+  others, before anything changes: every rule but the default ones must be
+  the first to match some layer (a ``head`` rule, its output head)."""
+  sites = swap.sites(model, swap.is_gemm)
+  heads = {}
+  if example_input is not None or any(r.head for r in rules):
+    heads, _ = output_heads(model, [s.layer for s in sites],
+                            {id(s.layer): s.path for s in sites},
+                            example_input)
+  used = set()
+  for site in tunix_sites + sites + swap_experts.sites(model):
+    head = heads.get(id(site.layer), "")
+    used.add(id(next((r for r in rules if r.matches(site.path, head)),
+                     None)))
+  bad = [r for r in rules if id(r) not in used
+         and r not in convert.DEFAULT_RULES]
   if bad:
-    raise convert.strict_error(bad, paths)
+    raise convert.strict_error(bad, [s.path for s in tunix_sites + sites])
 
 
 def _check(layer, recipe: Recipe) -> tuple[int, int]:
@@ -330,11 +340,14 @@ def _check(layer, recipe: Recipe) -> tuple[int, int]:
                     "the drop-in would drop")
   extra = sorted(k for k, v in vars(layer).items()
                  if isinstance(v, nnx.Variable) and k != "w")
-  if extra or hasattr(layer, "qwix_path"):
-    raise swap.Skip(f"it holds {', '.join(extra) or 'qwix state'} beside w "
-                    "(qwix LoRA?), which the drop-in would drop: quantize "
-                    "first, then add adapters with "
-                    "qlayers.integrations.tunix.add_lora")
+  if extra:
+    raise swap.Skip(f"it holds {', '.join(extra)} beside w (qwix LoRA?), "
+                    "which the drop-in would drop: quantize first, then add "
+                    "adapters with qlayers.integrations.tunix.add_lora")
+  if hasattr(layer, "qwix_path"):
+    raise swap.Skip("qwix has wrapped the model (its modules carry "
+                    "qwix_path), and its interception would not reach the "
+                    "drop-in: quantize before applying qwix")
   try:
     _, rhs, _, contracted, free = einsum_gemm_plan(layer.einsum_str)
   except ValueError as e:

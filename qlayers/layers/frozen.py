@@ -120,9 +120,10 @@ class FrozenKernel(nnx.Module):
 
     The GEMM quantizes the kernel it reads, the dequantized one: stored as
     the fixed point of that requantization, the codes are the ones the GEMM
-    uses. Most layouts are one already; an NVFP4 block whose E4M3 scale is
-    subnormal (a quiet block beside a large tensor amax) reaches it after
-    one more round, which the GEMM would otherwise make at every call."""
+    uses. Elsewhere that round changes no value (an MX or power-of-two
+    block may halve its scale and double its codes); an NVFP4 block whose
+    E4M3 scale is subnormal (a quiet block beside a large tensor amax)
+    changes its values in it, once, where the GEMM would at every call."""
     k = math.prod(kernel.shape[:n_in])
     w = kernel.reshape(k, -1).T.astype(jnp.float32)
     qt = scaling.quantize(w, spec, axis=1)
@@ -232,14 +233,16 @@ def frozen_kernels(model: nnx.Module) -> Iterator[tuple[tuple, nnx.Module]]:
       yield path, node
 
 
-def _settle_delayed(node) -> None:
+def settle_delayed(node) -> None:
   """Fills a delayed GEMM's weight amax history with the frozen kernel's
   amax, which no step changes again: scaled by it, the GEMM requantizes
   the stored codes as they are (the trained kernel's larger amaxes in the
   history would round them again, for as many steps as the history
-  holds)."""
-  gemm = node.quant
-  if not gemm.delayed:
+  holds). `freeze`, `qlayers.merge_lora` and `qlayers.hf.load_tensors`
+  call it after storing a frozen kernel."""
+  gemm = getattr(node, "quant", None)
+  if gemm is None or not gemm.delayed or not isinstance(
+      getattr(node, "kernel", None), FrozenKernel):
     return
   a = jnp.max(jnp.abs(node.kernel.dequantize(jnp.float32)))
   gemm.w_amax_history.set_value(jnp.full_like(gemm.w_amax_history[...], a))
@@ -248,19 +251,21 @@ def _settle_delayed(node) -> None:
 
 def _frozen(node, spec: QuantSpec, n_in: int) -> FrozenKernel:
   """``node``'s kernel quantized as ``spec``; a kernel sharded over explicit
-  mesh axes that the blocks cannot be split in is an error naming it."""
+  mesh axes that JAX cannot quantize in place is an error naming it."""
   try:
     return FrozenKernel.quantize(node.kernel[...], spec, n_in=n_in)
   except Exception as e:  # JAX's ShardingTypeError is not public
     if type(e).__name__ != "ShardingTypeError":
       raise
     spec_of = jax.typeof(node.kernel.get_value()).sharding.spec
+    first = (str(e).splitlines() or [""])[0][:200]
     raise ValueError(
         f"freeze: a {type(node).__name__} kernel of shape "
-        f"{tuple(node.kernel.shape)} is sharded over explicit mesh axes "
-        f"({spec_of}) that its scaling blocks ({spec.granularity}) cannot "
-        "be split in; freeze the model before sharding it (outside jax.set_mesh), "
-        "or shard it over Auto axes.") from e
+        f"{tuple(node.kernel.shape)}, sharded over explicit mesh axes "
+        f"({spec_of}), cannot be quantized in place as {spec.format} "
+        f"{spec.granularity} (JAX: {first}); freeze the model before "
+        "sharding it (outside jax.set_mesh), or shard it over Auto "
+        "axes.") from e
 
 
 def freeze(model: nnx.Module, *, spec: QuantSpec | None = None) -> int:
@@ -276,8 +281,8 @@ def freeze(model: nnx.Module, *, spec: QuantSpec | None = None) -> int:
 
   Raises:
     ValueError: a layer's recipe quantizes no weight (``"bf16"``) and no
-      ``spec`` was given, a kernel is a stack, or a kernel is sharded over
-      explicit mesh axes its blocks cannot be split in (nothing is then
+      ``spec`` was given, a kernel is a stack, or a kernel sharded over
+      explicit mesh axes cannot be quantized in place (nothing is then
       frozen). Other qlayers layers (an einsum contracting trailing kernel
       dims, logits heads, experts) keep their weights, with a warning
       naming them.
@@ -314,7 +319,7 @@ def freeze(model: nnx.Module, *, spec: QuantSpec | None = None) -> int:
   made = [_frozen(node, s, n_in) for node, s, n_in in todo]
   for (node, _, _), kernel in zip(todo, made):  # all made: nothing half-done
     node.kernel = kernel
-    _settle_delayed(node)
+    settle_delayed(node)
   if left:
     warnings.warn(f"freeze: {', '.join(left)} keep their wide weights "
                   "(only QuantDense, QuantLinearGeneral and QuantEinsum "
