@@ -10,8 +10,8 @@ Param; ``[*stack, E, K, N]`` for a stack of such modules made under
 ``nnx.vmap``, which a router beside it stacked alike confirms). `quantize`
 sets that attribute to a `QuantRaggedDot` (recipe, backend, one
 delayed-scaling history per expert and stacked layer) and leaves the
-module, its Params and its code as they were; `dequantize` puts ``jax.lax.ragged_dot``
-back. The router of such experts (a linear layer beside them with ``E``
+module, its Params and its code as they were; `dequantize` puts
+``jax.lax.ragged_dot`` back. The router of such experts (a linear layer beside them with ``E``
 outputs) is kept wide. Stacked expert weights used any other way are
 reported with what to do (`swap.unconverted_matmuls`).
 """

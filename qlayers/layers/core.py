@@ -173,7 +173,7 @@ class QuantGemm(nnx.Module):
     """Stores what the op returned (nothing for a stateless recipe): the
     forward roles' running amax (not in eval mode), and the gradient role's
     amax, which the op passes through unchanged (in eval mode, not where a
-    jax transform NNX does not see forbids the write). Storing that one chains the
+    jax transform NNX does not see forbids it). Storing that one chains the
     next use of this GEMM in the step to this one, so the backward pass hands
     each use the later uses' gradient amax to combine by max (see
     `qlayers.gemm`), where a value read twice would have its cotangents
@@ -181,14 +181,13 @@ class QuantGemm(nnx.Module):
     if not self.delayed:
       return
     # set_value, not [...] =: assignment inside a trace re-traces in NNX.
-    if not self.use_running_average:
-      self.g_amax.set_value(new_state["g"].amax)
-    else:  # the same value: only the chain, which a trace NNX cannot
-      try:  # write from (an eval decode loop under lax.fori_loop) skips
+    if self.use_running_average:
+      # Only the chain, of the same value: an eval decode loop under
+      # lax.fori_loop (a transform NNX does not see) forbids the write.
+      with contextlib.suppress(flax_errors.TraceContextError):
         self.g_amax.set_value(new_state["g"].amax)
-      except flax_errors.TraceContextError:
-        pass
       return
+    self.g_amax.set_value(new_state["g"].amax)
     for role in ("x", "w"):
       getattr(self, f"{role}_amax").set_value(
           jax.lax.stop_gradient(new_state[role].amax))
