@@ -166,7 +166,7 @@ def test_model_built_with_quant_experts():
   report = qlayers.quantize(Built(nnx.Rngs(0)), "fp8_current")
   assert [(s.path, s.reason) for s in report.already_quantized] == [
       ("up", "already quantized (mxfp8); not requantized as fp8_current "
-       "(dequantize_model first)")]
+       "(it has no stock layer to return to: rebuild the model)")]
   assert [k.path for k in report.kept_wide] == ["router"]
   assert not report.converted and not report.skipped
 
