@@ -327,3 +327,13 @@ def test_a_training_layer_under_jax_jit_says_to_use_nnx_jit():
   m = qlayers.QuantDense(8, 8, rngs=nnx.Rngs(0), recipe=delayed())
   with pytest.raises(RuntimeError, match="nnx.jit"):
     jax.jit(lambda x: m(x))(jnp.ones((2, 8)))
+
+
+def test_eval_and_train_keep_the_graph_a_jitted_step_is_keyed_on():
+  # The first model.eval() added use_running_average to the GEMM's static
+  # fields: the graph changed and a jitted step compiled again.
+  m = qlayers.QuantDense(8, 8, rngs=nnx.Rngs(0), recipe="fp8_current")
+  before = nnx.graphdef(m)
+  m.eval()
+  m.train()
+  assert nnx.graphdef(m) == before

@@ -107,6 +107,10 @@ class QuantGemm(nnx.Module):
                          dtype=jnp.uint32).reshape(tuple(batch_shape))
       self.sr_seed = QuantState(sharding.replicated(seeds))
       self.sr_step = QuantState(sharding.replicated(jnp.zeros_like(seeds)))
+    # Assigned once here, as model.eval() assigns it: NNX records the name
+    # in the module's static fields at the first assignment, so the graph
+    # (and a jitted step's cache key) is the same before and after.
+    self.use_running_average = self._eval
 
   def seed_from(self, weight: jax.Array) -> None:
     """Seeds step-keyed stochastic rounding (``sr_key = "step"``) from the
