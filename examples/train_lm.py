@@ -440,8 +440,9 @@ RULE = ("Δ val: (val_recipe - val_{base}) / val_{base} per seed (same init and 
 def rule_text(cfg: Config) -> str:
   """`RULE` for ``cfg``, naming the per-recipe tolerances in use."""
   text = RULE.format(base=cfg.baseline, tol=cfg.tolerance)
+  named = {r.removesuffix(WIDE) for r in cfg.recipes} | set(cfg.recipes)
   own = {r: t for r, t in parse_tolerances(cfg.tolerances).items()
-         if r in cfg.recipes}
+         if r in named}
   if own:
     text += (" Tolerance per recipe: "
              + ", ".join(f"{r} {t:g}%" for r, t in own.items()) + ".")

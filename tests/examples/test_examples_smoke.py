@@ -82,6 +82,11 @@ def test_train_lm_rule():
   assert train_lm.verdict([-3.0, -3.1, -2.9], 1.0).endswith("(lower loss)")
   assert train_lm.verdict([0.5], 1.0) == "within ±1% (1 seed)"
   assert train_lm.verdict([1.5], 1.0).startswith("higher by > 1%")
+  # A RECIPE+wide run is held to RECIPE's tolerance, and the text says so.
+  cfg = train_lm.parse_args(["--recipes", "mxfp4+wide", "--keep-wide",
+                             "blocks/0/mlp/down"])
+  assert cfg.tolerance_for("mxfp4+wide") == 3.0
+  assert "mxfp4 3%" in train_lm.rule_text(cfg)
 
 
 @pytest.mark.parametrize("script, argv, message", [
