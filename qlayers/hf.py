@@ -17,7 +17,8 @@ from typing import Mapping
 import jax.numpy as jnp
 from flax import nnx
 
-from qlayers.layers.frozen import FrozenKernel, settle_delayed
+from qlayers.layers.frozen import (FrozenKernel, contracted_dims,
+                                    settle_delayed)
 from qlayers.scaling import QTensor
 
 __all__ = ["load_tensors"]
@@ -121,12 +122,10 @@ def _inputs(module, var) -> int | None:
     return 1
   if isinstance(var, FrozenKernel):
     return var.n_in
-  ins = getattr(module, "in_features", None)
-  if (ins is None or isinstance(module, nnx.Einsum)
-      or getattr(module, "batch_axis", None)):  # (batch, in..., out...)
+  try:
+    return contracted_dims(module, "load_tensors")
+  except (AttributeError, ValueError):  # no features; a batched kernel
     return None
-  n_in = len(ins) if isinstance(ins, tuple) else 1
-  return n_in if 0 < n_in < len(var.shape) else None
 
 
 def _flat(shape, n_in: int) -> tuple[int, int]:

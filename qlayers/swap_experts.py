@@ -73,6 +73,15 @@ def _kernel(m) -> tuple[str, tuple[int, ...]] | None:
   return next(iter(stacked.items())) if len(stacked) == 1 else None
 
 
+def _beside(e: swap.Site, linear: list[swap.Site]):
+  """The linear layers of ``linear`` under the module that holds ``e``:
+  where its router would be."""
+  parent = e.path.rpartition("/")[0]
+  return [s for s in linear if s.path.startswith(parent + "/" if parent
+                                                  else "")
+          and isinstance(s.layer, (nnx.Linear, nnx.LinearGeneral))]
+
+
 def stacks(linear: list[swap.Site], experts: list[swap.Site]) -> set[int]:
   """Ids of the experts modules of ``experts`` whose kernel has dims before
   ``[E, K, N]`` that are a stack of layers made under ``nnx.vmap``: a
@@ -88,12 +97,9 @@ def stacks(linear: list[swap.Site], experts: list[swap.Site]) -> set[int]:
     if len(shape) == 3 or isinstance(e.layer, nnx.Einsum):
       out.add(id(e.layer))
       continue
-    parent = e.path.rpartition("/")[0]
-    for s in linear:
+    for s in _beside(e, linear):
       k = getattr(s.layer, "kernel", None)
-      if (s.path.startswith(parent + "/" if parent else "")
-          and isinstance(s.layer, (nnx.Linear, nnx.LinearGeneral))
-          and isinstance(k, nnx.Variable) and len(k.shape) == len(shape) - 1
+      if (isinstance(k, nnx.Variable) and len(k.shape) == len(shape) - 1
           and tuple(k.shape[:-2]) == shape[:-3]
           and k.shape[-1] == shape[-3]):
         out.add(id(e.layer))
@@ -157,11 +163,8 @@ def routers(linear: list[swap.Site], experts: list[swap.Site],
       num = getattr(e.layer, "num_experts", None)
     if not isinstance(num, int):
       continue
-    parent = e.path.rpartition("/")[0]
-    for s in linear:
-      if (s.path.startswith(parent + "/" if parent else "")
-          and isinstance(s.layer, (nnx.Linear, nnx.LinearGeneral))
-          and swap.dims(s.layer)[1] == num):
+    for s in _beside(e, linear):
+      if swap.dims(s.layer)[1] == num:
         out.setdefault(id(s.layer), f"router of the {num} experts at "
                        f"{e.path or '(model)'} (kept wide)")
   return out
