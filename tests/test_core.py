@@ -289,6 +289,15 @@ def test_eval_warns_when_no_training_step_was_ended():
   assert ok.quant.use_running_average
 
 
+def test_eval_of_an_abstract_delayed_model():
+  """model.eval() on a model of shapes (nnx.eval_shape, the sharded init's
+  first step) switches mode without reading values (was a TypeError)."""
+  m = nnx.eval_shape(lambda: qlayers.QuantDense(8, 4, rngs=nnx.Rngs(0),
+                                                recipe=delayed()))
+  m.eval()
+  assert m.quant.use_running_average
+
+
 def test_stock_linear_with_quant_gemm_refuses_a_scalar_like_lax():
   """A stock nnx.Linear running QuantGemm as its dot_general gives the
   TypeError lax.dot_general gives for a scalar input (was IndexError)."""

@@ -35,6 +35,7 @@ from typing import Iterable, Iterator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import errors as flax_errors
 from flax import nnx
 
@@ -265,13 +266,15 @@ def _warn_if_steps_never_ended(gemm: QuantGemm) -> None:
   amax history never moved: `qlayers.update_scales` was never called (the
   stock loop's easy mistake), so its delayed scales, and the gradient's,
   never left their first values. Only on concrete state (eagerly, as
-  ``model.eval()`` runs); under a trace nothing is known."""
-  state = gemm.read()
-  if state is None or any(isinstance(v, jax.core.Tracer)
-                          for v in jax.tree.leaves(state)):
+  ``model.eval()`` runs); under a trace, or on a model of shapes
+  (``nnx.eval_shape``), nothing is known."""
+  if not gemm.delayed:
     return
-  x = state["x"]
-  if bool((x.amax > 0).any()) and not bool((x.amax_history != 0).any()):
+  amax, history = gemm.x_amax.get_value(), gemm.x_amax_history.get_value()
+  if not all(isinstance(v, (jax.Array, np.ndarray))
+             and not isinstance(v, jax.core.Tracer) for v in (amax, history)):
+    return
+  if bool((amax > 0).any()) and not bool((history != 0).any()):
     warnings.warn(
         f"A QuantGemm with the delayed-scaling recipe {gemm.recipe.name!r} "
         "was trained, but its amax histories are still all 0: no training "
