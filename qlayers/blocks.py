@@ -209,6 +209,8 @@ def _max_magnitude(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
       return amax_from_bits(mags, dtype)
     last = axes[-1]
     n = mags.shape[last]
+    if not isinstance(n, int):  # a symbolic dim (jax.export): no chunks
+      return default(mags)
     k = _chunk(n)
     split = mags.reshape(*mags.shape[:last], n // k, k, *mags.shape[last + 1:])
     part = amax_from_bits(jnp.max(split, axis=last + 1), dtype)

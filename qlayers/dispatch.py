@@ -167,6 +167,11 @@ def plan(recipe: Recipe, x_shape, x_dtype, w_shape, out_dtype, *,
   gather = mesh and sharding.quantized_gather()
   libraries = tuple(_native.loaded(p) for p in ("cpu", "cuda", "rocm"))
   m = math.prod(x_shape[:-1])
+  if not isinstance(m, int):
+    # A symbolic batch (jax.export): the native kernels' shape limits cannot
+    # be checked on it, so plan as for one row, which the table's XLA forms
+    # take at any size.
+    m = 1
   return _plan(recipe, requested, targets, lowered, mesh, gather, libraries,
                (m, w_shape[0], w_shape[1]), jnp.dtype(x_dtype),
                jnp.dtype(out_dtype))

@@ -493,8 +493,8 @@ def pack(codes: jax.Array, fmt: Format | str) -> jax.Array:
   # in byte i), has its codes moved from 8-bit to `bits`-bit positions. Only
   # elementwise ops and bitcasts: no strided slices for XLA to refuse to fuse.
   wide = jnp.uint16 if elems == 2 else jnp.uint32
-  word = jax.lax.bitcast_convert_type(
-      codes.astype(jnp.uint8).reshape(*lead, n // elems, elems), wide)
+  word = _words(codes.astype(jnp.uint8).reshape(*lead, n // elems, elems),
+                wide)
   mask = (1 << fmt.bits) - 1
   if elems == 2:
     # 4 bits: the low byte of the word, by a convert (a bitcast to bytes and
@@ -503,7 +503,7 @@ def pack(codes: jax.Array, fmt: Format | str) -> jax.Array:
     return out.astype(jnp.uint8).reshape(*lead, n // 2)
   out = functools.reduce(jnp.bitwise_or, [
       ((word >> (8 * i)) & mask) << (fmt.bits * i) for i in range(elems)])
-  out = jax.lax.bitcast_convert_type(out, jnp.uint8)[..., :nbytes]
+  out = _bytes(out)[..., :nbytes]
   return out.reshape(*lead, n // elems * nbytes)
 
 
@@ -530,11 +530,36 @@ def unpack(packed: jax.Array, fmt: Format | str) -> jax.Array:
   else:
     groups = jnp.concatenate(
         [groups, jnp.zeros((*lead, nb // nbytes, 1), jnp.uint8)], axis=-1)
-    word = jax.lax.bitcast_convert_type(groups, jnp.uint32)
+    word = _words(groups, jnp.uint32)
     wide = jnp.uint32
   mask = (1 << fmt.bits) - 1
   spread = functools.reduce(jnp.bitwise_or, [
       ((word >> (fmt.bits * i)) & mask).astype(wide) << (8 * i)
       for i in range(elems)])
-  out = jax.lax.bitcast_convert_type(spread, jnp.uint8)
+  out = _bytes(spread)
   return out.reshape(*lead, nb // nbytes * elems)
+
+
+# A bitcast between bytes and wider words changes the rank, and StableHLO's
+# shape refinement fails on one with a symbolic dim (a `jax.export`ed batch),
+# so there the bytes are moved by shifts (the same values).
+def _concrete(shape) -> bool:
+  return all(isinstance(d, int) for d in shape)
+
+
+def _words(groups: jax.Array, wide) -> jax.Array:
+  """The little-endian ``wide`` words of the bytes on ``groups``' last
+  axis."""
+  if _concrete(groups.shape):
+    return jax.lax.bitcast_convert_type(groups, wide)
+  return functools.reduce(jnp.bitwise_or, [
+      groups[..., i].astype(wide) << (8 * i)
+      for i in range(groups.shape[-1])])
+
+
+def _bytes(words: jax.Array) -> jax.Array:
+  """The little-endian bytes of ``words`` on a new last axis."""
+  if _concrete(words.shape):
+    return jax.lax.bitcast_convert_type(words, jnp.uint8)
+  return jnp.stack([((words >> (8 * i)) & 0xFF).astype(jnp.uint8)
+                    for i in range(words.dtype.itemsize)], axis=-1)

@@ -29,6 +29,7 @@ layout, shard or reshape of an array draws the same bits for it.
 from __future__ import annotations
 
 import math
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -195,7 +196,14 @@ def random_bytes(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     >>> b.shape, b.dtype, bool((b < 256).all())
     ((4, 32), dtype('uint32'), True)
   """
-  shape = tuple(int(d) for d in shape)
+  try:
+    shape = tuple(operator.index(d) for d in shape)
+  except TypeError:
+    raise ValueError(
+        f"Stochastic rounding draws its bits by each element's place, which "
+        f"needs concrete shapes; got {tuple(shape)} (a symbolic dim, from "
+        f"jax.export?). Export the training step with concrete shapes, or "
+        f"use a recipe that rounds to nearest.") from None
   k0, k1 = key_words(key)
   size = math.prod(shape)
   if not shape or shape[-1] % BYTES:  # the flat array, padded to 8s

@@ -1,0 +1,50 @@
+"""Quantized layers exported with a symbolic batch (`jax.export`)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax import export
+
+import qlayers
+
+
+def _exported(recipe, train):
+  layer = qlayers.QuantDense(64, 32, recipe=recipe, rngs=nnx.Rngs(0))
+  if not train:
+    layer.eval()
+  graphdef, state = nnx.split(layer)
+
+  def run(state, x):
+    model = nnx.merge(graphdef, state)
+    if not train:
+      return model(x)
+    return qlayers.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+
+  b, = export.symbolic_shape("b")
+  x = jax.ShapeDtypeStruct((b, 64), jnp.float32)
+  return export.export(jax.jit(run))(state, x), run, state
+
+
+# Each reaches a path that needed concrete rows: the plan (mxfp4's
+# stochastic gradient copy), row-wise amaxes, FP6's 3-byte packing, FP4's.
+@pytest.mark.parametrize("recipe", ["mxfp4", "fp8_rowwise", "mxfp6", "nvfp4"])
+def test_forward_exported_with_a_symbolic_batch(recipe):
+  exported, run, state = _exported(recipe, train=False)
+  for rows in (3, 40):
+    x = jax.random.normal(jax.random.key(rows), (rows, 64))
+    np.testing.assert_array_equal(exported.call(state, x), run(state, x))
+
+
+def test_training_step_exported_with_a_symbolic_batch():
+  exported, run, state = _exported("fp8_rowwise", train=True)
+  x = jax.random.normal(jax.random.key(0), (24, 64))
+  for got, want in zip(jax.tree.leaves(exported.call(state, x)),
+                       jax.tree.leaves(run(state, x))):
+    np.testing.assert_array_equal(got, want)
+
+
+def test_stochastic_rounding_needs_a_concrete_batch():
+  with pytest.raises(ValueError, match="needs concrete shapes"):
+    _exported("mxfp4", train=True)
