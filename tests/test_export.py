@@ -10,8 +10,11 @@ from jax import export
 import qlayers
 
 
-def _exported(recipe, train):
-  layer = qlayers.QuantDense(64, 32, recipe=recipe, rngs=nnx.Rngs(0))
+def _exported(recipe, train, frozen=False):
+  layer = nnx.Sequential(
+      qlayers.QuantDense(64, 32, recipe=recipe, rngs=nnx.Rngs(0)))
+  if frozen:
+    qlayers.freeze(layer)
   if not train:
     layer.eval()
   graphdef, state = nnx.split(layer)
@@ -29,9 +32,11 @@ def _exported(recipe, train):
 
 # Each reaches a path that needed concrete rows: the plan (mxfp4's
 # stochastic gradient copy), row-wise amaxes, FP6's 3-byte packing, FP4's.
-@pytest.mark.parametrize("recipe", ["mxfp4", "fp8_rowwise", "mxfp6", "nvfp4"])
-def test_forward_exported_with_a_symbolic_batch(recipe):
-  exported, run, state = _exported(recipe, train=False)
+@pytest.mark.parametrize("recipe, frozen", [
+    ("mxfp4", False), ("fp8_rowwise", False), ("mxfp6", False),
+    ("nvfp4", False), ("nvfp4", True)])
+def test_forward_exported_with_a_symbolic_batch(recipe, frozen):
+  exported, run, state = _exported(recipe, train=False, frozen=frozen)
   for rows in (3, 40):
     x = jax.random.normal(jax.random.key(rows), (rows, 64))
     np.testing.assert_array_equal(exported.call(state, x), run(state, x))
