@@ -36,7 +36,7 @@ from flax import nnx
 from qlayers import dispatch, swap, swap_experts
 from qlayers.heads import output_heads
 from qlayers.layers.core import seed_rounding
-from qlayers.layers.frozen import FrozenKernel, freeze
+from qlayers.layers.frozen import FREEZABLE, FrozenKernel, freeze
 from qlayers.recipe import Recipe, recipe as load_recipe
 
 __all__ = ["Rule", "DEFAULT_KEEP_WIDE", "KEEP_HEAD_WIDE", "DEFAULT_RULES",
@@ -441,6 +441,8 @@ def quantize(model: nnx.Module, recipe: Recipe | str | None,
     raise strict_error(report.unmatched_rules, [
         s.path for s in swap.sites(model, lambda m: isinstance(
             m, swap.STOCK))])
+  if frozen:
+    _check_freezable(model, filter(None, plan))
   made = []  # the GEMMs this call creates
   for site, r, b, shape, rule in filter(None, plan):
     if swap_experts.is_experts(site.layer):
@@ -462,6 +464,25 @@ def quantize(model: nnx.Module, recipe: Recipe | str | None,
   if frozen:
     freeze(model)
   return report
+
+
+def _check_freezable(model: nnx.Module, plan) -> None:
+  """``quantize(..., frozen=True)``'s check, before anything is swapped:
+  every kernel `freeze` will store needs a recipe that quantizes weights."""
+  wide = [f"{site.path} ({r.name})" for site, r, *_ in plan
+          if r.fprop.rhs is None and not swap_experts.is_experts(site.layer)]
+  wide += [f"{'/'.join(map(str, path))} ({node.recipe.name})"
+           for path, node in nnx.iter_graph(model)
+           if isinstance(node, FREEZABLE) and node.recipe.fprop.rhs is None
+           and isinstance(node.kernel, nnx.Param)]
+  if wide:
+    raise ValueError(
+        f"quantize(..., frozen=True): {', '.join(wide)} would run a recipe "
+        "that quantizes no weight, so there is no format to freeze them in; "
+        "nothing was changed. Keep such layers stock (a Rule with recipe "
+        "None), or quantize without frozen= and then call qlayers.freeze("
+        "model, spec=QuantSpec(...)), which stores every kernel in that "
+        "spec.")
 
 
 def _aliases(site) -> tuple[str, ...]:

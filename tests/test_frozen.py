@@ -106,6 +106,22 @@ def test_quantize_frozen_and_linear_general():
   assert float(jnp.abs(y - wide).max()) < 0.1 * float(jnp.abs(wide).max())
 
 
+def test_quantize_frozen_refuses_a_wide_recipe_before_swapping():
+  """A rule giving a layer a recipe that quantizes no weight cannot freeze
+  it: refused before any layer is swapped (was: every layer swapped, none
+  frozen, and a hint naming an argument quantize does not take)."""
+  net = nnx.Sequential(nnx.Linear(64, 64, rngs=nnx.Rngs(0)),
+                       nnx.Linear(64, 32, rngs=nnx.Rngs(1)))
+  rules = [qlayers.Rule(pattern="^layers/1$", recipe="bf16")]
+  with pytest.raises(ValueError, match=r"layers/1 \(bf16\).*nothing was"):
+    qlayers.quantize(net, "fp8_current", rules, frozen=True)
+  assert all(type(m) is nnx.Linear for m in net.layers)
+  rules = [qlayers.Rule(pattern="^layers/1$", recipe=None)]  # stock, wide
+  qlayers.quantize(net, "fp8_current", rules, frozen=True)
+  assert isinstance(net.layers[0].kernel, qlayers.FrozenKernel)
+  assert type(net.layers[1]) is nnx.Linear
+
+
 def test_freeze_einsum():
   layer = qlayers.QuantEinsum("btd,dnh->btnh", (64, 4, 16), (4, 16),
                               recipe="mxfp8", rngs=nnx.Rngs(0))

@@ -268,6 +268,10 @@ def _frozen(node, spec: QuantSpec, n_in: int) -> FrozenKernel:
         "axes.") from e
 
 
+# The layers whose kernels `freeze` stores.
+FREEZABLE = (QuantDense, QuantLinearGeneral, QuantEinsum)
+
+
 def freeze(model: nnx.Module, *, spec: QuantSpec | None = None) -> int:
   """Replaces the kernel Param of every `qlayers.QuantDense`,
   `qlayers.QuantLinearGeneral` and `qlayers.QuantEinsum` (whose contracted
@@ -303,11 +307,10 @@ def freeze(model: nnx.Module, *, spec: QuantSpec | None = None) -> int:
   todo, left = [], []
   for path, node in nnx.iter_graph(model):
     where = "/".join(map(str, path)) or type(node).__name__
-    kinds = (QuantDense, QuantLinearGeneral, QuantEinsum)
-    n_in = (contracted_dims(node, where) if isinstance(node, kinds)
+    n_in = (contracted_dims(node, where) if isinstance(node, FREEZABLE)
             and isinstance(node.kernel, nnx.Param) else 0)
     if n_in is None or (isinstance(node, QuantLayer) and not isinstance(
-        node, (*kinds, QuantEmbed))):
+        node, (*FREEZABLE, QuantEmbed))):
       left.append(f"{where} ({type(node).__name__})")
     if not n_in:
       continue
