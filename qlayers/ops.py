@@ -104,7 +104,10 @@ def quantized_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
                      f"{rhs.shape} do not match ({lc} vs {rc}).")
   a = _permute(lhs, lfree + list(lc))
   a = a.reshape(*(lhs.shape[d] for d in lfree), k)
-  b = _permute(rhs, list(rc) + rfree).reshape(k, -1)
+  # N spelled out: with K == 0, reshape(0, -1) cannot infer it (and
+  # quantized_matmul returns the zeros lax.dot_general gives for K == 0).
+  b = _permute(rhs, list(rc) + rfree).reshape(
+      k, math.prod(rhs.shape[d] for d in rfree))
   y, new_state = quantized_matmul(a, b, recipe, state, key=key, site=site,
                                  out_dtype=out_dtype, backend=backend)
   return y.reshape(*y.shape[:-1], *(rhs.shape[d] for d in rfree)), new_state

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import os
 import pathlib
 import struct
@@ -304,6 +305,25 @@ def _default_fp8(name: str, x) -> bool:
           and not any(k in low for k in ("embed", "norm", "lm_head")))
 
 
+def _block_arg(block) -> tuple[int, int]:
+  """``fp8_block`` as ``(rows, cols)``: an int ``n`` is ``(n, n)``, as
+  `QuantSpec`'s ``block_size`` is a square block."""
+  def index(v):
+    if isinstance(v, bool):  # operator.index takes True as 1
+      raise TypeError
+    return operator.index(v)
+  try:
+    block = (index(block),) * 2 if not isinstance(block, (tuple, list)) else (
+        tuple(index(b) for b in block))
+  except TypeError:
+    raise TypeError(f"fp8_block must be an int n (n x n blocks), (rows, "
+                    f"cols) of ints, or None; got {block!r}.") from None
+  if len(block) != 2 or min(block) < 1:
+    raise ValueError(f"fp8_block must be (rows, cols) of positive ints, got "
+                     f"{block}.")
+  return block
+
+
 def _fp8_pair(name, t, block, scale_format) -> dict[str, np.ndarray]:
   """``{name: F8_E4M3 payload, name_scale_inv: scales}`` of a wide array
   or a block `QTensor`."""
@@ -371,7 +391,7 @@ def _shards(groups: list[dict], max_bytes: int | None) -> list[dict]:
 
 def write_safetensors(path: str | os.PathLike,
                       tensors: Mapping[str, object],
-                      fp8_block: tuple[int, int] | None = (128, 128), *,
+                      fp8_block: tuple[int, int] | int | None = (128, 128), *,
                       config: Mapping | None = None,
                       scale_format: str = "float32",
                       fp8_filter: Callable[[str, object], bool] | None = None,
@@ -385,8 +405,11 @@ def write_safetensors(path: str | os.PathLike,
   ``*.weight`` without ``embed``, ``norm`` or ``lm_head`` in its name) is
   quantized to E4M3 in ``fp8_block`` blocks (``scale = max(amax, 1e-4) /
   448``, or a power of two rounded up with ``scale_format="ue8m0"``, then
-  stored as ``F8_E8M0``); ``fp8_block=None`` quantizes nothing. Weights are
-  in PyTorch's ``(out, in)`` order; everything else is written as given.
+  stored as ``F8_E8M0``); ``fp8_block=None`` quantizes nothing, an int
+  ``n`` means ``(n, n)``. Weights are in PyTorch's ``(out, in)`` order;
+  everything else is written as given, except a plain E4M3 array: it has
+  no scale, without which `read_safetensors` refuses it, so it raises a
+  ValueError (pass a `QTensor`, payload + scales, or the wide array).
 
   Writes ``model.safetensors``, or with ``max_shard_bytes`` the shards
   ``model-0000i-of-0000n.safetensors`` and ``model.safetensors.index.json``
@@ -403,6 +426,8 @@ def write_safetensors(path: str | os.PathLike,
   if scale_format not in ("float32", "ue8m0"):
     raise ValueError(f"scale_format must be 'float32' or 'ue8m0', got "
                      f"{scale_format!r}.")
+  if fp8_block is not None:
+    fp8_block = _block_arg(fp8_block)
   keep = fp8_filter or _default_fp8
   groups, fp8 = [], False
   for name, t in tensors.items():
@@ -412,12 +437,22 @@ def write_safetensors(path: str | os.PathLike,
     if isinstance(t, QTensor) or (fp8_block is not None and keep(name, t)):
       if fp8_block is None:
         raise ValueError(f"{name} is a QTensor but fp8_block is None.")
-      groups.append(_fp8_pair(name, t, tuple(fp8_block), scale_format))
+      groups.append(_fp8_pair(name, t, fp8_block, scale_format))
       fp8 = True
     else:
       t = np.asarray(t)
+      fix = ("pass a QTensor (payload + scales) or the wide array to "
+             "quantize")
+      if t.dtype == _FP8:
+        # Written bare it would have no _scale_inv, and read_safetensors
+        # refuses an F8_E4M3 weight without one.
+        raise ValueError(
+            f"{name}: a plain {t.dtype} array has no scale to write beside "
+            f"it (read_safetensors needs {name}{SCALE_SUFFIX}); {fix}.")
       if t.dtype not in _NAMES:
-        raise ValueError(f"{name}: dtype {t.dtype} has no safetensors name.")
+        narrow = jnp.issubdtype(t.dtype, jnp.floating) and t.dtype.itemsize < 2
+        raise ValueError(f"{name}: dtype {t.dtype} has no safetensors name"
+                         + (f"; {fix} to E4M3." if narrow else "."))
       groups.append({name: t})
   path = pathlib.Path(path)
   path.mkdir(parents=True, exist_ok=True)

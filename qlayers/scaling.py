@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from typing import Literal
 
 import jax
@@ -342,9 +343,9 @@ def quantize(x: jax.Array, spec: QuantSpec, axis: int = -1, *,
   granularity or scaling (current or delayed), is quantized by this.
 
   Args:
-    x: FP32/BF16/FP16 array of any rank.
-    spec: element format, granularity and scale rule.
-    axis: the axis quantized along: the contraction axis of the GEMM that
+    x: FP32/BF16/FP16 array (jax or numpy) of any rank.
+    spec: a `QuantSpec`: element format, granularity and scale rule.
+    axis: the int axis quantized along: the contraction axis of the GEMM that
       consumes ``x``. FP6/FP4 payloads are packed along the last axis, so
       they need ``axis=-1`` (transpose first).
     amax: per-tensor granularity (and the per-tensor level of ``nvfp4``)
@@ -382,6 +383,23 @@ def quantize(x: jax.Array, spec: QuantSpec, axis: int = -1, *,
     >>> qt.scale, qt.dequantize().shape
     (Array(0.00446429, dtype=float32), (4, 64))
   """
+  # Argument types first (Python checks at trace time, no ops): a wrong one
+  # would otherwise fail deep inside, or (a float axis) be stored.
+  if not isinstance(spec, QuantSpec):
+    raise TypeError(f"quantize: spec must be a QuantSpec (e.g. "
+                    f"QuantSpec(format='e4m3')), got {type(spec).__name__} "
+                    f"{spec!r}.")
+  if not (hasattr(x, "dtype") and hasattr(x, "shape")):
+    raise TypeError(f"quantize: x must be an array (jax or numpy), got "
+                    f"{type(x).__name__}; wrap it in jnp.asarray.")
+  try:
+    axis = operator.index(axis)
+  except TypeError:
+    raise TypeError(f"quantize: axis must be an int, got "
+                    f"{type(axis).__name__} {axis!r}.") from None
+  if amax is not None and jnp.shape(amax) != ():
+    raise ValueError(f"quantize: amax must be a scalar (the whole tensor's "
+                     f"amax), got shape {jnp.shape(amax)}.")
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f"quantize expects a floating-point input, got {x.dtype}.")
   fmt = spec.fmt

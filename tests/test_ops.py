@@ -320,6 +320,21 @@ def test_zero_size_batch_returns_empty_and_keeps_state():
     assert dw.shape == w.shape and not np.asarray(dw).any()
 
 
+def test_empty_contraction_gives_zeros_as_lax_dot_general():
+  """K = 0 sums nothing: zeros of lax.dot_general's shape and dtype, from
+  dot_general and from a QuantGemm in nnx.Linear (reshape(0, -1) raised)."""
+  dn = (((1,), (0,)), ((), ()))
+  a, b = jnp.ones((4, 0)), jnp.ones((0, 8))
+  want = jax.lax.dot_general(a, b, dn)
+  for name in ("bf16", "fp8_current", "mxfp8"):
+    y = ops.dot_general(name)(a, b, dn)
+    assert y.dtype == want.dtype, name
+    chex.assert_trees_all_equal(y, want)
+  layer = nnx.Linear(0, 8, dot_general=qlayers.QuantGemm("fp8_delayed"),
+                     kernel_init=nnx.initializers.zeros, rngs=nnx.Rngs(0))
+  chex.assert_trees_all_equal(layer(a), want)
+
+
 def test_narrow_inputs_do_not_set_the_output_dtype():
   """FP8 inputs give an output in the compute dtype, not FP8 (where values
   above 448 would become NaN)."""

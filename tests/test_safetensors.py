@@ -282,6 +282,32 @@ def test_errors_name_the_problem(tmp_path):
     checkpoint.read_safetensors(path)
 
 
+def test_write_refuses_a_bare_fp8_array(tmp_path):
+  """A plain E4M3 array has no scale to write beside it, and the reader
+  refuses an FP8 weight without one: refused before anything is written."""
+  w = np.ones((256, 128), np.float32).astype(FP8)
+  for block in ((B, B), None):
+    with pytest.raises(ValueError, match=r"w.weight: .*no scale.*pass a "
+                                         r"QTensor \(payload \+ scales\)"):
+      checkpoint.write_safetensors(tmp_path / "a", {"w.weight": w}, block)
+  assert not (tmp_path / "a").exists()
+
+
+def test_write_takes_an_int_block_as_square(tmp_path):
+  """fp8_block=n is (n, n), as QuantSpec's block_size; other types are
+  refused by name."""
+  w = np.ones((256, 128), np.float32)
+  d = checkpoint.write_safetensors(tmp_path / "a", {"w.weight": w}, 64)
+  config = checkpoint.read_config(d)["quantization_config"]
+  assert config["weight_block_size"] == [64, 64]
+  got = checkpoint.read_safetensors(d, quantized=True)["w.weight"]
+  assert got.block == (64, 64) and got.scale.shape == (4, 2)
+  for bad, err in ((1.5, TypeError), ("128", TypeError), ((B,), ValueError),
+                   (0, ValueError)):
+    with pytest.raises(err, match="fp8_block must be"):
+      checkpoint.write_safetensors(tmp_path / "b", {"w.weight": w}, bad)
+
+
 def _raw(path, header, data=b"\0" * 16):
   """A .safetensors file of ``header`` (any JSON) and ``data``."""
   text = json.dumps(header).encode()

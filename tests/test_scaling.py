@@ -295,6 +295,23 @@ def test_amax_keyword_scales_by_the_given_amax():
                amax=jnp.float32(1.0))
 
 
+def test_wrong_argument_types_are_named():
+  """A format name or None as spec, a list as x, a non-scalar amax and a
+  float axis are refused up front (they failed deep inside, or the axis was
+  stored as 1.0)."""
+  x = jnp.ones((4, 64))
+  for spec in ("e4m3", None):
+    with pytest.raises(TypeError, match="spec must be a QuantSpec"):
+      S.quantize(x, spec)
+  with pytest.raises(TypeError, match="x must be an array"):
+    S.quantize([[1.0, 2.0]], QuantSpec())
+  with pytest.raises(ValueError, match=r"amax must be a scalar.*\(3,\)"):
+    S.quantize(x, QuantSpec(), amax=jnp.ones(3))
+  with pytest.raises(TypeError, match="axis must be an int"):
+    S.quantize(x, QuantSpec(), axis=1.0)
+  assert type(S.quantize(x, QuantSpec(), axis=np.int64(1)).axis) is int
+
+
 def test_deepseek_tile_scales_are_exact_quotients():
   """sf = fl(max(amax, 1e-4) / 448) (DeepGEMM's reference), payload
   x * fl(1 / sf) (DeepGEMM's per_token_cast_to_fp8), on 4096 tiles."""
