@@ -21,7 +21,7 @@ import optax
 from flax import nnx
 
 from qlayers.grad import check_wrt
-from qlayers.layers.core import gemms, update_scales
+from qlayers.layers.core import check_gemm_sharing, gemms, update_scales
 from qlayers.layers.frozen import FrozenWeight
 from qlayers.optim_wrappers import (CastMomentsState, LossScaleState,
                                     MasterWeightsState, SkipState,
@@ -97,6 +97,7 @@ class Optimizer(nnx.Optimizer):
                       f"GradientTransformation, got {type(tx).__name__}"
                       f"{hint}.")
     check_wrt(model, wrt, "qlayers.Optimizer")
+    check_gemm_sharing(model)
     if not jax.tree.leaves(nnx.state(model, wrt)):
       frozen = any(isinstance(v, FrozenWeight) for _, v in nnx.iter_graph(
           model))

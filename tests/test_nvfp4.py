@@ -3,9 +3,12 @@ bit against the NumPy reference, the 16 x 16 weight blocks (w and w.T alike),
 the 16-point Hadamard transform, the step-keyed stochastic rounding, and the
 forward SQNR against MXFP4."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -220,6 +223,28 @@ def test_layers_built_by_hand_get_seeds_from_their_initial_weights():
   layer = qlayers.QuantDense(16, 16, rngs=nnx.Rngs(0), recipe="nvfp4")
   bits = jax.lax.bitcast_convert_type(layer.kernel[...], jnp.uint32)
   assert int(layer.quant.sr_seed[...]) == int(jnp.sum(bits, dtype=jnp.uint32))
+
+
+def test_optimizer_warns_where_hand_made_gemms_share_seeds_or_state():
+  """nnx.Linear(dot_general=QuantGemm("nvfp4")) layers all start at seed 0,
+  and one QuantGemm passed to several layers shares its state: the
+  Optimizer says so; after seed_rounding, with a QuantGemm each, it is
+  silent."""
+  def model(make):
+    return nnx.Sequential(*(nnx.Linear(16, 16, dot_general=make(),
+                                       rngs=nnx.Rngs(i)) for i in range(2)))
+  hand = model(lambda: qlayers.QuantGemm("nvfp4"))
+  with pytest.warns(UserWarning, match="same rounding seed"):
+    qlayers.Optimizer(hand, optax.sgd(0.1))
+  assert seed_rounding(hand, seed=np.int64(3)) == 2
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    qlayers.Optimizer(hand, optax.sgd(0.1))
+  one = qlayers.QuantGemm("fp8_delayed")
+  with pytest.warns(UserWarning, match="dot_general of layers with different"):
+    qlayers.Optimizer(model(lambda: one), optax.sgd(0.1))
+  with pytest.raises(TypeError, match="seed must be an integer"):
+    seed_rounding(hand, seed=1.5)
 
 
 def test_quantize_gives_each_layer_its_own_rounding_seed():

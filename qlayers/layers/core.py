@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 import warnings
 import zlib
 from typing import Iterable, Iterator
@@ -352,6 +353,48 @@ def gemms(model: nnx.Module) -> Iterator[tuple[tuple, QuantGemm]]:
       yield path, node
 
 
+def check_gemm_sharing(model: nnx.Module) -> None:
+  """Warns where the `QuantGemm` state of ``model`` is shared by accident:
+  one stateful QuantGemm (delayed scaling, step-keyed stochastic rounding)
+  serving stock layers that hold different kernels (``dot_general=`` built
+  once and passed to several), which then scale every weight by one amax
+  history and round with one seed; and step-keyed GEMMs whose seeds are
+  equal (QuantGemm made by hand takes 0), which draw the same bits where
+  their shapes are equal. `qlayers.Optimizer` calls it (the warnings'
+  ``stacklevel`` points at its caller)."""
+  kernels: dict[int, tuple[QuantGemm, list[str], set[int]]] = {}
+  for path, node in nnx.iter_graph(model):
+    gemm = getattr(node, "dot_general", None)
+    if not isinstance(gemm, QuantGemm) or not isinstance(
+        getattr(node, "kernel", None), nnx.Variable):
+      continue
+    _, where, ids = kernels.setdefault(id(gemm), (gemm, [], set()))
+    where.append("/".join(map(str, path)) or type(node).__name__)
+    ids.add(id(node.kernel))
+  shared = [where for gemm, where, ids in kernels.values()
+            if len(ids) > 1 and (gemm.delayed or gemm.recipe.sr_key == "step")]
+  if shared:
+    warnings.warn(
+        f"One QuantGemm is the dot_general of layers with different "
+        f"kernels ({'; '.join(', '.join(w) for w in shared)}): they share "
+        "its delayed-scaling state and rounding seed, so each weight is "
+        "scaled by the others' amaxes. Give each layer a QuantGemm of its "
+        "own.", stacklevel=6)
+  seeds = [gemm.sr_seed.get_value() for _, gemm in gemms(model)
+           if gemm.recipe.sr_key == "step"]
+  if any(isinstance(s, jax.core.Tracer) or not isinstance(s, jax.Array)
+         for s in seeds):
+    return
+  flat = [int(v) for s in seeds for v in np.ravel(s)]
+  if len(set(flat)) < len(flat):
+    warnings.warn(
+        "Several GEMMs with step-keyed stochastic rounding have the same "
+        "rounding seed (a QuantGemm made by hand starts at 0), so those of "
+        "equal shapes draw the same bits at every step: call "
+        "qlayers.recipe_rules.seed_rounding(model) once after building it.",
+        stacklevel=6)
+
+
 def seed_rounding(model: nnx.Module, seed: int = 0, *,
                   only: Iterable[QuantGemm] | None = None) -> int:
   """Gives every ``sr_key = "step"`` GEMM of ``model`` its own rounding seed:
@@ -375,6 +418,11 @@ def seed_rounding(model: nnx.Module, seed: int = 0, *,
     ...     model.layers[1].quant.sr_seed[...])
     True
   """
+  try:
+    seed = operator.index(seed)
+  except TypeError:
+    raise TypeError(f"seed_rounding: seed must be an integer, got "
+                    f"{seed!r}.") from None
   n = 0
   chosen = None if only is None else {id(g) for g in only}
   for path, gemm in gemms(model):
