@@ -7,7 +7,8 @@ temporary directory and renames it when complete. `Manager` is orbax's
 saves removed. qlayers adds what orbax lacks (`qlayers._checkpoint_checks`):
 the recipes in the metadata, mismatch errors naming layer and setting,
 params-only loads between plain and quantized models, digests of every
-file. PRNG keys are saved as key data (orbax cannot describe key dtypes).
+file. PRNG keys are saved as key data (orbax cannot describe key dtypes),
+Python scalars in JAX's dtype (orbax's int64 or float64 fit no model).
 Every process calls save and restore; arrays come back with the target's
 shardings. Zero-size arrays hold no data: the target keeps its own.
 
@@ -59,12 +60,44 @@ def _items(model, optimizer) -> dict[str, nnx.State]:
   return items
 
 
+def _key_impl(x):
+  """The PRNG implementation of key array ``x``, or of an abstract target's
+  key (`jax.random.key_impl` takes only arrays)."""
+  return jax.random.key_impl(x if isinstance(x, jax.Array)
+                             else jnp.empty((), x.dtype))
+
+
+def _key_data(x):
+  """Key data of key array ``x``; of an abstract key (``nnx.eval_shape``),
+  its struct, sharded as the keys are (`jax.random.key_data` takes only
+  arrays)."""
+  if isinstance(x, jax.Array):
+    return jax.random.key_data(x)
+  data = jax.eval_shape(jax.random.key_data, x)
+  sharding = getattr(x, "sharding", None)
+  if isinstance(sharding, jax.sharding.NamedSharding):  # data's axes unsplit
+    sharding = jax.sharding.NamedSharding(
+        sharding.mesh, jax.sharding.PartitionSpec(
+            *sharding.spec, *[None] * (data.ndim - len(sharding.spec))),
+        memory_kind=sharding.memory_kind)
+  return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=sharding)
+
+
+def _canonical(x):
+  """``x``, a Python scalar or NumPy value in JAX's dtype: orbax would save
+  ``1.0`` as float64, which no model (x64 off) restores."""
+  if isinstance(x, (bool, int, float, complex, np.ndarray, np.generic)):
+    return np.asarray(x, jax.dtypes.canonicalize_dtype(np.result_type(x)))
+  return x
+
+
 def _tree(state: nnx.State) -> dict:
-  """Nested ``{str: array}`` of the non-empty arrays (keys as key data)."""
+  """Nested ``{str: array}`` of the non-empty arrays (keys as key data,
+  Python scalars in JAX's dtype)."""
   out: dict = {}
   for path, var in nnx.to_flat_state(state):
     x = var.get_value()
-    x = jax.random.key_data(x) if _is_key(x) else x
+    x = _key_data(x) if _is_key(x) else _canonical(x)
     if np.size(x):
       node = out
       for p in path[:-1]:
@@ -77,8 +110,14 @@ def _replace(var, x):
   """``var`` holding ``x`` (key data wrapped as ``var``'s keys were)."""
   old = var.get_value()
   if _is_key(old) and not _is_key(x):  # format 2 restores keys as keys
-    x = jax.random.wrap_key_data(x, impl=jax.random.key_impl(old))
+    x = jax.random.wrap_key_data(x, impl=_key_impl(old))
   return var.replace(x)
+
+
+def _check_optimizer(optimizer) -> None:
+  if optimizer is not None and not isinstance(optimizer, nnx.Optimizer):
+    raise TypeError(f"optimizer must be an nnx.Optimizer, got "
+                    f"{type(optimizer).__name__}.")
 
 
 def _save_args(model, optimizer):
@@ -86,9 +125,7 @@ def _save_args(model, optimizer):
   import orbax.checkpoint as ocp
 
   checks.check_model(model)
-  if optimizer is not None and not isinstance(optimizer, nnx.Optimizer):
-    raise TypeError(f"optimizer must be an nnx.Optimizer, got "
-                    f"{type(optimizer).__name__}.")
+  _check_optimizer(optimizer)
   trees = {name: tree for name, state in _items(model, optimizer).items()
            if (tree := _tree(state))}
   description = {"format": checks.FORMAT, "format_version": checks.VERSION,
@@ -214,7 +251,7 @@ class Manager:
     """`restore` (same keyword arguments) of ``step``, default the latest;
     the result also has ``"step"``."""
     self.wait_until_finished()
-    step = self.latest_step() if step is None else step
+    step = self.latest_step() if step is None else _natural(step, "step", 0)
     if step is None:
       raise FileNotFoundError(f"No checkpoint in {self.directory}.")
     return {**restore(self.directory / str(step), model, **kwargs),
@@ -225,6 +262,7 @@ class Manager:
 
   def delete(self, step: int) -> None:
     """Deletes saved ``step`` (after a rollback, the steps past it)."""
+    step = _natural(step, "step", 0)  # "1" is not step 1 to orbax
     self.wait_until_finished()
     if step not in self.all_steps():
       raise FileNotFoundError(f"No step {step} in {self.directory}; saved: "
@@ -281,10 +319,13 @@ def _reset_quant_state(model: nnx.Module) -> None:
     if node.recipe.sr_key == "step":
       node.sr_step.set_value(jnp.zeros_like(node.sr_step[...]))
     if node.delayed:
-      fresh = nnx.state(QuantGemm(node.recipe, batch_shape=node.x_amax.shape))
+      # The amaxes only: a fresh GEMM's sr_seed is 0, 1, ... (not seeded).
+      amax = lambda path, _: str(path[-1]).endswith(("_amax", "_amax_history"))
+      fresh = nnx.state(QuantGemm(node.recipe, batch_shape=node.x_amax.shape),
+                        amax)
       nnx.update(node, jax.tree.map(
           lambda f, o: jax.device_put(f, o.sharding)
-          if isinstance(o, jax.Array) else f, fresh, nnx.state(node)))
+          if isinstance(o, jax.Array) else f, fresh, nnx.state(node, amax)))
 
 
 def _placeable(x, path):
@@ -324,6 +365,7 @@ def restore(path: str | os.PathLike, model: nnx.Module, *,
   import orbax.checkpoint as ocp
 
   checks.check_model(model)
+  _check_optimizer(optimizer)
   if params_only not in (None, True, False):
     raise TypeError("params_only must be None, True or False.")
   meta = read_metadata(path)

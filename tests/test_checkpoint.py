@@ -19,6 +19,7 @@ from flax import nnx
 import qlayers
 from qlayers import checkpoint
 from qlayers.checkpoint import CheckpointCorruptError, CheckpointMismatchError
+from qlayers.recipe import from_dict
 
 RECIPE = qlayers.recipe("fp8_delayed", amax_history_len=16)
 X = jax.random.normal(jax.random.key(0), (16, 32))
@@ -388,6 +389,14 @@ def test_save_refuses_to_overwrite(tmp_path):
     checkpoint.save(tmp_path / "d", {"w": jnp.ones(2)})
 
 
+def test_restore_refuses_what_is_not_an_optimizer(tmp_path):
+  model = Net()
+  checkpoint.save(tmp_path / "c", model)
+  with pytest.raises(TypeError, match="optimizer must be an nnx.Optimizer, "
+                     "got Net"):
+    checkpoint.restore(tmp_path / "c", model, optimizer=model)
+
+
 # ----------------------------------------------------------------------------
 # PRNG keys (issue 24, item 6)
 
@@ -430,6 +439,43 @@ def test_prng_keys_round_trip_with_and_without_a_mesh(tmp_path):
       # The next dropout mask is the one the source draws.
       np.testing.assert_array_equal(np.asarray(target.drop(ones)),
                                     np.asarray(source.drop(ones)))
+
+
+def test_prng_keys_restore_into_an_abstract_target(tmp_path):
+  """An nnx.eval_shape target holds its keys abstract: key_data refused
+  them, so no model with a Dropout restored that way."""
+  source = Dropped(3)
+  source.drop.rngs.count[...] = jnp.uint32(5)
+  checkpoint.save(tmp_path / "c", source)
+  target = nnx.eval_shape(lambda: Dropped(4))
+  checkpoint.restore(tmp_path / "c", target)
+  assert_same(nnx.state(source), nnx.state(target))
+  ones = jnp.ones((4, 8))
+  np.testing.assert_array_equal(np.asarray(target.drop(ones)),
+                                np.asarray(source.drop(ones)))
+
+
+class Count(nnx.Variable):
+  pass
+
+
+class Scalars(nnx.Module):
+  """Variables holding Python scalars, as Flax's NNX examples make them."""
+
+  def __init__(self, temperature=1.0, calls=0):
+    self.temperature = nnx.Param(temperature)
+    self.calls = Count(calls)
+
+
+def test_python_scalar_variables_round_trip(tmp_path):
+  # Orbax saved 1.0 and 0 as float64 and int64, which no model (x64 off)
+  # restored: the checkpoint never fit the model that wrote it.
+  checkpoint.save(tmp_path / "c", Scalars(1.5, 7))
+  target = Scalars()
+  checkpoint.restore(tmp_path / "c", target)
+  assert target.temperature[...] == 1.5 and target.calls[...] == 7
+  assert (np.dtype(target.temperature[...].dtype),
+          np.dtype(target.calls[...].dtype)) == (np.float32, np.int32)
 
 
 # ----------------------------------------------------------------------------
@@ -598,6 +644,22 @@ def test_manager_refuses_steps_out_of_order_until_the_later_are_deleted(
   checkpoint.Manager(tmp_path / "k", max_to_keep=np.int64(3)).close()
 
 
+def test_manager_delete_and_restore_take_integer_steps(tmp_path):
+  # delete("1") said "No step 1 ...; saved: [1]".
+  model = Scalars()
+  with checkpoint.Manager(tmp_path) as m:
+    for step in (1, 2):
+      m.save(step, model)
+    for bad in ("1", 1.0):
+      with pytest.raises(TypeError, match="step must be an integer"):
+        m.delete(bad)
+      with pytest.raises(TypeError, match="step must be an integer"):
+        m.restore(model, step=bad)
+    assert type(m.restore(model, step=np.int64(1))["step"]) is int
+    m.delete(jnp.int32(1))
+    assert m.all_steps() == [2]
+
+
 def test_params_only_restarts_the_rounding_counter(tmp_path):
   model = qlayers.QuantDense(32, 32, recipe="nvfp4", rngs=nnx.Rngs(0))
   checkpoint.save(tmp_path / "c", model)
@@ -607,6 +669,29 @@ def test_params_only_restarts_the_rounding_counter(tmp_path):
                             params_only=True)["restored"] == "params_only"
   assert (int(model.quant.sr_step[...]), int(model.quant.sr_seed[...])) == (
       0, seed)
+
+
+def test_params_only_keeps_the_seeds_of_a_delayed_recipe(tmp_path):
+  """Delayed scaling's reset took a fresh QuantGemm's state, seeds (0)
+  included: equal-shaped layers then rounded alike."""
+  e4m3, e5m2 = {"format": "e4m3"}, {"format": "e5m2",
+                                    "rounding": "stochastic"}
+  recipe = from_dict({"name": "fp8_delayed_sr", "scaling": "delayed",
+                      "amax_history_len": 16, "sr_key": "step",
+                      "defaults": {"granularity": "tensor"},
+                      "fprop": {"x": e4m3, "w": e4m3},
+                      "dgrad": {"g": e5m2, "w": e4m3},
+                      "wgrad": {"x": e4m3, "g": e5m2}})
+  model = qlayers.QuantDense(16, 16, recipe=recipe, rngs=nnx.Rngs(0))
+  checkpoint.save(tmp_path / "c", model)
+  s = model.quant
+  seed = int(s.sr_seed[...])
+  assert seed not in (0, 1)  # seeded from the weights
+  s.sr_step.set_value(jnp.uint32(3))
+  s.x_amax_history.set_value(jnp.ones_like(s.x_amax_history[...]))
+  checkpoint.restore(tmp_path / "c", model, params_only=True)
+  assert (int(s.sr_step[...]), int(s.sr_seed[...])) == (0, seed)
+  assert not np.any(np.asarray(s.x_amax_history[...]))  # fresh
 
 
 def test_delayed_settings_do_not_block_a_restore_between_current_recipes(
