@@ -197,13 +197,60 @@ def _qmm_forward(plan: Plan, gather, x, w, state, key):
 def _qmm_fwd(plan: Plan, dtypes, x, w, state, key):
   if state is not None:
     _warn_if_gradient_amax_lost(plan.recipe, x, w, state)
-  y, new_state, res = _forward(plan, dtypes[4], x.value, w.value,
-                               _values(state), _values(key))
+  x, w = x.value, w.value
+  if _quantizes(plan):  # an outer derivative reaches the rules through x, w
+    x, w = _guarded((x, w))
+  y, new_state, res = _forward(plan, dtypes[4], x, w, _values(state),
+                               _values(key))
   return (y, new_state), res
+
+
+@jax.custom_jvp
+def _first_order_only(leaves):
+  """``leaves`` unchanged; differentiating them is an error. The rules of a
+  quantized GEMM are not derivatives to differentiate again: their quantize
+  casts round tangents to FP8 and give FP4/FP6 codes none at all, so second
+  derivatives through them (``jax.hessian``, grad of grad, Hessian-vector
+  products) came out silently wrong (zero for MXFP4 and NVFP4). An input of
+  the forward or backward rule with a tangent means an outer derivative
+  reaches them."""
+  return leaves
+
+
+@_first_order_only.defjvp
+def _first_order_only_jvp(primals, tangents):
+  del primals, tangents
+  raise TypeError(
+      "A quantized GEMM has no second derivative: its backward pass "
+      "quantizes, and differentiating that again (jax.hessian, grad of "
+      "grad, Hessian-vector products, gradient penalties) would give wrong "
+      "numbers. Take second-order terms of a wide copy of the model "
+      "(qlayers.dequantize_model(model, inplace=False)) or under recipe "
+      "'bf16'.")
+
+
+def _quantizes(plan: Plan) -> bool:
+  """Whether any GEMM of ``plan`` quantizes an operand (``bf16``, ``fp16``:
+  none, and their second derivatives are the wide dots')."""
+  return any(op.spec is not None for gemm in (plan.fprop, plan.dgrad,
+                                              plan.wgrad)
+             for op in (gemm.lhs, gemm.rhs))
+
+
+def _guarded(tree):
+  """``tree`` with its float leaves through `_first_order_only`."""
+  leaves, treedef = jax.tree.flatten(tree)
+  at = [i for i, x in enumerate(leaves)
+        if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
+  for i, x in zip(at, _first_order_only([leaves[i] for i in at])):
+    leaves[i] = x
+  return jax.tree.unflatten(treedef, leaves)
 
 
 def _qmm_bwd(plan: Plan, dtypes, res, cts):
   g, out_ct = cts
+  if _quantizes(plan) and not isinstance(g, SymbolicZero):
+    g, res = _guarded((g, res))
   # The later uses' gradient amax: the cotangent of the g amax passed on.
   later = out_ct["g"].amax if plan.recipe.delayed else None
   later = None if isinstance(later, SymbolicZero) else later

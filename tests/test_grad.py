@@ -240,3 +240,29 @@ def test_average_grads_divides_the_params_and_keeps_the_amaxes():
   assert float(mean["quant"]["g_amax"][...]) == 3.0
   with pytest.raises(ValueError, match="positive int"):
     qlayers.average_grads(total, 0)
+
+
+@pytest.mark.parametrize("recipe", ["fp8_current", "mxfp4"])
+def test_second_derivatives_of_a_quantized_gemm_are_refused(recipe):
+  """jax.hessian / grad of grad through a quantized GEMM differentiated its
+  rules' quantize casts: wrong Hessians, all zero for MXFP4. Now an error;
+  a wide recipe keeps its exact second derivative."""
+  def loss(recipe):
+    layer = qlayers.QuantDense(16, 8, use_bias=False, recipe=recipe,
+                               rngs=nnx.Rngs(0))
+    layer.eval()
+    graphdef, state = nnx.split(layer)
+    kernel = layer.kernel[...]
+    return (lambda x: jnp.sum(nnx.merge(graphdef, state)(x) ** 2)), kernel
+
+  f, _ = loss(recipe)
+  x = jnp.linspace(-1.0, 1.0, 16)
+  assert jax.grad(f)(x).shape == (16,)  # first order as before
+  with pytest.raises(TypeError, match="no second derivative"):
+    jax.hessian(f)(x)
+  with pytest.raises(TypeError, match="no second derivative"):
+    jax.grad(lambda x: jnp.sum(jax.grad(f)(x) ** 2))(x)
+  wide, kernel = loss("bf16")
+  want = 2 * kernel @ kernel.T
+  np.testing.assert_allclose(jax.hessian(wide)(x), want, rtol=0.02,
+                             atol=0.02 * float(jnp.abs(want).max()))
