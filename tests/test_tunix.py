@@ -330,3 +330,30 @@ def test_requantizing_a_drop_in_says_to_rebuild_not_to_dequantize():
       "btd,dnh->btnh", (32, 2, 16), recipe="fp8_current", rngs=nnx.Rngs(0)))
   report = qlayers.quantize(net, "mxfp8", rules=())
   assert "rebuild the model" in report.already_quantized[0].reason
+
+
+def test_keep_wide_rules_of_inspect_match_a_moe_layer(tunix_numpy):
+  """A Tunix MoE layer holds three GEMMs; inspect names them
+  ``layers/0/mlp:gate_quant`` and its rules keep the layer (``layers/0/mlp``)
+  wide (they named ``layers/0/mlp/gate_quant``, which no module path is)."""
+  del tunix_numpy
+
+  def moe():
+    cfg = qwen3.ModelConfig(
+        num_layers=1, vocab_size=64, embed_dim=32, hidden_dim=64,
+        num_heads=2, head_dim=16, num_kv_heads=1, rope_theta=10_000,
+        norm_eps=1e-6, num_experts=2, num_experts_per_tok=1)
+    return qwen3.Qwen3(cfg, rngs=nnx.Rngs(0))
+
+  def loss(m, tokens):
+    i = _model_inputs({"input_tokens": tokens})
+    logits, _ = m(tokens, i["positions"], None, i["attention_mask"])
+    return jnp.mean(jax.nn.logsumexp(logits, -1))
+
+  model = moe()
+  qtunix.quantize(model, "mxfp8")
+  report = qlayers.inspect.collect(model, loss, _tokens()[0]["input_tokens"])
+  assert "layers/0/mlp:gate_quant[0]" in qlayers.inspect.gradient_noise(report)
+  rules = qlayers.inspect.noise_fallback(report, 1e-9)  # every layer wide
+  converted = qtunix.quantize(moe(), "mxfp8", rules).converted
+  assert not converted, [c.path for c in converted]

@@ -12,6 +12,7 @@ the tap knows which layer it runs for.
 from __future__ import annotations
 
 import collections
+import re
 
 from flax import nnx
 
@@ -32,11 +33,24 @@ def layer_path(path: tuple) -> str:
 def gemm_paths(model: nnx.Module) -> dict[str, core.QuantGemm]:
   """``{layer path: QuantGemm}`` of ``model`` (each shared one once); a
   layer of several GEMMs (``QuantTunixMoE``: ``gate_quant``, ``up_quant``,
-  ``down_quant``) names each by its attribute too."""
+  ``down_quant``) names each by its attribute too, after a colon
+  (``layers/0/mlp:gate_quant``): rules match the layer (`rule_path`)."""
   found = list(core.gemms(model))
   owners = collections.Counter(layer_path(p) for p, _ in found)
   return {layer_path(p) if owners[layer_path(p)] == 1
-          else "/".join(map(str, p)): g for p, g in found}
+          else f"{layer_path(p)}:{p[-1]}": g for p, g in found}
+
+
+def rule_path(name: str) -> str:
+  """The module path a `qlayers.Rule` matches for a row of the reports: an
+  iteration's or expert's row (``blocks/mlp[2][3]``) and a GEMM of a layer
+  of several (``layers/0/mlp:gate_quant``) are their layer's.
+
+  Example:
+    >>> rule_path("layers/0/mlp:down_quant[1]"), rule_path("blocks/up[2]")
+    ('layers/0/mlp', 'blocks/up')
+  """
+  return re.sub(r"(\[\d+\])+$", "", name).split(":", 1)[0]
 
 
 def label(model: nnx.Module) -> list[str]:

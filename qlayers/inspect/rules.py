@@ -18,10 +18,10 @@ from __future__ import annotations
 import json
 import math
 import pathlib
-import re
 from typing import Iterable, Sequence
 
 from qlayers import convert
+from qlayers.inspect import _tap
 from qlayers.inspect.masked import GEMMS
 from qlayers.inspect.report import Report, dump_json
 from qlayers.inspect.sensitivity import _recipe_name, keep_wide_pattern
@@ -116,10 +116,10 @@ def noise_fallback(reports: Report | Iterable[Report],
     raise ValueError(f"threshold must be a positive finite fraction of the "
                      f"gradient norm, got {threshold!r}.")
   rules = convert.DEFAULT_RULES if rules is None else tuple(rules)
-  # An expert's or an iteration's row (``moe[3]``, ``blocks.mlp[2][3]``) is
-  # its layer's: rules match layer paths.
+  # Rules match layer paths (an expert's, an iteration's or one GEMM's row
+  # is its layer's).
   noisy = list(dict.fromkeys(
-      re.sub(r"(\[\d+\])+$", "", p)
+      _tap.rule_path(p)
       for p, r in gradient_noise(reports, gemm=gemm).items() if r > threshold))
   if not noisy:
     return rules

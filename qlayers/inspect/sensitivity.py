@@ -257,7 +257,7 @@ class _Masked:
                                 masks=self.masks, **grouped)
 
 
-def _pass(graphdef, loss_fn, paths, masks, state, mask, batch):
+def _pass(graphdef, loss_fn, index, masks, state, mask, batch):
   model = nnx.merge(graphdef, state)
   _tap.label(model)
 
@@ -271,7 +271,6 @@ def _pass(graphdef, loss_fn, paths, masks, state, mask, batch):
   # The gradient amax of delayed recipes is differentiated (as a training
   # step does), then dropped: only the Params' gradients are compared.
   wrt = nnx.DiffState(0, (nnx.Param, QuantGradState))
-  index = {p: i for i, p in enumerate(paths)}
   with _tap.tapping(_Masked(index, mask, masks)):
     value, grads = nnx.value_and_grad(loss, argnums=wrt)(model)
   return value, nnx.as_pure(nnx.state(grads, nnx.Param))
@@ -290,13 +289,13 @@ def _grad_sqnr(ref, grads) -> jax.Array:
 class _Evaluator:
   """Runs the masked pass on every batch, against the unquantized pass."""
 
-  def __init__(self, graphdef, state, loss_fn, paths, batches, grads,
+  def __init__(self, graphdef, state, loss_fn, index, n, batches, grads,
                masks):
     # Compiled for this `sensitivity` call only (the mask is traced: one
     # program serves every mask); nothing is cached on ``loss_fn``.
     self.run = jax.jit(functools.partial(_pass, graphdef, loss_fn,
-                                         tuple(paths), masks))
-    self.state, self.paths = state, tuple(paths)
+                                         index, masks))
+    self.state, self.n = state, n
     self.batches, self.grads = batches, grads
     self.ref = None
 
@@ -305,8 +304,7 @@ class _Evaluator:
 
   def reference(self) -> float:
     """Mean loss with nothing quantized; keeps its gradients (if measured)."""
-    n = len(self.paths)
-    out = [self._pass(np.zeros((n, 3)), b) for b in self.batches]
+    out = [self._pass(np.zeros((self.n, 3)), b) for b in self.batches]
     if self.grads:
       self.ref = [g for _, g in out]
     return float(np.mean([float(loss) for loss, _ in out]))
@@ -398,11 +396,16 @@ def sensitivity(model: nnx.Module, loss_fn: Callable[..., jax.Array],
                      "nothing to measure.")
   batches = _as_batches(batches)
   work, used_rules = _working_copy(model, recipe, rules)
-  paths = [p for p, g in _tap.gemm_paths(work).items() if g.recipe.quantized]
-  if not paths:
+  labels = [p for p, g in _tap.gemm_paths(work).items()
+            if g.recipe.quantized]
+  if not labels:
     raise ValueError("No layer of the model was quantized by "
                      f"qlayers.quantize(model, {recipe.name!r}, rules); "
                      "nothing to measure.")
+  # The candidates are layers, what a rule keeps wide: a layer of several
+  # GEMMs (a Tunix MoE's gate, up and down) is one, its GEMMs masked alike.
+  paths = list(dict.fromkeys(map(_tap.rule_path, labels)))
+  index = {p: paths.index(_tap.rule_path(p)) for p in labels}
   n = len(paths)
   max_wide = max(1, n // 4) if max_wide is None else max_wide
   if not 1 <= max_wide <= n:
@@ -412,7 +415,8 @@ def sensitivity(model: nnx.Module, loss_fn: Callable[..., jax.Array],
   masks = ((0, 0, 0), (1, 1, 1))
   if gemms:
     masks += ((1, 0, 0), (0, 1, 0), (0, 0, 1))
-  run = _Evaluator(graphdef, state, loss_fn, paths, batches, grads, masks)
+  run = _Evaluator(graphdef, state, loss_fn, index, n, batches, grads,
+                   masks)
 
   wide_loss = run.reference()
   all_loss, all_sqnr = run(np.ones((n, 3)))
