@@ -358,6 +358,12 @@ def _check_settings(r: Recipe, keys, source: str) -> None:
         f"{source}: sets {', '.join(delayed_only)}, which only delayed "
         f"scaling reads, but scaling is {r.scaling!r}: drop them, or set "
         'scaling = "delayed".')
+  if ("save_quantized_wgrad_input" in keys and r.save_quantized_wgrad_input
+      and r.quantized and r.wgrad.lhs is None):
+    raise ValueError(
+        f"{source}: sets save_quantized_wgrad_input, but Wgrad's x is not "
+        "quantized, so there is no quantized copy to save: drop it, or "
+        "quantize [wgrad] x.")
   quant_only = [k for k in keys if k in _QUANT_ONLY_KEYS or k == "[defaults]"]
   if quant_only and not r.quantized:
     raise ValueError(

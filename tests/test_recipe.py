@@ -321,6 +321,18 @@ def test_delayed_settings_on_another_scaling_are_refused(tmp_path):
     qlayers.recipe(path)
 
 
+def test_saving_a_wgrad_input_that_is_not_quantized_is_refused(tmp_path):
+  # Accepted and read by nothing: the Wgrad input stayed wide.
+  path = tmp_path / "fprop_only.toml"
+  body = '[defaults]\nformat = "e4m3"\n[fprop]\nx = {}\nw = {}\n'
+  path.write_text("save_quantized_wgrad_input = true\n" + body)
+  with pytest.raises(ValueError, match="save_quantized_wgrad_input, but "
+                     "Wgrad's x is not quantized"):
+    qlayers.recipe(path)
+  path.write_text("save_quantized_wgrad_input = false\n" + body)
+  assert not qlayers.recipe(path).save_quantized_wgrad_input
+
+
 def test_numpy_scalar_fields_are_stored_as_python_values():
   # np.int64(16) passed the type check, trained, and then failed the
   # checkpoint's JSON description.
