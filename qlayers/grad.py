@@ -22,6 +22,7 @@ training step under ``nnx.jit`` for speed.
 from __future__ import annotations
 
 import functools
+import operator
 from typing import Any, Callable
 
 import jax
@@ -210,8 +211,13 @@ def average_grads(total: nnx.State, n: int) -> nnx.State:
   if not isinstance(total, nnx.State):
     raise TypeError(f"average_grads(total, n): total must be an nnx.State "
                     f"of gradients, got {type(total).__name__}.")
-  if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+  try:  # any integer (NumPy's too), not a bool
+    count = -1 if isinstance(n, bool) else operator.index(n)
+  except TypeError:
+    count = -1
+  if count < 1:
     raise ValueError(f"average_grads: n must be a positive int, got {n!r}.")
+  n = count
   amaxes, rest = nnx.split_state(total, QuantGradState, ...)
   return nnx.merge_state(jax.tree.map(lambda g: g / n, rest), amaxes)
 

@@ -19,8 +19,10 @@ in its own format) for export with `qlayers.checkpoint.write_safetensors`.
 from __future__ import annotations
 
 import math
+import operator
 import os
 import pathlib
+import re
 import warnings
 from typing import Callable, Iterator
 
@@ -70,11 +72,12 @@ def _gemm_dims(layer) -> tuple[int, int] | None:
 
 def add_lora(model: nnx.Module, rank: int, *, rngs: nnx.Rngs,
              param_dtype=jnp.bfloat16, dtype=None,
-             where: Callable[[str], bool] | None = None) -> int:
+             where: Callable[[str], bool] | str | None = None) -> int:
   """Adds an ``nnx.LoRA`` adapter of rank ``rank`` at ``.lora`` of every
   `qlayers.QuantDense`, `qlayers.QuantLinearGeneral` and `qlayers.QuantEinsum`
-  in ``model`` (those whose dotted path ``where`` accepts), in place;
-  returns how many.
+  in ``model`` (those whose dotted path ``where`` accepts: a function of
+  it, or a regular expression searched in it), in place; returns how
+  many.
 
   ``lora_a`` is initialised by ``nnx.LoRA`` (He uniform) and ``lora_b`` to
   zero, so the model's outputs do not change until it trains. ``dtype``: the
@@ -97,8 +100,17 @@ def add_lora(model: nnx.Module, rank: int, *, rngs: nnx.Rngs,
     ...     nnx.state(layer, nnx.LoRAParam))}
     {('lora', 'lora_a'): (64, 4), ('lora', 'lora_b'): (4, 32)}
   """
+  try:
+    rank = operator.index(rank)
+  except TypeError:
+    raise TypeError(f"rank must be an int, got {rank!r}.") from None
   if rank < 1:
     raise ValueError(f"rank must be >= 1, got {rank}.")
+  if isinstance(where, str):
+    where = re.compile(where).search
+  elif where is not None and not callable(where):
+    raise TypeError(f"where must be a function of the dotted path or a "
+                    f"regular expression, got {where!r}.")
   found = [(_path(p), n) for p, n in nnx.iter_graph(model)
            if isinstance(n, QuantLayer) and (where is None or where(_path(p)))]
   todo, refused = [], []

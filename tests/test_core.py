@@ -346,3 +346,10 @@ def test_eval_and_train_keep_the_graph_a_jitted_step_is_keyed_on():
   m.eval()
   m.train()
   assert nnx.graphdef(m) == before
+
+
+def test_quant_gemm_takes_an_int_batch_shape():
+  # As jnp.zeros takes a shape (was: 'int' object is not iterable).
+  gemm = qlayers.QuantGemm("fp8_delayed", batch_shape=3)
+  assert gemm.x_amax.shape == qlayers.QuantGemm(
+      "fp8_delayed", batch_shape=(3,)).x_amax.shape == (3,)

@@ -266,3 +266,15 @@ def test_second_derivatives_of_a_quantized_gemm_are_refused(recipe):
   want = 2 * kernel @ kernel.T
   np.testing.assert_allclose(jax.hessian(wide)(x), want, rtol=0.02,
                              atol=0.02 * float(jnp.abs(want).max()))
+
+
+def test_average_grads_takes_any_integer_count():
+  grads = nnx.State({"w": nnx.Param(jnp.full((2,), 4.0))})
+  assert average_grads_w(grads, np.int64(2)) == [2.0, 2.0]
+  for bad in (0, 2.0, True):
+    with pytest.raises(ValueError, match="n must be a positive int"):
+      qlayers.average_grads(grads, bad)
+
+
+def average_grads_w(grads, n):
+  return qlayers.average_grads(grads, n)["w"][...].tolist()

@@ -180,3 +180,14 @@ def test_logits_rank0_input_is_a_type_error():
       head(jnp.float32(1.0))
     with pytest.raises(TypeError, match="got a scalar"):
       head.loss(jnp.float32(1.0), jnp.zeros((), jnp.int32))
+
+
+def test_wrong_embed_and_chunk_size_are_named():
+  with pytest.raises(TypeError, match="embed must be the nnx.Embed"):
+    qlayers.QuantLogits(embed=nnx.Linear(4, 8, rngs=nnx.Rngs(0)))
+  head = qlayers.QuantLogits(8, 16, rngs=nnx.Rngs(0))
+  x, labels = jnp.ones((1, 4, 8)), jnp.zeros((1, 4), jnp.int32)
+  with pytest.raises(TypeError, match="chunk_size must be an int"):
+    head.loss(x, labels, chunk_size=2.0)
+  np.testing.assert_allclose(head.loss(x, labels, chunk_size=np.int64(2)),
+                             head.loss(x, labels), rtol=1e-6)

@@ -231,3 +231,17 @@ def test_add_lora_names_a_stack_of_dense_layers_and_leaves_it():
     assert qlayers.add_lora(model, 2, rngs=nnx.Rngs(2)) == 1
   assert getattr(model.blocks, "lora", None) is None
   assert model.head.lora is not None
+
+
+def test_add_lora_takes_a_pattern_and_names_a_bad_rank():
+  """``where`` as a regular expression (as a Rule's pattern), and a float
+  rank refused by name (was: 'str' object is not callable, and nnx.LoRA's
+  shape error)."""
+  model = nnx.Sequential(
+      qlayers.QuantDense(16, 16, recipe="fp8_current", rngs=nnx.Rngs(0)),
+      qlayers.QuantDense(16, 16, recipe="fp8_current", rngs=nnx.Rngs(1)))
+  assert qlayers.add_lora(model, 2, rngs=nnx.Rngs(2), where=r"\.1$") == 1
+  assert getattr(model.layers[0], "lora", None) is None
+  assert model.layers[1].lora is not None
+  with pytest.raises(TypeError, match="rank must be an int"):
+    qlayers.add_lora(model, 2.0, rngs=nnx.Rngs(2))

@@ -92,6 +92,8 @@ class QuantGemm(nnx.Module):
     self.recipe = load_recipe(recipe)
     self.backend = check_backend(backend)
     self._eval = bool(use_running_average)
+    if isinstance(batch_shape, int):  # as jnp.zeros takes a shape
+      batch_shape = (batch_shape,)
     state = ops.init_state(self.recipe, tuple(batch_shape))
     # Replicated over the mesh being built under (if any), whatever the
     # layout of the Params.

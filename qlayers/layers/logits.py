@@ -4,6 +4,7 @@ chunked cross-entropy that never materialises the full logits."""
 from __future__ import annotations
 
 import math
+import operator
 from types import MappingProxyType
 from typing import Any, Mapping
 
@@ -103,6 +104,9 @@ class QuantLogits(QuantLayer, nnx.Module):
                bias_metadata: Mapping[str, Any] = MappingProxyType({}),
                rngs: nnx.Rngs | None = None,
                recipe: Recipe | str = "bf16", backend: str | None = None):
+    if embed is not None and not isinstance(embed, nnx.Embed):
+      raise TypeError(f"embed must be the nnx.Embed whose table the head "
+                      f"ties to, got {type(embed).__name__}.")
     if embed is not None:
       vocab, d = embed.embedding.shape
       if in_features not in (None, d) or vocab_size not in (None, vocab):
@@ -216,8 +220,14 @@ class QuantLogits(QuantLayer, nnx.Module):
       raise ValueError(f"mask shape {mask.shape} != labels shape "
                        f"{labels.shape}.")
     mask = mask.astype(jnp.float32)
-    if chunk_size is not None and chunk_size < 1:
-      raise ValueError(f"chunk_size must be positive, got {chunk_size}.")
+    if chunk_size is not None:
+      try:
+        chunk_size = operator.index(chunk_size)
+      except TypeError:
+        raise TypeError(f"chunk_size must be an int or None, got "
+                        f"{chunk_size!r}.") from None
+      if chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}.")
 
     kernel, bias, state = self._weights()
     with self.quant.writing_state("matmul (of a QuantLogits)"):
