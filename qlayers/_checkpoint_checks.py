@@ -8,7 +8,7 @@ directory and renames it when complete; `path_class` extends that directory
 to write the digests just before the rename, so they are part of what
 orbax makes atomic. The rename step itself rewrites ``_CHECKPOINT_METADATA``
 (a timestamp) and writes ``commit_success.txt``: those two are covered by
-the digest of the description instead. Format 2 (qlayers 0.2) digested
+the digest of the description instead. Format 2 (qlayers 0.2, before format 3) digested
 every file after orbax's rename; it still reads.
 """
 

@@ -29,8 +29,8 @@ ops) forces a backend: one input of the plan, like the others.
 
 Under a mesh with auto axes, quantized GEMMs run through `qlayers.partition`
 (each device its local GEMM; FSDP weights gathered as payloads): always for
-``ffi``, and for ``xla`` unless ``QLAYERS_QUANTIZED_GATHER=0`` (see
-`qlayers.sharding`).
+``ffi``, and for ``xla`` unless traced inside
+``qlayers.sharding.gather_payloads(False)``.
 """
 
 from __future__ import annotations
