@@ -319,12 +319,14 @@ def test_eval_mode_runs_inside_a_loop_nnx_does_not_see():
 
   @nnx.jit
   def decode(m, x):
-    return jax.lax.fori_loop(0, 3, lambda _, h: jnp.tanh(m(h)), x)
+    return jax.lax.fori_loop(0, 3, lambda _, h: m(h) * 0.5, x)
 
+  # No tanh between the steps: XLA's fused tanh may differ from the eager
+  # one by an ulp (jax 0.12); halving is exact.
   x = jax.random.normal(jax.random.key(0), (2, 8))
   want = x
   for _ in range(3):
-    want = jnp.tanh(m(want))
+    want = m(want) * 0.5
   np.testing.assert_array_equal(decode(m, x), want)
   after = pure(nnx.state(m, qlayers.QuantVariable))
   for k in before:
