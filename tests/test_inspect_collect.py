@@ -202,3 +202,11 @@ def test_einsum_experts_in_a_scan_are_named_by_layer_and_expert():
     for e in range(3):
       got = rep.row(f"moe[{i}][{e}]", "w").amax
       assert got == pytest.approx(float(np.abs(w[i, e]).max()), rel=1e-6)
+
+
+def test_an_empty_batch_is_named_in_the_reason_nothing_was_measured():
+  layer = qlayers.QuantDense(40, 24, recipe="mxfp8", rngs=nnx.Rngs(0))
+  rep = qlayers.inspect.collect(layer, lambda m, x: jnp.sum(m(x) ** 2),
+                                jnp.ones((0, 40)))
+  assert not rep.rows
+  assert "empty batch" in dict(rep.skipped)["(model)"]

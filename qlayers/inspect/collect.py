@@ -399,4 +399,5 @@ def _why(gemm: QuantGemm) -> str:
   if not gemm.recipe.quantized:
     return f"recipe {gemm.recipe.name!r} quantizes nothing"
   return ("its GEMM did not run through QuantGemm in loss_fn (not called, "
-          "or a layer such as QuantLogits that runs the op itself)")
+          "called on an empty batch, which has nothing to measure, or a "
+          "layer such as QuantLogits that runs the op itself)")
