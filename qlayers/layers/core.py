@@ -261,7 +261,8 @@ class QuantGemm(nnx.Module):
           "jax's, and call this GEMM directly rather than through "
           "jnp.einsum(..., _dot_general=...) (which runs it under its own "
           "jit; QuantEinsum and QuantExpertsEinsum call it directly), or use "
-          "a recipe without state (fp8_current, mxfp8).") from e
+          "a recipe without state (fp8_current, mxfp8), which per-example "
+          "gradients (nnx.vmap over a broadcast model) need too.") from e
 
 
 def _warn_if_steps_never_ended(gemm: QuantGemm) -> None:
