@@ -168,7 +168,7 @@ def test_tunix_moe_quantized_step_updates_experts_and_their_scales(tunix_moe):
   # qlayers.inspect tells its three grouped GEMMs apart.
   from qlayers.inspect import _tap  # pylint: disable=g-import-not-at-top
   assert set(_tap.gemm_paths(model)) == {
-      "mlp/gate_quant", "mlp/up_quant", "mlp/down_quant"}
+      "mlp:gate_quant", "mlp:up_quant", "mlp:down_quant"}
 
 
 # qlayers.inspect sees the grouped GEMMs (QuantRaggedDot), one site per
