@@ -97,7 +97,13 @@ def _tree(state: nnx.State) -> dict:
   out: dict = {}
   for path, var in nnx.to_flat_state(state):
     x = var.get_value()
-    x = _key_data(x) if _is_key(x) else _canonical(x)
+    try:
+      x = _key_data(x) if _is_key(x) else _canonical(x)
+    except OverflowError:
+      raise ValueError(
+          f"{'/'.join(map(str, path))} holds {x!r}, which does not fit "
+          f"JAX's {jax.dtypes.canonicalize_dtype(np.result_type(x))} (64-bit "
+          "values are off): hold it as an array of an explicit dtype.") from None
     if np.size(x):
       node = out
       for p in path[:-1]:

@@ -72,11 +72,13 @@ def _gemm_dims(layer) -> tuple[int, int] | None:
 
 def add_lora(model: nnx.Module, rank: int, *, rngs: nnx.Rngs,
              param_dtype=jnp.bfloat16, dtype=None,
-             where: Callable[[str], bool] | str | None = None) -> int:
+             where: Callable[[str], bool] | str | re.Pattern | None = None
+             ) -> int:
   """Adds an ``nnx.LoRA`` adapter of rank ``rank`` at ``.lora`` of every
   `qlayers.QuantDense`, `qlayers.QuantLinearGeneral` and `qlayers.QuantEinsum`
-  in ``model`` (those whose dotted path ``where`` accepts: a function of
-  it, or a regular expression searched in it), in place; returns how
+  in ``model`` (those ``where`` accepts: a function of the dotted path,
+  ``"blocks.0.mlp"``, or a regular expression searched in the path joined
+  by ``/``, as a `qlayers.Rule`'s pattern is), in place; returns how
   many.
 
   ``lora_a`` is initialised by ``nnx.LoRA`` (He uniform) and ``lora_b`` to
@@ -100,14 +102,16 @@ def add_lora(model: nnx.Module, rank: int, *, rngs: nnx.Rngs,
     ...     nnx.state(layer, nnx.LoRAParam))}
     {('lora', 'lora_a'): (64, 4), ('lora', 'lora_b'): (4, 32)}
   """
-  try:
-    rank = operator.index(rank)
+  try:  # any integer (NumPy's too), not a bool
+    count = -1 if isinstance(rank, bool) else operator.index(rank)
   except TypeError:
-    raise TypeError(f"rank must be an int, got {rank!r}.") from None
-  if rank < 1:
-    raise ValueError(f"rank must be >= 1, got {rank}.")
-  if isinstance(where, str):
-    where = re.compile(where).search
+    count = -1
+  if count < 1:
+    raise ValueError(f"rank must be an int >= 1, got {rank!r}.")
+  rank = count
+  if isinstance(where, (str, re.Pattern)):
+    pattern = re.compile(where)
+    where = lambda dotted: bool(pattern.search(dotted.replace(".", "/")))  # noqa: E731
   elif where is not None and not callable(where):
     raise TypeError(f"where must be a function of the dotted path or a "
                     f"regular expression, got {where!r}.")
@@ -128,8 +132,8 @@ def add_lora(model: nnx.Module, rank: int, *, rngs: nnx.Rngs,
         "and silence this.", stacklevel=2)
   if not found:
     raise ValueError("add_lora found no quantized layer to adapt" + (
-        " where `where` accepts one" if where is not None else "") +
-        " (quantize the model first: qlayers.quantize).")
+        " that `where` accepts" if where is not None else
+        " (quantize the model first: qlayers.quantize)") + ".")
   for node, (k, n) in todo:
     node.lora = nnx.LoRA(k, rank, n, dtype=dtype or param_dtype,
                          param_dtype=param_dtype, rngs=rngs)

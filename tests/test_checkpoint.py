@@ -467,6 +467,12 @@ class Scalars(nnx.Module):
     self.calls = Count(calls)
 
 
+def test_a_python_int_jax_cannot_hold_is_named(tmp_path):
+  with pytest.raises(ValueError, match="calls holds 2147483648, which does "
+                     "not fit JAX's int32"):
+    checkpoint.save(tmp_path / "c", Scalars(1.5, 2**31))
+
+
 def test_python_scalar_variables_round_trip(tmp_path):
   # Orbax saved 1.0 and 0 as float64 and int64, which no model (x64 off)
   # restored: the checkpoint never fit the model that wrote it.

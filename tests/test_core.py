@@ -352,6 +352,7 @@ def test_eval_and_train_keep_the_graph_a_jitted_step_is_keyed_on():
 
 def test_quant_gemm_takes_an_int_batch_shape():
   # As jnp.zeros takes a shape (was: 'int' object is not iterable).
-  gemm = qlayers.QuantGemm("fp8_delayed", batch_shape=3)
-  assert gemm.x_amax.shape == qlayers.QuantGemm(
-      "fp8_delayed", batch_shape=(3,)).x_amax.shape == (3,)
+  for n in (3, np.int64(3)):
+    gemm = qlayers.QuantGemm("fp8_delayed", batch_shape=n)
+    assert gemm.x_amax.shape == qlayers.QuantGemm(
+        "fp8_delayed", batch_shape=(3,)).x_amax.shape == (3,)

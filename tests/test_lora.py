@@ -1,6 +1,8 @@
 """LoRA adapters beside frozen quantized base weights: add_lora, training
 LoRAParams only, adapter checkpoints, merge_lora + requantize + export."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -234,14 +236,17 @@ def test_add_lora_names_a_stack_of_dense_layers_and_leaves_it():
 
 
 def test_add_lora_takes_a_pattern_and_names_a_bad_rank():
-  """``where`` as a regular expression (as a Rule's pattern), and a float
-  rank refused by name (was: 'str' object is not callable, and nnx.LoRA's
-  shape error)."""
+  """``where`` as a regular expression on the /-joined path (as a Rule's
+  pattern), and a float or bool rank refused by name (was: 'str' object is
+  not callable, and nnx.LoRA's shape error)."""
   model = nnx.Sequential(
       qlayers.QuantDense(16, 16, recipe="fp8_current", rngs=nnx.Rngs(0)),
       qlayers.QuantDense(16, 16, recipe="fp8_current", rngs=nnx.Rngs(1)))
-  assert qlayers.add_lora(model, 2, rngs=nnx.Rngs(2), where=r"\.1$") == 1
+  assert qlayers.add_lora(model, 2, rngs=nnx.Rngs(2), where=r"^layers/1$") == 1
   assert getattr(model.layers[0], "lora", None) is None
   assert model.layers[1].lora is not None
-  with pytest.raises(TypeError, match="rank must be an int"):
-    qlayers.add_lora(model, 2.0, rngs=nnx.Rngs(2))
+  for bad in (2.0, True):
+    with pytest.raises(ValueError, match="rank must be an int"):
+      qlayers.add_lora(model, bad, rngs=nnx.Rngs(2))
+  with pytest.raises(ValueError, match="that `where` accepts"):
+    qlayers.add_lora(model, 2, rngs=nnx.Rngs(2), where=re.compile("nope"))

@@ -245,6 +245,15 @@ def test_optimizer_warns_where_hand_made_gemms_share_seeds_or_state():
     qlayers.Optimizer(model(lambda: one), optax.sgd(0.1))
   with pytest.raises(TypeError, match="seed must be an integer"):
     seed_rounding(hand, seed=1.5)
+  # A tied head reads the embedding's table: equal seeds, not a hand-made
+  # GEMM's, and no warning.
+  embed = qlayers.layers.QuantEmbed(32, 16, recipe="nvfp4",
+                                    rngs=nnx.Rngs(0))
+  tied = nnx.Sequential(embed, qlayers.QuantLogits(embed=embed,
+                                                   recipe="nvfp4"))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    qlayers.Optimizer(tied, optax.sgd(0.1))
 
 
 def test_quantize_gives_each_layer_its_own_rounding_seed():

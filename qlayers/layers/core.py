@@ -92,8 +92,8 @@ class QuantGemm(nnx.Module):
     self.recipe = load_recipe(recipe)
     self.backend = check_backend(backend)
     self._eval = bool(use_running_average)
-    if isinstance(batch_shape, int):  # as jnp.zeros takes a shape
-      batch_shape = (batch_shape,)
+    if isinstance(batch_shape, (int, np.integer)):  # as jnp.zeros takes it
+      batch_shape = (int(batch_shape),)
     state = ops.init_state(self.recipe, tuple(batch_shape))
     # Replicated over the mesh being built under (if any), whatever the
     # layout of the Params.
@@ -361,11 +361,13 @@ def check_gemm_sharing(model: nnx.Module) -> None:
   one stateful QuantGemm (delayed scaling, step-keyed stochastic rounding)
   serving stock layers that hold different kernels (``dot_general=`` built
   once and passed to several), which then scale every weight by one amax
-  history and round with one seed; and step-keyed GEMMs whose seeds are
-  equal (QuantGemm made by hand takes 0), which draw the same bits where
-  their shapes are equal. `qlayers.Optimizer` calls it (the warnings'
-  ``stacklevel`` points at its caller)."""
+  history and round with one seed; and such step-keyed GEMMs of kernels
+  of one shape whose seeds are equal (a QuantGemm made by hand starts at
+  0; the qlayers layers seed theirs), which draw the same bits.
+  `qlayers.Optimizer` calls it (the warnings' ``stacklevel`` points at its
+  caller)."""
   kernels: dict[int, tuple[QuantGemm, list[str], set[int]]] = {}
+  shapes: dict[int, tuple[int, ...]] = {}  # a hand-made GEMM's kernel shape
   for path, node in nnx.iter_graph(model):
     gemm = getattr(node, "dot_general", None)
     if not isinstance(gemm, QuantGemm) or not isinstance(
@@ -374,6 +376,7 @@ def check_gemm_sharing(model: nnx.Module) -> None:
     _, where, ids = kernels.setdefault(id(gemm), (gemm, [], set()))
     where.append("/".join(map(str, path)) or type(node).__name__)
     ids.add(id(node.kernel))
+    shapes[id(gemm)] = tuple(node.kernel.shape)
   shared = [where for gemm, where, ids in kernels.values()
             if len(ids) > 1 and (gemm.delayed or gemm.recipe.sr_key == "step")]
   if shared:
@@ -383,12 +386,12 @@ def check_gemm_sharing(model: nnx.Module) -> None:
         "its delayed-scaling state and rounding seed, so each weight is "
         "scaled by the others' amaxes. Give each layer a QuantGemm of its "
         "own.", stacklevel=6)
-  seeds = [gemm.sr_seed.get_value() for _, gemm in gemms(model)
-           if gemm.recipe.sr_key == "step"]
+  seeds = [(shapes[id(gemm)], gemm.sr_seed.get_value())
+           for gemm, _, _ in kernels.values() if gemm.recipe.sr_key == "step"]
   if any(isinstance(s, jax.core.Tracer) or not isinstance(s, jax.Array)
-         for s in seeds):
+         for _, s in seeds):
     return
-  flat = [int(v) for s in seeds for v in np.ravel(s)]
+  flat = [(shape, int(v)) for shape, s in seeds for v in np.ravel(s)]
   if len(set(flat)) < len(flat):
     warnings.warn(
         "Several GEMMs with step-keyed stochastic rounding have the same "
