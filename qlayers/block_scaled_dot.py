@@ -32,6 +32,7 @@ from jax import lax
 from jax.extend import core as jcore
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo
+from jax.interpreters import batching
 from jax.interpreters import mlir
 
 __all__ = ["block_scaled_dot"]
@@ -122,6 +123,33 @@ def _lower_cuda(ctx, *operands, out_dtype):
   return op.results
 
 
+def _batched(args, dims, *, out_dtype):
+  """``jax.vmap`` of the GEMM (the experts' GEMMs are vmapped): the mapped
+  axis joins the batch axis. A mapped global scale, one per batch, is
+  applied after an FP32 GEMM, as the definition applies it. (An unmapped
+  operand's dim is None.)"""
+  size = next(x.shape[d] for x, d in zip(args, dims)
+              if d is not None)
+
+  def joined(x, d):
+    x = (jnp.broadcast_to(x, (size, *x.shape)) if d is None
+         else jnp.moveaxis(x, d, 0))
+    return x.reshape(-1, *x.shape[2:])
+
+  a, b, a_scale, b_scale = map(joined, args[:4], dims[:4])
+  scales = args[4:]
+  if scales and dims[4] is not None:
+    out = _p.bind(a, b, a_scale, b_scale, out_dtype=jnp.dtype(jnp.float32))
+    out = out.reshape(size, -1, *out.shape[1:])
+    scale = jnp.moveaxis(scales[0], dims[4], 0).astype(jnp.float32)
+    out = (out * scale[:, None, None, None]).astype(out_dtype)
+  else:
+    out = _p.bind(a, b, a_scale, b_scale, *scales, out_dtype=out_dtype)
+    out = out.reshape(size, -1, *out.shape[1:])
+  return out, 0
+
+
+batching.primitive_batchers[_p] = _batched
 mlir.register_lowering(_p, mlir.lower_fun(_definition, multiple_results=False))
 mlir.register_lowering(_p, _lower_cuda, platform="cuda")
 _p.def_impl(functools.partial(jax.interpreters.xla.apply_primitive, _p))

@@ -46,6 +46,7 @@ from jax.experimental.custom_partitioning import CompoundFactor
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from qlayers import formats
+from qlayers import sharding
 from qlayers.scaling import QTensor
 
 __all__ = ["gemm", "wire", "gather", "cast", "LIKE_T", "LIKE_T_T"]
@@ -549,12 +550,17 @@ def cast(build: Callable, params: tuple, *args, layouts, in_layouts=(),
 
   So a program sharded only through ``jax.jit``'s shardings, which qlayers
   does not see while tracing, does not gather ``t`` whole for the kernel.
-  With one device XLA inlines the kernel unchanged."""
+  With one device XLA inlines the kernel unchanged. Traced under
+  `qlayers.sharding.unpartitioned` (the GEMMs `qlayers.ops` batches with
+  ``jax.vmap``: the experts', batched einsums) the kernel is called as it
+  is: a partitioning rule has no batching rule."""
   if tile > 1 and any(d != 1 for layout in layouts for _, d in layout):
     raise ValueError("partition.cast pads shards to tiles only for results "
                      f"shaped as t or t.T; got layouts {layouts}.")
   if origin:
     args = (jnp.asarray([0, 0, *args[-1].shape], jnp.uint32), *args)
+  if sharding.unpartitioned_now():
+    return build(args[-1].shape, *params)(*args)
   return _cast(build, tuple(params), tuple(map(tuple, layouts)),
                tuple(map(tuple, in_layouts)), tuple(block), tile, origin,
                tuple(reduced), *args)

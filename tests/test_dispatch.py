@@ -22,6 +22,7 @@ import pytest
 import qlayers
 from qlayers import _native
 from qlayers import dispatch
+from qlayers import ops
 from qlayers import scaling as S
 from qlayers import table
 from _support.numerics import sqnr_db
@@ -447,3 +448,23 @@ def test_layers_agree_across_backends(name):
     results[backend] = (y, grads[1], grads[0][1]["kernel"][...])
   for a, b in zip(results["xla"], results["ffi"]):
     assert sqnr_db(a, b) > 100  # same quantized operands, FP32 accumulation
+
+
+@pytest.mark.parametrize("recipe,arch", [
+    ("fp8_current", "sm_90"), ("fp8_rowwise", "sm_90"),
+    ("deepseek_v3", "sm_90"), ("mxfp8", "sm_100"), ("nvfp4", "sm_100")])
+def test_vmapped_gemms_lower_for_cuda(recipe, arch, fake_cuda_library,
+                                      monkeypatch):
+  """The experts' GEMMs and batched dot_generals are traced under jax.vmap:
+  the cast kernels' partitioning rule and cuDNN's block-scaled GEMM had no
+  batching rule, so none of them lowered for a GPU."""
+  monkeypatch.delenv("QLAYERS_BACKEND", raising=False)
+  x, w = (jnp.ones(s, jnp.bfloat16) for s in ((64, 128), (2, 128, 64)))
+  sizes = jnp.array([32, 32], jnp.int32)
+  text = _lowered(lambda x, w, s: ops.quantized_ragged_dot(
+      x, w, s, recipe, out_dtype=jnp.bfloat16)[0], (x, w, sizes), "cuda", arch)
+  if arch == "sm_100":
+    assert "__op$block_scaled_dot" in text
+  a, b = (jnp.ones(s, jnp.bfloat16) for s in ((2, 64, 128), (2, 128, 64)))
+  _lowered(lambda a, b: ops.quantized_dot_general(
+      a, b, (((2,), (1,)), ((0,), (0,))), recipe)[0], (a, b), "cuda", arch)

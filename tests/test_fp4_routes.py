@@ -207,6 +207,28 @@ def test_mx_call_has_four_operands_and_the_mx_values():
   np.testing.assert_allclose(np.asarray(f(a, b, sa, sb)), want, rtol=1e-6)
 
 
+def test_vmapped_block_scaled_dot_is_the_loop_of_its_calls():
+  """jax.vmap (the experts' GEMMs) joins the mapped axis to the batch; a
+  mapped global scale is applied after an FP32 GEMM, one rounding, as the
+  definition does: the same bits as one call per item."""
+  e4m3 = jnp.float8_e4m3fn
+  keys = jax.random.split(jax.random.key(0), 4)
+  a = jax.random.normal(keys[0], (3, 1, 8, 32)).astype(jnp.float4_e2m1fn)
+  b = jax.random.normal(keys[1], (3, 1, 16, 32)).astype(jnp.float4_e2m1fn)
+  sa = jnp.abs(jax.random.normal(keys[2], (3, 1, 8, 2))).astype(e4m3)
+  sb = jnp.abs(jax.random.normal(keys[3], (1, 16, 2))).astype(e4m3)
+  g = jnp.array([0.5, 3.0, 0.1], jnp.float32)
+  for dtype in (jnp.bfloat16, jnp.float32):
+    f = lambda a, b, sa, g: block_scaled_dot(a, b, sa, sb, g, dtype)  # noqa: E731,B023
+    got = jax.vmap(f)(a, b, sa, g)
+    want = jnp.stack([f(a[i], b[i], sa[i], g[i]) for i in range(3)])
+    np.testing.assert_array_equal(_bits(np.asarray(got, np.float32)),
+                                  _bits(np.asarray(want, np.float32)))
+  mx = lambda a: block_scaled_dot(a, b[0], sa[0], sb, None, jnp.float32)  # noqa: E731
+  np.testing.assert_array_equal(jax.vmap(mx)(a), jnp.stack(
+      [mx(a[i]) for i in range(3)]))
+
+
 def test_block_scaled_dot_names_bad_operands():
   e2m1, e4m3 = jnp.float4_e2m1fn, jnp.float8_e4m3fn
   a, s = jnp.zeros((1, 4, 32), e2m1), jnp.zeros((1, 4, 2), e4m3)
