@@ -457,12 +457,18 @@ def test_vmapped_gemms_lower_for_cuda(recipe, arch, fake_cuda_library,
                                       monkeypatch):
   """The experts' GEMMs and batched dot_generals are traced under jax.vmap:
   the cast kernels' partitioning rule and cuDNN's block-scaled GEMM had no
-  batching rule, so none of them lowered for a GPU."""
+  batching rule, so none of them lowered for a GPU; nor did the backward
+  rules, which JAX traces after the vmap's block."""
   monkeypatch.delenv("QLAYERS_BACKEND", raising=False)
   x, w = (jnp.ones(s, jnp.bfloat16) for s in ((64, 128), (2, 128, 64)))
   sizes = jnp.array([32, 32], jnp.int32)
-  text = _lowered(lambda x, w, s: ops.quantized_ragged_dot(
-      x, w, s, recipe, out_dtype=jnp.bfloat16)[0], (x, w, sizes), "cuda", arch)
+
+  def loss(x, w, s):
+    y = ops.quantized_ragged_dot(x, w, s, recipe, out_dtype=jnp.bfloat16)[0]
+    return jnp.sum(y.astype(jnp.float32))
+
+  text = _lowered(jax.grad(loss, argnums=(0, 1)), (x, w, sizes), "cuda",
+                  arch)
   if arch == "sm_100":
     assert "__op$block_scaled_dot" in text
   a, b = (jnp.ones(s, jnp.bfloat16) for s in ((2, 64, 128), (2, 128, 64)))
