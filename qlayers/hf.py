@@ -110,6 +110,8 @@ def load_tensors(model: nnx.Module, tensors: Mapping[str, object],
       settle_delayed(module)
     else:
       var.set_value(jnp.asarray(x, _dtype(var)))
+      if attr == "kernel":
+        settle_delayed(module)
   return len(todo)
 
 

@@ -167,6 +167,7 @@ def merge_lora(model: nnx.Module) -> int:
       kernel = node.kernel[...]
       node.kernel[...] = (kernel.astype(jnp.float32) + delta).astype(
           kernel.dtype)
+      settle_delayed(node)
     del node.lora
   return len(found)
 

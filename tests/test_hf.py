@@ -176,3 +176,16 @@ def test_a_batched_linear_general_kernel_takes_no_flattened_tensor():
   with pytest.raises(ValueError, match=r"model \(3, 4, 8, 16\)"):
     load_tensors(layer, {"w": np.zeros((128, 12), np.float32)},
                  {"kernel": "w"})
+
+
+def test_loading_a_delayed_param_kernel_settles_its_weight_history():
+  # The initial kernel's amax stayed in the history: the loaded weights
+  # were scaled by it (in eval mode, for good).
+  model = nnx.Sequential(qlayers.QuantDense(8, 4, recipe="fp8_delayed",
+                                            rngs=nnx.Rngs(0)))
+  model.layers[0].quant.w_amax_history[...] = jnp.full_like(
+      model.layers[0].quant.w_amax_history[...], 0.01)
+  weight = np.linspace(-3.0, 2.0, 32, dtype=np.float32).reshape(4, 8)
+  load_tensors(model, {"w": weight}, {"layers.0.kernel": "w"}, frozen=False)
+  history = model.layers[0].quant.w_amax_history[...]
+  np.testing.assert_array_equal(history, np.full_like(history, 3.0))

@@ -250,3 +250,19 @@ def test_add_lora_takes_a_pattern_and_names_a_bad_rank():
       qlayers.add_lora(model, bad, rngs=nnx.Rngs(2))
   with pytest.raises(ValueError, match="that `where` accepts"):
     qlayers.add_lora(model, 2, rngs=nnx.Rngs(2), where=re.compile("nope"))
+
+
+def test_merge_into_a_delayed_param_kernel_settles_its_weight_history():
+  """The merged kernel's amax replaces the trained weight history (which
+  scaled it by the old amax: saturated, and in eval mode for good)."""
+  layer = qlayers.QuantDense(16, 8, recipe="fp8_delayed", rngs=nnx.Rngs(0))
+  layer.quant.w_amax_history[...] = jnp.full_like(
+      layer.quant.w_amax_history[...], 0.01)  # a trained, smaller kernel
+  qlayers.add_lora(layer, 2, rngs=nnx.Rngs(1))
+  layer.lora.lora_b[...] = jnp.ones_like(layer.lora.lora_b[...])
+  qlayers.merge_lora(layer)
+  amax = float(jnp.max(jnp.abs(layer.kernel[...])))
+  np.testing.assert_array_equal(layer.quant.w_amax_history[...],
+                                np.full_like(layer.quant.w_amax_history[...],
+                                             amax))
+  assert float(layer.quant.w_amax[...]) == amax

@@ -234,19 +234,28 @@ def frozen_kernels(model: nnx.Module) -> Iterator[tuple[tuple, nnx.Module]]:
 
 
 def settle_delayed(node) -> None:
-  """Fills a delayed GEMM's weight amax history with the frozen kernel's
-  amax, which no step changes again: scaled by it, the GEMM requantizes
-  the stored codes as they are (the trained kernel's larger amaxes in the
-  history would round them again, for as many steps as the history
-  holds). `freeze`, `qlayers.merge_lora` and `qlayers.hf.load_tensors`
-  call it after storing a frozen kernel."""
+  """Fills a delayed GEMM's weight amax history with its kernel's amax
+  (per stacked layer; 0 if not finite, as a step records it), after the
+  kernel was replaced: the old amaxes in the history would scale the new
+  kernel off for as many steps as it holds, and in eval mode for good (a
+  merged adapter's larger amax saturates). A frozen kernel's amax no step
+  changes again: scaled by it, the GEMM requantizes the stored codes as
+  they are. `freeze`, `qlayers.merge_lora` and `qlayers.hf.load_tensors`
+  call it."""
   gemm = getattr(node, "quant", None)
+  kernel = getattr(node, "kernel", None)
   if gemm is None or not gemm.delayed or not isinstance(
-      getattr(node, "kernel", None), FrozenKernel):
+      kernel, (FrozenKernel, nnx.Variable)):
     return
-  a = jnp.max(jnp.abs(node.kernel.dequantize(jnp.float32)))
-  gemm.w_amax_history.set_value(jnp.full_like(gemm.w_amax_history[...], a))
-  gemm.w_amax.set_value(jnp.full_like(gemm.w_amax[...], a))
+  value = (kernel.dequantize(jnp.float32) if isinstance(kernel, FrozenKernel)
+           else jnp.asarray(kernel[...], jnp.float32))
+  stack = gemm.w_amax[...].ndim
+  a = jnp.max(jnp.abs(value), axis=tuple(range(stack, value.ndim)))
+  a = jnp.where(jnp.isfinite(a), a, 0.0)
+  history = gemm.w_amax_history[...]
+  gemm.w_amax_history.set_value(
+      jnp.broadcast_to(a[..., None], history.shape).astype(history.dtype))
+  gemm.w_amax.set_value(a.astype(gemm.w_amax[...].dtype))
 
 
 def _frozen(node, spec: QuantSpec, n_in: int) -> FrozenKernel:
