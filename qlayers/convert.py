@@ -35,7 +35,7 @@ from flax import nnx
 
 from qlayers import dispatch, swap, swap_experts
 from qlayers.heads import output_heads
-from qlayers.layers.core import seed_rounding
+from qlayers.layers.core import hand_made, seed_rounding
 from qlayers.layers.frozen import FREEZABLE, FrozenKernel, freeze
 from qlayers.recipe import Recipe, recipe as load_recipe
 
@@ -545,6 +545,9 @@ def dequantize_model(model: nnx.Module, *,
     report.converted.append(Converted(
         site.path, type(layer).__name__, swap.STOCK_OF[type(layer)].__name__,
         swap.dims(layer), layer.recipe.name, None, _aliases(site)))
+  report.skipped.extend(Skipped(
+      p, "stock layer", "runs a QuantGemm given it by hand: set its "
+      "dot_general / einsum_op back to jax's") for p in hand_made(model))
   for site in filter(lambda s: swap_experts.is_quantized(s.layer),
                      swap_experts.sites(model)):
     name = site.layer.ragged_dot.recipe.name

@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx
 
 from qlayers import safetensors
-from qlayers.layers.core import QuantLayer
+from qlayers.layers.core import QuantLayer, hand_made
 from qlayers.layers.dense import QuantDense
 from qlayers.layers.frozen import (FrozenKernel, contracted_dims,
                                     settle_delayed)
@@ -117,23 +117,29 @@ def add_lora(model: nnx.Module, rank: int, *, rngs: nnx.Rngs,
                     f"regular expression, got {where!r}.")
   found = [(_path(p), n) for p, n in nnx.iter_graph(model)
            if isinstance(n, QuantLayer) and (where is None or where(_path(p)))]
-  todo, refused = [], []
+  todo = []
+  refused = [f"{p} (a stock layer running a QuantGemm)"
+             for p in hand_made(model)
+             if where is None or where(p.replace("/", "."))]
   for path, node in found:
     dims = _gemm_dims(node) if isinstance(node, _ADAPTABLE) else None
     if dims is None:
       refused.append(f"{path or '(model)'} ({type(node).__name__})")
     elif getattr(node, "lora", None) is None:
       todo.append((node, dims))
+  if not found:
+    hand = (f"; {', '.join(refused)}: adapters go beside qlayers layers "
+            "(QuantDense, or a stock layer that qlayers.quantize converts)"
+            if refused else "")
+    raise ValueError("add_lora found no quantized layer to adapt" + (
+        " that `where` accepts" if where is not None else
+        " (quantize the model first: qlayers.quantize)") + hand + ".")
   if refused:
     warnings.warn(
         f"add_lora left without an adapter: {', '.join(refused)} (it takes "
         "QuantDense, QuantLinearGeneral and QuantEinsum layers whose kernel "
         "leads with its contracted dims); pass where= to leave them out "
         "and silence this.", stacklevel=2)
-  if not found:
-    raise ValueError("add_lora found no quantized layer to adapt" + (
-        " that `where` accepts" if where is not None else
-        " (quantize the model first: qlayers.quantize)") + ".")
   for node, (k, n) in todo:
     node.lora = nnx.LoRA(k, rank, n, dtype=dtype or param_dtype,
                          param_dtype=param_dtype, rngs=rngs)

@@ -329,3 +329,18 @@ def test_merging_into_a_frozen_delayed_layer_keeps_the_codes_its_gemm_uses():
   stored = layer.kernel.dequantize(jnp.float32)
   a = float(jnp.max(jnp.abs(stored)))
   np.testing.assert_array_equal(layer.quant.w_amax_history[...], a)
+
+
+def test_a_stock_layer_running_a_quant_gemm_is_named_not_ignored():
+  """nnx.Linear(dot_general=QuantGemm(...)) is no qlayers layer: freeze,
+  add_lora and dequantize_model leave it, and now say so (they were
+  silent, and add_lora said to quantize the model)."""
+  model = nnx.Sequential(nnx.Linear(32, 32, rngs=nnx.Rngs(0),
+                                    dot_general=qlayers.QuantGemm("mxfp8")))
+  with pytest.warns(UserWarning, match="layers/0 \\(a stock layer running"):
+    assert qlayers.freeze(model) == 0
+  with pytest.raises(ValueError, match="layers/0 \\(a stock layer running"):
+    qlayers.add_lora(model, 2, rngs=nnx.Rngs(1))
+  report = qlayers.dequantize_model(model)
+  assert [(s.path, s.reason.split(":")[0]) for s in report.skipped] == [
+      ("layers/0", "runs a QuantGemm given it by hand")]

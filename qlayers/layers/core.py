@@ -311,6 +311,17 @@ def injected_op(layer) -> str | None:
   return None
 
 
+def hand_made(model: nnx.Module) -> list[str]:
+  """Paths of the stock layers of ``model`` that run a `QuantGemm` given
+  them by hand (``nnx.Linear(..., dot_general=QuantGemm(...))``): not
+  qlayers layers, so `qlayers.freeze`, `qlayers.add_lora` and
+  `qlayers.dequantize_model` leave them, and say so."""
+  return ["/".join(map(str, path)) or type(node).__name__
+          for path, node in nnx.iter_graph(model)
+          if isinstance(getattr(node, injected_op(node) or "", None),
+                        QuantGemm)]
+
+
 class QuantLayer:
   """Mixin of the qlayers layers: each runs its GEMM through the `QuantGemm`
   at ``self.quant`` (`isinstance(m, QuantLayer)` finds them all)."""

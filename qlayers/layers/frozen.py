@@ -35,7 +35,7 @@ from flax import nnx
 import numpy as np
 
 from qlayers import scaling
-from qlayers.layers.core import QuantLayer
+from qlayers.layers.core import QuantLayer, hand_made
 from qlayers.layers.dense import QuantDense
 from qlayers.layers.embed import QuantEmbed
 from qlayers.layers.general import (QuantEinsum, QuantLinearGeneral,
@@ -328,6 +328,8 @@ def freeze(model: nnx.Module, *, spec: QuantSpec | None = None) -> int:
       raise ValueError(f"{where}: recipe {node.recipe.name!r} quantizes no "
                        "weight; pass freeze(..., spec=QuantSpec(...)).")
     todo.append((node, s, n_in))
+  left += [f"{p} (a stock layer running a QuantGemm)"
+           for p in hand_made(model)]
   made = [_frozen(node, s, n_in) for node, s, n_in in todo]
   for (node, _, _), kernel in zip(todo, made):  # all made: nothing half-done
     node.kernel = kernel
