@@ -64,8 +64,8 @@ def main(argv=None) -> dict:
     load_tensors(m, fp8, names)
     kernels = [layer.kernel for _, layer in frozen_kernels(m)]
     results[f"{recipe} frozen FP8 base"] = ppl(m)
-    results["frozen kernels"] = len(kernels)
-    results["frozen bytes per weight"] = (
+    results[f"{recipe} frozen kernels"] = len(kernels)
+    results[f"{recipe} frozen bytes per weight"] = (
         sum(k.nbytes for k in kernels)
         / sum(int(np.prod(k.shape)) for k in kernels))
   print(json.dumps(results, indent=1))

@@ -320,13 +320,31 @@ def _pays(shapes, ratios) -> str:
 
 
 def _shapes(args) -> list[tuple[int, int, int]]:
+  """The ``(M, N, K)`` to run; ValueError names a malformed entry."""
+  out = []
   if args.shapes:
-    out = []
-    for s in args.shapes.split(","):
-      m, n, k = (int(x) for x in s.lower().split("x"))
-      out.append((m, n, k))
-    return out
-  return [(s, s, s) for s in (int(x) for x in args.sizes.split(","))]
+    for s in filter(str.strip, args.shapes.split(",")):
+      dims = s.strip().lower().split("x")
+      if len(dims) != 3 or not all(d.strip().isdigit() for d in dims):
+        raise ValueError(f"--shapes: {s!r} is not MxNxK (e.g. 512x256x1024)")
+      out.append(tuple(int(d) for d in dims))
+  else:
+    for s in filter(str.strip, args.sizes.split(",")):
+      if not s.strip().isdigit():
+        raise ValueError(f"--sizes: {s!r} is not a positive integer")
+      out.append((int(s),) * 3)
+  if not out:
+    raise ValueError("no shapes given")
+  if any(d < 1 for shape in out for d in shape):
+    raise ValueError(f"sizes must be positive: {out}")
+  return out
+
+
+def _positive(s: str) -> int:
+  n = int(s)
+  if n < 1:
+    raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+  return n
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -338,12 +356,16 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--formats", default=None,
                  help="comma-separated subset of: " + ",".join(formats()))
   p.add_argument("--backends", default="xla,ffi")
-  p.add_argument("--repeats", type=int, default=5)
+  p.add_argument("--repeats", type=_positive, default=5)
   p.add_argument("--min-time", type=float, default=0.03,
                  help="seconds per sample (calls are repeated to fill it)")
   p.add_argument("--json", default=None, metavar="PATH")
   p.add_argument("--append-md", default=None, metavar="PATH")
   args = p.parse_args(argv)
+  try:
+    shapes = _shapes(args)
+  except ValueError as e:
+    p.error(str(e))
   log = lambda s: print(s, file=sys.stderr, flush=True)
 
   all_fmts = formats()
@@ -366,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
       timespec="seconds")
   machine = harness.machine_info()
   results: list[Variant] = []
-  for shape in _shapes(args):
+  for shape in shapes:
     results += bench_shape(shape, fmts, backends, repeats=args.repeats,
                            min_time=args.min_time, log=log)
   wall = time.perf_counter() - t_start

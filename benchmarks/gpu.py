@@ -569,7 +569,9 @@ def part_layer(cfg) -> dict[str, Any]:
       y, _ = qlayers.ops.quantized_matmul(x, w, name, state)
       return jnp.vdot(y.astype(jnp.float32), ct.astype(jnp.float32))
 
-    fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    # The state too (as in training): under delayed scaling the gradient
+    # amax leaves as its cotangent, and is dead code otherwise.
+    fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
     item = f"{m}x{k}x{n} fwd+bwd {name}"
     try:
       r = _measure(fn, (x, w, state, ct), cfg, flops=3 * 2.0 * m * n * k,

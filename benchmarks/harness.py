@@ -367,9 +367,10 @@ def json_safe(x: Any) -> Any:
   return x
 
 
-def publish(md: str, append_md: str | None = None) -> None:
-  """Prints the Markdown report and appends it to the file ``append_md``."""
-  print(md)
+def publish(md: str, append_md: str | None = None, *, file: Any = None) -> None:
+  """Prints the Markdown report (to ``file``, default stdout) and appends it
+  to the file ``append_md``."""
+  print(md, file=file)
   if append_md:
     with open(append_md, "a") as f:
       f.write("\n" + md)

@@ -133,9 +133,11 @@ def main(argv=None) -> int:
   p.add_argument("--json", default=None)
   a = p.parse_args(argv)
   shapes = {k: getattr(a, k) for k in DEFAULTS}
+  targets = gc._csv(a.targets, gc.TARGETS, "target")  # pylint: disable=protected-access
+  tritons = gc._csv(a.triton, ("on", "off"), "--triton value")  # pylint: disable=protected-access
   records = []
-  for target in a.targets.split(","):
-    for triton in [t == "on" for t in a.triton.split(",")]:
+  for target in targets:
+    for triton in [t == "on" for t in tritons]:
       for recipe in a.recipes.split(","):
         rec = compile_moe(recipe, target, triton, a.targets_dir, **shapes)
         print(json.dumps({k: rec.get(k) for k in (

@@ -127,6 +127,13 @@ def _config(args: argparse.Namespace) -> models.Config:
   return models.MLPConfig(**overrides)
 
 
+def _positive(s: str) -> int:
+  n = int(s)
+  if n < 1:
+    raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+  return n
+
+
 def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--model", choices=("transformer", "mlp", "moe"),
@@ -134,11 +141,11 @@ def _parser() -> argparse.ArgumentParser:
                  help="moe: the MoE GPT of examples/_common/moe.py at the "
                  "transformer's sizes (8 experts, top 2; no peers: their "
                  "swaps reach nnx.Linear only, not the experts)")
-  p.add_argument("--steps", type=int, default=5,
+  p.add_argument("--steps", type=_positive, default=5,
                  help="timed steps per variant per round")
-  p.add_argument("--rounds", type=int, default=5,
+  p.add_argument("--rounds", type=_positive, default=5,
                  help="interleaved rounds (variant order rotates)")
-  p.add_argument("--check-steps", type=int, default=10,
+  p.add_argument("--check-steps", type=_positive, default=10,
                  help="untimed steps (compile + warm-up) before timing; "
                  "the loss after them is the sanity check")
   p.add_argument("--loss-rtol", type=float, default=0.1,
@@ -170,7 +177,21 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-  args = _parser().parse_args(argv)
+  p = _parser()
+  args = p.parse_args(argv)
+  recipes = ([r for r in args.qlayers_recipes.split(",") if r.strip()]
+             if args.qlayers_recipes else None)
+  if recipes and not args.no_qlayers:
+    try:  # a misspelt recipe stops here, not after the baseline has run
+      import qlayers
+    except Exception:  # noqa: BLE001 - qlayers_variants reports it
+      pass
+    else:
+      for r in recipes:
+        try:
+          qlayers.recipe(r)
+        except ValueError as e:
+          p.error(f"--qlayers-recipes: {e}")
   cfg = _config(args)
   log = lambda s: print(s, file=sys.stderr, flush=True)
 
@@ -192,8 +213,6 @@ def main(argv: list[str] | None = None) -> int:
     variants += ok
     skipped.update(missing)
   if not args.no_qlayers:
-    recipes = (args.qlayers_recipes.split(",") if args.qlayers_recipes
-               else None)
     q_variants, why = qlayers_variants(recipes)
     variants += q_variants
     if why is not None:
@@ -217,18 +236,23 @@ def main(argv: list[str] | None = None) -> int:
       seed=args.seed, loss_rtol=args.loss_rtol,
       title=f"Train step, {cfg.kind} (BF16 baseline vs FP8/MX variants)",
       versions=versions, skipped=skipped, references=[F32ACC], log=log)
-  harness.publish(harness.render_markdown(report), args.append_md)
+  # With --json -, stdout carries the JSON alone.
+  harness.publish(harness.render_markdown(report), args.append_md,
+                  file=sys.stderr if args.json == "-" else None)
   if args.json:
     text = json.dumps(harness.to_json(report), indent=2)
     if args.json == "-":
       print(text)
     else:
       pathlib.Path(args.json).write_text(text + "\n")
+  failed = [r.name for r in report.results if r.error is not None]
   bad = [r.name for r in report.results
          if r.error is None and not r.loss_ok]
+  if failed:
+    log(f"failed: {', '.join(failed)}")
   if bad:
     log(f"sanity check failed for: {', '.join(bad)}")
-  return 1 if bad else 0
+  return 1 if failed or bad else 0
 
 
 if __name__ == "__main__":

@@ -100,7 +100,9 @@ class Config:
 
 
 def parse_args(argv=None) -> Config:
-  p = cli.parser(Config, __doc__, model={"choices": MODELS},
+  # The description: the docstring's first paragraph, on one line.
+  about = " ".join(__doc__.split("\n\n")[0].split())
+  p = cli.parser(Config, about, model={"choices": MODELS},
                  recipes={"help": "comma-separated; available: "
                                   + cli.recipes()})
   args = vars(p.parse_args(argv))
@@ -123,14 +125,30 @@ def loss_fn(model, inputs, targets):
 # --- the two models ----------------------------------------------------------
 
 
+def gpt_config(cfg: Config) -> train_lm.Config:
+  """The ``train_lm.py`` settings of the GPT runs."""
+  b, t = cfg.sizes()
+  return train_lm.Config(steps=cfg.steps, batch_size=b, seq_len=t,
+                         d_model=cfg.d_model, layers=cfg.n_layers,
+                         heads=cfg.heads, seeds=(cfg.seed,),
+                         eval_batches=max(4, cfg.batches))
+
+
+def train_lm_flags(cfg: Config) -> str:
+  """``train_lm.py`` flags for the GPT trained here, where they differ from
+  its defaults."""
+  lcfg, default = gpt_config(cfg), train_lm.Config()
+  return "".join(
+      f" --{k.replace('_', '-')} {getattr(lcfg, k)}" for k in (
+          "steps", "batch_size", "seq_len", "d_model", "layers", "heads")
+      if getattr(lcfg, k) != getattr(default, k))
+
+
 def gpt_setup(cfg: Config, recipe: str):
   """(model, optimizer, training batches, probe batch, validation batches)
   exactly as ``train_lm.py`` builds them for ``recipe`` and ``cfg.seed``."""
   b, t = cfg.sizes()
-  lcfg = train_lm.Config(steps=cfg.steps, batch_size=b, seq_len=t,
-                         d_model=cfg.d_model, layers=cfg.n_layers,
-                         heads=cfg.heads, seeds=(cfg.seed,),
-                         eval_batches=max(4, cfg.batches))
+  lcfg = gpt_config(cfg)
   data = train_lm.load_data(lcfg)
   model, _ = train_lm.build_model(lcfg, recipe, cfg.seed)
   opt = qlayers.Optimizer(model, train_lm.make_tx(lcfg))
@@ -215,8 +233,10 @@ def inspect_recipe(cfg: Config, recipe: str, out: pathlib.Path
   if qlayers.recipe(recipe).delayed:
     qlayers.inspect.plot_amax_history(model, out / f"{name}_history.png",
                                       layers=layers)
+  last = losses[-10:]
+  span = f"last {len(last)} steps" if len(last) > 1 else "last step"
   print(f"\n== {cfg.model} under {recipe}: {len(final.paths)} layers, "
-        f"train loss {np.mean(losses[-10:]):.4f} (last 10 steps), probe loss "
+        f"train loss {np.mean(last):.4f} ({span}), probe loss "
         f"{final.loss:.4f}; {seconds:.0f} s")
   print(summary(final))
   if len(final.paths) <= 24:
@@ -246,7 +266,7 @@ def sensitivity(cfg: Config, out: pathlib.Path) -> dict[str, Any]:
   if res.proposed is not None:
     print(f"\nparity run of the proposal:\n  PYTHONPATH=. python "
           f"examples/train_lm.py --recipes {cfg.sensitivity} --keep-wide "
-          f"'{res.proposed.pattern}' --seeds 0,1,2")
+          f"'{res.proposed.pattern}' --seeds 0,1,2{train_lm_flags(cfg)}")
   print(f"training {trained:.0f} s, sensitivity {seconds:.0f} s")
   data = {"config": dataclasses.asdict(cfg), "train_s": trained,
           "sensitivity_s": seconds, **res.to_dict()}

@@ -126,9 +126,27 @@ def train(cfg: Config, recipe: str | None, seed: int, train_tokens,
           "valid_ce": val, "seconds": time.perf_counter() - start}
 
 
-def main(argv=None) -> dict:
-  cfg = cli.parse(Config, __doc__, argv, at_least={
+def parse(argv=None) -> Config:
+  """Command-line flags -> `Config`; stops on flags that cannot work."""
+  p = cli.parser(Config, __doc__)
+  args = vars(p.parse_args(argv))
+  cli.check(p, args, at_least={
       "steps": 1, "batch_size": 1, "expert_parallel": 1, "fsdp": 1})
+  ep, fsdp = args["expert_parallel"], args["fsdp"]
+  if fsdp > 1 and ep == 1:  # the fsdp axis exists only beside the expert one
+    p.error(f"--fsdp {fsdp} needs --expert-parallel > 1")
+  if ep * fsdp > jax.device_count():
+    p.error(f"--expert-parallel {ep} --fsdp {fsdp} needs {ep * fsdp} devices, "
+            f"this host has {jax.device_count()} (on CPU set XLA_FLAGS="
+            f"--xla_force_host_platform_device_count={ep * fsdp})")
+  if args["experts"] % ep:
+    p.error(f"--experts {args['experts']} do not split over "
+            f"--expert-parallel {ep}")
+  return Config(**args)
+
+
+def main(argv=None) -> dict:
+  cfg = parse(argv)
   tok = shakespeare.ByteTokenizer()
   train_tokens = tok.encode(shakespeare.load_text("train"))
   valid_stream = shakespeare.batches(

@@ -65,6 +65,17 @@ def test_train_moe_refuses_unknown_recipe_before_training(capsys):
   assert "unknown recipe 'nope'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--fsdp", "2"], "--fsdp 2 needs --expert-parallel > 1"),
+    (["--expert-parallel", "4096"], "needs 4096 devices")])
+def test_train_moe_refuses_a_mesh_it_cannot_make(capsys, flags, message):
+  import train_moe  # pylint: disable=g-import-not-at-top
+  with pytest.raises(SystemExit) as e:
+    train_moe.main(flags)
+  assert e.value.code == 2
+  assert message in capsys.readouterr().err
+
+
 
 # Tunix's Qwen3-MoE layer (examples/_common/moe_qwen3.py's tiny config).
 # Tunix builds Params with Flax's deprecated `sharding=` metadata and reads
