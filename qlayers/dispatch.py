@@ -118,9 +118,6 @@ class Plan:
   ``"wgrad"``: a copy quantized for Wgrad now, ``"wide"``: x itself);
   ``share_w``: Dgrad reuses Fprop's copy of w; ``share_g``: Wgrad reuses
   Dgrad's copy of g (an axis-free per-tensor copy serves both GEMMs).
-  ``unpartitioned``: planned inside `qlayers.sharding.unpartitioned` (a
-  GEMM batched by ``jax.vmap``); its rules, which JAX traces later, run
-  there too.
   """
 
   recipe: Recipe
@@ -131,7 +128,6 @@ class Plan:
   save_x: str
   share_w: bool
   share_g: bool
-  unpartitioned: bool = False
 
   @property
   def dequantized(self) -> dict[str, tuple[bool, bool]]:
@@ -167,8 +163,7 @@ def plan(recipe: Recipe, x_shape, x_dtype, w_shape, out_dtype, *,
   requested = _requested(backend)
   targets = tuple((p, gpu_arch(p)) for p in PLATFORMS)
   lowered = PLATFORMS if targets_gpu() else ("cpu",)
-  unpartitioned = sharding.unpartitioned_now()
-  mesh = sharding.auto_mesh() is not None and not unpartitioned
+  mesh = sharding.auto_mesh() is not None and not sharding.unpartitioned_now()
   gather = mesh and sharding.quantized_gather()
   libraries = tuple(_native.loaded(p) for p in ("cpu", "cuda", "rocm"))
   m = math.prod(x_shape[:-1])
@@ -179,7 +174,7 @@ def plan(recipe: Recipe, x_shape, x_dtype, w_shape, out_dtype, *,
     m = 1
   return _plan(recipe, requested, targets, lowered, mesh, gather, libraries,
                (m, w_shape[0], w_shape[1]), jnp.dtype(x_dtype),
-               jnp.dtype(out_dtype), unpartitioned)
+               jnp.dtype(out_dtype))
 
 
 def _abstract(op: Operand, shape: tuple[int, int]):
@@ -221,8 +216,7 @@ def _shares(a: QuantSpec | None, b: QuantSpec | None, requested) -> bool:
 # libraries among them, so a library loaded later is seen).
 @functools.lru_cache(maxsize=512)
 def _plan(recipe: Recipe, requested, targets, lowered, mesh: bool,
-          gather: bool, libraries, mkn, x_dtype, out_dtype,
-          unpartitioned: bool) -> Plan:
+          gather: bool, libraries, mkn, x_dtype, out_dtype) -> Plan:
   del libraries
   m, k, n = mkn
   f, d, w = recipe.fprop, recipe.dgrad, recipe.wgrad
@@ -254,8 +248,7 @@ def _plan(recipe: Recipe, requested, targets, lowered, mesh: bool,
       save_x=save_x,
       share_w=_shares(f.rhs, d.rhs, requested) and not d.hadamard,
       share_g=(_shares(d.lhs, w.rhs, requested)
-               and not (w.hadamard or d.hadamard)),
-      unpartitioned=unpartitioned)
+               and not (w.hadamard or d.hadamard)))
 
 
 # ----------------------------------------------------------------------------

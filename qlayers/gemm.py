@@ -308,20 +308,8 @@ _qmm.defvjp(_qmm_fwd, _qmm_bwd, symbolic_zeros=True)
 # compile time and kernels unchanged, benchmarks/RESULTS.md).
 # The custom_vjp stays outside, so each trace still sees which inputs are
 # differentiated.
-def _as_planned(body):
-  """``body(plan, ...)`` traced inside `sharding.unpartitioned` where the
-  plan was made there: JAX traces the rules later, outside the block of
-  the ``jax.vmap`` that batches them."""
-  @functools.wraps(body)
-  def run(plan: Plan, *args):
-    with (sharding.unpartitioned() if plan.unpartitioned
-          else contextlib.nullcontext()):
-      return body(plan, *args)
-  return run
-
-
-_forward = jax.jit(_as_planned(_qmm_forward), static_argnums=(0, 1))
-_backward = jax.jit(_as_planned(_qmm_backward), static_argnums=(0, 1))
+_forward = jax.jit(_qmm_forward, static_argnums=(0, 1))
+_backward = jax.jit(_qmm_backward, static_argnums=(0, 1))
 
 
 def _g_amax_ct(amax):

@@ -40,13 +40,13 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.custom_batching import custom_vmap
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.experimental.custom_partitioning import ArrayMapping, SdyShardingRule
 from jax.experimental.custom_partitioning import CompoundFactor
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from qlayers import formats
-from qlayers import sharding
 from qlayers.scaling import QTensor
 
 __all__ = ["gemm", "wire", "gather", "cast", "LIKE_T", "LIKE_T_T"]
@@ -550,17 +550,26 @@ def cast(build: Callable, params: tuple, *args, layouts, in_layouts=(),
 
   So a program sharded only through ``jax.jit``'s shardings, which qlayers
   does not see while tracing, does not gather ``t`` whole for the kernel.
-  With one device XLA inlines the kernel unchanged. Traced under
-  `qlayers.sharding.unpartitioned` (the GEMMs `qlayers.ops` batches with
-  ``jax.vmap``: the experts', batched einsums) the kernel is called as it
-  is: a partitioning rule has no batching rule."""
+  With one device XLA inlines the kernel unchanged. Under ``jax.vmap``
+  (the experts' GEMMs, batched einsums) the kernel is mapped as it is: a
+  partitioning rule has no batching rule, and the cast may be cached by a
+  ``jax.jit`` traced unbatched first, so this is the call's own vmap rule
+  (``jax.custom_batching.custom_vmap``), not a flag read while tracing."""
   if tile > 1 and any(d != 1 for layout in layouts for _, d in layout):
     raise ValueError("partition.cast pads shards to tiles only for results "
                      f"shaped as t or t.T; got layouts {layouts}.")
   if origin:
     args = (jnp.asarray([0, 0, *args[-1].shape], jnp.uint32), *args)
-  if sharding.unpartitioned_now():
-    return build(args[-1].shape, *params)(*args)
-  return _cast(build, tuple(params), tuple(map(tuple, layouts)),
-               tuple(map(tuple, in_layouts)), tuple(block), tile, origin,
-               tuple(reduced), *args)
+  static = (build, tuple(params), tuple(map(tuple, layouts)),
+            tuple(map(tuple, in_layouts)), tuple(block), tile, origin,
+            tuple(reduced))
+  run = custom_vmap(lambda *a: _cast(*static, *a))
+
+  @run.def_vmap
+  def _mapped(axis_size, in_batched, *a):
+    del axis_size
+    outs = jax.vmap(lambda *a: build(a[-1].shape, *params)(*a),
+                    in_axes=[0 if b else None for b in in_batched])(*a)
+    return outs, jax.tree.map(lambda _: True, outs)
+
+  return run(*args)

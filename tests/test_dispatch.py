@@ -474,3 +474,27 @@ def test_vmapped_gemms_lower_for_cuda(recipe, arch, fake_cuda_library,
   a, b = (jnp.ones(s, jnp.bfloat16) for s in ((2, 64, 128), (2, 128, 64)))
   _lowered(lambda a, b: ops.quantized_dot_general(
       a, b, (((2,), (1,)), ((0,), (0,))), recipe)[0], (a, b), "cuda", arch)
+
+
+@pytest.mark.parametrize("recipe,arch", [("fp8_current", "sm_90"),
+                                         ("mxfp8", "sm_100")])
+def test_a_vmap_of_gemms_traced_unbatched_first_lowers_for_cuda(
+    recipe, arch, monkeypatch):
+  """A user's jax.vmap over a quantized GEMM, after the same GEMM was
+  traced unbatched (its cast kernels cached by jax.jit with their
+  partitioning rule): the cast's own vmap rule maps the kernel as it is, so
+  the order does not matter, and the unbatched GEMM keeps its rule."""
+  monkeypatch.delenv("QLAYERS_BACKEND", raising=False)
+
+  def grads(x, w):
+    def loss(x, w):
+      y = ops.quantized_matmul(x, w, recipe, out_dtype=jnp.bfloat16)[0]
+      return jnp.sum(y.astype(jnp.float32))
+    return jax.grad(loss, argnums=(0, 1))(x, w)
+
+  x, w = jnp.ones((32, 128), jnp.bfloat16), jnp.ones((128, 64), jnp.bfloat16)
+  _lowered(grads, (x, w), "cuda", arch)
+  _lowered(jax.vmap(grads), (x[None].repeat(2, 0), w[None].repeat(2, 0)),
+           "cuda", arch)
+  with dispatch.target_arch(arch):
+    assert "custom_partitioning" in str(jax.make_jaxpr(grads)(x, w))
