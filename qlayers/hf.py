@@ -110,7 +110,7 @@ def load_tensors(model: nnx.Module, tensors: Mapping[str, object],
       settle_delayed(module)
     else:
       var.set_value(jnp.asarray(x, _dtype(var)))
-      if attr == "kernel":
+      if attr in ("kernel", "embedding"):
         settle_delayed(module)
   return len(todo)
 

@@ -189,3 +189,14 @@ def test_loading_a_delayed_param_kernel_settles_its_weight_history():
   load_tensors(model, {"w": weight}, {"layers.0.kernel": "w"}, frozen=False)
   history = model.layers[0].quant.w_amax_history[...]
   np.testing.assert_array_equal(history, np.full_like(history, 3.0))
+
+
+def test_loading_a_delayed_embedding_table_settles_its_history():
+  # A tied head quantizes the table through the embedding's GEMM.
+  model = nnx.Sequential(qlayers.layers.QuantEmbed(
+      8, 4, recipe="fp8_delayed", rngs=nnx.Rngs(0)))
+  table = np.linspace(-5.0, 1.0, 32, dtype=np.float32).reshape(8, 4)
+  load_tensors(model, {"t": table}, {"layers.0.embedding": "t"},
+               frozen=False)
+  history = model.layers[0].quant.w_amax_history[...]
+  np.testing.assert_array_equal(history, np.full_like(history, 5.0))

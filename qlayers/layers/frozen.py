@@ -236,14 +236,16 @@ def frozen_kernels(model: nnx.Module) -> Iterator[tuple[tuple, nnx.Module]]:
 def settle_delayed(node) -> None:
   """Fills a delayed GEMM's weight amax history with its kernel's amax
   (per stacked layer; 0 if not finite, as a step records it), after the
-  kernel was replaced: the old amaxes in the history would scale the new
-  kernel off for as many steps as it holds, and in eval mode for good (a
-  merged adapter's larger amax saturates). A frozen kernel's amax no step
-  changes again: scaled by it, the GEMM requantizes the stored codes as
-  they are. `freeze`, `qlayers.merge_lora` and `qlayers.hf.load_tensors`
-  call it."""
+  kernel (a `QuantEmbed`'s table) was replaced: the old amaxes in the
+  history would scale the new kernel off for as many steps as it holds,
+  and in eval mode for good (a merged adapter's larger amax saturates). A
+  frozen kernel's amax no step changes again: scaled by it, the GEMM
+  requantizes the stored codes as they are. `freeze`, `qlayers.merge_lora`
+  and `qlayers.hf.load_tensors` call it."""
   gemm = getattr(node, "quant", None)
   kernel = getattr(node, "kernel", None)
+  if isinstance(node, QuantEmbed):  # its tied head quantizes the table
+    kernel = node.embedding
   if gemm is None or not gemm.delayed or not isinstance(
       kernel, (FrozenKernel, nnx.Variable)):
     return
