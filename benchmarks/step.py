@@ -179,7 +179,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
   p = _parser()
   args = p.parse_args(argv)
-  recipes = ([r for r in args.qlayers_recipes.split(",") if r.strip()]
+  recipes = ([r.strip() for r in args.qlayers_recipes.split(",") if r.strip()]
              if args.qlayers_recipes else None)
   if recipes and not args.no_qlayers:
     try:  # a misspelt recipe stops here, not after the baseline has run

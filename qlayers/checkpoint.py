@@ -103,7 +103,8 @@ def _tree(state: nnx.State) -> dict:
       raise ValueError(
           f"{'/'.join(map(str, path))} holds {x!r}, which does not fit "
           f"JAX's {jax.dtypes.canonicalize_dtype(np.result_type(x))} (64-bit "
-          "values are off): hold it as an array of an explicit dtype.") from None
+          "values are off): hold it as an array of an explicit dtype."
+      ) from None
     if np.size(x):
       node = out
       for p in path[:-1]:

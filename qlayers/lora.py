@@ -111,7 +111,8 @@ def add_lora(model: nnx.Module, rank: int, *, rngs: nnx.Rngs,
   rank = count
   if isinstance(where, (str, re.Pattern)):
     pattern = re.compile(where)
-    where = lambda dotted: bool(pattern.search(dotted.replace(".", "/")))  # noqa: E731
+    def where(dotted: str) -> bool:  # as a Rule matches: the /-joined path
+      return bool(pattern.search(dotted.replace(".", "/")))
   elif where is not None and not callable(where):
     raise TypeError(f"where must be a function of the dotted path or a "
                     f"regular expression, got {where!r}.")
@@ -119,8 +120,8 @@ def add_lora(model: nnx.Module, rank: int, *, rngs: nnx.Rngs,
            if isinstance(n, QuantLayer) and (where is None or where(_path(p)))]
   todo = []
   refused = [f"{p} (a stock layer running a QuantGemm)"
-             for p in hand_made(model)
-             if where is None or where(p.replace("/", "."))]
+             for p in (p.replace("/", ".") for p in hand_made(model))
+             if where is None or where(p)]
   for path, node in found:
     dims = _gemm_dims(node) if isinstance(node, _ADAPTABLE) else None
     if dims is None:

@@ -50,6 +50,7 @@ for name in ("h200", "b200"):
     compiled, code, _ = gc.compile_with_code(lowered, {}, None, True)
     r = gc.roofline(gc.parse_module(compiled.as_text()), target, code)
     base = base or r["time_us"]
-    print(f"{name} {'frozen' if frozen else 'param '} {recipe:18s} kernels {r['kernels']:3d} "
+    kind = "frozen" if frozen else "param "
+    print(f"{name} {kind} {recipe:18s} kernels {r['kernels']:3d} "
           f"MiB {r['bytes'] / 2**20:7.1f} time_us {r['time_us']:7.1f} "
           f"vs bf16 {base / r['time_us']:.2f}x", flush=True)
