@@ -3,18 +3,38 @@
 The one validation of field types for `qlayers.scaling.QuantSpec` and the
 recipe dataclasses (`qlayers.recipe`): a TOML file or a keyword argument
 with a value of the wrong type is refused with the class and field named.
+`positive_int` checks a count argument the same way everywhere.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import operator
 import types
 import typing
 from typing import Literal
 
 import numpy as np
 
-__all__ = ["check_fields"]
+__all__ = ["check_fields", "positive_int"]
+
+
+def positive_int(value, what: str) -> int:
+  """``value`` as an int >= 1: any integer (NumPy's too), not a bool;
+  otherwise a ValueError naming ``what``.
+
+  Example:
+    >>> import numpy as np
+    >>> positive_int(np.int64(2), "n")
+    2
+  """
+  try:
+    count = -1 if isinstance(value, bool) else operator.index(value)
+  except TypeError:
+    count = -1
+  if count < 1:
+    raise ValueError(f"{what} must be a positive int, got {value!r}.")
+  return count
 
 
 def _is_union(tp) -> bool:

@@ -22,13 +22,13 @@ training step under ``nnx.jit`` for speed.
 from __future__ import annotations
 
 import functools
-import operator
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from qlayers.fields import positive_int
 from qlayers.state import QuantGradState, QuantVariable
 
 __all__ = ["value_and_grad", "grad", "accumulate_grads", "average_grads"]
@@ -211,13 +211,7 @@ def average_grads(total: nnx.State, n: int) -> nnx.State:
   if not isinstance(total, nnx.State):
     raise TypeError(f"average_grads(total, n): total must be an nnx.State "
                     f"of gradients, got {type(total).__name__}.")
-  try:  # any integer (NumPy's too), not a bool
-    count = -1 if isinstance(n, bool) else operator.index(n)
-  except TypeError:
-    count = -1
-  if count < 1:
-    raise ValueError(f"average_grads: n must be a positive int, got {n!r}.")
-  n = count
+  n = positive_int(n, "average_grads: n")
   amaxes, rest = nnx.split_state(total, QuantGradState, ...)
   return nnx.merge_state(jax.tree.map(lambda g: g / n, rest), amaxes)
 

@@ -19,7 +19,6 @@ in its own format) for export with `qlayers.checkpoint.write_safetensors`.
 from __future__ import annotations
 
 import math
-import operator
 import os
 import pathlib
 import re
@@ -31,6 +30,7 @@ import numpy as np
 from flax import nnx
 
 from qlayers import safetensors
+from qlayers.fields import positive_int
 from qlayers.layers.core import QuantLayer, hand_made
 from qlayers.layers.dense import QuantDense
 from qlayers.layers.frozen import (FrozenKernel, contracted_dims,
@@ -102,13 +102,7 @@ def add_lora(model: nnx.Module, rank: int, *, rngs: nnx.Rngs,
     ...     nnx.state(layer, nnx.LoRAParam))}
     {('lora', 'lora_a'): (64, 4), ('lora', 'lora_b'): (4, 32)}
   """
-  try:  # any integer (NumPy's too), not a bool
-    count = -1 if isinstance(rank, bool) else operator.index(rank)
-  except TypeError:
-    count = -1
-  if count < 1:
-    raise ValueError(f"rank must be an int >= 1, got {rank!r}.")
-  rank = count
+  rank = positive_int(rank, "rank")
   if isinstance(where, (str, re.Pattern)):
     pattern = re.compile(where)
     def where(dotted: str) -> bool:  # as a Rule matches: the /-joined path

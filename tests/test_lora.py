@@ -246,7 +246,7 @@ def test_add_lora_takes_a_pattern_and_names_a_bad_rank():
   assert getattr(model.layers[0], "lora", None) is None
   assert model.layers[1].lora is not None
   for bad in (2.0, True):
-    with pytest.raises(ValueError, match="rank must be an int"):
+    with pytest.raises(ValueError, match="rank must be a positive int"):
       qlayers.add_lora(model, bad, rngs=nnx.Rngs(2))
   with pytest.raises(ValueError, match="that `where` accepts"):
     qlayers.add_lora(model, 2, rngs=nnx.Rngs(2), where=re.compile("nope"))
