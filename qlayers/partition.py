@@ -367,14 +367,14 @@ def _sharding_rule(ma, mb, axes, out_dtype, local, mesh, value_types,
       reduction_factors=("k",) if kb == "k" else ("k", "kb"))
 
 
-@functools.partial(custom_partitioning, static_argnums=(0, 1, 2, 3, 4))
-def _gemm(ma, mb, axes, out_dtype, local, a_payload, a_scale, b_payload,
-          b_scale, a_block, a_tensor, b_block, b_tensor):
+def _local_gemm(ma, mb, axes, out_dtype, local, a_payload, a_scale,
+                b_payload, b_scale, a_block, a_tensor, b_block, b_tensor):
   qa = ma.qtensor(a_payload, a_scale, levels=(a_block, a_tensor))
   qb = mb.qtensor(b_payload, b_scale, levels=(b_block, b_tensor))
   return _LOCAL[local](qa, qb, axes, jnp.dtype(out_dtype))
 
 
+_gemm = custom_partitioning(_local_gemm, static_argnums=(0, 1, 2, 3, 4))
 _gemm.def_partition(partition=_partition, sharding_rule=_sharding_rule,
                     decode_shardings=False)
 
@@ -388,10 +388,21 @@ def gemm(a: QTensor, b: QTensor, axes: tuple[int, int], out_dtype,
   each device's shards, as `QTensor` of their local shapes (padded shapes:
   the result is cropped here).
   """
-  ma, mb = _meta(a), _meta(b)
-  out = _gemm(ma, mb, tuple(axes), jnp.dtype(out_dtype).name, local,
-              _wire(a.payload), a.scale, _wire(b.payload), b.scale,
-              *_levels(a), *_levels(b))
+  # Mapped by jax.vmap, each GEMM of the batch is the local one: a
+  # partitioning rule has no batching rule (as `cast`).
+  static = (_meta(a), _meta(b), tuple(axes), jnp.dtype(out_dtype).name,
+            local)
+  run = custom_vmap(lambda *x: _gemm(*static, *x))
+
+  @run.def_vmap
+  def _mapped(axis_size, in_batched, *x):
+    del axis_size
+    out = jax.vmap(lambda *x: _local_gemm(*static, *x),
+                   in_axes=[0 if b else None for b in in_batched])(*x)
+    return out, True
+
+  out = run(_wire(a.payload), a.scale, _wire(b.payload), b.scale,
+            *_levels(a), *_levels(b))
   rows, cols = a.shape[1 - a.axis], b.shape[1 - b.axis]
   if out.shape != (rows, cols):
     out = out[:rows, :cols]

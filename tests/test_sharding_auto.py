@@ -247,3 +247,11 @@ def test_the_cast_kernel_trains_under_a_mesh_as_xla_does(results):
         assert kernel["state"][path][first] == hist[first], (name, path)
         np.testing.assert_allclose(kernel["state"][path], hist, rtol=1e-5,
                                    err_msg=f"{name} {path}")
+
+
+def test_a_vmap_under_a_mesh_is_its_items(results):
+  """A jax.vmap of a quantized GEMM under a mesh failed: the GEMM's
+  partitioning rule has no batching rule (its own vmap rule now maps the
+  local GEMM)."""
+  assert multidevice.result(results, "vmap_under_mesh") == {
+      "fp8_current": True, "mxfp8": True}

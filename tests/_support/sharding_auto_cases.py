@@ -273,6 +273,32 @@ def uneven_shards():
   return out
 
 
+@case
+def vmap_under_mesh():
+  """A user's jax.vmap over a quantized GEMM under a mesh (the GEMM's
+  partitioning rule has no batching rule): each item's gradients are the
+  unbatched call's, bit for bit."""
+  rng = np.random.default_rng(3)
+  x = jnp.asarray(rng.standard_normal((2, 32, 128)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((2, 128, 64)), jnp.bfloat16)
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(
+      jax.sharding.AxisType.Auto,))
+  out = {}
+  for recipe in ("fp8_current", "mxfp8"):
+    def grads(x, w, recipe=recipe):
+      def loss(x, w):
+        y, _ = ops.quantized_matmul(x, w, recipe, out_dtype=jnp.bfloat16)
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+      return jax.grad(loss, argnums=(0, 1))(x, w)
+    with jax.set_mesh(mesh):
+      got = jax.jit(jax.vmap(grads))(x, w)
+    want = [jnp.stack(t) for t in zip(*(grads(x[i], w[i]) for i in range(2)))]
+    out[recipe] = all(bool(np.array_equal(np.asarray(a, np.float32),
+                                          np.asarray(b, np.float32)))
+                      for a, b in zip(got, want))
+  return out
+
+
 # ----------------------------------------------------------------------------
 # Inside shard_map: local shards, global amaxes (lax.pmax), summed gradients.
 
