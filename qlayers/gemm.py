@@ -198,7 +198,9 @@ def _qmm_fwd(plan: Plan, dtypes, x, w, state, key):
   if state is not None:
     _warn_if_gradient_amax_lost(plan.recipe, x, w, state)
   x, w = x.value, w.value
-  if _quantizes(plan):  # an outer derivative reaches the rules through x, w
+  # An outer derivative reaches the rules through x and w (a wide recipe,
+  # bf16 or fp16, keeps its second derivatives: the wide dots').
+  if plan.recipe.quantized:
     x, w = _guarded((x, w))
   y, new_state, res = _forward(plan, dtypes[4], x, w, _values(state),
                                _values(key))
@@ -229,14 +231,6 @@ def _first_order_only_jvp(primals, tangents):
       "'bf16'.")
 
 
-def _quantizes(plan: Plan) -> bool:
-  """Whether any GEMM of ``plan`` quantizes an operand (``bf16``, ``fp16``:
-  none, and their second derivatives are the wide dots')."""
-  return any(op.spec is not None for gemm in (plan.fprop, plan.dgrad,
-                                              plan.wgrad)
-             for op in (gemm.lhs, gemm.rhs))
-
-
 def _guarded(tree):
   """``tree`` with its float leaves through `_first_order_only`."""
   leaves, treedef = jax.tree.flatten(tree)
@@ -249,7 +243,7 @@ def _guarded(tree):
 
 def _qmm_bwd(plan: Plan, dtypes, res, cts):
   g, out_ct = cts
-  if _quantizes(plan) and not isinstance(g, SymbolicZero):
+  if plan.recipe.quantized and not isinstance(g, SymbolicZero):
     g, res = _guarded((g, res))
   # The later uses' gradient amax: the cotangent of the g amax passed on.
   later = out_ct["g"].amax if plan.recipe.delayed else None
