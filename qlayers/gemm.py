@@ -57,7 +57,8 @@ from qlayers import partition
 from qlayers import scaling
 from qlayers import sharding
 from qlayers.dispatch import Plan
-from qlayers.operands import delayed_amax, operand, operand_pair, pairable
+from qlayers.operands import (delayed_amax, operand, operand_pair, pairable,
+                              stored_operand)
 from qlayers.recipe import Recipe, recipe as load_recipe
 from qlayers.scaling import ScaleState
 
@@ -134,12 +135,12 @@ def _warn_if_gradient_amax_lost(recipe: Recipe, x, w, state) -> None:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _qmm(plan: Plan, dtypes, x, w, state, key):
-  y, new_state, _ = _forward(plan, dtypes[4], x, w, state, key)
+def _qmm(plan: Plan, dtypes, x, w, stored, state, key):
+  y, new_state, _ = _forward(plan, dtypes[4], x, w, stored, state, key)
   return y, new_state
 
 
-def _qmm_forward(plan: Plan, gather, x, w, state, key):
+def _qmm_forward(plan: Plan, gather, x, w, stored, state, key):
   recipe, fprop = plan.recipe, plan.fprop
   kx, kw, kwx, _, _ = _keys(key)
   ax = aw = delayed_x = delayed_w = run_x = run_w = None
@@ -165,7 +166,18 @@ def _qmm_forward(plan: Plan, gather, x, w, state, key):
         dequantized=plan.dequantized["x"])
     run_x = run[0] if run else run_x
   dgrad_w = None if plan.share_w else plan.dgrad.rhs
-  if not gather and (plan.share_w or pairable(w, dgrad_w, fprop.rhs)):
+  # A stored weight (a frozen kernel's codes) is Fprop's copy as it is, and
+  # Dgrad's where one copy serves both; else the backward pass makes
+  # Dgrad's from it, so nothing wide is kept for it.
+  qw = None if stored is None or gather else stored_operand(
+      stored, fprop.rhs, w.shape)
+  w_stored = None
+  if qw is not None:
+    if plan.share_w:
+      w_saved = qw
+    else:
+      w_saved, w_stored = None, stored
+  elif not gather and (plan.share_w or pairable(w, dgrad_w, fprop.rhs)):
     w_saved, qw, *run = operand_pair(w, dgrad_w or fprop.rhs,
                                      None if plan.share_w else fprop.rhs,
                                      amax=aw, delayed=delayed_w,
@@ -191,10 +203,10 @@ def _qmm_forward(plan: Plan, gather, x, w, state, key):
     g_state = state["g"]
     new_state = {"x": state["x"]._replace(amax=run_x),
                  "w": state["w"]._replace(amax=run_w), "g": g_state}
-  return y, new_state, (x_saved, w_saved, ax, aw, g_state, key)
+  return y, new_state, (x_saved, w_saved, w_stored, ax, aw, g_state, key)
 
 
-def _qmm_fwd(plan: Plan, dtypes, x, w, state, key):
+def _qmm_fwd(plan: Plan, dtypes, x, w, stored, state, key):
   if state is not None:
     _warn_if_gradient_amax_lost(plan.recipe, x, w, state)
   x, w = x.value, w.value
@@ -202,8 +214,8 @@ def _qmm_fwd(plan: Plan, dtypes, x, w, state, key):
   # bf16 or fp16, keeps its second derivatives: the wide dots').
   if plan.recipe.quantized:
     x, w = _guarded((x, w))
-  y, new_state, res = _forward(plan, dtypes[4], x, w, _values(state),
-                               _values(key))
+  y, new_state, res = _forward(plan, dtypes[4], x, w, _values(stored),
+                               _values(state), _values(key))
   return (y, new_state), res
 
 
@@ -249,21 +261,21 @@ def _qmm_bwd(plan: Plan, dtypes, res, cts):
   later = out_ct["g"].amax if plan.recipe.delayed else None
   later = None if isinstance(later, SymbolicZero) else later
   if isinstance(g, SymbolicZero):  # the output is not used
-    return None, None, _g_amax_ct(later), None
+    return None, None, None, _g_amax_ct(later), None
   dx, dw, run_g = _backward(plan, dtypes, res, g)
   # Only the gradient role's running amax leaves the backward pass (the
   # forward roles left through the output), max-combined with the later
   # uses' (a chain of uses: JAX never adds two of them).
   state_ct = None if run_g is None else _g_amax_ct(
       run_g if later is None else jnp.maximum(later, run_g))
-  return dx, dw, state_ct, None
+  return dx, dw, None, state_ct, None
 
 
 def _qmm_backward(plan: Plan, dtypes, res, g):
   """Dgrad and Wgrad of a used output: ``(dx, dw, run_g)``, ``run_g`` this
   use's gradient amax (None for stateless recipes)."""
   x_dtype, w_dtype, (x_vma, w_vma), x_shape, gather = dtypes
-  x_saved, w_saved, ax, aw, g_state, key = res
+  x_saved, w_saved, w_stored, ax, aw, g_state, key = res
   recipe, dgrad, wgrad = plan.recipe, plan.dgrad, plan.wgrad
   _, _, _, kd, kwg = _keys(key)
   ag = run_g = delayed_g = None
@@ -280,8 +292,11 @@ def _qmm_backward(plan: Plan, dtypes, res, g):
                                 dequantized=plan.dequantized["g"])
   if recipe.delayed:
     run_g, = run
-  qw = w_saved if isinstance(w_saved, scaling.QTensor) else operand(
-      w_saved, dgrad.rhs, amax=aw, dtype=recipe.dtype, gather=gather)
+  if isinstance(w_saved, scaling.QTensor):
+    qw = w_saved
+  else:
+    wide = w_saved if w_stored is None else w_stored.dequantize().T
+    qw = operand(wide, dgrad.rhs, amax=aw, dtype=recipe.dtype, gather=gather)
   dx = dispatch.run(dgrad, qg, qw).reshape(x_shape)
   # Wgrad: dw = x.T @ g, contracted over M (both Hadamard-transformed along
   # M first if the recipe says so: (Qx).T @ (Qg) = x.T @ g).
@@ -329,7 +344,8 @@ def default_out_dtype(recipe: Recipe, x_dtype):
 def quantized_matmul(x: jax.Array, w: jax.Array, recipe: Recipe | str,
                      state: dict[str, ScaleState] | None = None, *,
                      key: jax.Array | None = None,
-                     out_dtype=None, backend: str | None = None, site=None):
+                     out_dtype=None, backend: str | None = None, site=None,
+                     w_quantized: scaling.QTensor | None = None):
   """``x @ w`` with every GEMM of forward and backward quantized by ``recipe``.
 
   A recipe that quantizes nothing (``"bf16"``) runs the same three GEMMs on
@@ -349,6 +365,14 @@ def quantized_matmul(x: jax.Array, w: jax.Array, recipe: Recipe | str,
       GEMM's plan (`qlayers.dispatch.plan`).
     site: what `intercept` is told the call comes from (a layer's
       `qlayers.QuantGemm`); None: never intercepted.
+    w_quantized: ``w``'s codes as stored, quantized by the recipe's Fprop
+      weight spec: a `QTensor` of ``w.T`` ``(N, K)`` along axis 1 (a frozen
+      kernel's, `qlayers.FrozenKernel.qtensor`; ``w`` is then its
+      dequantized values, a constant). Fprop reads it as it is, and the
+      backward pass makes Dgrad's copy from it, instead of quantizing ``w``
+      (where the plan's Fprop weight takes another layout, a Hadamard
+      transform say, ``w`` is quantized as usual). Ignored for an FSDP
+      shard, under explicit mesh axes and when intercepted.
 
   Returns:
     ``(y, new_state)``: ``y`` of shape ``(..., N)``; ``new_state`` has the
@@ -375,6 +399,15 @@ def quantized_matmul(x: jax.Array, w: jax.Array, recipe: Recipe | str,
   for name, t in (("x", x), ("w", w)):
     if not jnp.issubdtype(t.dtype, jnp.floating):
       raise TypeError(f"{name} must be floating point, got {t.dtype}.")
+  if w_quantized is not None and not (
+      isinstance(w_quantized, scaling.QTensor)
+      and w_quantized.shape == tuple(w_shape[::-1])
+      and w_quantized.axis == 1 and not w_quantized.transposed):
+    raise ValueError(
+        f"w_quantized must be a QTensor of w.T {tuple(w_shape[::-1])} "
+        f"quantized along axis 1; got {_described(w_quantized)}.")
+  if gather or not recipe.quantized:
+    w_quantized = None
   out_dtype = jnp.dtype(out_dtype or default_out_dtype(recipe, x.dtype))
   if recipe.delayed:
     if state is None:
@@ -399,10 +432,11 @@ def quantized_matmul(x: jax.Array, w: jax.Array, recipe: Recipe | str,
                        backend=backend)
 
   if not sharding.explicit_axes():
-    return _qmm(plan, dtypes, x, w, state, key)
+    return _qmm(plan, dtypes, x, w, w_quantized, state, key)
   y_spec = sharding.dot_spec(sharding.spec_of(x)[:-1], sharding.spec_of(w)[1:])
-  run = sharding.auto_region(functools.partial(_qmm, plan, dtypes),
-                             (y_spec, replicated_specs(state)))
+  run = sharding.auto_region(
+      lambda x, w, state, key: _qmm(plan, dtypes, x, w, None, state, key),
+      (y_spec, replicated_specs(state)))
   return run(x, w, state, key)
 
 
@@ -455,6 +489,13 @@ def interceptor(site) -> Callable | None:
   """The function `intercept` routes a call from ``site`` to: None outside
   its block, or for a call without a site."""
   return None if site is None else _INTERCEPT.get()
+
+
+def _described(q) -> str:
+  if not isinstance(q, scaling.QTensor):
+    return type(q).__name__
+  return (f"a QTensor of shape {q.shape} along axis {q.axis}"
+          + (" (transposed)" if q.transposed else ""))
 
 
 def replicated_specs(state):

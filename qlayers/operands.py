@@ -28,7 +28,7 @@ from qlayers.recipe import Recipe, recipe as load_recipe
 from qlayers.scaling import ScaleState
 
 __all__ = ["operand", "operand_pair", "pairable", "delayed_amax",
-           "fake_quant_matmul"]
+           "stored_operand", "fake_quant_matmul"]
 
 
 def delayed_amax(t, state: ScaleState, recipe: Recipe):
@@ -106,6 +106,51 @@ def operand(t: jax.Array, op: Operand, *, amax=None, key=None,
     q = scaling.quantize(t.T, spec, 1, amax=amax, key=key)
     return dataclasses.replace(q, transposed=True)
   return scaling.quantize(t, spec, op.axis, amax=amax, key=key)
+
+
+def stored_operand(q: scaling.QTensor, op: Operand,
+                   w_shape: tuple[int, int]) -> scaling.QTensor | None:
+  """The weight operand ``op`` of a ``(K, N)`` weight, from its codes as
+  stored: ``q``, ``(N, K)`` quantized along ``K`` (axis 1) by ``op``'s spec
+  (a frozen kernel's, `qlayers.FrozenKernel.qtensor`). Where they are the
+  fixed point of that quantization (`qlayers.freeze` stores them so) it is
+  `operand`'s copy of their dequantized values bit for bit, without the
+  wide pass; None where ``op`` takes another layout than ``q`` can give by
+  a relabel or a transpose of its bytes (a Hadamard transform, stochastic
+  rounding, NVFP4's two scale levels, which a stored kernel keeps as one).
+
+  Example:
+    >>> import jax.numpy as jnp, qlayers
+    >>> from qlayers import scaling
+    >>> from qlayers.dispatch import Operand
+    >>> spec = qlayers.recipe("mxfp4").fprop.rhs
+    >>> w = jnp.linspace(-1, 1, 64 * 32).reshape(64, 32)
+    >>> q = scaling.quantize(w.T, spec, 1)
+    >>> op = Operand.make(spec, 0)
+    >>> s, made = stored_operand(q, op, w.shape), operand(w, op)
+    >>> bool((s.payload == made.payload).all()), s.transposed
+    (True, True)
+  """
+  spec = op.spec
+  if (spec is None or op.hadamard or spec.stochastic or q.axis != 1
+      or q.transposed or q.dequantized or q.shape != tuple(w_shape[::-1])):
+    return None
+  if op.tn:
+    made = dataclasses.replace(q, transposed=True)
+  elif op.axis != 0 or q.fmt.packed:  # packed along K: not transposable
+    return None
+  else:
+    made = dataclasses.replace(
+        q, payload=q.payload.T, scale=q.scale.T, axis=0,
+        block=None if q.block is None else q.block[::-1],
+        shape=tuple(w_shape))
+  want = jax.eval_shape(lambda w: operand(w, op), jax.ShapeDtypeStruct(
+      tuple(w_shape), jnp.float32))
+  if jax.tree.structure(want) != jax.tree.structure(made) or any(
+      (a.shape, a.dtype) != (b.shape, b.dtype)
+      for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(made))):
+    return None
+  return made
 
 
 def _transformed(t, size: int, axis: int):

@@ -41,7 +41,8 @@ def quantized_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
                           state: dict[str, ScaleState] | None = None, *,
                           preferred_element_type=None,
                           key: jax.Array | None = None,
-                          backend: str | None = None, site=None):
+                          backend: str | None = None, site=None,
+                          rhs_quantized=None):
   """`lax.dot_general` of ``lhs`` and ``rhs``, quantized by ``recipe``.
 
   Any dimension numbers lower to the 2-D op: ``lhs``'s free dims then its
@@ -51,7 +52,10 @@ def quantized_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
   each batch entry (each entry its own GEMM with its own scales), which a
   delayed recipe's single state cannot do, so it refuses them.
 
-  ``site`` is passed on to `quantized_matmul` (see `intercept`).
+  ``site`` is passed on to `quantized_matmul` (see `intercept`), and so is
+  ``rhs_quantized`` as its ``w_quantized`` (``rhs``'s stored codes, of its
+  ``(N, K)`` matrix) where ``rhs``'s contracting dims lead, in order, and
+  no batch dims map the op.
 
   Returns:
     ``(out, new_state)`` as `quantized_matmul`.
@@ -108,8 +112,11 @@ def quantized_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
   # quantized_matmul returns the zeros lax.dot_general gives for K == 0).
   b = _permute(rhs, list(rc) + rfree).reshape(
       k, math.prod(rhs.shape[d] for d in rfree))
+  if list(rc) != list(range(len(rc))):
+    rhs_quantized = None  # b is a transpose of rhs, not its reshape
   y, new_state = quantized_matmul(a, b, recipe, state, key=key, site=site,
-                                 out_dtype=out_dtype, backend=backend)
+                                 out_dtype=out_dtype, backend=backend,
+                                 w_quantized=rhs_quantized)
   return y.reshape(*y.shape[:-1], *(rhs.shape[d] for d in rfree)), new_state
 
 

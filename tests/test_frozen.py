@@ -344,3 +344,91 @@ def test_a_stock_layer_running_a_quant_gemm_is_named_not_ignored():
   report = qlayers.dequantize_model(model)
   assert [(s.path, s.reason.split(":")[0]) for s in report.skipped] == [
       ("layers/0", "runs a QuantGemm given it by hand")]
+
+
+def _sub_jaxprs(params):
+  for value in params.values():
+    for v in value if isinstance(value, (tuple, list)) else (value,):
+      if isinstance(v, jax.extend.core.ClosedJaxpr):
+        yield v.jaxpr
+      elif isinstance(v, jax.extend.core.Jaxpr):
+        yield v
+
+
+def _weight_uses_in_forward(layer, x):
+  """The primitives that read the wide weight inside the GEMM's forward."""
+  graph, state = nnx.split(layer)
+  jaxpr = jax.make_jaxpr(lambda s, x: nnx.merge(graph, s)(x))(state, x)
+  todo, found = [jaxpr.jaxpr], []
+  while todo:
+    for eqn in todo.pop().eqns:
+      if eqn.params.get("name") == "_qmm_forward":
+        found.append(eqn.params["jaxpr"].jaxpr)
+      todo.extend(_sub_jaxprs(eqn.params))
+  inner, = found
+  w = inner.invars[1]
+  return {e.primitive.name for e in inner.eqns if w in e.invars}
+
+
+@pytest.mark.parametrize("recipe", [
+    "fp8_current", "fp8_delayed", "fp8_rowwise", "deepseek_v3",
+    "deepseek_v3_ue8m0", "mxfp8", "mxfp6", "mxfp4", "mxfp4_rht"])
+def test_the_gemm_reads_a_frozen_kernel_as_stored(recipe, monkeypatch):
+  # The GEMM quantized the frozen kernel's FP32 dequantization again on
+  # every call (a 4-byte pass per weight where the codes are 1 byte or
+  # less): it now reads the stored codes, the same bits.
+  layer = qlayers.QuantDense(256, 96, recipe=recipe, rngs=nnx.Rngs(0))
+  qlayers.freeze(layer)
+  qlayers.add_lora(layer, 4, rngs=nnx.Rngs(1))
+  layer.lora.lora_b[...] = jnp.full(layer.lora.lora_b.shape, 0.01,
+                                    layer.lora.lora_b.dtype)
+  x = jax.random.normal(jax.random.key(2), (16, 256), jnp.float32)
+  reads = _weight_uses_in_forward(layer, x)
+  # Only a delayed recipe's running amax still reads it (one reduction).
+  assert reads <= ({"bitcast_convert_type", "abs", "reduce_max"}
+                   if recipe == "fp8_delayed" else set()), reads
+
+  def loss(model, x):
+    return jnp.sum(model(x) ** 2)
+
+  def grads():  # of a copy: a step-keyed rounding counter moves per call
+    return nnx.grad(loss, argnums=(nnx.DiffState(
+        0, (nnx.Param, qlayers.QuantGradState)), 1))(nnx.clone(layer), x)
+
+  (lora, dx), y = grads(), apply(nnx.clone(layer), x)
+  monkeypatch.setattr(type(layer), "stored_kernel", lambda self: None)
+  assert _weight_uses_in_forward(layer, x) - {"bitcast_convert_type"}
+  (lora_0, dx_0), y_0 = grads(), apply(nnx.clone(layer), x)
+  np.testing.assert_array_equal(_bits(y), _bits(y_0))
+  np.testing.assert_array_equal(_bits(dx), _bits(dx_0))
+  for a, b in zip(jax.tree.leaves(lora), jax.tree.leaves(lora_0)):
+    np.testing.assert_array_equal(_bits(a), _bits(b))
+
+
+@pytest.mark.parametrize("make, x_shape", [
+    (lambda r: qlayers.QuantLinearGeneral(
+        (8, 32), (4, 24), axis=(-2, -1), recipe=r, rngs=nnx.Rngs(0)),
+     (2, 8, 32)),
+    (lambda r: qlayers.QuantEinsum("btd,dnh->btnh", (256, 4, 24), recipe=r,
+                                   rngs=nnx.Rngs(0)), (2, 8, 256))],
+    ids=["linear_general", "einsum"])
+def test_general_layers_read_a_frozen_kernel_as_stored(make, x_shape,
+                                                       monkeypatch):
+  layer = make("mxfp8")
+  qlayers.freeze(layer)
+  x = jax.random.normal(jax.random.key(2), x_shape, jnp.float32)
+  assert not _weight_uses_in_forward(layer, x)
+  y = apply(layer, x)
+  monkeypatch.setattr(type(layer), "stored_kernel", lambda self: None)
+  assert _weight_uses_in_forward(layer, x)
+  np.testing.assert_array_equal(_bits(y), _bits(apply(layer, x)))
+
+
+def test_a_stored_weight_of_another_shape_is_refused():
+  w = jnp.ones((64, 32))
+  q = scaling.quantize(w, qlayers.recipe("mxfp8").fprop.rhs, 1)
+  with pytest.raises(ValueError, match=r"w_quantized must be a QTensor of "
+                     r"w.T \(32, 64\)"):
+    qlayers.ops.quantized_matmul(jnp.ones((2, 64)), w, "mxfp8",
+                                 w_quantized=q)
+

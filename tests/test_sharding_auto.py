@@ -255,3 +255,11 @@ def test_a_vmap_under_a_mesh_is_its_items(results):
   local GEMM)."""
   assert multidevice.result(results, "vmap_under_mesh") == {
       "fp8_current": True, "mxfp8": True}
+
+
+def test_a_frozen_kernel_is_read_as_stored_under_a_mesh(results):
+  """The GEMM reads a frozen kernel's stored codes, sharded along N, under
+  an automatic mesh: the step is one device's."""
+  for recipe, r in multidevice.result(results, "frozen_under_mesh").items():
+    _close(*r["loss"])
+    assert r["grad_rel"] < 1e-5, recipe

@@ -45,7 +45,7 @@ from qlayers import history_roll
 from qlayers import ops
 from qlayers import sharding
 from qlayers.recipe import Recipe, recipe as load_recipe
-from qlayers.scaling import ScaleState
+from qlayers.scaling import QTensor, ScaleState
 from qlayers.state import QuantGradState, QuantState
 from qlayers.table import check_backend
 
@@ -215,33 +215,39 @@ class QuantGemm(nnx.Module):
   # The GEMM
 
   def matmul(self, x: jax.Array, w: jax.Array, *, bias: jax.Array | None = None,
-             out_dtype=None, out_sharding=None) -> jax.Array:
+             out_dtype=None, out_sharding=None,
+             w_quantized: QTensor | None = None) -> jax.Array:
     """``x (..., K) @ w (K, N) [+ bias (N,)]``, quantized by the recipe.
 
-    ``w`` is quantized from the value given (pass the FP32 master); the
+    ``w`` is quantized from the value given (pass the FP32 master), or read
+    from ``w_quantized``, its stored codes (`ops.quantized_matmul`); the
     output has ``out_dtype`` (see `ops.quantized_matmul` for the default)
     and, when given, the sharding ``out_sharding``.
     """
     with self.writing_state("matmul"):
       y, new_state = ops.quantized_matmul(
           x, w, self.recipe, self.read(), out_dtype=out_dtype,
-          key=self.rounding_key(), backend=self.backend, site=self)
+          key=self.rounding_key(), backend=self.backend, site=self,
+          w_quantized=w_quantized)
       self.write(new_state)
     return _finish(y, bias, out_sharding)
 
   def __call__(self, lhs: jax.Array, rhs: jax.Array, dimension_numbers,
                precision=None, preferred_element_type=None,
-               out_sharding=None) -> jax.Array:
+               out_sharding=None, rhs_quantized: QTensor | None = None
+               ) -> jax.Array:
     """`lax.dot_general` of an input ``lhs`` and a weight ``rhs``, quantized.
 
     ``precision`` is ignored: the recipe sets the operand precision.
+    ``rhs_quantized``: ``rhs``'s stored codes (`ops.quantized_dot_general`).
     """
     del precision
     with self.writing_state("__call__"):
       y, new_state = ops.quantized_dot_general(
           lhs, rhs, dimension_numbers, self.recipe, self.read(),
           preferred_element_type=preferred_element_type,
-          backend=self.backend, key=self.rounding_key(), site=self)
+          backend=self.backend, key=self.rounding_key(), site=self,
+          rhs_quantized=rhs_quantized)
       self.write(new_state)
     return _finish(y, None, out_sharding)
 
@@ -350,6 +356,18 @@ class QuantLayer:
       return value, value
     value = jax.lax.stop_gradient(kernel.dequantize(jnp.float32))
     return value, value.astype(kernel.dtype)
+
+  def stored_kernel(self) -> QTensor | None:
+    """A frozen kernel's codes (`qlayers.FrozenKernel.qtensor`) where it
+    was quantized by the recipe's Fprop weight spec (`qlayers.freeze`'s
+    default), for the GEMM to read as they are rather than requantize its
+    dequantized values (the same bits, without the wide pass); else
+    None."""
+    kernel = self.kernel
+    if isinstance(kernel, nnx.Variable) or not self.recipe.quantized or (
+        getattr(kernel, "spec", None) != self.recipe.fprop.rhs):
+      return None
+    return kernel.qtensor()
 
   @property
   def recipe(self) -> Recipe:

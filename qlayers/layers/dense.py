@@ -108,6 +108,6 @@ class QuantDense(QuantLayer, nnx.Linear):
     y = self.quant.matmul(
         inputs, kernel, bias=bias,
         out_dtype=self.preferred_element_type,
-        out_sharding=out_sharding)
+        out_sharding=out_sharding, w_quantized=self.stored_kernel())
     lora = getattr(self, "lora", None)  # an adapter (see qlayers.add_lora)
     return y if lora is None else y + lora(inputs).astype(y.dtype)

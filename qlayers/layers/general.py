@@ -85,7 +85,8 @@ class QuantLinearGeneral(QuantLayer, nnx.LinearGeneral):
     dims = ((axis, tuple(range(len(axis)))), ((), ()))
     y = self.quant(inputs, kernel, dims,
                    preferred_element_type=self.preferred_element_type
-                   or ops.default_out_dtype(self.recipe, inputs.dtype))
+                   or ops.default_out_dtype(self.recipe, inputs.dtype),
+                   rhs_quantized=self.stored_kernel())
     y = lora_term(self, inputs, dims, y)
     if bias is not None:
       y = y + jnp.reshape(bias, (1,) * (y.ndim - bias.ndim) + bias.shape
@@ -261,7 +262,8 @@ class QuantEinsum(QuantLayer, nnx.Einsum):
              tuple(rhs.index(c) for c in contracted)), ((), ()))
     y = self.quant(inputs, kernel, dims,
                    preferred_element_type=self.preferred_element_type
-                   or ops.default_out_dtype(self.recipe, inputs.dtype))
+                   or ops.default_out_dtype(self.recipe, inputs.dtype),
+                   rhs_quantized=self.stored_kernel())
     y = lora_term(self, inputs, dims, y)
     # dot_general orders the output as the input's free indices, then the
     # kernel's; the equation may want them interleaved.

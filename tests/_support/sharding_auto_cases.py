@@ -299,6 +299,43 @@ def vmap_under_mesh():
   return out
 
 
+@case
+def frozen_under_mesh():
+  """A frozen kernel's stored codes read as the GEMM's weight under a mesh
+  (its payload and scales sharded along N, the batch over the devices):
+  the output and the adapter's gradients are one device's."""
+  rng = np.random.default_rng(5)
+  x = jnp.asarray(rng.standard_normal((32, 128)), jnp.float32)
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(
+      jax.sharding.AxisType.Auto,))
+
+  def loss(layer, x):
+    return jnp.sum(layer(x) ** 2)
+
+  step = nnx.jit(nnx.value_and_grad(loss))
+  out = {}
+  for recipe in ("fp8_current", "mxfp8", "mxfp4"):
+    layer = qlayers.QuantDense(128, 64, recipe=recipe, rngs=nnx.Rngs(0))
+    qlayers.freeze(layer)
+    qlayers.add_lora(layer, 4, rngs=nnx.Rngs(1))
+    layer.lora.lora_b[...] = jnp.full(layer.lora.lora_b.shape, 0.01,
+                                      layer.lora.lora_b.dtype)
+    assert layer.stored_kernel() is not None
+    want_loss, want = step(layer, x)
+    with jax.set_mesh(mesh):
+      kernel = layer.kernel
+      for v in (kernel.payload, kernel.scale):
+        spec = P("data") if v[...].ndim else P()
+        v.set_value(jax.device_put(v[...], NamedSharding(mesh, spec)))
+      got_loss, got = step(layer, jax.device_put(
+          x, NamedSharding(mesh, P("data"))))
+    rel = [float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+           for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want))]
+    out[recipe] = {"loss": [float(want_loss), float(got_loss)],
+                   "grad_rel": max(rel)}
+  return out
+
+
 # ----------------------------------------------------------------------------
 # Inside shard_map: local shards, global amaxes (lax.pmax), summed gradients.
 
