@@ -372,7 +372,7 @@ def _weight_uses_in_forward(layer, x):
 
 @pytest.mark.parametrize("recipe", [
     "fp8_current", "fp8_delayed", "fp8_rowwise", "deepseek_v3",
-    "deepseek_v3_ue8m0", "mxfp8", "mxfp6", "mxfp4", "mxfp4_rht"])
+    "deepseek_v3_ue8m0", "mxfp8", "mxfp6", "mxfp4", "mxfp4_rht", "nvfp4"])
 def test_the_gemm_reads_a_frozen_kernel_as_stored(recipe, monkeypatch):
   # The GEMM quantized the frozen kernel's FP32 dequantization again on
   # every call (a 4-byte pass per weight where the codes are 1 byte or
@@ -432,3 +432,24 @@ def test_a_stored_weight_of_another_shape_is_refused():
     qlayers.ops.quantized_matmul(jnp.ones((2, 64)), w, "mxfp8",
                                  w_quantized=q)
 
+
+def test_a_frozen_nvfp4_kernel_keeps_both_scale_levels(tmp_path):
+  # Its scales were stored as their FP32 product, which NVFP4's GEMM cannot
+  # take apart: the GEMM requantized the kernel on every call.
+  layer = qlayers.QuantDense(64, 32, recipe="nvfp4", rngs=nnx.Rngs(0))
+  qlayers.freeze(layer)
+  k = layer.kernel
+  want = scaling.quantize(k.dequantize().T, layer.recipe.fprop.rhs, 1)
+  assert k.scale.dtype == jnp.float8_e4m3fn and k.tensor_scale.shape == ()
+  assert k.bytes_per_weight == (64 * 32 / 2 + 4 * 2 + 4) / (64 * 32)
+  q = k.qtensor()
+  np.testing.assert_array_equal(_bits(q.block_scale), _bits(want.block_scale))
+  np.testing.assert_array_equal(q.tensor_scale, want.tensor_scale)
+  np.testing.assert_array_equal(q.scale, want.scale)
+  d = checkpoint.save(tmp_path / "c", layer)
+  other = qlayers.QuantDense(64, 32, recipe="nvfp4", rngs=nnx.Rngs(5))
+  qlayers.freeze(other)
+  checkpoint.restore(d, other)
+  for a, b in zip(jax.tree.leaves(other.kernel.qtensor()),
+                  jax.tree.leaves(q)):
+    np.testing.assert_array_equal(_bits(a), _bits(b))

@@ -75,7 +75,9 @@ class FrozenKernel(nnx.Module):
   transpose (``K``: the first ``n_in`` dims of ``shape``).
 
   Attributes:
-    payload, scale: `FrozenWeight` Variables (the QTensor's arrays).
+    payload, scale: `FrozenWeight` Variables (the QTensor's arrays; for
+      NVFP4, ``scale`` holds the E4M3 block scales and ``tensor_scale``
+      the per-tensor FP32 scale, the two levels its GEMM takes apart).
     spec: the `QuantSpec` it was quantized with (`requantize` uses it).
     shape: the kernel's shape; ``dtype``: the dtype ``[...]`` returns.
 
@@ -104,7 +106,9 @@ class FrozenKernel(nnx.Module):
     if qt.block is not None and not qt.fmt.packed:
       payload = payload[:n, :k]  # the rest is zero padding: not stored
     self.payload = FrozenWeight(payload)
-    self.scale = FrozenWeight(qt.scale)
+    levels = qt.tensor_scale is not None
+    self.scale = FrozenWeight(qt.block_scale if levels else qt.scale)
+    self.tensor_scale = FrozenWeight(qt.tensor_scale) if levels else None
     self._padded = tuple(qt.payload.shape)
     self.spec = spec
     self.shape = shape
@@ -160,7 +164,11 @@ class FrozenKernel(nnx.Module):
     if payload.shape != self._padded:  # zero padding to whole blocks
       payload = jnp.pad(payload, [(0, p - s) for p, s in
                                   zip(self._padded, payload.shape)])
-    return QTensor(payload, self.scale[...], *self._layout, 1, (n, k))
+    scale, levels = self.scale[...], {}
+    if self.tensor_scale is not None:  # NVFP4: f32(block) * tensor, exactly
+      levels = dict(block_scale=scale, tensor_scale=self.tensor_scale[...])
+      scale = scale.astype(jnp.float32) * levels["tensor_scale"]
+    return QTensor(payload, scale, *self._layout, 1, (n, k), **levels)
 
   @property
   def layout(self) -> tuple:
@@ -186,11 +194,14 @@ class FrozenKernel(nnx.Module):
     new = FrozenKernel.quantize(kernel, self.spec, n_in=self.n_in)
     self.payload.set_value(new.payload[...])
     self.scale.set_value(new.scale[...])
+    if self.tensor_scale is not None:
+      self.tensor_scale.set_value(new.tensor_scale[...])
     self._layout, self._padded = new._layout, new._padded
 
   @property
   def nbytes(self) -> int:
-    return self.payload[...].nbytes + self.scale[...].nbytes
+    return sum(v[...].nbytes for v in (self.payload, self.scale,
+                                       self.tensor_scale) if v is not None)
 
   @property
   def bytes_per_weight(self) -> float:
