@@ -9,9 +9,11 @@ moments), about 1 byte per weight in FP8 and 0.53 in MXFP4 against 4 for the
 FP32 master (16 with Adam's moments).
 
 ``layer.kernel[...]`` still reads the kernel (dequantized, stop-gradient, in
-the kernel's shape), so the layers run unchanged: the base GEMM quantizes it
-in the recipe's format, which, when the kernel is stored in the recipe's own
-weight format (`freeze`'s default), gives back the stored payload values.
+the kernel's shape). Stored in the recipe's own Fprop weight format
+(`freeze`'s default), the base GEMM reads the stored codes as they are
+(`QuantLayer.stored_kernel`), the bits its quantization of the dequantized
+kernel would give; stored in another, it quantizes the dequantized kernel
+in the recipe's format.
 Biases and norms stay as they are. `freeze` converts a model's layers;
 `FrozenKernel.from_qtensor` takes a kernel straight from an FP8 checkpoint
 (`qlayers.checkpoint.read_safetensors(..., quantized=True)`).
