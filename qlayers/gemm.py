@@ -384,11 +384,14 @@ def quantized_matmul(x: jax.Array, w: jax.Array, recipe: Recipe | str,
     w_quantized: ``w``'s codes as stored, quantized by the recipe's Fprop
       weight spec: a `QTensor` of ``w.T`` ``(N, K)`` along axis 1 (a frozen
       kernel's, `qlayers.FrozenKernel.qtensor`; ``w`` is then its
-      dequantized values, a constant). Fprop reads it as it is, and the
-      backward pass makes Dgrad's copy from it, instead of quantizing ``w``
-      (where the plan's Fprop weight takes another layout, a Hadamard
-      transform say, ``w`` is quantized as usual). Ignored for an FSDP
-      shard, under explicit mesh axes and when intercepted.
+      dequantized values, a constant). Fprop reads it as it is, instead of
+      quantizing ``w``, and the backward pass makes Dgrad's copy from it
+      where that copy is not Fprop's; except where the plan's Fprop weight
+      takes another layout (a Hadamard transform, say) and, under
+      differentiation, where a pair kernel makes Dgrad's copy and Fprop's
+      in one pass (MX and FP4 on GPUs): there ``w`` is quantized as usual.
+      Ignored for an FSDP shard, under explicit mesh axes and when
+      intercepted.
 
   Returns:
     ``(y, new_state)``: ``y`` of shape ``(..., N)``; ``new_state`` has the

@@ -115,9 +115,10 @@ def stored_operand(q: scaling.QTensor, op: Operand,
   (a frozen kernel's, `qlayers.FrozenKernel.qtensor`). Where they are the
   fixed point of that quantization (`qlayers.freeze` stores them so) it is
   `operand`'s copy of their dequantized values bit for bit, without the
-  wide pass; None where ``op`` takes another layout than ``q`` can give by
-  a relabel or a transpose of its bytes (a Hadamard transform, stochastic
-  rounding, NVFP4's two scale levels, which a stored kernel keeps as one).
+  wide pass (other codes, a checkpoint's, are used as they are); None
+  where ``op`` takes another layout than ``q`` can give by a relabel or a
+  transpose of its bytes (a Hadamard transform, stochastic rounding, FP4
+  codes packed along the other axis, scales in another form).
 
   Example:
     >>> import jax.numpy as jnp, qlayers

@@ -395,10 +395,10 @@ def test_the_gemm_reads_a_frozen_kernel_as_stored(recipe, monkeypatch):
     return nnx.grad(loss, argnums=(nnx.DiffState(
         0, (nnx.Param, qlayers.QuantGradState)), 1))(nnx.clone(layer), x)
 
-  (lora, dx), y = grads(), apply(nnx.clone(layer), x)
+  (lora, dx), y = grads(), nnx.clone(layer)(x)  # eager: traced anew
   monkeypatch.setattr(type(layer), "stored_kernel", lambda self: None)
   assert _weight_uses_in_forward(layer, x) - {"bitcast_convert_type"}
-  (lora_0, dx_0), y_0 = grads(), apply(nnx.clone(layer), x)
+  (lora_0, dx_0), y_0 = grads(), nnx.clone(layer)(x)
   np.testing.assert_array_equal(_bits(y), _bits(y_0))
   np.testing.assert_array_equal(_bits(dx), _bits(dx_0))
   for a, b in zip(jax.tree.leaves(lora), jax.tree.leaves(lora_0)):
@@ -418,10 +418,10 @@ def test_general_layers_read_a_frozen_kernel_as_stored(make, x_shape,
   qlayers.freeze(layer)
   x = jax.random.normal(jax.random.key(2), x_shape, jnp.float32)
   assert not _weight_uses_in_forward(layer, x)
-  y = apply(layer, x)
+  y = layer(x)  # eager: traced anew
   monkeypatch.setattr(type(layer), "stored_kernel", lambda self: None)
   assert _weight_uses_in_forward(layer, x)
-  np.testing.assert_array_equal(_bits(y), _bits(apply(layer, x)))
+  np.testing.assert_array_equal(_bits(y), _bits(layer(x)))
 
 
 def test_a_stored_weight_of_another_shape_is_refused():
@@ -453,3 +453,37 @@ def test_a_frozen_nvfp4_kernel_keeps_both_scale_levels(tmp_path):
   for a, b in zip(jax.tree.leaves(other.kernel.qtensor()),
                   jax.tree.leaves(q)):
     np.testing.assert_array_equal(_bits(a), _bits(b))
+
+
+def test_a_checkpoint_kernel_is_read_with_its_own_codes(monkeypatch):
+  # Codes that are not the fixed point of the recipe's quantization (a
+  # block whose largest code is 320, not 448): read as stored, the GEMM
+  # multiplies the checkpoint's own weights; requantized, every code moves.
+  rng = np.random.default_rng(0)
+  w = rng.standard_normal((128, 128)).astype(np.float32)
+  codes = (w / np.abs(w).max() * 320).astype(ml_dtypes.float8_e4m3fn)
+  qt = scaling.QTensor(jnp.asarray(codes), jnp.full((1, 1), 1e-3),
+                       "e4m3", "block", (128, 128), 1, (128, 128))
+  layer = qlayers.QuantDense(128, 128, use_bias=False, recipe="deepseek_v3",
+                             rngs=nnx.Rngs(0))
+  layer.kernel = qlayers.FrozenKernel.from_qtensor(qt)
+  x = jnp.ones((2, 128), jnp.float32)  # its 1x128 tiles quantize exactly
+  exact = np.asarray(x) @ np.asarray(layer.kernel[...], np.float64)
+  np.testing.assert_allclose(layer(x), exact, rtol=2e-6, atol=1e-6)
+  monkeypatch.setattr(type(layer), "stored_kernel", lambda self: None)
+  assert np.abs(np.asarray(layer(x)) - exact).max() > 1e-3
+
+
+@pytest.mark.parametrize("stored, spec", [("fp8", "nvfp4"), ("nvfp4", "fp8")])
+def test_requantize_into_a_spec_of_other_scale_levels(stored, spec):
+  # A kernel stored with one scale level requantized into NVFP4's two (or
+  # back) had nowhere to keep the tensor scale, or read one it lacked.
+  nv = qlayers.recipe("nvfp4").fprop.rhs
+  specs = {"fp8": CHECKPOINT_SPEC, "nvfp4": nv}
+  w = jax.random.normal(jax.random.key(0), (256, 128))
+  k = qlayers.FrozenKernel.from_qtensor(
+      scaling.quantize(w.T, specs[stored], 1), spec=specs[spec])
+  k.requantize(w)
+  want = qlayers.FrozenKernel.quantize(w, specs[spec])
+  np.testing.assert_array_equal(k.dequantize(), want.dequantize())
+  assert (k.tensor_scale is None) == (spec == "fp8")

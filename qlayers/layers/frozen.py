@@ -110,7 +110,9 @@ class FrozenKernel(nnx.Module):
     self.payload = FrozenWeight(payload)
     levels = qt.tensor_scale is not None
     self.scale = FrozenWeight(qt.block_scale if levels else qt.scale)
-    self.tensor_scale = FrozenWeight(qt.tensor_scale) if levels else None
+    # Data even when None: `requantize` may give it a value.
+    self.tensor_scale = nnx.data(FrozenWeight(qt.tensor_scale) if levels
+                                 else None)
     self._padded = tuple(qt.payload.shape)
     self.spec = spec
     self.shape = shape
@@ -195,9 +197,12 @@ class FrozenKernel(nnx.Module):
                        f"{self.shape}.")
     new = FrozenKernel.quantize(kernel, self.spec, n_in=self.n_in)
     self.payload.set_value(new.payload[...])
-    self.scale.set_value(new.scale[...])
-    if self.tensor_scale is not None:
-      self.tensor_scale.set_value(new.tensor_scale[...])
+    if (self.tensor_scale is None) == (new.tensor_scale is None):
+      self.scale.set_value(new.scale[...])
+      if new.tensor_scale is not None:
+        self.tensor_scale.set_value(new.tensor_scale[...])
+    else:  # stored in another layout than ``spec``'s (`from_qtensor`)
+      self.scale, self.tensor_scale = new.scale, new.tensor_scale
     self._layout, self._padded = new._layout, new._padded
 
   @property
@@ -252,9 +257,9 @@ def settle_delayed(node) -> None:
   kernel (a `QuantEmbed`'s table) was replaced: the old amaxes in the
   history would scale the new kernel off for as many steps as it holds,
   and in eval mode for good (a merged adapter's larger amax saturates). A
-  frozen kernel's amax no step changes again: scaled by it, the GEMM
-  requantizes the stored codes as they are. `freeze`, `qlayers.merge_lora`
-  and `qlayers.hf.load_tensors` call it."""
+  frozen kernel's amax no step changes again (a GEMM that requantizes a
+  kernel stored in another format scales by it). `freeze`,
+  `qlayers.merge_lora` and `qlayers.hf.load_tensors` call it."""
   gemm = getattr(node, "quant", None)
   kernel = getattr(node, "kernel", None)
   if isinstance(node, QuantEmbed):  # its tied head quantizes the table
