@@ -24,7 +24,9 @@ so a part that runs out of time still reports what it measured:
            (cuBLAS/cuDNN only). Target: per-tensor FP8 >= 1.85x BF16 at
            8192^3.
 ``layer``  ``qlayers.ops.quantized_matmul`` forward + backward (3 GEMMs) per
-           recipe at 8192x4096x4096, against BF16.
+           recipe at 8192x4096x4096, against BF16; then a frozen
+           ``QuantDense``'s forward alone (eval mode, as served: the GEMM
+           reads the stored codes) against a BF16 layer's.
 ``step``   train step of a small transformer (``benchmarks/models.py``) per
            recipe against the BF16 step (``qlayers.quantize`` +
            ``qlayers.Optimizer``), with the loss after the warm-up steps as a
@@ -118,6 +120,8 @@ GEMM_KINDS = {
 LAYER_RECIPES = ("bf16", "fp8_current", "fp8_delayed", "fp8_rowwise",
                  "deepseek_v3", "deepseek_v3_ue8m0", "mxfp8", "nvfp4",
                  "mxfp4", "mxfp6")
+# Served: a frozen layer's forward (`qlayers.freeze`, eval mode).
+SERVE_RECIPES = ("bf16", "fp8_current", "mxfp8", "nvfp4")
 STEP_RECIPES = ("fp8_current", "fp8_delayed", "fp8_rowwise", "deepseek_v3",
                 "mxfp8", "nvfp4", "mxfp4")
 # The Llama-3-8B block (gpu_compile.BLOCK_PRESETS, cuDNN fused attention),
@@ -550,8 +554,11 @@ def part_gemm(cfg) -> dict[str, Any]:
 
 
 def part_layer(cfg) -> dict[str, Any]:
+  """One quantized GEMM's forward and backward per recipe (`LAYER_RECIPES`),
+  then a frozen layer's forward alone, as served (`SERVE_RECIPES`)."""
   import jax
   import jax.numpy as jnp
+  from flax import nnx
   import qlayers
   gc = _gc()
   rows = Rows(cfg, "layer")
@@ -577,6 +584,27 @@ def part_layer(cfg) -> dict[str, Any]:
       r = _measure(fn, (x, w, state, ct), cfg, flops=3 * 2.0 * m * n * k,
                    layers=layers, cotangents=("ct",),
                    quantized=qlayers.recipe(name).quantized)
+    except Exception as e:  # noqa: BLE001 - reported
+      rows.add({"item": item, "error": _err(e)})
+      continue
+    if name == "bf16":
+      base = r["ms"]
+    rows.add({"item": item, **r,
+              "ratio": base / r["ms"] if base else math.nan})
+  base = None
+  for name in _shipped(SERVE_RECIPES):
+    layer = qlayers.QuantDense(k, n, recipe=name, dtype=jnp.bfloat16,
+                               rngs=nnx.Rngs(0))
+    layer.kernel[...] = w
+    if layer.recipe.quantized:
+      qlayers.freeze(layer)
+    layer.eval()
+    graph, params = nnx.split(layer)
+    fn = jax.jit(lambda params, x, graph=graph: nnx.merge(graph, params)(x))
+    item = f"{m}x{k}x{n} fwd frozen {name}"
+    try:
+      r = _measure(fn, (params, x), cfg, flops=2.0 * m * n * k,
+                   layers=layers, quantized=layer.recipe.quantized)
     except Exception as e:  # noqa: BLE001 - reported
       rows.add({"item": item, "error": _err(e)})
       continue
