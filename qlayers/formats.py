@@ -523,21 +523,18 @@ def unpack(packed: jax.Array, fmt: Format | str) -> jax.Array:
     raise ValueError(
         f"Packed {fmt.name} rows hold groups of {nbytes} bytes; got {nb}.")
   lead = packed.shape[:-1]
-  groups = packed.reshape(*lead, nb // nbytes, nbytes).astype(jnp.uint16)
-  # Element i of a group holds bits [bits * i, bits * (i + 1)) of its
-  # little-endian bytes: each code put together from the one or two bytes
-  # it spans by constant shifts, and stacked. On GPUs the unpack is one
-  # fusion (through wide words and bitcasts XLA made two, writing and
-  # reading the intermediate).
-  codes = []
-  for i in range(elems):
-    first = fmt.bits * i
-    parts = [groups[..., j] << (8 * j - first) if 8 * j >= first
-             else groups[..., j] >> (first - 8 * j)
-             for j in range(first // 8, (first + fmt.bits - 1) // 8 + 1)]
-    codes.append((functools.reduce(jnp.bitwise_or, parts)
-                  & ((1 << fmt.bits) - 1)).astype(jnp.uint8))
-  return jnp.stack(codes, axis=-1).reshape(*lead, nb // nbytes * elems)
+  groups = packed.reshape(*lead, nb // nbytes, nbytes)
+  wide = jnp.uint16 if elems == 2 else jnp.uint32
+  # A group's little-endian word put together by shifts, its codes moved
+  # from `bits`-bit to 8-bit positions, and the word seen as bytes: on GPUs
+  # one fusion (a bitcast of the group's bytes to a word needed a padding
+  # concatenate first, and made two).
+  word = functools.reduce(jnp.bitwise_or, [
+      groups[..., j].astype(wide) << (8 * j) for j in range(nbytes)])
+  mask = (1 << fmt.bits) - 1
+  spread = functools.reduce(jnp.bitwise_or, [
+      ((word >> (fmt.bits * i)) & mask) << (8 * i) for i in range(elems)])
+  return _bytes(spread).reshape(*lead, nb // nbytes * elems)
 
 
 # A bitcast between bytes and wider words changes the rank, and StableHLO's
