@@ -579,18 +579,11 @@ def part_layer(cfg) -> dict[str, Any]:
     # The state too (as in training): under delayed scaling the gradient
     # amax leaves as its cotangent, and is dead code otherwise.
     fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
-    item = f"{m}x{k}x{n} fwd+bwd {name}"
-    try:
-      r = _measure(fn, (x, w, state, ct), cfg, flops=3 * 2.0 * m * n * k,
-                   layers=layers, cotangents=("ct",),
-                   quantized=qlayers.recipe(name).quantized)
-    except Exception as e:  # noqa: BLE001 - reported
-      rows.add({"item": item, "error": _err(e)})
-      continue
-    if name == "bf16":
-      base = r["ms"]
-    rows.add({"item": item, **r,
-              "ratio": base / r["ms"] if base else math.nan})
+    base = _timed_row(rows, f"{m}x{k}x{n} fwd+bwd {name}", fn,
+                      (x, w, state, ct), cfg, base, name == "bf16",
+                      flops=3 * 2.0 * m * n * k, layers=layers,
+                      cotangents=("ct",),
+                      quantized=qlayers.recipe(name).quantized)
   base = None
   for name in _shipped(SERVE_RECIPES):
     layer = qlayers.QuantDense(k, n, recipe=name, dtype=jnp.bfloat16,
@@ -601,18 +594,25 @@ def part_layer(cfg) -> dict[str, Any]:
     layer.eval()
     graph, params = nnx.split(layer)
     fn = jax.jit(lambda params, x, graph=graph: nnx.merge(graph, params)(x))
-    item = f"{m}x{k}x{n} fwd frozen {name}"
-    try:
-      r = _measure(fn, (params, x), cfg, flops=2.0 * m * n * k,
-                   layers=layers, quantized=layer.recipe.quantized)
-    except Exception as e:  # noqa: BLE001 - reported
-      rows.add({"item": item, "error": _err(e)})
-      continue
-    if name == "bf16":
-      base = r["ms"]
-    rows.add({"item": item, **r,
-              "ratio": base / r["ms"] if base else math.nan})
+    base = _timed_row(rows, f"{m}x{k}x{n} fwd frozen {name}", fn,
+                      (params, x), cfg, base, name == "bf16",
+                      flops=2.0 * m * n * k, layers=layers,
+                      quantized=layer.recipe.quantized)
   return {"rows": rows.rows}
+
+
+def _timed_row(rows, item: str, fn, args, cfg, base, is_base: bool, **kw):
+  """Times ``fn(*args)`` (`_measure`) into a row of ``rows`` with its
+  speedup over ``base`` ms, or an error row; returns the base for the rows
+  after it (this row's time where ``is_base``)."""
+  try:
+    r = _measure(fn, args, cfg, **kw)
+  except Exception as e:  # noqa: BLE001 - reported
+    rows.add({"item": item, "error": _err(e)})
+    return base
+  base = r["ms"] if is_base else base
+  rows.add({"item": item, **r, "ratio": base / r["ms"] if base else math.nan})
+  return base
 
 
 def part_step(cfg) -> dict[str, Any]:
