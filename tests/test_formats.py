@@ -183,6 +183,21 @@ def test_pack_bit_layout():
       np.asarray(fp6), [[word & 0xFF, (word >> 8) & 0xFF, word >> 16]])
 
 
+@pytest.mark.parametrize("fmt", PACKED, ids=lambda f: f.name)
+def test_unpack_reads_every_byte_group(fmt):
+  # Every packed group (all 2**24 byte triples for FP6): element i is bits
+  # [bits * i, bits * (i + 1)) of the group's little-endian word, as
+  # `pack` writes it. unpack was rewritten for GPU fusion; this pins it.
+  elems, nbytes = F._group(fmt)  # pylint: disable=protected-access
+  word = np.arange(1 << (8 * nbytes), dtype=np.uint32)
+  groups = np.stack([(word >> (8 * j)) & 0xFF for j in range(nbytes)], -1)
+  rows = groups.astype(np.uint8).reshape(-1, nbytes * 256)
+  got = np.asarray(jax.jit(lambda p: F.unpack(p, fmt))(jnp.asarray(rows)))
+  want = np.stack([(word >> (fmt.bits * i)) & ((1 << fmt.bits) - 1)
+                   for i in range(elems)], -1).astype(np.uint8)
+  np.testing.assert_array_equal(got.reshape(want.shape), want)
+
+
 def test_pack_rejects_bad_lengths():
   with pytest.raises(ValueError, match="multiple of 2"):
     F.pack(jnp.zeros((3,), jnp.uint8), F.E2M1)
