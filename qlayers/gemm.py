@@ -209,8 +209,6 @@ def _qmm_forward(plan: Plan, gather, x, w, stored, state, key):
 def _qmm_fwd(plan: Plan, dtypes, x, w, stored, state, key):
   if state is not None:
     _warn_if_gradient_amax_lost(plan.recipe, x, w, state)
-  if stored is not None and x.perturbed and _pairs_for_dgrad(plan, w.value):
-    stored = None
   x, w = x.value, w.value
   # An outer derivative reaches the rules through x and w (a wide recipe,
   # bf16 or fp16, keeps its second derivatives: the wide dots').
@@ -219,20 +217,6 @@ def _qmm_fwd(plan: Plan, dtypes, x, w, stored, state, key):
   y, new_state, res = _forward(plan, dtypes[4], x, w, _values(stored),
                                _values(state), _values(key))
   return (y, new_state), res
-
-
-def _pairs_for_dgrad(plan: Plan, w) -> bool:
-  """Whether Dgrad's copy of ``w`` is made apart from Fprop's, by a pair
-  kernel that makes Fprop's in the same pass. Where a stored weight's Dgrad
-  copy is needed, its Fprop copy then comes free of the one read of its
-  dequantized kernel, and the stored codes are not used (on GPUs XLA's
-  quantize of a dequantized kernel along N was slower for MX and FP4:
-  predicted B200 LoRA step of a 4096 x 4096 -> 14336 layer, MXFP8 498 us
-  against 473); row scaling's reads its input twice, so XLA's is faster
-  (430 us against 512)."""
-  spec = plan.dgrad.rhs.spec
-  return (not plan.share_w and spec is not None and spec.granularity != "row"
-          and pairable(w, plan.dgrad.rhs, plan.fprop.rhs))
 
 
 @jax.custom_jvp
@@ -312,7 +296,21 @@ def _qmm_backward(plan: Plan, dtypes, res, g):
     qw = w_saved
   else:
     wide = w_saved if w_stored is None else w_stored.dequantize().T
-    qw = operand(wide, dgrad.rhs, amax=aw, dtype=recipe.dtype, gather=gather)
+    spec = dgrad.rhs.spec
+    if (w_stored is not None and spec is not None
+        and spec.granularity != "row"
+        and pairable(wide, dgrad.rhs, plan.fprop.rhs)):
+      # A stored weight's Dgrad copy by the pair kernel (its Fprop copy
+      # unused), as a Param's is made: on GPUs XLA's quantize of the
+      # dequantized kernel along N was slower for MX and FP4 (predicted
+      # B200 LoRA step of a 4096 x 4096 -> 14336 layer, MXFP8 498 us
+      # against 473); row scaling's kernel reads its input twice, and
+      # XLA's was faster (430 us against 512).
+      qw, _ = operand_pair(wide, dgrad.rhs, plan.fprop.rhs,
+                           dtype=recipe.dtype)
+    else:
+      qw = operand(wide, dgrad.rhs, amax=aw, dtype=recipe.dtype,
+                   gather=gather)
   dx = dispatch.run(dgrad, qg, qw).reshape(x_shape)
   # Wgrad: dw = x.T @ g, contracted over M (both Hadamard-transformed along
   # M first if the recipe says so: (Qx).T @ (Qg) = x.T @ g).
@@ -386,11 +384,9 @@ def quantized_matmul(x: jax.Array, w: jax.Array, recipe: Recipe | str,
       kernel's, `qlayers.FrozenKernel.qtensor`; ``w`` is then its
       dequantized values, a constant). Fprop reads it as it is, instead of
       quantizing ``w``, and the backward pass makes Dgrad's copy from it
-      where that copy is not Fprop's; except where the plan's Fprop weight
-      takes another layout (a Hadamard transform, say) and, under
-      differentiation, where a pair kernel makes Dgrad's copy and Fprop's
-      in one pass (MX and FP4 on GPUs): there ``w`` is quantized as usual.
-      Ignored for an FSDP shard, under explicit mesh axes and when
+      where that copy is not Fprop's; where the plan's Fprop weight takes
+      another layout (a Hadamard transform, say) ``w`` is quantized as
+      usual. Ignored for an FSDP shard, under explicit mesh axes and when
       intercepted.
 
   Returns:
