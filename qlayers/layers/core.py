@@ -364,9 +364,8 @@ class QuantLayer:
     dequantized values (the same bits, without the wide pass); else
     None."""
     kernel = self.kernel
-    if isinstance(kernel, nnx.Variable) or not self.recipe.quantized or (
-        getattr(kernel, "spec", None) != self.recipe.fprop.rhs):
-      return None
+    if isinstance(kernel, nnx.Variable) or kernel.spec != self.recipe.fprop.rhs:
+      return None  # a Param, or codes of another spec (none for "bf16")
     return kernel.qtensor()
 
   @property
