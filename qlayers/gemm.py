@@ -58,7 +58,7 @@ from qlayers import scaling
 from qlayers import sharding
 from qlayers.dispatch import Plan
 from qlayers.operands import (delayed_amax, operand, operand_pair, pairable,
-                              stored_operand)
+                              requantized_operand, stored_operand)
 from qlayers.recipe import Recipe, recipe as load_recipe
 from qlayers.scaling import ScaleState
 
@@ -292,9 +292,11 @@ def _qmm_backward(plan: Plan, dtypes, res, g):
                                 dequantized=plan.dequantized["g"])
   if recipe.delayed:
     run_g, = run
-  if isinstance(w_saved, scaling.QTensor):
-    qw = w_saved
-  else:
+  qw = w_saved if isinstance(w_saved, scaling.QTensor) else None
+  if qw is None and w_stored is not None:
+    # Stored MXFP8/MXFP4 codes requantized along N, in one pass on GPUs.
+    qw = requantized_operand(w_stored, dgrad.rhs)
+  if qw is None:
     wide = w_saved if w_stored is None else w_stored.dequantize().T
     spec = dgrad.rhs.spec
     if (w_stored is not None and spec is not None

@@ -28,7 +28,7 @@ from qlayers.recipe import Recipe, recipe as load_recipe
 from qlayers.scaling import ScaleState
 
 __all__ = ["operand", "operand_pair", "pairable", "delayed_amax",
-           "stored_operand", "fake_quant_matmul"]
+           "stored_operand", "requantized_operand", "fake_quant_matmul"]
 
 
 def delayed_amax(t, state: ScaleState, recipe: Recipe):
@@ -152,6 +152,54 @@ def stored_operand(q: scaling.QTensor, op: Operand,
       for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(made))):
     return None
   return made
+
+
+def requantized_operand(q: scaling.QTensor, op: Operand
+                        ) -> scaling.QTensor | None:
+  """The operand ``op`` along axis 1 of a ``(K, N)`` weight (Dgrad's) from
+  a stored MX copy ``q``, ``(N, K)`` along ``K`` (a frozen kernel's, as
+  `stored_operand` takes it): `operand` of ``q``'s dequantized values,
+  which an NVIDIA GPU makes from the codes in one pass
+  (`qlayers.cast_transpose.mx_requantize`: the same bits, without the
+  FP32 weight written and read between). None where that kernel does not
+  take ``q`` and ``op`` (MXFP8 E4M3 and MXFP4 blocks of 32 in whole 32 x 32
+  tiles, rounded to nearest, no transform, no mesh), or the program is not
+  lowered for a GPU where the pair kernels run (`_block_pairs`).
+
+  Example:
+    >>> import jax.numpy as jnp, qlayers
+    >>> from qlayers.dispatch import Operand
+    >>> spec = qlayers.recipe("mxfp8").dgrad.rhs
+    >>> q = scaling.quantize(jnp.ones((64, 32)), spec, 1)
+    >>> requantized_operand(q, Operand(spec, 1)) is None  # not for a GPU
+    True
+  """
+  spec = op.spec
+  if (spec is None or spec.granularity != "mx" or spec.stochastic
+      or op.hadamard or op.tn or op.axis != 1
+      or spec.scale_rule not in ("mx_rceil", "mx_floor")
+      or q.format != spec.fmt.name or q.granularity != "mx" or q.axis != 1
+      or q.transposed or q.dequantized or q.block != (1, spec.block_size)
+      or q.padded_shape != q.shape
+      or not cast_transpose.requantize_supported(q.shape, spec.fmt)
+      or not table.targets_gpu() or sharding.context_mesh() is not None
+      or sharding.varying_axes(q.payload)
+      or not _block_pairs(spec, table.sm_version(table.gpu_arch("cuda")))):
+    return None
+
+  def xla(payload, scale):
+    stored = dataclasses.replace(q, payload=payload, scale=scale)
+    return operand(stored.dequantize().T, op)
+
+  made = jax.eval_shape(xla, q.payload, q.scale)
+  leaves, tree = jax.tree.flatten(made)
+  if len(leaves) != 2:
+    return None
+
+  def cuda(payload, scale):
+    return jax.tree.unflatten(tree, cast_transpose.mx_requantize(
+        payload, scale, spec.fmt, spec.scale_rule))
+  return lax.platform_dependent(q.payload, q.scale, cuda=cuda, default=xla)
 
 
 def _transformed(t, size: int, axis: int):

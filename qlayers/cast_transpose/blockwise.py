@@ -136,36 +136,45 @@ def _block_word(parts, mult, fmt: Format, interpret: bool, hardware: bool):
 def _block_kernel(t_ref, q_ref, s_ref, qt_ref, st_ref, *, fmt: Format,
                   rule: str, interpret: bool, dequantized=(False, False),
                   hardware: bool = False):
-  """One ``b x b`` tile ``v``: the copy of ``v`` and that of ``v.T``, each
-  along its rows' blocks, as words of four payload bytes (`_block_words`)
-  or dequantized to BF16."""
+  """One ``b x b`` tile ``v``: the copy of ``v`` and that of ``v.T``
+  (`write_copy`)."""
   v = t_ref[...].astype(jnp.float32)
-  b = v.shape[0]
   for y, q, sc, dq in ((v, q_ref, s_ref, dequantized[0]),
                        (v.T, qt_ref, st_ref, dequantized[1])):
-    if dq or fmt.bits == 8:
-      # FP8 (and DeepSeek's tiles) by reductions: apart, MXFP8's blocks save
-      # 10% of the kernel's instructions (0.5% of a predicted step) for
-      # nearly three times the train step's traced operations, which its
-      # compile time pays (benchmarks/RESULTS.md).
-      # Block amaxes from the magnitude bits, as qlayers.blocks does: exact,
-      # and an Inf or NaN element gives the 0xFF code.
-      mult, s = _block_scale(jnp.max(_base.fp32_bits(y), axis=1, keepdims=True),
-                             fmt, rule, interpret)
-      x = y * mult
-      q[...] = (_dequantized(_block_values(x, mult, fmt, interpret), s)
-                if dq else _block_words(x, mult, fmt, interpret, hardware))
-      sc[...] = _base.scales_out(s, rule)
-      continue
-    # An MXFP6 block's 32 elements apart: its amax and words in registers.
-    parts = _lanes.split_last(y)
-    mag = functools.reduce(jnp.maximum,
-                           (_base.fp32_bits(p) for p in parts))
-    mult, s = _block_scale(mag, fmt, rule, interpret)
-    q[...] = _lanes.join_last([
-        _block_word([p * mult for p in parts[k:k + 4]], mult, fmt, interpret,
-                    hardware) for k in range(0, b, 4)])
-    sc[...] = _base.scales_out(s, rule)[:, None]
+    write_copy(y, q, sc, fmt=fmt, rule=rule, interpret=interpret,
+               dequantized=dq, hardware=hardware)
+
+
+def write_copy(y, q, sc, *, fmt: Format, rule: str, interpret: bool,
+               dequantized: bool = False, hardware: bool = False):
+  """Writes the copy of FP32 ``y (b, b)`` along its rows' blocks to ``q``,
+  as words of four payload bytes (`_block_words`) or dequantized to BF16,
+  and its scales to ``sc``."""
+  b = y.shape[0]
+  if dequantized or fmt.bits == 8:
+    # FP8 (and DeepSeek's tiles) by reductions: apart, MXFP8's blocks save
+    # 10% of the kernel's instructions (0.5% of a predicted step) for
+    # nearly three times the train step's traced operations, which its
+    # compile time pays (benchmarks/RESULTS.md).
+    # Block amaxes from the magnitude bits, as qlayers.blocks does: exact,
+    # and an Inf or NaN element gives the 0xFF code.
+    mult, s = _block_scale(jnp.max(_base.fp32_bits(y), axis=1, keepdims=True),
+                           fmt, rule, interpret)
+    x = y * mult
+    q[...] = (_dequantized(_block_values(x, mult, fmt, interpret), s)
+              if dequantized else _block_words(x, mult, fmt, interpret,
+                                               hardware))
+    sc[...] = _base.scales_out(s, rule)
+    return
+  # An MXFP6 block's 32 elements apart: its amax and words in registers.
+  parts = _lanes.split_last(y)
+  mag = functools.reduce(jnp.maximum,
+                         (_base.fp32_bits(p) for p in parts))
+  mult, s = _block_scale(mag, fmt, rule, interpret)
+  q[...] = _lanes.join_last([
+      _block_word([p * mult for p in parts[k:k + 4]], mult, fmt, interpret,
+                  hardware) for k in range(0, b, 4)])
+  sc[...] = _base.scales_out(s, rule)[:, None]
 
 
 def _dequantized(q, codes):

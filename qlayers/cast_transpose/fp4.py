@@ -70,9 +70,7 @@ def _fp4_kernel(*refs, rule: str, stochastic: bool, hadamard=(0, 0),
     parts = _lanes.split_last(y)
     if hadamard[c]:
       parts = _lanes.transform_parts(parts, hadamard[c])
-    mag = functools.reduce(jnp.maximum,
-                           (_base.doubled_bits(p) for p in parts)) >> 1
-    mult, code = _base.pow2_multiplier(mag, formats.E2M1, rule)
+    mult, code = block_multiplier(parts, rule)
     u = None
     if stochastic:
       # Each copy draws the random bytes of its own places (`threefry`):
@@ -83,8 +81,28 @@ def _fp4_kernel(*refs, rule: str, stochastic: bool, hadamard=(0, 0),
       u = [byte for w in range(b // 8) for byte in threefry.eighths_at(
           key_ref[2 * c], key_ref[2 * c + 1], row, col + w, width,
           rotl=_base.rotl_wide if hardware else None)]
-    q[...] = _lanes.join_last(_e2m1.block_e2m1_words(parts, mult, u, hardware))
-    sc[...] = _base.scales_out(code, rule)[:, None]
+    write_blocks(parts, mult, code, q, sc, rule=rule, random=u,
+                 hardware=hardware)
+
+
+def block_multiplier(parts, rule: str):
+  """(multiplier, E8M0 code as uint32) of a tile's rows held apart
+  (``parts``: their 32 elements, one FP32 array each,
+  `_lanes.split_last`), each row one MXFP4 block."""
+  mag = functools.reduce(jnp.maximum,
+                         (_base.doubled_bits(p) for p in parts)) >> 1
+  return _base.pow2_multiplier(mag, formats.E2M1, rule)
+
+
+def write_blocks(parts, mult, code, q, sc, *, rule: str, random=None,
+                 hardware: bool = False):
+  """Writes the MXFP4 copy of the rows ``parts`` (`block_multiplier`'s
+  ``mult`` and ``code``) to ``q`` as words of eight codes, rounded to
+  nearest or with the random bytes ``random`` (one array per element), and
+  their scales to ``sc``."""
+  q[...] = _lanes.join_last(_e2m1.block_e2m1_words(parts, mult, random,
+                                                   hardware))
+  sc[...] = _base.scales_out(code, rule)[:, None]
 
 
 @functools.partial(jax.jit, static_argnames=("rule", "hadamard", "interpret"))

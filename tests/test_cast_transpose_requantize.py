@@ -1,0 +1,132 @@
+"""A stored MX copy requantized along its other axis from its codes
+(qlayers/cast_transpose/requantize.py), and the frozen kernel's Dgrad copy
+it makes on GPUs."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import qlayers
+from qlayers import cast_transpose as ct
+from qlayers import formats
+from qlayers import scaling
+from qlayers import table
+from qlayers.dispatch import Operand
+from qlayers.operands import operand, requantized_operand
+from _support import cast_kernels as ck
+
+
+def _every_code_copy(fmt: str, rule: str) -> scaling.QTensor:
+  """A (64, 256) copy along axis 1 holding every code of ``fmt`` in every
+  row (E4M3: all 256, NaN's two included; E2M1: all 16, 16 times), with
+  scales from the smallest (2**-127, a subnormal) through the largest to
+  the NaN scale, among ordinary ones."""
+  spec = scaling.QuantSpec(format=fmt, granularity="mx", scale_rule=rule)
+  q = scaling.quantize(jnp.zeros((64, 256)), spec, 1)
+  n = 256 if fmt == "e4m3" else 16
+  # Every code in each row, rotated by three more per row.
+  codes = ((np.arange(256)[None, :] + 3 * np.arange(64)[:, None]) % n
+           ).astype(np.uint8)
+  rng = np.random.default_rng(0)
+  scales = rng.integers(110, 140, size=q.scale.shape, dtype=np.uint8)
+  scales[0, :4] = (0, 1, 254, 255)
+  if fmt == "e4m3":
+    payload = jnp.asarray(codes).view(jnp.float8_e4m3fn)
+  else:
+    payload = jnp.asarray(formats.pack(jnp.asarray(codes), formats.E2M1))
+  return dataclasses.replace(q, payload=payload, scale=jnp.asarray(scales))
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e2m1"])
+@pytest.mark.parametrize("rule", ["mx_rceil", "mx_floor"])
+def test_every_code_requantizes_as_its_dequantized_values(fmt, rule):
+  stored = _every_code_copy(fmt, rule)
+  spec = scaling.QuantSpec(format=fmt, granularity="mx", scale_rule=rule)
+  qt, st = ct.mx_requantize(stored.payload, stored.scale, fmt, rule,
+                            interpret=True)
+  want = scaling.quantize(stored.dequantize().T, spec, 1)
+  assert qt.dtype == want.payload.dtype and qt.shape == want.payload.shape
+  np.testing.assert_array_equal(ck.bits(qt), ck.bits(want.payload))
+  np.testing.assert_array_equal(np.asarray(st), np.asarray(want.scale))
+  assert (np.asarray(st) == 255).any()  # the NaN scale's block, and codes
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e2m1"])
+def test_a_fixed_point_copy_comes_back_transposed(fmt):
+  # MX codes quantized from data, read back along the other axis: the same
+  # values the pair kernel gives the dequantized weight's copy along N.
+  spec = qlayers.recipe("mxfp8" if fmt == "e4m3" else "mxfp4").fprop.rhs
+  w = ck.data((128, 96), jnp.float32)  # NaN, Inf, overflow, tiny values
+  stored = scaling.quantize(w, spec, 1)
+  qt, st = ct.mx_requantize(stored.payload, stored.scale, fmt,
+                            spec.scale_rule, interpret=True)
+  pair = (ct.mx_cast_transpose(stored.dequantize(), fmt, spec.scale_rule,
+                               interpret=True) if fmt == "e4m3" else
+          ct.fp4_cast_transpose(stored.dequantize(), spec.scale_rule,
+                                interpret=True))
+  np.testing.assert_array_equal(ck.bits(qt), ck.bits(pair[2]))
+  np.testing.assert_array_equal(np.asarray(st), np.asarray(pair[3]))
+
+
+def test_requantize_names_what_it_does_not_take():
+  q = scaling.quantize(jnp.ones((64, 64)), qlayers.recipe("mxfp8").fprop.rhs,
+                       1)
+  with pytest.raises(ValueError, match="E4M3 or E2M1"):
+    ct.mx_requantize(q.payload, q.scale, "e5m2", "mx_rceil")
+  with pytest.raises(ValueError, match="whole 32 x 32 tiles"):
+    ct.mx_requantize(q.payload[:, :48], q.scale, "e4m3", "mx_rceil")
+  with pytest.raises(ValueError, match="one E8M0 scale per 32"):
+    ct.mx_requantize(q.payload, q.scale[:, :1], "e4m3", "mx_rceil")
+  with pytest.raises(ValueError, match="MX scale rule"):
+    ct.mx_requantize(q.payload, q.scale, "e4m3", "deepseek")
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp4"])
+def test_a_frozen_mx_kernels_dgrad_copy_is_made_from_its_codes(recipe):
+  # A LoRA step on a frozen MX base made Dgrad's copy by dequantizing the
+  # codes to FP32 in XLA, then the pair kernel (11 bytes moved per MXFP8
+  # weight): planned for B200 it is one kernel from the codes, and the
+  # input gradient keeps its bits.
+  layer = qlayers.QuantDense(256, 128, recipe=recipe, rngs=nnx.Rngs(0))
+  qlayers.freeze(layer)
+  qlayers.add_lora(layer, 4, rngs=nnx.Rngs(1))
+  x = jax.random.normal(jax.random.key(2), (64, 256), jnp.float32)
+
+  def dx(model, x):
+    return jax.grad(lambda x: jnp.sum(jnp.sin(model(x))))(x)
+
+  graph, state = nnx.split(layer)
+  step = jax.jit(lambda state, x: dx(nnx.merge(graph, state), x))
+  want = step(state, x)
+  with table.target_arch("sm_100"):
+    got = jax.jit(lambda state, x: dx(nnx.merge(graph, state), x))(state, x)
+    text = jax.jit(lambda state, x: dx(nnx.merge(graph, state), x)).trace(
+        state, x).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count('name = "qlayers_mx_requantize"') == 1
+  np.testing.assert_array_equal(ck.bits(got), ck.bits(want))
+
+
+def test_requantized_operand_only_where_its_kernel_takes_the_copy():
+  spec = qlayers.recipe("mxfp8").dgrad.rhs
+  q = scaling.quantize(jnp.ones((64, 96)), spec, 1)
+  op = Operand(spec, 1)
+  assert requantized_operand(q, op) is None  # not lowered for a GPU
+  with table.target_arch("sm_100"):
+    made = requantized_operand(q, op)
+    assert made is not None
+    want = operand(q.dequantize().T, op)
+    assert jax.tree.structure(made) == jax.tree.structure(want)
+    np.testing.assert_array_equal(ck.bits(made.payload),
+                                  ck.bits(want.payload))
+    # MXFP6 codes (packed in threes), a transposed copy, another format
+    fp6 = qlayers.recipe("mxfp6").dgrad.rhs
+    assert requantized_operand(scaling.quantize(jnp.ones((64, 96)), fp6, 1),
+                               Operand(fp6, 1)) is None
+    assert requantized_operand(dataclasses.replace(q, transposed=True),
+                               op) is None
+    e5m2 = dataclasses.replace(spec, format="e5m2")
+    assert requantized_operand(q, Operand(e5m2, 1)) is None
