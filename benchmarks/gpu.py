@@ -428,8 +428,55 @@ def part_kernels(cfg) -> dict[str, Any]:
   with (table.target_arch("sm_100") if cfg.cpu_smoke
         else contextlib.nullcontext()):
     _compare_pairs(rows, gpu, cpu, dims)
+    _compare_requantized(rows, gpu, cpu, dims)
     _compare_rolls(rows, gpu, cpu)
   return {"rows": rows.rows, "info": rows.info}
+
+
+def _compare_requantized(rows, gpu, cpu, dims) -> None:
+  """A frozen MX kernel's Dgrad copy made from its stored codes
+  (`qlayers.operands.requantized_operand`: its kernel on this GPU) against
+  the same call on the CPU (XLA's dequantize and quantize), the stored
+  copy holding a NaN's block."""
+  import dataclasses
+  import re
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import qlayers
+  from qlayers import dispatch
+  from qlayers import operands
+  from qlayers import scaling
+  _, k, n = dims
+  w = _kernel_data((k, n), 2, nonfinite=True) * np.float32(0.02)
+  for name in _shipped(("mxfp8", "mxfp4")):
+    item = f"{name} w stored, Dgrad copy from its codes"
+    try:
+      recipe = qlayers.recipe(name)
+      p = dispatch.plan(recipe, (16, k), jnp.bfloat16, (k, n), jnp.bfloat16)
+      with jax.default_device(cpu):
+        stored = scaling.quantize(jnp.asarray(w).T, recipe.fprop.rhs, 1)
+
+      def dgrad_copy(payload, scale, stored=stored, op=p.dgrad.rhs):
+        made = operands.requantized_operand(dataclasses.replace(
+            stored, payload=payload, scale=scale), op)
+        if made is None:
+          raise ValueError("not made from the stored codes on this target")
+        return made.payload, made.scale
+      fn = jax.jit(dgrad_copy)
+      args = (stored.payload, stored.scale)
+      kernels = sorted(set(re.findall(
+          r'name = "(qlayers_\w+)"', fn.trace(*args).lower(
+              lowering_platforms=("cuda",)).as_text())))
+      got = jax.tree.leaves(fn(*jax.device_put(args, gpu)))
+      with jax.default_device(cpu):
+        want = jax.tree.leaves(fn(*jax.device_put(args, cpu)))
+      bad = sum(_bit_mismatches(a, b) for a, b in zip(got, want))
+      size = sum(a.size for a in want)
+    except Exception as e:  # noqa: BLE001 - reported
+      rows.add({"item": item, "error": _err(e)})
+      continue
+    _bits_row(rows, item, bad, size, ", ".join(kernels) or "no kernel")
 
 
 def _compare_rolls(rows, gpu, cpu) -> None:
