@@ -414,8 +414,9 @@ def gemm(a: QTensor, b: QTensor, axes: tuple[int, int], out_dtype,
 #
 # A result's layout: per dim, ``(source, divisor)``: the dim is t's rows
 # ("r") or columns ("c") divided by ``divisor`` (a packed payload, a scale
-# grid); ``()`` is a replicated scalar. `LIKE_T`, `LIKE_T_T` name t's own
-# shape and its transpose's.
+# grid), or twice them (``("2c", 1)``: each element of t two in turn there,
+# packed E2M1 codes unpacked); ``()`` is a replicated scalar. `LIKE_T`,
+# `LIKE_T_T` name t's own shape and its transpose's.
 
 LIKE_T = (("r", 1), ("c", 1))
 LIKE_T_T = (("c", 1), ("r", 1))
@@ -442,6 +443,10 @@ def _cast_rule(build, params, layouts, in_layouts, block, tile, origin,
       sizes[pieces[-1]] = outer // inner
     dims.update({(src, d): CompoundFactor(base, *pieces[:k]) if k else base
                  for k, d in enumerate(ds)})
+    if any(s == f"2{src}" for layout in layouts for s, _ in layout):
+      # Twice the dim: its own factors, then one of 2 that is never split.
+      sizes[f"{src}_pairs"] = 2
+      dims[f"2{src}", 1] = CompoundFactor(base, *pieces, f"{src}_pairs")
   scalars = iter(range(len(layouts) + len(value_types)))
 
   def mapping(layout):
@@ -467,7 +472,7 @@ def _cast_partition(build, params, layouts, in_layouts, block, tile, origin,
   whole = dict(zip("rc", t.shape))
 
   def spec(layout):  # a dim divided down to one element is not split
-    return P(*(None if d == whole[src] else _entry(by_src[src])
+    return P(*(None if d == whole[src[-1]] else _entry(by_src[src[-1]])
                for src, d in layout))
 
   inputs = in_layouts or ((),) * (len(arg_shapes) - 1)
@@ -566,7 +571,8 @@ def cast(build: Callable, params: tuple, *args, layouts, in_layouts=(),
   partitioning rule has no batching rule, and the cast may be cached by a
   ``jax.jit`` traced unbatched first, so this is the call's own vmap rule
   (``jax.custom_batching.custom_vmap``), not a flag read while tracing."""
-  if tile > 1 and any(d != 1 for layout in layouts for _, d in layout):
+  if tile > 1 and any(d != 1 or len(s) > 1 for layout in layouts
+                      for s, d in layout):
     raise ValueError("partition.cast pads shards to tiles only for results "
                      f"shaped as t or t.T; got layouts {layouts}.")
   if origin:

@@ -241,6 +241,48 @@ def mx_without_mesh():
           "split_blocks": case((128, 64), P("data"))}
 
 
+def test_the_requantize_kernel_requantizes_each_shard(results):
+  """A stored MX copy requantized along its other axis
+  (`cast_transpose.mx_requantize`, interpreted) under `partition.cast`:
+  shards of whole tiles, rows or columns split, give the single-device
+  bits and gather nothing, packed E2M1 codes (whose copy has twice their
+  bytes' columns as rows) too."""
+  r = multidevice.result(results, "requantize_without_mesh")
+  for name in ("e4m3_rows", "e4m3_cols", "e2m1_rows", "e2m1_cols"):
+    assert r[name] == {"same_bits": True, "all-gather": None}, (name, r)
+
+
+def requantize_without_mesh():
+  from jax.sharding import Mesh  # pylint: disable=g-import-not-at-top
+  import collectives  # pylint: disable=g-import-not-at-top
+  from qlayers import cast_transpose as ct  # pylint: disable=g-import-not-at-top
+  mesh = Mesh(np.array(jax.devices()), ("data",))
+
+  def case(fmt, shape, spec):
+    w = jnp.asarray(np.random.default_rng(8).normal(size=shape)
+                    * np.exp(np.random.default_rng(9).normal(size=shape)),
+                    jnp.float32)
+    q = scaling.quantize(w, QuantSpec(format=fmt, granularity="mx"), 1)
+    f = lambda p, s: ct.mx_requantize(p, s, fmt, "mx_rceil",  # noqa: E731
+                                      interpret=True)
+    want = jax.jit(f)(q.payload, q.scale)
+    args = [jax.device_put(a, NamedSharding(mesh, spec))
+            for a in (q.payload, q.scale)]
+    compiled = jax.jit(f).lower(*args).compile()
+    got = compiled(*args)
+    return {"same_bits": all(
+        np.array_equal(np.asarray(a).view(np.uint8),
+                       np.asarray(b).view(np.uint8))
+        for a, b in zip(got, want)),
+            "all-gather": collectives.summary(compiled.as_text()).get(
+                "all-gather")}
+
+  return {f"{fmt}_{name}": case(fmt, shape, spec)
+          for fmt in ("e4m3", "e2m1")
+          for name, shape, spec in (("rows", (1024, 64), P("data")),
+                                    ("cols", (64, 1024), P(None, "data")))}
+
+
 def test_the_nvfp4_kernels_cast_each_shard_with_its_draws(results):
   """NVFP4's one-pass kernels (interpreted) under `partition.cast`: the
   amaxes of t and of its transform from each shard's partial maxima, and
@@ -436,4 +478,5 @@ if __name__ == "__main__":
   case(cast_without_mesh)
   case(mx_without_mesh)
   case(nvfp4_without_mesh)
+  case(requantize_without_mesh)
   case.main()

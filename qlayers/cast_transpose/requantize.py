@@ -155,19 +155,19 @@ def mx_requantize(payload: jax.Array, scale: jax.Array, fmt: Format | str,
   codes = (payload if fmt is formats.E4M3 else
            jax.lax.bitcast_convert_type(payload, jnp.uint8))
   params = (fmt, rule, _base.ptx_converts(fmt, interpret), interpret)
+  # Each shard of whole tiles requantizes its own (`partition.cast`): the
+  # copy's rows are the codes' columns (E2M1: twice their bytes).
+  cols = (("c", 1),) if fmt is formats.E4M3 else (("2c", 1),)
+  per_byte = 1 if fmt is formats.E4M3 else 2
+  qt, st = partition.cast(
+      _requantize_call, params, scale, codes,
+      in_layouts=((("r", 1), ("c", MX_BLOCK // per_byte)),),
+      layouts=((*cols, ("r", 4 * per_byte)), (*cols, ("r", MX_BLOCK))),
+      block=(MX_BLOCK, MX_BLOCK // per_byte))
+  qt = _lanes.words_to_bytes(qt)
   if fmt is formats.E4M3:
-    qt, st = partition.cast(
-        _requantize_call, params, scale, codes,
-        in_layouts=((("r", 1), ("c", MX_BLOCK)),),
-        layouts=((("c", 1), ("r", 4)), (("c", 1), ("r", MX_BLOCK))),
-        block=(MX_BLOCK, MX_BLOCK))
-    return jax.lax.bitcast_convert_type(_lanes.words_to_bytes(qt),
-                                        jnp.float8_e4m3fn), st
-  # Packed E2M1: the copy has twice the columns of the codes' bytes, which
-  # `partition.cast`'s layouts (divisors of the input's dims) cannot say;
-  # the kernel is called as it is (a sharded input is gathered for it).
-  qt, st = _requantize_call(codes.shape, *params)(scale, codes)
-  return _lanes.words_to_bytes(qt), st
+    qt = jax.lax.bitcast_convert_type(qt, jnp.float8_e4m3fn)
+  return qt, st
 
 
 def _requantize_call(shape: tuple[int, int], fmt: Format, rule: str,
