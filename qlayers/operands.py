@@ -162,8 +162,9 @@ def requantized_operand(q: scaling.QTensor, op: Operand
   which an NVIDIA GPU makes from the codes in one pass
   (`qlayers.cast_transpose.mx_requantize`: the same bits, without the
   FP32 weight written and read between). None where that kernel does not
-  take ``q`` and ``op`` (MXFP8 E4M3 and MXFP4 blocks of 32 in whole 32 x 32
-  tiles, rounded to nearest, no transform, no mesh), or the program is not
+  take ``q`` and ``op`` (MXFP8 E4M3, MXFP6 and MXFP4 blocks of 32 in whole
+  32 x 32 tiles, rounded to nearest, no transform, no mesh; MXFP6's copy
+  holds its values in E4M3, `scaling.widened`), or the program is not
   lowered for a GPU where the pair kernels run (`_block_pairs`).
 
   Example:
@@ -187,9 +188,13 @@ def requantized_operand(q: scaling.QTensor, op: Operand
       or not _block_pairs(spec, table.sm_version(table.gpu_arch("cuda")))):
     return None
 
+  # MXFP6's copy holds its values in E4M3 (`scaling.widened`), as the
+  # pair kernel writes it, on every platform: the branches agree.
+  finish = scaling.widened if spec.fmt.bits == 6 else (lambda c: c)
+
   def xla(payload, scale):
     stored = dataclasses.replace(q, payload=payload, scale=scale)
-    return operand(stored.dequantize().T, op)
+    return finish(operand(stored.dequantize().T, op))
 
   made = jax.eval_shape(xla, q.payload, q.scale)
   leaves, tree = jax.tree.flatten(made)
@@ -197,8 +202,9 @@ def requantized_operand(q: scaling.QTensor, op: Operand
     return None
 
   def cuda(payload, scale):
+    stored = finish(dataclasses.replace(q, payload=payload, scale=scale))
     return jax.tree.unflatten(tree, cast_transpose.mx_requantize(
-        payload, scale, spec.fmt, spec.scale_rule))
+        stored.payload, scale, spec.fmt, spec.scale_rule))
   return lax.platform_dependent(q.payload, q.scale, cuda=cuda, default=xla)
 
 

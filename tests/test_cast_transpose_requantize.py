@@ -22,12 +22,12 @@ from _support import cast_kernels as ck
 
 def _every_code_copy(fmt: str, rule: str) -> scaling.QTensor:
   """A (64, 256) copy along axis 1 holding every code of ``fmt`` in every
-  row (E4M3: all 256, NaN's two included; E2M1: all 16, 16 times), with
-  scales from the smallest (2**-127, a subnormal) through the largest to
-  the NaN scale, among ordinary ones."""
+  row (E4M3: all 256, NaN's two included; FP6: all 64, four times; E2M1:
+  all 16, 16 times), with scales from the smallest (2**-127, a subnormal)
+  through the largest to the NaN scale, among ordinary ones."""
   spec = scaling.QuantSpec(format=fmt, granularity="mx", scale_rule=rule)
   q = scaling.quantize(jnp.zeros((64, 256)), spec, 1)
-  n = 256 if fmt == "e4m3" else 16
+  n = 2 ** formats.get_format(fmt).bits
   # Every code in each row, rotated by three more per row.
   codes = ((np.arange(256)[None, :] + 3 * np.arange(64)[:, None]) % n
            ).astype(np.uint8)
@@ -37,18 +37,21 @@ def _every_code_copy(fmt: str, rule: str) -> scaling.QTensor:
   if fmt == "e4m3":
     payload = jnp.asarray(codes).view(jnp.float8_e4m3fn)
   else:
-    payload = jnp.asarray(formats.pack(jnp.asarray(codes), formats.E2M1))
+    payload = formats.pack(jnp.asarray(codes), fmt)
   return dataclasses.replace(q, payload=payload, scale=jnp.asarray(scales))
 
 
-@pytest.mark.parametrize("fmt", ["e4m3", "e2m1"])
-@pytest.mark.parametrize("rule", ["mx_rceil", "mx_floor"])
+@pytest.mark.parametrize("fmt,rule", [
+    ("e4m3", "mx_rceil"), ("e4m3", "mx_floor"), ("e2m3", "mx_rceil"),
+    ("e3m2", "mx_floor"), ("e2m1", "mx_rceil"), ("e2m1", "mx_floor")])
 def test_every_code_requantizes_as_its_dequantized_values(fmt, rule):
+  # FP6 goes in and comes out with its values in E4M3 (`scaling.widened`).
   stored = _every_code_copy(fmt, rule)
   spec = scaling.QuantSpec(format=fmt, granularity="mx", scale_rule=rule)
-  qt, st = ct.mx_requantize(stored.payload, stored.scale, fmt, rule,
+  finish = scaling.widened if spec.fmt.bits == 6 else (lambda q: q)
+  qt, st = ct.mx_requantize(finish(stored).payload, stored.scale, fmt, rule,
                             interpret=True)
-  want = scaling.quantize(stored.dequantize().T, spec, 1)
+  want = finish(scaling.quantize(stored.dequantize().T, spec, 1))
   assert qt.dtype == want.payload.dtype and qt.shape == want.payload.shape
   np.testing.assert_array_equal(ck.bits(qt), ck.bits(want.payload))
   np.testing.assert_array_equal(np.asarray(st), np.asarray(want.scale))
@@ -75,8 +78,10 @@ def test_a_fixed_point_copy_comes_back_transposed(fmt):
 def test_requantize_names_what_it_does_not_take():
   q = scaling.quantize(jnp.ones((64, 64)), qlayers.recipe("mxfp8").fprop.rhs,
                        1)
-  with pytest.raises(ValueError, match="E4M3 or E2M1"):
+  with pytest.raises(ValueError, match="E4M3, FP6"):
     ct.mx_requantize(q.payload, q.scale, "e5m2", "mx_rceil")
+  with pytest.raises(ValueError, match="packed, uint8"):
+    ct.mx_requantize(q.payload, q.scale, "e2m1", "mx_rceil")
   with pytest.raises(ValueError, match="whole 32 x 32 tiles"):
     ct.mx_requantize(q.payload[:, :48], q.scale, "e4m3", "mx_rceil")
   with pytest.raises(ValueError, match="one E8M0 scale per 32"):
@@ -85,7 +90,7 @@ def test_requantize_names_what_it_does_not_take():
     ct.mx_requantize(q.payload, q.scale, "e4m3", "deepseek")
 
 
-@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp4"])
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp6", "mxfp4"])
 def test_a_frozen_mx_kernels_dgrad_copy_is_made_from_its_codes(recipe):
   # A LoRA step on a frozen MX base made Dgrad's copy by dequantizing the
   # codes to FP32 in XLA, then the pair kernel (11 bytes moved per MXFP8
@@ -122,11 +127,11 @@ def test_requantized_operand_only_where_its_kernel_takes_the_copy():
     assert jax.tree.structure(made) == jax.tree.structure(want)
     np.testing.assert_array_equal(ck.bits(made.payload),
                                   ck.bits(want.payload))
-    # MXFP6 codes (packed in threes), a transposed copy, another format
-    fp6 = qlayers.recipe("mxfp6").dgrad.rhs
-    assert requantized_operand(scaling.quantize(jnp.ones((64, 96)), fp6, 1),
-                               Operand(fp6, 1)) is None
+    # A transform, a transposed copy, another format, Hopper's FP8 GEMM
+    assert requantized_operand(q, Operand(spec, 1, hadamard=32)) is None
     assert requantized_operand(dataclasses.replace(q, transposed=True),
                                op) is None
     e5m2 = dataclasses.replace(spec, format="e5m2")
     assert requantized_operand(q, Operand(e5m2, 1)) is None
+  with table.target_arch("sm_89"):
+    assert requantized_operand(q, op) is None

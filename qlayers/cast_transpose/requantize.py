@@ -1,18 +1,22 @@
 """An MX copy requantized along its other axis, from its codes, in one pass.
 
-A frozen kernel (`qlayers.FrozenKernel`) stores the weight's MXFP8 or MXFP4
-copy for Fprop, quantized along K. Dgrad contracts the weight over N, so a
-LoRA step on a frozen base needs a second copy, quantized along N, of the
-same values. Made by XLA's dequantization and the pair kernel
+A frozen kernel (`qlayers.FrozenKernel`) stores the weight's MX copy for
+Fprop, quantized along K. Dgrad contracts the weight over N, so a LoRA step
+on a frozen base needs a second copy, quantized along N, of the same
+values. Made by XLA's dequantization and the pair kernel
 (`qlayers.cast_transpose.mx_cast_transpose`, `fp4_cast_transpose`), that
 copy writes and reads the FP32 weight once more (11 bytes moved per weight
 for MXFP8, against 2 here). `mx_requantize` reads each 32 x 32 tile of the
 stored codes and their E8M0 scales once, decodes the values exactly in
-FP32 (every MXFP8 and MXFP4 value is one, as XLA's dequantization gives
-it: E4M3 by Triton's conversion, E2M1 by Blackwell's or from the bits)
-and writes the copy along the other axis with the pair kernels' own
-code (`blockwise.write_copy`, `fp4.write_blocks`): the bits of
-`qlayers.scaling.quantize` of the dequantized weight along N.
+FP32 (every MX value is one, as XLA's dequantization gives it: E4M3 by
+Triton's conversion, E2M1 by Blackwell's or from the bits) and writes the
+copy along the other axis with the pair kernels' own code
+(`blockwise.write_copy`, `fp4.write_blocks`): the bits of
+`qlayers.scaling.quantize` of the dequantized weight along N. MXFP6 codes,
+packed four to three bytes (a tile row of 24 bytes, which Triton's
+power-of-two blocks do not take), come widened to E4M3 by XLA first
+(`qlayers.scaling.widened`), and the copy is written so too, as cuDNN's
+GEMM takes it.
 """
 
 from __future__ import annotations
@@ -37,9 +41,10 @@ __all__ = ["requantize_supported", "mx_requantize"]
 
 def requantize_supported(shape: tuple[int, ...], fmt: Format) -> bool:
   """Whether `mx_requantize` takes the stored values of a 2-D ``shape``
-  (unpacked): MXFP8 (E4M3) or MXFP4 (E2M1) in whole 32 x 32 tiles."""
-  return fmt in (formats.E4M3, formats.E2M1) and _base.whole_tiles(
-      shape, MX_BLOCK)
+  (unpacked): MXFP8 (E4M3), MXFP6 (E2M3, E3M2) or MXFP4 (E2M1) in whole
+  32 x 32 tiles."""
+  return (fmt in (formats.E4M3, formats.E2M3, formats.E3M2, formats.E2M1)
+          and _base.whole_tiles(shape, MX_BLOCK))
 
 
 def _from_bits(bits):
@@ -82,10 +87,11 @@ def _e2m1_pairs(codes, hardware: bool):
 
 def _requantize_kernel(s_ref, t_ref, q_ref, sc_ref, *, fmt: Format,
                        rule: str, interpret: bool, hardware: bool):
-  """One 32 x 32 tile of the stored copy (its bytes: E4M3 codes, or two
-  E2M1 codes each, low nibble first; E8M0 scales, one per row): its values,
-  then the copy of their transpose along its rows' blocks."""
-  if fmt is formats.E4M3:  # exact: Triton's conversion, two at a time
+  """One 32 x 32 tile of the stored copy (its bytes: E4M3 codes, FP6
+  values as E4M3 codes, or two E2M1 codes each, low nibble first; E8M0
+  scales, one per row): its values, then the copy of their transpose along
+  its rows' blocks."""
+  if fmt is not formats.E2M1:  # exact: Triton's conversion, two at a time
     v = t_ref[...].astype(jnp.float32)
   else:  # element 2k + j of a row: nibble j of byte k
     codes = t_ref[...].astype(jnp.uint32)
@@ -95,7 +101,7 @@ def _requantize_kernel(s_ref, t_ref, q_ref, sc_ref, *, fmt: Format,
   # after the transpose: a scale per column there costs Triton a third
   # fewer instructions than a scale per row before it (SASS for sm_100).
   y = v.T * scale_rules.e8m0_decode(s_ref[...]).reshape(1, -1)
-  if fmt is formats.E4M3:
+  if fmt is not formats.E2M1:
     blockwise.write_copy(y, q_ref, sc_ref, fmt=fmt, rule=rule,
                          interpret=interpret, hardware=hardware)
   else:
@@ -112,18 +118,22 @@ def mx_requantize(payload: jax.Array, scale: jax.Array, fmt: Format | str,
   rows, from its codes: ``(qt, st)``.
 
   ``payload`` and ``scale`` are an ``(R, C)`` tensor's copy along axis 1 in
-  blocks of 32 (`qlayers.scaling.quantize`: E4M3 codes ``(R, C)``, or
-  E2M1 codes packed two to a byte ``(R, C / 2)``; E8M0 scales ``(R, C /
+  blocks of 32 (`qlayers.scaling.quantize`: E4M3 codes ``(R, C)``, FP6
+  values as E4M3 codes ``(R, C)`` (`qlayers.scaling.widened`), or E2M1
+  codes packed two to a byte ``(R, C / 2)``; E8M0 scales ``(R, C /
   32)``). ``qt`` and ``st`` are the copy of its dequantized values along
   axis 0, transposed: `qlayers.scaling.quantize` of ``(C, R)`` along axis 1
-  under ``rule`` (E4M3 ``(C, R)`` or packed E2M1 ``(C, R / 2)``, scales
-  ``(C, R / 32)``), the second copy `mx_cast_transpose` or
-  `fp4_cast_transpose` makes of the dequantized values, bit for bit.
+  under ``rule`` (E4M3 ``(C, R)``, FP6 widened to E4M3 ``(C, R)`` or packed
+  E2M1 ``(C, R / 2)``; scales ``(C, R / 32)``), the second copy
+  `mx_cast_transpose` or `fp4_cast_transpose` makes of the dequantized
+  values, bit for bit.
 
   Args:
-    payload: E4M3 codes, or uint8 bytes of packed E2M1 codes.
+    payload: E4M3 codes (MXFP8, or MXFP6 widened), or uint8 bytes of
+      packed E2M1 codes.
     scale: uint8 E8M0 codes, one per 32 elements of a row.
-    fmt: ``"e4m3"`` (MXFP8) or ``"e2m1"`` (MXFP4).
+    fmt: ``"e4m3"`` (MXFP8), ``"e2m3"``/``"e3m2"`` (MXFP6) or ``"e2m1"``
+      (MXFP4).
     rule: the copy's scale rule, ``"mx_rceil"`` or ``"mx_floor"``.
     interpret: run in Pallas' interpreter (any platform; for tests).
 
@@ -139,11 +149,15 @@ def mx_requantize(payload: jax.Array, scale: jax.Array, fmt: Format | str,
     ((32, 64), (32, 2), dtype(float8_e4m3fn))
   """
   fmt = formats.get_format(fmt)
-  packing = 2 if fmt is formats.E2M1 else 1
-  shape = (payload.shape[0], payload.shape[-1] * packing)
-  if payload.ndim != 2 or not requantize_supported(shape, fmt):
-    raise ValueError(f"mx_requantize takes the 2-D codes of an E4M3 or E2M1 "
-                     f"copy of whole {MX_BLOCK} x {MX_BLOCK} tiles; got "
+  packed = fmt is formats.E2M1
+  per_byte = 2 if packed else 1
+  shape = (payload.shape[0], payload.shape[-1] * per_byte)
+  want = jnp.uint8 if packed else jnp.float8_e4m3fn
+  if (payload.ndim != 2 or payload.dtype != want
+      or not requantize_supported(shape, fmt)):
+    raise ValueError(f"mx_requantize takes the 2-D codes of an E4M3, FP6 "
+                     f"(widened to E4M3) or E2M1 (packed, uint8) copy of "
+                     f"whole {MX_BLOCK} x {MX_BLOCK} tiles; got "
                      f"{payload.shape} {payload.dtype} of {fmt.name}.")
   if scale.shape != (shape[0], shape[1] // MX_BLOCK):
     raise ValueError(f"mx_requantize takes one E8M0 scale per {MX_BLOCK} "
@@ -152,20 +166,17 @@ def mx_requantize(payload: jax.Array, scale: jax.Array, fmt: Format | str,
   if rule not in ("mx_rceil", "mx_floor"):
     raise ValueError(f"mx_requantize takes an MX scale rule ('mx_rceil', "
                      f"'mx_floor'), got {rule!r}.")
-  codes = (payload if fmt is formats.E4M3 else
-           jax.lax.bitcast_convert_type(payload, jnp.uint8))
   params = (fmt, rule, _base.ptx_converts(fmt, interpret), interpret)
   # Each shard of whole tiles requantizes its own (`partition.cast`): the
   # copy's rows are the codes' columns (E2M1: twice their bytes).
-  cols = (("c", 1),) if fmt is formats.E4M3 else (("2c", 1),)
-  per_byte = 1 if fmt is formats.E4M3 else 2
+  cols = (("2c", 1),) if packed else (("c", 1),)
   qt, st = partition.cast(
-      _requantize_call, params, scale, codes,
+      _requantize_call, params, scale, payload,
       in_layouts=((("r", 1), ("c", MX_BLOCK // per_byte)),),
       layouts=((*cols, ("r", 4 * per_byte)), (*cols, ("r", MX_BLOCK))),
       block=(MX_BLOCK, MX_BLOCK // per_byte))
   qt = _lanes.words_to_bytes(qt)
-  if fmt is formats.E4M3:
+  if not packed:
     qt = jax.lax.bitcast_convert_type(qt, jnp.float8_e4m3fn)
   return qt, st
 
