@@ -449,7 +449,7 @@ def _compare_requantized(rows, gpu, cpu, dims) -> None:
   from qlayers import scaling
   _, k, n = dims
   w = _kernel_data((k, n), 2, nonfinite=True) * np.float32(0.02)
-  for name in _shipped(("mxfp8", "mxfp4")):
+  for name in _shipped(("mxfp8", "mxfp6", "mxfp4")):
     item = f"{name} w stored, Dgrad copy from its codes"
     try:
       recipe = qlayers.recipe(name)
