@@ -434,7 +434,7 @@ def part_kernels(cfg) -> dict[str, Any]:
 
 
 def _compare_requantized(rows, gpu, cpu, dims) -> None:
-  """A frozen MX kernel's Dgrad copy made from its stored codes
+  """A frozen MX or NVFP4 kernel's Dgrad copy made from its stored codes
   (`qlayers.operands.requantized_operand`: its kernel on this GPU) against
   the same call on the CPU (XLA's dequantize and quantize), the stored
   copy holding a NaN's block."""
@@ -449,7 +449,7 @@ def _compare_requantized(rows, gpu, cpu, dims) -> None:
   from qlayers import scaling
   _, k, n = dims
   w = _kernel_data((k, n), 2, nonfinite=True) * np.float32(0.02)
-  for name in _shipped(("mxfp8", "mxfp6", "mxfp4")):
+  for name in _shipped(("mxfp8", "mxfp6", "mxfp4", "nvfp4")):
     item = f"{name} w stored, Dgrad copy from its codes"
     try:
       recipe = qlayers.recipe(name)

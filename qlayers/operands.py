@@ -157,15 +157,18 @@ def stored_operand(q: scaling.QTensor, op: Operand,
 def requantized_operand(q: scaling.QTensor, op: Operand
                         ) -> scaling.QTensor | None:
   """The operand ``op`` along axis 1 of a ``(K, N)`` weight (Dgrad's) from
-  a stored MX copy ``q``, ``(N, K)`` along ``K`` (a frozen kernel's, as
+  a stored copy ``q``, ``(N, K)`` along ``K`` (a frozen kernel's, as
   `stored_operand` takes it): `operand` of ``q``'s dequantized values,
-  which an NVIDIA GPU makes from the codes in one pass
-  (`qlayers.cast_transpose.mx_requantize`: the same bits, without the
-  FP32 weight written and read between). None where that kernel does not
-  take ``q`` and ``op`` (MXFP8 E4M3, MXFP6 and MXFP4 blocks of 32 in whole
-  32 x 32 tiles, rounded to nearest, no transform, no mesh; MXFP6's copy
-  holds its values in E4M3, `scaling.widened`), or the program is not
-  lowered for a GPU where the pair kernels run (`_block_pairs`).
+  which an NVIDIA GPU makes from the codes in one pass (the same bits,
+  without the FP32 weight written and read between): MX by
+  `qlayers.cast_transpose.mx_requantize` (MXFP8 E4M3, MXFP6 and MXFP4 in
+  blocks of 32; MXFP6's copy holds its values in E4M3, `scaling.widened`,
+  as the pair kernel writes it), NVFP4's 16 x 16 blocks by
+  `qlayers.cast_transpose.nvfp4_requantize` after XLA finds the
+  dequantized tensor's amax. None where those kernels do not take ``q``
+  and ``op`` (whole 32 x 32 tiles, rounded to nearest, no transform, no
+  mesh), or the program is not lowered for a GPU where the pair kernels
+  run.
 
   Example:
     >>> import jax.numpy as jnp, qlayers
@@ -176,16 +179,27 @@ def requantized_operand(q: scaling.QTensor, op: Operand
     True
   """
   spec = op.spec
-  if (spec is None or spec.granularity != "mx" or spec.stochastic
-      or op.hadamard or op.tn or op.axis != 1
-      or spec.scale_rule not in ("mx_rceil", "mx_floor")
-      or q.format != spec.fmt.name or q.granularity != "mx" or q.axis != 1
-      or q.transposed or q.dequantized or q.block != (1, spec.block_size)
-      or q.padded_shape != q.shape
-      or not cast_transpose.requantize_supported(q.shape, spec.fmt)
-      or not table.targets_gpu() or sharding.context_mesh() is not None
-      or sharding.varying_axes(q.payload)
-      or not _block_pairs(spec, table.sm_version(table.gpu_arch("cuda")))):
+  if (spec is None or spec.stochastic or op.hadamard or op.tn or op.axis != 1
+      or q.format != spec.fmt.name or q.granularity != spec.granularity
+      or q.axis != 1 or q.transposed or q.dequantized
+      or q.padded_shape != q.shape or not table.targets_gpu()
+      or sharding.context_mesh() is not None
+      or sharding.varying_axes(q.payload)):
+    return None
+  version = table.sm_version(table.gpu_arch("cuda"))
+  nvfp4 = spec.scale_rule == "nvfp4"
+  if nvfp4:
+    n = cast_transpose.NV_BLOCK
+    takes = (spec.granularity == "block" and q.block == (n, n)
+             and q.tensor_scale is not None and version >= 90
+             and cast_transpose.requantize_supported(q.shape, spec.fmt))
+  else:
+    takes = (spec.granularity == "mx"
+             and spec.scale_rule in ("mx_rceil", "mx_floor")
+             and q.block == (1, spec.block_size)
+             and cast_transpose.requantize_supported(q.shape, spec.fmt)
+             and _block_pairs(spec, version))
+  if not takes:
     return None
 
   # MXFP6's copy holds its values in E4M3 (`scaling.widened`), as the
@@ -196,15 +210,24 @@ def requantized_operand(q: scaling.QTensor, op: Operand
     stored = dataclasses.replace(q, payload=payload, scale=scale)
     return finish(operand(stored.dequantize().T, op))
 
-  made = jax.eval_shape(xla, q.payload, q.scale)
-  leaves, tree = jax.tree.flatten(made)
-  if len(leaves) != 2:
-    return None
-
   def cuda(payload, scale):
     stored = finish(dataclasses.replace(q, payload=payload, scale=scale))
-    return jax.tree.unflatten(tree, cast_transpose.mx_requantize(
-        stored.payload, scale, spec.fmt, spec.scale_rule))
+    if not nvfp4:
+      return jax.tree.unflatten(tree, cast_transpose.mx_requantize(
+          stored.payload, scale, spec.fmt, spec.scale_rule))
+    # The tensor amax first (an XLA reduction of the codes' integer
+    # maxima), then `_nvfp4_pair`'s two scale levels.
+    amax = cast_transpose.nvfp4_amax(payload, scale)
+    p, e4m3 = cast_transpose.nvfp4_requantize(payload, scale, amax)
+    s_dec = scale_rules.rdivide_rn(1.0, scale_rules.nvfp4_encode_scale(amax))
+    return jax.tree.unflatten(
+        tree, [p, e4m3.astype(jnp.float32) * s_dec, e4m3, s_dec])
+
+  made = jax.eval_shape(xla, q.payload, q.scale)
+  tree = jax.tree.structure(made)
+  if (tree.num_leaves != (4 if nvfp4 else 2)
+      or jax.eval_shape(cuda, q.payload, q.scale) != made):
+    return None
   return lax.platform_dependent(q.payload, q.scale, cuda=cuda, default=xla)
 
 

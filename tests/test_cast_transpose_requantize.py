@@ -75,6 +75,54 @@ def test_a_fixed_point_copy_comes_back_transposed(fmt):
   np.testing.assert_array_equal(np.asarray(st), np.asarray(pair[3]))
 
 
+def test_an_nvfp4_copy_requantizes_as_its_dequantized_values():
+  # Codes that are not the fixed point of NVFP4's quantization (every code
+  # in every row, a checkpoint's), under block scales from E4M3's smallest
+  # subnormal to its largest and a tensor scale: the tensor amax and both
+  # scale levels come out as quantizing the dequantized transpose does.
+  spec = qlayers.recipe("nvfp4").fprop.rhs
+  w = ck.data((64, 128), jnp.float32)[:, ::-1] * 0.01  # finite, tiny values
+  stored = scaling.quantize(jnp.nan_to_num(w, posinf=7.0, neginf=-7.0),
+                            spec, 1)
+  codes = ((np.arange(128)[None, :] + 5 * np.arange(64)[:, None]) % 16
+           ).astype(np.uint8)
+  block = np.asarray(stored.block_scale).copy()
+  block.view(np.uint8)[0, :3] = (1, 0x7E, 0x30)  # 2**-9, 448, 0.5
+  stored = dataclasses.replace(
+      stored, payload=formats.pack(jnp.asarray(codes), "e2m1"),
+      block_scale=jnp.asarray(block),
+      scale=jnp.asarray(block).astype(jnp.float32) * stored.tensor_scale)
+  amax = qlayers.blocks.amax(stored.dequantize())
+  assert ck.bits(ct.nvfp4_amax(stored.payload, stored.scale)) == ck.bits(amax)
+  qt, st = ct.nvfp4_requantize(stored.payload, stored.scale, amax,
+                               interpret=True)
+  want = scaling.quantize(stored.dequantize().T, spec, 1)
+  np.testing.assert_array_equal(np.asarray(qt), np.asarray(want.payload))
+  np.testing.assert_array_equal(ck.bits(st), ck.bits(want.block_scale))
+  # not a fixed point: the copy holds other codes than the stored ones
+  assert (np.asarray(formats.unpack(qt, "e2m1")) != codes.T).any()
+
+
+def test_nvfp4_amax_is_the_dequantized_values_amax():
+  # From the codes' integer maxima: the same FP32 bits as the amax of the
+  # dequantized values, Inf where a block's scale is NaN or Inf (its zeros
+  # times it are NaN), a negative scale's magnitudes.
+  spec = qlayers.recipe("nvfp4").fprop.rhs
+  rng = np.random.default_rng(1)
+  stored = scaling.quantize(
+      jnp.asarray(rng.normal(size=(64, 96)), jnp.float32), spec, 1)
+  for scale in (1.0, -1.0, np.nan, np.inf, 0.0):
+    codes = rng.integers(0, 256, stored.payload.shape).astype(np.uint8)
+    codes[:16, :8] = 0x88  # -0 everywhere in the first block
+    s = np.asarray(stored.scale).copy()
+    s[0, 0] *= scale
+    q = dataclasses.replace(stored, payload=jnp.asarray(codes),
+                            scale=jnp.asarray(s), block_scale=None,
+                            tensor_scale=None)
+    want = qlayers.blocks.amax(q.dequantize())
+    assert ck.bits(ct.nvfp4_amax(q.payload, q.scale)) == ck.bits(want), scale
+
+
 def test_requantize_names_what_it_does_not_take():
   q = scaling.quantize(jnp.ones((64, 64)), qlayers.recipe("mxfp8").fprop.rhs,
                        1)
@@ -90,19 +138,19 @@ def test_requantize_names_what_it_does_not_take():
     ct.mx_requantize(q.payload, q.scale, "e4m3", "deepseek")
 
 
-@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp6", "mxfp4"])
-def test_a_frozen_mx_kernels_dgrad_copy_is_made_from_its_codes(recipe):
-  # A LoRA step on a frozen MX base made Dgrad's copy by dequantizing the
-  # codes to FP32 in XLA, then the pair kernel (11 bytes moved per MXFP8
-  # weight): planned for B200 it is one kernel from the codes, and the
-  # input gradient keeps its bits.
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp6", "mxfp4", "nvfp4"])
+def test_a_frozen_kernels_dgrad_copy_is_made_from_its_codes(recipe):
+  # A LoRA step on a frozen MX or NVFP4 base made Dgrad's copy by
+  # dequantizing the codes to FP32 in XLA, then the pair kernel (11 bytes
+  # moved per MXFP8 weight): planned for B200 it is one kernel from the
+  # codes, and the input gradient keeps its bits.
   layer = qlayers.QuantDense(256, 128, recipe=recipe, rngs=nnx.Rngs(0))
   qlayers.freeze(layer)
   qlayers.add_lora(layer, 4, rngs=nnx.Rngs(1))
   x = jax.random.normal(jax.random.key(2), (64, 256), jnp.float32)
 
-  def dx(model, x):
-    return jax.grad(lambda x: jnp.sum(jnp.sin(model(x))))(x)
+  def dx(model, x):  # nnx.grad: NVFP4's rounding counter is state
+    return nnx.grad(lambda m, x: jnp.sum(jnp.sin(m(x))), argnums=1)(model, x)
 
   graph, state = nnx.split(layer)
   step = jax.jit(lambda state, x: dx(nnx.merge(graph, state), x))
@@ -111,7 +159,8 @@ def test_a_frozen_mx_kernels_dgrad_copy_is_made_from_its_codes(recipe):
     got = jax.jit(lambda state, x: dx(nnx.merge(graph, state), x))(state, x)
     text = jax.jit(lambda state, x: dx(nnx.merge(graph, state), x)).trace(
         state, x).lower(lowering_platforms=("cuda",)).as_text()
-  assert text.count('name = "qlayers_mx_requantize"') == 1
+  kernel = "nvfp4" if recipe == "nvfp4" else "mx"
+  assert text.count(f'name = "qlayers_{kernel}_requantize"') == 1
   np.testing.assert_array_equal(ck.bits(got), ck.bits(want))
 
 

@@ -242,13 +242,15 @@ def mx_without_mesh():
 
 
 def test_the_requantize_kernel_requantizes_each_shard(results):
-  """A stored MX copy requantized along its other axis
-  (`cast_transpose.mx_requantize`, interpreted) under `partition.cast`:
-  shards of whole tiles, rows or columns split, give the single-device
-  bits and gather nothing, packed E2M1 codes (whose copy has twice their
-  bytes' columns as rows) too."""
+  """A stored MX or NVFP4 copy requantized along its other axis
+  (`cast_transpose.mx_requantize`, `nvfp4_requantize`, interpreted) under
+  `partition.cast`: shards of whole tiles, rows or columns split, give the
+  single-device bits and gather nothing, packed E2M1 codes (whose copy has
+  twice their bytes' columns as rows) too; NVFP4's tensor amax is the
+  whole tensor's."""
   r = multidevice.result(results, "requantize_without_mesh")
-  for name in ("e4m3_rows", "e4m3_cols", "e2m1_rows", "e2m1_cols"):
+  for name in ("e4m3_rows", "e4m3_cols", "e2m1_rows", "e2m1_cols",
+               "nvfp4_rows", "nvfp4_cols"):
     assert r[name] == {"same_bits": True, "all-gather": None}, (name, r)
 
 
@@ -262,9 +264,15 @@ def requantize_without_mesh():
     w = jnp.asarray(np.random.default_rng(8).normal(size=shape)
                     * np.exp(np.random.default_rng(9).normal(size=shape)),
                     jnp.float32)
-    q = scaling.quantize(w, QuantSpec(format=fmt, granularity="mx"), 1)
-    f = lambda p, s: ct.mx_requantize(p, s, fmt, "mx_rceil",  # noqa: E731
-                                      interpret=True)
+    if fmt == "nvfp4":  # its 16 x 16 blocks, under the tensor's amax
+      q = scaling.quantize(w, QuantSpec(format="e2m1", granularity="block",
+                                        scale_rule="nvfp4"), 1)
+      f = lambda p, s: ct.nvfp4_requantize(  # noqa: E731
+          p, s, ct.nvfp4_amax(p, s), interpret=True)
+    else:
+      q = scaling.quantize(w, QuantSpec(format=fmt, granularity="mx"), 1)
+      f = lambda p, s: ct.mx_requantize(p, s, fmt, "mx_rceil",  # noqa: E731
+                                        interpret=True)
     want = jax.jit(f)(q.payload, q.scale)
     args = [jax.device_put(a, NamedSharding(mesh, spec))
             for a in (q.payload, q.scale)]
@@ -278,7 +286,7 @@ def requantize_without_mesh():
                 "all-gather")}
 
   return {f"{fmt}_{name}": case(fmt, shape, spec)
-          for fmt in ("e4m3", "e2m1")
+          for fmt in ("e4m3", "e2m1", "nvfp4")
           for name, shape, spec in (("rows", (1024, 64), P("data")),
                                     ("cols", (64, 1024), P(None, "data")))}
 

@@ -23,9 +23,9 @@ Pallas' interpreter and compare bits). One module per kind of copy:
   and the tensor amaxes they need first (`nvfp4_amaxes`).
 - `qlayers.cast_transpose.hadamard`: the Hadamard transform alone in one
   pass (`transform`).
-- `qlayers.cast_transpose.requantize`: a stored MXFP8/MXFP4 copy's values
-  quantized along the other axis from its codes (`mx_requantize`: a
-  frozen kernel's Dgrad copy).
+- `qlayers.cast_transpose.requantize`: a stored MX or NVFP4 copy's values
+  quantized along the other axis from its codes (`mx_requantize`,
+  `nvfp4_requantize`: a frozen kernel's Dgrad copy).
 
 Each entry point is jitted with its settings static: a train step calls it
 once per operand of every layer, and jit traces and lowers one kernel per
@@ -55,6 +55,8 @@ from qlayers.cast_transpose.nvfp4 import nvfp4_cast_transpose
 from qlayers.cast_transpose.nvfp4 import nvfp4_supported
 from qlayers.cast_transpose.nvfp4 import nvfp4_tile_rows
 from qlayers.cast_transpose.requantize import mx_requantize
+from qlayers.cast_transpose.requantize import nvfp4_amax
+from qlayers.cast_transpose.requantize import nvfp4_requantize
 from qlayers.cast_transpose.requantize import requantize_supported
 
 __all__ = ["TILE", "MX_BLOCK", "TILE_BLOCK", "NV_BLOCK", "supported",
@@ -63,4 +65,4 @@ __all__ = ["TILE", "MX_BLOCK", "TILE_BLOCK", "NV_BLOCK", "supported",
            "fp4_transforms", "fp4_cast_transpose", "nvfp4_supported",
            "nvfp4_cast_transpose", "nvfp4_amaxes", "nvfp4_tile_rows",
            "transform_supported", "transform", "requantize_supported",
-           "mx_requantize"]
+           "mx_requantize", "nvfp4_amax", "nvfp4_requantize"]

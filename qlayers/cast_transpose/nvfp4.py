@@ -101,20 +101,35 @@ def _nvfp4_kernel(*refs, square: bool, hadamard: bool, stochastic: bool,
            threefry.eighths_at(key_ref[2 * c], key_ref[2 * c + 1], row,
                                col + w, width,
                                rotl=_base.rotl_wide if hardware else None)]
-    words, scales = [], []
-    for k in range(0, len(parts), NV_BLOCK):
-      block = parts[k:k + NV_BLOCK]
-      mag = functools.reduce(jnp.maximum, (_base.fp32_bits(p) for p in block))
-      mult, e4m3 = _nvfp4_blocks(
-          _lanes.lane_groups_max(mag, NV_BLOCK) if square else mag,
-          levels[c % len(levels)], interpret)
-      words += _e2m1.block_e2m1_words(block, mult, u and u[k:k + NV_BLOCK],
-                                 hardware)
-      # A 16 x 16 block's lanes hold its one scale.
-      scales.append(jnp.max(e4m3.reshape(lanes // NV_BLOCK, NV_BLOCK),
-                            axis=1) if square else e4m3)
-    q[...] = _lanes.join_last(words)
-    sc[...] = _lanes.join_last(scales).astype(jnp.float8_e4m3fn)
+    write_blocks(parts, q, sc, levels[c % len(levels)], square=square,
+                 random=u, interpret=interpret, hardware=hardware)
+
+
+def write_blocks(parts, q, sc, levels, *, square: bool, random=None,
+                 interpret: bool = False, hardware: bool = False):
+  """Writes the NVFP4 copy of a tile's rows held apart (``parts``: their
+  elements, one FP32 array each, `_lanes.split_last`) under the tensor's
+  ``levels`` (`_encode_scales`) to ``q`` as words of eight E2M1 codes,
+  rounded to nearest or with the random bytes ``random`` (one array per
+  element), and their E4M3 block scales to ``sc``: per 1 x 16 block, or
+  with ``square`` per 16 x 16 (a block's amax then over its 16 lanes too,
+  one scale per block)."""
+  lanes = parts[0].shape[0]
+  words, scales = [], []
+  for k in range(0, len(parts), NV_BLOCK):
+    block = parts[k:k + NV_BLOCK]
+    mag = functools.reduce(jnp.maximum, (_base.fp32_bits(p) for p in block))
+    mult, e4m3 = _nvfp4_blocks(
+        _lanes.lane_groups_max(mag, NV_BLOCK) if square else mag, levels,
+        interpret)
+    words += _e2m1.block_e2m1_words(block, mult,
+                                    random and random[k:k + NV_BLOCK],
+                                    hardware)
+    # A 16 x 16 block's lanes hold its one scale.
+    scales.append(jnp.max(e4m3.reshape(lanes // NV_BLOCK, NV_BLOCK),
+                          axis=1) if square else e4m3)
+  q[...] = _lanes.join_last(words)
+  sc[...] = _lanes.join_last(scales).astype(jnp.float8_e4m3fn)
 
 
 @functools.partial(jax.jit, static_argnames=("square", "hadamard",

@@ -33,16 +33,18 @@ from qlayers.cast_transpose import _base
 from qlayers.cast_transpose import _lanes
 from qlayers.cast_transpose import blockwise
 from qlayers.cast_transpose import fp4
+from qlayers.cast_transpose import nvfp4
 from qlayers.cast_transpose.blockwise import MX_BLOCK
 from qlayers.formats import Format
 
-__all__ = ["requantize_supported", "mx_requantize"]
+__all__ = ["requantize_supported", "mx_requantize", "nvfp4_amax",
+           "nvfp4_requantize"]
 
 
 def requantize_supported(shape: tuple[int, ...], fmt: Format) -> bool:
-  """Whether `mx_requantize` takes the stored values of a 2-D ``shape``
-  (unpacked): MXFP8 (E4M3), MXFP6 (E2M3, E3M2) or MXFP4 (E2M1) in whole
-  32 x 32 tiles."""
+  """Whether `mx_requantize` (`nvfp4_requantize`: E2M1) takes the stored
+  values of a 2-D ``shape`` (unpacked): MXFP8 (E4M3), MXFP6 (E2M3, E3M2)
+  or MXFP4 (E2M1) in whole 32 x 32 tiles."""
   return (fmt in (formats.E4M3, formats.E2M3, formats.E3M2, formats.E2M1)
           and _base.whole_tiles(shape, MX_BLOCK))
 
@@ -203,3 +205,118 @@ def _requantize_call(shape: tuple[int, int], fmt: Format, rule: str,
                  jax.ShapeDtypeStruct((cols, rows // b), jnp.uint8)],
       compiler_params=plt.CompilerParams(num_warps=1),
       interpret=interpret, name="qlayers_mx_requantize")
+
+
+def nvfp4_amax(payload: jax.Array, scale: jax.Array) -> jax.Array:
+  """`qlayers.blocks.amax` of the values of an NVFP4 copy in 16 x 16 blocks
+  (codes ``payload (R, C / 2)`` packed two to a byte, FP32 block scales
+  ``scale (R / 16, C / 16)``), from integer maxima of its codes: an E2M1
+  magnitude's order is its code's, and a block's largest value is its
+  largest magnitude times the block's scale, rounded (+Inf where a value
+  is NaN or Inf, as `blocks.amax` gives it). XLA reads the codes once,
+  without decoding each (on B200, 35 us of integer work for a 4096 x 14336
+  weight, where this is a few)."""
+  n = nvfp4.NV_BLOCK
+  r, c = payload.shape
+  codes = payload.astype(jnp.uint32)
+  largest = jnp.maximum(codes & 7, (codes >> 4) & 7).reshape(
+      r // n, n, c // (n // 2), n // 2).max(axis=(1, 3))
+  magnitude = formats.decode(largest.astype(jnp.uint8), formats.E2M1,
+                             jnp.float32)
+  a = jnp.max(magnitude * jnp.abs(scale.astype(jnp.float32)))
+  return jnp.where(jnp.isnan(a), jnp.float32(jnp.inf), a)
+
+
+def _nvfp4_requantize_kernel(amax_ref, s_ref, t_ref, q_ref, sc_ref, *,
+                             interpret: bool, hardware: bool):
+  """One 32 x 32 tile of a stored NVFP4 copy in 16 x 16 blocks (its bytes,
+  two E2M1 codes each, low nibble first; its blocks' FP32 scales, 2 x 2):
+  its values, then the NVFP4 copy of their transpose in 16 x 16 blocks
+  under the tensor amax ``amax_ref``."""
+  codes = t_ref[...].astype(jnp.uint32)
+  v = _lanes.join_last(list(_e2m1_pairs(codes, hardware))).reshape(
+      codes.shape[0], 2 * codes.shape[1])
+  # The transpose's scales: a block's for each of its 16 x 16 elements.
+  n = nvfp4.NV_BLOCK
+  s = s_ref[...].T
+  rows = jnp.broadcast_to(s[:, None, :], (2, n, 2)).reshape(2 * n, 2)
+  scale = jnp.broadcast_to(rows[:, :, None], (2 * n, 2, n)).reshape(
+      2 * n, 2 * n)
+  # `QTensor.dequantize`'s product, after the transpose (as above).
+  y = v.T * scale
+  levels = nvfp4._encode_scales(jnp.reshape(amax_ref[...], (1,)), interpret)  # pylint: disable=protected-access
+  nvfp4.write_blocks(_lanes.split_last(y), q_ref, sc_ref, levels,
+                     square=True, interpret=interpret, hardware=hardware)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def nvfp4_requantize(payload: jax.Array, scale: jax.Array, amax: jax.Array,
+                     *, interpret: bool = False):
+  """The NVFP4 copy in 16 x 16 blocks of the transpose of a stored one, from
+  its codes: ``(qt, st)``.
+
+  ``payload`` (E2M1 codes packed two to a byte, ``(R, C / 2)``) and
+  ``scale`` (FP32 ``(R / 16, C / 16)``: each block's E4M3 scale times the
+  tensor's ``S_dec``) are an ``(R, C)`` tensor's NVFP4 copy in 16 x 16
+  blocks (`qlayers.scaling.quantize` with the ``nvfp4`` rule and ``block``
+  granularity); ``amax`` is its dequantized values' amax (FP32 scalar).
+  ``qt`` (packed ``(C, R / 2)``) and ``st`` (E4M3 ``(C / 16, R / 16)``) are
+  the codes and block scales of `qlayers.scaling.quantize` of the
+  dequantized ``(C, R)`` transpose: the copy `nvfp4_cast_transpose`
+  (``square``) makes of it, bit for bit.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from qlayers import blocks, scaling
+    >>> from qlayers.recipe import QuantSpec
+    >>> spec = QuantSpec(format="e2m1", granularity="block",
+    ...                  scale_rule="nvfp4")
+    >>> q = scaling.quantize(jnp.ones((64, 32)), spec, 1)
+    >>> qt, st = nvfp4_requantize(q.payload, q.scale,
+    ...                           blocks.amax(q.dequantize()), interpret=True)
+    >>> qt.shape, st.shape, st.dtype
+    ((32, 32), (2, 4), dtype(float8_e4m3fn))
+  """
+  shape = (payload.shape[0], 2 * payload.shape[-1])
+  if (payload.ndim != 2 or payload.dtype != jnp.uint8
+      or not _base.whole_tiles(shape, MX_BLOCK)):
+    raise ValueError(f"nvfp4_requantize takes the 2-D packed E2M1 codes "
+                     f"(uint8) of whole {MX_BLOCK} x {MX_BLOCK} tiles; got "
+                     f"{payload.shape} {payload.dtype}.")
+  n = nvfp4.NV_BLOCK
+  if scale.shape != (shape[0] // n, shape[1] // n):
+    raise ValueError(f"nvfp4_requantize takes one scale per {n} x {n} "
+                     f"block: {(shape[0] // n, shape[1] // n)} for codes "
+                     f"{payload.shape}, got {scale.shape}.")
+  qt, st = partition.cast(
+      _nvfp4_requantize_call,
+      (_base.ptx_converts(formats.E2M1, interpret), interpret),
+      jnp.reshape(jnp.asarray(amax, jnp.float32), (1,)),
+      scale.astype(jnp.float32), payload,
+      in_layouts=((), (("r", n), ("c", n // 2))),
+      layouts=((("2c", 1), ("r", 8)), (("c", n // 2), ("r", n))),
+      block=(MX_BLOCK, MX_BLOCK // 2))
+  return _lanes.words_to_bytes(qt), st
+
+
+def _nvfp4_requantize_call(shape: tuple[int, int], hardware: bool,
+                           interpret: bool):
+  """`nvfp4_requantize`'s kernel for codes of ``shape`` bytes: a function of
+  (amax, scales, codes)."""
+  pl, plt = _base.pallas()
+  rows, byte_cols = shape
+  b, n, cols = MX_BLOCK, nvfp4.NV_BLOCK, 2 * byte_cols
+  return pl.pallas_call(
+      functools.partial(_nvfp4_requantize_kernel, interpret=interpret,
+                        hardware=hardware),
+      grid=(rows // b, cols // b),
+      in_specs=[pl.BlockSpec((1,), lambda i, j: (0,)),
+                pl.BlockSpec((b // n, b // n), lambda i, j: (i, j)),
+                pl.BlockSpec((b, b // 2), lambda i, j: (i, j))],
+      out_specs=[pl.BlockSpec((b, b // 8), lambda i, j: (j, i)),
+                 pl.BlockSpec((b // n, b // n), lambda i, j: (j, i))],
+      out_shape=[jax.ShapeDtypeStruct((cols, rows // 8), jnp.uint32),
+                 jax.ShapeDtypeStruct((cols // n, rows // n),
+                                      jnp.float8_e4m3fn)],
+      compiler_params=plt.CompilerParams(num_warps=1),
+      interpret=interpret, name="qlayers_nvfp4_requantize")
