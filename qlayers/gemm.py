@@ -293,8 +293,10 @@ def _qmm_backward(plan: Plan, dtypes, res, g):
   if recipe.delayed:
     run_g, = run
   qw = w_saved if isinstance(w_saved, scaling.QTensor) else None
-  if qw is None and w_stored is not None:
-    # Stored MXFP8/MXFP4 codes requantized along N, in one pass on GPUs.
+  if (qw is None and w_stored is not None
+      and dgrad.rhs.spec == plan.fprop.rhs.spec):
+    # Stored MX or NVFP4 codes requantized along N, in one pass on GPUs,
+    # in the layout the pair kernel below would write (one spec for both).
     qw = requantized_operand(w_stored, dgrad.rhs)
   if qw is None:
     wide = w_saved if w_stored is None else w_stored.dequantize().T

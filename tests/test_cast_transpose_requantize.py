@@ -164,6 +164,29 @@ def test_a_frozen_kernels_dgrad_copy_is_made_from_its_codes(recipe):
   np.testing.assert_array_equal(ck.bits(got), ck.bits(want))
 
 
+def test_no_dgrad_copy_from_codes_where_the_weight_specs_differ():
+  # Fprop's weight scaled by MX's FLOOR rule, Dgrad's by RCEIL: no pair
+  # kernel runs there, and its MXFP6 copy is packed where the kernel's is
+  # widened, so the codes are dequantized and quantized as before (found
+  # by review).
+  base = qlayers.recipe("mxfp6")
+  recipe = base.replace(fprop=dataclasses.replace(
+      base.fprop, rhs=dataclasses.replace(base.fprop.rhs,
+                                          scale_rule="mx_floor")))
+  layer = qlayers.QuantDense(256, 128, recipe=recipe, rngs=nnx.Rngs(0))
+  qlayers.freeze(layer)
+  x = jax.random.normal(jax.random.key(2), (64, 256), jnp.float32)
+  graph, state = nnx.split(layer)
+
+  def dx(state, x):
+    return nnx.grad(lambda m, x: jnp.sum(m(x)), argnums=1)(
+        nnx.merge(graph, state), x)
+  with table.target_arch("sm_100"):
+    text = jax.jit(dx).trace(state, x).lower(
+        lowering_platforms=("cuda",)).as_text()
+  assert 'name = "qlayers_mx_requantize"' not in text
+
+
 def test_requantized_operand_only_where_its_kernel_takes_the_copy():
   spec = qlayers.recipe("mxfp8").dgrad.rhs
   q = scaling.quantize(jnp.ones((64, 96)), spec, 1)
