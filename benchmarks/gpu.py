@@ -438,8 +438,6 @@ def _compare_requantized(rows, gpu, cpu, dims) -> None:
   (`qlayers.operands.requantized_operand`: its kernel on this GPU) against
   the same call on the CPU (XLA's dequantize and quantize), the stored
   copy holding a NaN's block."""
-  import dataclasses
-  import re
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -457,26 +455,17 @@ def _compare_requantized(rows, gpu, cpu, dims) -> None:
       with jax.default_device(cpu):
         stored = scaling.quantize(jnp.asarray(w).T, recipe.fprop.rhs, 1)
 
-      def dgrad_copy(payload, scale, stored=stored, op=p.dgrad.rhs):
-        made = operands.requantized_operand(dataclasses.replace(
-            stored, payload=payload, scale=scale), op)
+      def dgrad_copy(stored, op=p.dgrad.rhs):
+        made = operands.requantized_operand(stored, op)
         if made is None:
           raise ValueError("not made from the stored codes on this target")
-        return made.payload, made.scale
-      fn = jax.jit(dgrad_copy)
-      args = (stored.payload, stored.scale)
-      kernels = sorted(set(re.findall(
-          r'name = "(qlayers_\w+)"', fn.trace(*args).lower(
-              lowering_platforms=("cuda",)).as_text())))
-      got = jax.tree.leaves(fn(*jax.device_put(args, gpu)))
-      with jax.default_device(cpu):
-        want = jax.tree.leaves(fn(*jax.device_put(args, cpu)))
-      bad = sum(_bit_mismatches(a, b) for a, b in zip(got, want))
-      size = sum(a.size for a in want)
+        return made
+      kernels, bad, size = _against_cpu(jax.jit(dgrad_copy), (stored,),
+                                        gpu, cpu)
     except Exception as e:  # noqa: BLE001 - reported
       rows.add({"item": item, "error": _err(e)})
       continue
-    _bits_row(rows, item, bad, size, ", ".join(kernels) or "no kernel")
+    _bits_row(rows, item, bad, size, kernels)
 
 
 def _compare_rolls(rows, gpu, cpu) -> None:
@@ -484,7 +473,6 @@ def _compare_rolls(rows, gpu, cpu) -> None:
   kernel on this GPU) against the same call on the CPU (XLA's ops): three
   roles, the gradient's with an amax to merge, non-finite amaxes among
   them."""
-  import re
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -497,19 +485,30 @@ def _compare_rolls(rows, gpu, cpu) -> None:
   for item, ups in (("history roll", [None] * 3),
                     ("history roll, gradient amax merged", updates)):
     try:
-      fn = jax.jit(lambda states, ups=ups: history_roll.end_step(states, ups))
-      kernels = sorted(set(re.findall(
-          r'name = "(qlayers_\w+)"', fn.trace(states).lower(
-              lowering_platforms=("cuda",)).as_text())))
-      got = jax.tree.leaves(fn(jax.device_put(states, gpu)))
-      with jax.default_device(cpu):
-        want = jax.tree.leaves(fn(jax.device_put(states, cpu)))
-      bad = sum(_bit_mismatches(a, b) for a, b in zip(got, want))
-      size = sum(a.size for a in want)
+      kernels, bad, size = _against_cpu(
+          jax.jit(lambda states, ups=ups: history_roll.end_step(states, ups)),
+          (states,), gpu, cpu)
     except Exception as e:  # noqa: BLE001 - reported
       rows.add({"item": item, "error": _err(e)})
       continue
-    _bits_row(rows, item, bad, size, ", ".join(kernels) or "no kernel")
+    _bits_row(rows, item, bad, size, kernels)
+
+
+def _against_cpu(fn, args, gpu, cpu) -> tuple[str, int, int]:
+  """``fn`` (jitted) run on ``args`` on this GPU and on the CPU: (the
+  qlayers kernels its GPU lowering launches, elements whose bits differ,
+  elements)."""
+  import re
+  import jax
+  kernels = sorted(set(re.findall(
+      r'name = "(qlayers_\w+)"', fn.trace(*args).lower(
+          lowering_platforms=("cuda",)).as_text())))
+  got = jax.tree.leaves(fn(*jax.device_put(args, gpu)))
+  with jax.default_device(cpu):
+    want = jax.tree.leaves(fn(*jax.device_put(args, cpu)))
+  return (", ".join(kernels) or "no kernel",
+          sum(_bit_mismatches(a, b) for a, b in zip(got, want)),
+          sum(a.size for a in want))
 
 
 def _bits_row(rows, item: str, bad: int, size: int, what: str) -> None:
@@ -523,7 +522,6 @@ def _bits_row(rows, item: str, bad: int, size: int, what: str) -> None:
 
 
 def _compare_pairs(rows, gpu, cpu, dims) -> None:
-  import re
   import jax
   from qlayers import operands
   for name in _shipped(KERNEL_RECIPES):
@@ -545,22 +543,13 @@ def _compare_pairs(rows, gpu, cpu, dims) -> None:
                              kw.pop("running"))
           return operands.operand_pair(t, last, first, **kw)
         paired = operands.pairable(jax.numpy.asarray(t), last, first)
-        fn = jax.jit(pair)
-        kernels = sorted(set(re.findall(
-            r'name = "(qlayers_\w+)"', fn.trace(t, arrays).lower(
-                lowering_platforms=("cuda",)).as_text())))
-        on = {d: jax.device_put((t, arrays), d) for d in (gpu, cpu)}
-        got = jax.tree.leaves(fn(*on[gpu]))
-        with jax.default_device(cpu):
-          want = jax.tree.leaves(fn(*on[cpu]))
-        bad = sum(_bit_mismatches(a, b) for a, b in zip(got, want))
-        size = sum(a.size for a in want)
+        kernels, bad, size = _against_cpu(jax.jit(pair), (t, arrays), gpu,
+                                          cpu)
       except Exception as e:  # noqa: BLE001 - reported
         rows.add({"item": item, "error": _err(e)})
         continue
       _bits_row(rows, item, bad, size,
-                f"{', '.join(kernels) or 'no kernel'}"
-                f"{'' if paired else ' (not paired on this target)'}")
+                kernels + ("" if paired else " (not paired on this target)"))
 
 
 def part_gemm(cfg) -> dict[str, Any]:

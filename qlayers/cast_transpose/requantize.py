@@ -1,6 +1,7 @@
-"""An MX copy requantized along its other axis, from its codes, in one pass.
+"""An MX or NVFP4 copy requantized along its other axis, from its codes, in
+one pass.
 
-A frozen kernel (`qlayers.FrozenKernel`) stores the weight's MX copy for
+A frozen kernel (`qlayers.FrozenKernel`) stores the weight's copy for
 Fprop, quantized along K. Dgrad contracts the weight over N, so a LoRA step
 on a frozen base needs a second copy, quantized along N, of the same
 values. Made by XLA's dequantization and the pair kernel
@@ -16,7 +17,8 @@ copy along the other axis with the pair kernels' own code
 packed four to three bytes (a tile row of 24 bytes, which Triton's
 power-of-two blocks do not take), come widened to E4M3 by XLA first
 (`qlayers.scaling.widened`), and the copy is written so too, as cuDNN's
-GEMM takes it.
+GEMM takes it. `nvfp4_requantize` does the same for NVFP4's 16 x 16
+blocks under the tensor amax that `nvfp4_amax` finds from the codes.
 """
 
 from __future__ import annotations
