@@ -138,12 +138,15 @@ def test_requantize_names_what_it_does_not_take():
     ct.mx_requantize(q.payload, q.scale, "e4m3", "deepseek")
 
 
-@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp6", "mxfp4", "nvfp4"])
-def test_a_frozen_kernels_dgrad_copy_is_made_from_its_codes(recipe):
+@pytest.mark.parametrize("recipe,arch", [
+    ("mxfp8", "sm_100"), ("mxfp6", "sm_100"), ("mxfp4", "sm_100"),
+    ("nvfp4", "sm_100"), ("mxfp8", "sm_90"), ("nvfp4", "sm_90")])
+def test_a_frozen_kernels_dgrad_copy_is_made_from_its_codes(recipe, arch):
   # A LoRA step on a frozen MX or NVFP4 base made Dgrad's copy by
   # dequantizing the codes to FP32 in XLA, then the pair kernel (11 bytes
-  # moved per MXFP8 weight): planned for B200 it is one kernel from the
-  # codes, and the input gradient keeps its bits.
+  # moved per MXFP8 weight): planned for B200 or H200 (which dequantizes MX
+  # copies for its BF16 GEMM) it is one kernel from the codes, and the
+  # input gradient keeps its bits.
   layer = qlayers.QuantDense(256, 128, recipe=recipe, rngs=nnx.Rngs(0))
   qlayers.freeze(layer)
   qlayers.add_lora(layer, 4, rngs=nnx.Rngs(1))
@@ -155,7 +158,7 @@ def test_a_frozen_kernels_dgrad_copy_is_made_from_its_codes(recipe):
   graph, state = nnx.split(layer)
   step = jax.jit(lambda state, x: dx(nnx.merge(graph, state), x))
   want = step(state, x)
-  with table.target_arch("sm_100"):
+  with table.target_arch(arch):
     got = jax.jit(lambda state, x: dx(nnx.merge(graph, state), x))(state, x)
     text = jax.jit(lambda state, x: dx(nnx.merge(graph, state), x)).trace(
         state, x).lower(lowering_platforms=("cuda",)).as_text()
