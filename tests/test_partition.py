@@ -213,9 +213,23 @@ def test_the_mx_kernel_casts_each_shard_of_whole_blocks(results):
   assert r["split_blocks"]["all-gather"], r
 
 
+def _sharded_run(f, want, *args):
+  """``f`` compiled for ``args`` as they are sharded, run: whether every
+  result has the bits of ``want`` (the single-device run), and the
+  all-gathers the compiled program holds."""
+  import collectives  # pylint: disable=g-import-not-at-top
+  compiled = jax.jit(f).lower(*args).compile()
+  got = compiled(*args)
+  return {"same_bits": all(
+      np.array_equal(np.asarray(a).reshape(-1).view(np.uint8),
+                     np.asarray(b).reshape(-1).view(np.uint8))
+      for a, b in zip(got, want)),
+          "all-gather": collectives.summary(compiled.as_text()).get(
+              "all-gather")}
+
+
 def mx_without_mesh():
   from jax.sharding import Mesh  # pylint: disable=g-import-not-at-top
-  import collectives  # pylint: disable=g-import-not-at-top
   from qlayers import cast_transpose as ct  # pylint: disable=g-import-not-at-top
   mesh = Mesh(np.array(jax.devices()), ("data",))
 
@@ -225,16 +239,8 @@ def mx_without_mesh():
                     jnp.bfloat16)
     f = lambda t: ct.mx_cast_transpose(t, "e4m3", "mx_rceil",  # noqa: E731
                                        interpret=True)
-    want = jax.jit(f)(t)
-    ts = jax.device_put(t, NamedSharding(mesh, spec))
-    compiled = jax.jit(f).lower(ts).compile()
-    got = compiled(ts)
-    return {"same_bits": all(
-        np.array_equal(np.asarray(a).view(np.uint8),
-                       np.asarray(b).view(np.uint8))
-        for a, b in zip(got, want)),
-            "all-gather": collectives.summary(compiled.as_text()).get(
-                "all-gather")}
+    return _sharded_run(f, jax.jit(f)(t),
+                        jax.device_put(t, NamedSharding(mesh, spec)))
 
   return {"rows": case((1024, 64), P("data")),
           "cols": case((64, 1024), P(None, "data")),
@@ -256,7 +262,6 @@ def test_the_requantize_kernel_requantizes_each_shard(results):
 
 def requantize_without_mesh():
   from jax.sharding import Mesh  # pylint: disable=g-import-not-at-top
-  import collectives  # pylint: disable=g-import-not-at-top
   from qlayers import cast_transpose as ct  # pylint: disable=g-import-not-at-top
   mesh = Mesh(np.array(jax.devices()), ("data",))
 
@@ -273,17 +278,9 @@ def requantize_without_mesh():
       q = scaling.quantize(w, QuantSpec(format=fmt, granularity="mx"), 1)
       f = lambda p, s: ct.mx_requantize(p, s, fmt, "mx_rceil",  # noqa: E731
                                         interpret=True)
-    want = jax.jit(f)(q.payload, q.scale)
-    args = [jax.device_put(a, NamedSharding(mesh, spec))
-            for a in (q.payload, q.scale)]
-    compiled = jax.jit(f).lower(*args).compile()
-    got = compiled(*args)
-    return {"same_bits": all(
-        np.array_equal(np.asarray(a).view(np.uint8),
-                       np.asarray(b).view(np.uint8))
-        for a, b in zip(got, want)),
-            "all-gather": collectives.summary(compiled.as_text()).get(
-                "all-gather")}
+    return _sharded_run(f, jax.jit(f)(q.payload, q.scale),
+                        *(jax.device_put(a, NamedSharding(mesh, spec))
+                          for a in (q.payload, q.scale)))
 
   return {f"{fmt}_{name}": case(fmt, shape, spec)
           for fmt in ("e4m3", "e2m1", "nvfp4")
@@ -311,7 +308,6 @@ def test_the_nvfp4_kernels_cast_each_shard_with_its_draws(results):
 
 def nvfp4_without_mesh():
   from jax.sharding import Mesh  # pylint: disable=g-import-not-at-top
-  import collectives  # pylint: disable=g-import-not-at-top
   from qlayers import cast_transpose as ct, formats  # pylint: disable=g-import-not-at-top
   mesh = Mesh(np.array(jax.devices()), ("data",))
   keys = tuple(formats.rounding_key(jnp.uint32(s), jnp.uint32(3))
@@ -331,16 +327,8 @@ def nvfp4_without_mesh():
       return (a, at, *ct.nvfp4_cast_transpose(
           t, a, at, hadamard=True, keys=keys, interpret=True))
 
-    want = jax.jit(f)(t)
-    ts = jax.device_put(t, NamedSharding(mesh, spec))
-    compiled = jax.jit(f).lower(ts).compile()
-    got = compiled(ts)
-    return {"same_bits": all(
-        np.array_equal(np.asarray(a).reshape(-1).view(np.uint8),
-                       np.asarray(b).reshape(-1).view(np.uint8))
-        for a, b in zip(got, want)),
-            "all-gather": collectives.summary(compiled.as_text()).get(
-                "all-gather")}
+    return _sharded_run(f, jax.jit(f)(t),
+                        jax.device_put(t, NamedSharding(mesh, spec)))
 
   def mxfp4(t):  # MXFP4's pair: the transform on the t.T copy, both SR
     return ct.fp4_cast_transpose(t, keys=keys, hadamard=(0, 32),
