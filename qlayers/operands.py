@@ -165,10 +165,11 @@ def requantized_operand(q: scaling.QTensor, op: Operand
   blocks of 32; MXFP6's copy holds its values in E4M3, `scaling.widened`,
   as the pair kernel writes it), NVFP4's 16 x 16 blocks by
   `qlayers.cast_transpose.nvfp4_requantize` after XLA finds the
-  dequantized tensor's amax. None where those kernels do not take ``q``
-  and ``op`` (whole 32 x 32 tiles, rounded to nearest, no transform, no
-  mesh), or the program is not lowered for a GPU where the pair kernels
-  run.
+  dequantized tensor's amax. Under a mesh each device requantizes its
+  shard (`qlayers.partition.cast`). None where those kernels do not take
+  ``q`` and ``op`` (whole 32 x 32 tiles, on every device under a mesh, any
+  split of either dim; rounded to nearest, no transform, no manual axes),
+  or the program is not lowered for a GPU where the pair kernels run.
 
   Example:
     >>> import jax.numpy as jnp, qlayers
@@ -183,9 +184,17 @@ def requantized_operand(q: scaling.QTensor, op: Operand
       or q.format != spec.fmt.name or q.granularity != spec.granularity
       or q.axis != 1 or q.transposed or q.dequantized
       or q.padded_shape != q.shape or not table.targets_gpu()
-      or sharding.context_mesh() is not None
       or sharding.varying_axes(q.payload)):
     return None
+  if sharding.context_mesh() is not None:
+    # Under a mesh, where every device holds whole tiles of any split
+    # (else the kernel's rule would gather the codes first); not inside
+    # shard_map, whose local copy is not the whole weight's.
+    mesh = sharding.auto_mesh()
+    if mesh is None or any(n % (cast_transpose.MX_BLOCK
+                                * math.prod(mesh.axis_sizes))
+                           for n in q.shape):
+      return None
   version = table.sm_version(table.gpu_arch("cuda"))
   nvfp4 = spec.scale_rule == "nvfp4"
   if nvfp4:

@@ -288,6 +288,20 @@ def requantize_without_mesh():
                                     ("cols", (64, 1024), P(None, "data")))}
 
 
+def test_a_frozen_kernels_dgrad_copy_is_requantized_under_a_mesh(results):
+  """Under an auto mesh of 8 devices, a LoRA step on a frozen MX or NVFP4
+  kernel (its codes sharded along K, the input's rows over the mesh)
+  planned for B200 makes Dgrad's copy from the codes, one requantize call
+  under the cast's partitioning rule, and keeps the single-device input
+  gradient on CPU; a kernel whose dims do not split into whole 32 x 32
+  tiles on every device (N 128 over 8) keeps XLA's dequantize + quantize."""
+  r = multidevice.result(results, "requantize_under_mesh")
+  for recipe in ("mxfp8", "mxfp4", "nvfp4"):
+    assert r[recipe] == {"requantize_calls": 1, "same_bits": True}, (
+        recipe, r)
+  assert r["mxfp8_n128"] == {"requantize_calls": 0, "same_bits": True}, r
+
+
 def test_the_nvfp4_kernels_cast_each_shard_with_its_draws(results):
   """NVFP4's one-pass kernels (interpreted) under `partition.cast`: the
   amaxes of t and of its transform from each shard's partial maxima, and
@@ -304,6 +318,51 @@ def test_the_nvfp4_kernels_cast_each_shard_with_its_draws(results):
                "rowwise_rows", "rowwise_cols", "blocks_rows",
                "transform_rows", "transform_cols"):
     assert r[name] == {"same_bits": True, "all-gather": None}, (name, r)
+
+
+def requantize_under_mesh():
+  import re  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from jax.sharding import Mesh  # pylint: disable=g-import-not-at-top
+  import qlayers  # pylint: disable=g-import-not-at-top
+  from qlayers import table  # pylint: disable=g-import-not-at-top
+  mesh = Mesh(np.array(jax.devices()), ("fsdp",))
+
+  def case(recipe, n):
+    layer = qlayers.QuantDense(256, n, recipe=recipe, rngs=nnx.Rngs(0))
+    qlayers.freeze(layer)
+    qlayers.add_lora(layer, 4, rngs=nnx.Rngs(1))
+    graph, state = nnx.split(layer)
+    x = jax.random.normal(jax.random.key(2), (64, 256), jnp.float32)
+
+    def dx(state, x):  # nnx.grad: NVFP4's rounding counter is state
+      return nnx.grad(lambda m, x: jnp.sum(jnp.sin(m(x))), argnums=1)(
+          nnx.merge(graph, state), x)
+
+    def place(path, a):  # the codes and scales along K, x's rows
+      name = jax.tree_util.keystr(path)
+      along_k = ("payload" in name or "scale" in name) and a.ndim == 2
+      spec = (P(None, "fsdp") if along_k and a.shape[1] % 8 == 0
+              else P("fsdp") if "lora" not in name and a.ndim == 2
+              and a.shape[0] % 8 == 0 else P())
+      return jax.device_put(a, NamedSharding(mesh, spec))
+
+    with table.target_arch("sm_100"):
+      want = jax.jit(dx)(state, x)
+      with jax.set_mesh(mesh):
+        args = (jax.tree_util.tree_map_with_path(place, state),
+                jax.device_put(x, NamedSharding(mesh, P("fsdp"))))
+        got = jax.jit(dx)(*args)
+        text = jax.jit(dx).trace(*args).lower(
+            lowering_platforms=("cuda",)).as_text()
+    return {"requantize_calls": len(re.findall(
+        r"func\.call @(mx|nvfp4)_requantize\(", text)),
+            "same_bits": bool(np.array_equal(np.asarray(got),
+                                             np.asarray(want)))}
+
+  out = {r: case(r, 512) for r in ("mxfp8", "mxfp4", "nvfp4")}
+  out["mxfp8_n128"] = case("mxfp8", 128)
+  return out
 
 
 def nvfp4_without_mesh():
@@ -475,4 +534,5 @@ if __name__ == "__main__":
   case(mx_without_mesh)
   case(nvfp4_without_mesh)
   case(requantize_without_mesh)
+  case(requantize_under_mesh)
   case.main()
