@@ -84,11 +84,27 @@ def padded_shape(shape, block):
 
 def _split_blocks(x: jax.Array, block: tuple[int, ...]) -> jax.Array:
   """(n0*b0, n1*b1, ...) -> (n0, b0, n1, b1, ...), leaving dims with b == 1
-  unsplit (size-1 dims give XLA layouts it relays out element by element)."""
-  dims = []
+  unsplit (size-1 dims give XLA layouts it relays out element by element).
+  One dim per reshape: JAX infers the sharding of a reshape that splits
+  one dim of an array sharded over explicit mesh axes, not of one that
+  splits two (a frozen kernel's 16 x 16 or 128 x 128 blocks)."""
+  at = 0
   for n, b in zip(x.shape, block):
-    dims += [n] if b == 1 else [n // b, b]
-  return x.reshape(dims)
+    if b != 1:
+      x = x.reshape(*x.shape[:at], n // b, b, *x.shape[at + 1:])
+      at += 1
+    at += 1
+  return x
+
+
+def _merge_blocks(x: jax.Array, block: tuple[int, ...]) -> jax.Array:
+  """`_split_blocks`' inverse, one dim per reshape as it splits them."""
+  at = 0
+  for b in block:
+    if b != 1:
+      x = x.reshape(*x.shape[:at], x.shape[at] * b, *x.shape[at + 2:])
+    at += 1
+  return x
 
 
 def _block_axes(block: tuple[int, ...]) -> tuple[int, ...]:
@@ -111,9 +127,13 @@ def apply_blocks(values, scale, block, op):
     Array([[2., 2., 3., 3.]], dtype=float32)
   """
   split = _split_blocks(values, block)
-  s = scale.reshape([d for n, b in zip(scale.shape, block)
-                     for d in ((n,) if b == 1 else (n, 1))])
-  return op(split, s).reshape(values.shape)
+  s, at = scale, 0
+  for b in block:  # a size-1 dim after each split one
+    if b != 1:
+      s = jnp.expand_dims(s, at + 1)
+      at += 1
+    at += 1
+  return _merge_blocks(op(split, s), block)
 
 
 def block_amax(x: jax.Array, block: tuple[int, ...]) -> jax.Array:

@@ -390,8 +390,7 @@ def quantized_matmul(x: jax.Array, w: jax.Array, recipe: Recipe | str,
       quantizing ``w``, and the backward pass makes Dgrad's copy from it
       where that copy is not Fprop's; where the plan's Fprop weight takes
       another layout (a Hadamard transform, say) ``w`` is quantized as
-      usual. Ignored for an FSDP shard, under explicit mesh axes and when
-      intercepted.
+      usual. Ignored for an FSDP shard and when intercepted.
 
   Returns:
     ``(y, new_state)``: ``y`` of shape ``(..., N)``; ``new_state`` has the
@@ -454,9 +453,10 @@ def quantized_matmul(x: jax.Array, w: jax.Array, recipe: Recipe | str,
     return _qmm(plan, dtypes, x, w, w_quantized, state, key)
   y_spec = sharding.dot_spec(sharding.spec_of(x)[:-1], sharding.spec_of(w)[1:])
   run = sharding.auto_region(
-      lambda x, w, state, key: _qmm(plan, dtypes, x, w, None, state, key),
+      lambda x, w, stored, state, key: _qmm(plan, dtypes, x, w, stored,
+                                            state, key),
       (y_spec, replicated_specs(state)))
-  return run(x, w, state, key)
+  return run(x, w, w_quantized, state, key)
 
 
 # The function `intercept` routes quantized matmuls with a ``site`` to.

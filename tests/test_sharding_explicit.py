@@ -119,5 +119,13 @@ def test_freeze_names_shards_its_blocks_cannot_take_and_abstract_restores(
   r = multidevice.result(results, "freeze_and_abstract_restore")
   assert "sharded over explicit mesh axes" in r["freeze"]
   assert r["still_param"]
+  assert r["in_place_deepseek_v3"] and r["in_place_nvfp4"], r
   assert r["same_state"]
   assert r["specs"]["up/kernel"] == "P('fsdp', 'model')"
+
+
+def test_a_lora_step_on_frozen_kernels_sharded_over_explicit_axes(results):
+  r = multidevice.result(results, "frozen_lora_on_explicit_shards")
+  for recipe in ("mxfp8", "nvfp4"):
+    assert r[recipe] == {"same_bits": True, "requantize_calls": 1}, (
+        recipe, r)

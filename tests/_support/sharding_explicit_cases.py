@@ -325,7 +325,11 @@ def freeze_and_abstract_restore():
   """freeze of a kernel whose blocks its explicit shards split: an error
   naming it, nothing frozen; a checkpoint restored into an nnx.eval_shape
   target made under the mesh (was: reported as corrupt)."""
-  out = {}
+  out, whole = {}, {}
+  for recipe in ("deepseek_v3", "nvfp4"):  # frozen on one device
+    layer = qlayers.QuantDense(256, 512, recipe=recipe, rngs=nnx.Rngs(0))
+    qlayers.freeze(layer)
+    whole[recipe] = jax.tree.leaves(nnx.state(layer))
   with jax.set_mesh(st.mesh_for("fsdp_tp", explicit=True)):
     layer = qlayers.QuantDense(
         128, 256, recipe="deepseek_v3", rngs=nnx.Rngs(0),
@@ -336,6 +340,17 @@ def freeze_and_abstract_restore():
     except ValueError as e:
       out["freeze"] = str(e)
     out["still_param"] = isinstance(layer.kernel, nnx.Param)
+    # Whole 128 x 128 and 16 x 16 blocks on every shard: frozen in place,
+    # the unsharded freeze's codes (was: refused, a two-dim reshape).
+    for recipe in ("deepseek_v3", "nvfp4"):
+      sharded = qlayers.QuantDense(
+          256, 512, recipe=recipe, rngs=nnx.Rngs(0),
+          kernel_metadata={"out_sharding": ("fsdp", "model")})
+      qlayers.freeze(sharded)
+      out[f"in_place_{recipe}"] = all(
+          bool(np.array_equal(np.asarray(a).reshape(-1).view(np.uint8),
+                              np.asarray(b).reshape(-1).view(np.uint8)))
+          for a, b in zip(jax.tree.leaves(nnx.state(sharded)), whole[recipe]))
     model = st.MLP("fp8_delayed", rngs=nnx.Rngs(0), layout="fsdp_tp")
     path = tempfile.mkdtemp() + "/ckpt"
     qlayers.checkpoint.save(path, model)
@@ -347,6 +362,50 @@ def freeze_and_abstract_restore():
         for a, b in zip(jax.tree.leaves(nnx.state(model)),
                         jax.tree.leaves(nnx.state(target))))
     out["specs"] = st.specs(nnx.state(target, nnx.Param))
+  return out
+
+
+@case
+def frozen_lora_on_explicit_shards():
+  """A LoRA step on frozen kernels (frozen before sharding, as README
+  says), their codes sharded over explicit axes along K: the single-device
+  input gradient, and planned for B200 the GEMM reads the codes and makes
+  Dgrad's copy from them (was: NVFP4's 16 x 16 blocks failed to
+  dequantize, a reshape JAX cannot shard; the codes were ignored)."""
+  import re  # pylint: disable=g-import-not-at-top
+  from jax.sharding import AxisType, NamedSharding  # pylint: disable=g-import-not-at-top
+  from qlayers import table  # pylint: disable=g-import-not-at-top
+  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Explicit,))
+  out = {}
+  for recipe in ("mxfp8", "nvfp4"):
+    layer = qlayers.QuantDense(256, 512, recipe=recipe, rngs=nnx.Rngs(0))
+    qlayers.freeze(layer)
+    qlayers.add_lora(layer, 4, rngs=nnx.Rngs(1))
+    graph, state = nnx.split(layer)
+    x = jax.random.normal(jax.random.key(2), (64, 256), jnp.float32)
+
+    def dx(state, x, graph=graph):
+      return nnx.grad(lambda m, x: jnp.sum(jnp.sin(m(x))), argnums=1)(
+          nnx.merge(graph, state), x)
+
+    def place(path, a):
+      name = jax.tree_util.keystr(path)
+      along_k = ("payload" in name or "scale" in name) and a.ndim == 2
+      return jax.device_put(a, NamedSharding(
+          mesh, P(None, "fsdp") if along_k and a.shape[1] % 8 == 0 else P()))
+
+    with table.target_arch("sm_100"):
+      want = jax.jit(dx)(state, x)
+      with jax.set_mesh(mesh):
+        args = (jax.tree_util.tree_map_with_path(place, state),
+                jax.device_put(x, NamedSharding(mesh, P("fsdp"))))
+        got = jax.jit(dx)(*args)
+        text = jax.jit(dx).trace(*args).lower(
+            lowering_platforms=("cuda",)).as_text()
+    out[recipe] = {
+        "same_bits": bool(np.array_equal(np.asarray(got), np.asarray(want))),
+        "requantize_calls": len(re.findall(
+            r"func\.call @(mx|nvfp4)_requantize\(", text))}
   return out
 
 
