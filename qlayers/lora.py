@@ -25,6 +25,7 @@ import re
 import warnings
 from typing import Callable, Iterator
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -56,14 +57,14 @@ def lora_layers(model: nnx.Module) -> Iterator[tuple[tuple, nnx.Module]]:
       yield path, node
 
 
-def _gemm_dims(layer) -> tuple[int, int] | None:
+def _gemm_dims(layer) -> tuple[int, int] | str | None:
   """``(K, N)`` of the GEMM an adapter sits beside: the kernel's leading
   (contracted) dims and the rest; None where the contracted dims of an
-  einsum's kernel do not lead."""
+  einsum's kernel do not lead, ``"stack"`` for a stack of layers."""
   try:
     n_in = contracted_dims(layer, "add_lora")
-  except ValueError:  # a stack of layers
-    return None
+  except ValueError:  # a stack of layers (nnx.vmap)
+    return "stack"
   if n_in is None:
     return None
   shape = tuple(layer.kernel.shape)
@@ -103,6 +104,9 @@ def add_lora(model: nnx.Module, rank: int, *, rngs: nnx.Rngs,
     {('lora', 'lora_a'): (64, 4), ('lora', 'lora_b'): (4, 32)}
   """
   rank = positive_int(rank, "rank")
+  if not isinstance(rngs, nnx.Rngs):
+    raise TypeError(f"add_lora: rngs must be an nnx.Rngs (the adapters' "
+                    f"initialisation), got {type(rngs).__name__}.")
   if isinstance(where, (str, re.Pattern)):
     pattern = re.compile(where)
     def where(dotted: str) -> bool:  # as a Rule matches: the /-joined path
@@ -118,7 +122,11 @@ def add_lora(model: nnx.Module, rank: int, *, rngs: nnx.Rngs,
              if where is None or where(p)]
   for path, node in found:
     dims = _gemm_dims(node) if isinstance(node, _ADAPTABLE) else None
-    if dims is None:
+    if dims == "stack":
+      refused.append(f"{path or '(model)'} (a stack of "
+                     f"{type(node).__name__} layers: its kernel "
+                     f"{tuple(node.kernel.shape)} has a leading layer dim)")
+    elif dims is None:
       refused.append(f"{path or '(model)'} ({type(node).__name__})")
     elif getattr(node, "lora", None) is None:
       todo.append((node, dims))
@@ -141,10 +149,11 @@ def add_lora(model: nnx.Module, rank: int, *, rngs: nnx.Rngs,
   return len(todo)
 
 
-def merge_lora(model: nnx.Module) -> int:
+def merge_lora(model: nnx.Module, *, key: jax.Array | None = None) -> int:
   """Folds each adapter into its layer's kernel and removes it, in place:
   ``kernel + lora_a @ lora_b`` (in FP32), a frozen kernel requantized in
-  its own format (`qlayers.FrozenKernel.requantize`); returns how many.
+  its own format (`qlayers.FrozenKernel.requantize`; ``key``: a PRNG key,
+  needed where that format rounds stochastically); returns how many.
 
   Example:
     >>> import jax.numpy as jnp
@@ -156,13 +165,15 @@ def merge_lora(model: nnx.Module) -> int:
     (1, False)
   """
   found = list(lora_layers(model))
-  for _, node in found:
+  for i, (_, node) in enumerate(found):
     lora = node.lora
     delta = (lora.lora_a[...].astype(jnp.float32)
              @ lora.lora_b[...].astype(jnp.float32))
     delta = delta.reshape(node.kernel.shape)
     if isinstance(node.kernel, FrozenKernel):
-      node.kernel.requantize(node.kernel.dequantize(jnp.float32) + delta)
+      node.kernel.requantize(
+          node.kernel.dequantize(jnp.float32) + delta,
+          key=None if key is None else jax.random.fold_in(key, i))
       settle_delayed(node)
     else:
       kernel = node.kernel[...]

@@ -340,8 +340,9 @@ def test_a_stock_layer_running_a_quant_gemm_is_named_not_ignored():
   silent, and add_lora said to quantize the model)."""
   model = nnx.Sequential(nnx.Linear(32, 32, rngs=nnx.Rngs(0),
                                     dot_general=qlayers.QuantGemm("mxfp8")))
-  with pytest.warns(UserWarning, match="layers/0 \\(a stock layer running"):
-    assert qlayers.freeze(model) == 0
+  with pytest.raises(ValueError, match="no qlayers layer to freeze .*"
+                     "layers/0 \\(a stock layer running"):
+    qlayers.freeze(model)
   with pytest.raises(ValueError, match="layers.0 \\(a stock layer running"):
     qlayers.add_lora(model, 2, rngs=nnx.Rngs(1))
   report = qlayers.dequantize_model(model)
@@ -522,3 +523,83 @@ def test_a_differentiated_call_reads_the_same_stored_codes(arch):
     (_, y_train), _ = nnx.value_and_grad(loss, argnums=1, has_aux=True)(
         nnx.clone(layer), x)
   np.testing.assert_array_equal(_bits(y_train), _bits(y_eval))
+
+
+def test_freeze_refuses_what_it_would_not_freeze():
+  """freeze returned 0 in silence for a model without qlayers layers, for
+  something not a module, and for a spec its frozen kernels were not
+  stored in; a kernel of no weights failed on a division by zero."""
+  with pytest.raises(TypeError, match="takes an nnx.Module, got str"):
+    qlayers.freeze("model")
+  with pytest.raises(ValueError, match="no qlayers layer to freeze"):
+    qlayers.freeze(nnx.Sequential(nnx.Linear(8, 8, rngs=nnx.Rngs(0))))
+  layer = qlayers.QuantDense(64, 32, recipe="mxfp8", rngs=nnx.Rngs(0))
+  assert qlayers.freeze(layer) == 1
+  assert qlayers.freeze(layer) == 0  # frozen already, as asked
+  mxfp4 = qlayers.recipe("mxfp4").fprop.rhs
+  with pytest.raises(ValueError, match="frozen already as .*dequantize_model"):
+    qlayers.freeze(layer, spec=mxfp4)
+  assert layer.kernel.spec == qlayers.recipe("mxfp8").fprop.rhs
+  empty = qlayers.QuantDense(0, 8, recipe="mxfp8", rngs=nnx.Rngs(0),
+                             kernel_init=nnx.initializers.zeros)
+  with pytest.raises(ValueError, match=r"shape \(0, 8\) has no weights"):
+    qlayers.freeze(empty)
+
+
+def test_a_stochastically_rounded_kernel_freezes_with_a_key():
+  """A spec rounding stochastically asked for a `key` freeze could not
+  take; it now takes one, and each layer draws from its own fold."""
+  spec = dataclasses.replace(qlayers.recipe("mxfp4").fprop.rhs,
+                             rounding="stochastic")
+  def model():
+    return nnx.Sequential(
+        qlayers.QuantDense(64, 32, recipe="mxfp4", rngs=nnx.Rngs(0)),
+        qlayers.QuantDense(64, 32, recipe="mxfp4", rngs=nnx.Rngs(0)))
+  m = model()
+  with pytest.raises(ValueError, match="stochastic rounding.*key="):
+    qlayers.freeze(m, spec=spec)
+  assert isinstance(m.layers[0].kernel, nnx.Param)  # nothing frozen
+  assert qlayers.freeze(m, spec=spec, key=jax.random.key(3)) == 2
+  again = model()
+  qlayers.freeze(again, spec=spec, key=jax.random.key(3))
+  a, b = (l.kernel.payload[...] for l in m.layers)
+  np.testing.assert_array_equal(_bits(a), _bits(again.layers[0].kernel
+                                                .payload[...]))
+  assert not np.array_equal(_bits(a), _bits(b))  # one weight, two draws
+  nearest = qlayers.QuantDense(64, 32, recipe="mxfp4", rngs=nnx.Rngs(0))
+  qlayers.freeze(nearest)
+  assert not np.array_equal(_bits(a), _bits(nearest.kernel.payload[...]))
+  qlayers.add_lora(m, 2, rngs=nnx.Rngs(1))
+  with pytest.raises(ValueError, match="stochastic rounding.*key="):
+    qlayers.merge_lora(m)
+  assert qlayers.merge_lora(m, key=jax.random.key(4)) == 2
+
+
+def test_a_frozen_kernel_keeps_its_sharding_names():
+  """The payload (N, K) and a scale per row of K's blocks carry the
+  kernel's mesh axis names, reversed (they had none: a sharding-guide
+  reshard or an abstract restore replicated the frozen base)."""
+  mesh = jax.make_mesh((1, 1), ("fsdp", "model"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  with jax.set_mesh(mesh):
+    dense = qlayers.QuantDense(
+        64, 32, recipe="mxfp8", rngs=nnx.Rngs(0),
+        kernel_metadata={"out_sharding": ("fsdp", "model")})
+    general = qlayers.QuantLinearGeneral(
+        (4, 16), (2, 16), axis=(-2, -1), recipe="fp8_current",
+        rngs=nnx.Rngs(0),
+        kernel_metadata={"out_sharding": ("fsdp", None, "model", None)})
+    blocks = qlayers.QuantDense(
+        256, 256, recipe="deepseek_v3", rngs=nnx.Rngs(0),
+        kernel_metadata={"out_sharding": (None, "model")})
+  for layer in (dense, general, blocks):
+    qlayers.freeze(layer)
+  specs = nnx.get_partition_spec(nnx.state(dense))["kernel"]
+  assert specs["payload"].get_value() == jax.P("model", "fsdp")
+  assert specs["scale"].get_value() == jax.P("model", None)
+  specs = nnx.get_partition_spec(nnx.state(general))["kernel"]
+  assert specs["payload"].get_value() == jax.P("model", "fsdp")
+  assert specs["scale"].get_value() == jax.P()  # per tensor
+  specs = nnx.get_partition_spec(nnx.state(blocks))["kernel"]
+  assert specs["payload"].get_value() == jax.P("model", None)
+  assert specs["scale"].get_value() == jax.P()  # 128 x 128 blocks: few

@@ -229,9 +229,12 @@ def test_add_lora_names_a_stack_of_dense_layers_and_leaves_it():
 
   model = nnx.Dict(blocks=stack(nnx.Rngs(0)),
                    head=qlayers.QuantDense(16, 8, rngs=nnx.Rngs(1)))
-  with pytest.warns(UserWarning, match="blocks"):
+  with pytest.warns(UserWarning, match=r"blocks \(a stack of QuantDense "
+                   r"layers: its kernel \(3, 16, 16\) has a leading layer"):
     assert qlayers.add_lora(model, 2, rngs=nnx.Rngs(2)) == 1
   assert getattr(model.blocks, "lora", None) is None
+  with pytest.raises(TypeError, match="rngs must be an nnx.Rngs"):
+    qlayers.add_lora(model, 2, rngs=None)
   assert model.head.lora is not None
 
 

@@ -95,7 +95,7 @@ class FrozenKernel(nnx.Module):
   """
 
   def __init__(self, qt: QTensor, spec: QuantSpec, shape, *, n_in: int = 1,
-               dtype=jnp.float32):
+               dtype=jnp.float32, sharding_names: tuple | None = None):
     if qt.ndim != 2 or qt.axis != 1 or qt.transposed:
       raise ValueError(f"FrozenKernel takes a 2-D (N, K) QTensor quantized "
                        f"along axis 1; got shape {qt.shape}, axis {qt.axis}.")
@@ -107,9 +107,18 @@ class FrozenKernel(nnx.Module):
     payload = qt.payload
     if qt.block is not None and not qt.fmt.packed:
       payload = payload[:n, :k]  # the rest is zero padding: not stored
-    self.payload = FrozenWeight(payload)
+    # The kernel's sharding names, as (N, K) (for `nnx.get_partition_spec`
+    # and a restore into an abstract model; nothing is placed here): a
+    # scale per row of K's blocks shares the payload's rows, 2-D blocks'
+    # few scales are replicated.
+    names = (_stored_names(sharding_names, n_in, len(shape))
+             if sharding_names else None)
+    self.payload = FrozenWeight(payload, **_names_metadata(names))
     levels = qt.tensor_scale is not None
-    self.scale = FrozenWeight(qt.block_scale if levels else qt.scale)
+    scale = qt.block_scale if levels else qt.scale
+    self.scale = FrozenWeight(scale, **_names_metadata(
+        names and scale.ndim == 2 and scale.shape[0] == n
+        and (names[0], None)))
     # Data even when None: `requantize` may give it a value.
     self.tensor_scale = nnx.data(FrozenWeight(qt.tensor_scale) if levels
                                  else None)
@@ -122,9 +131,14 @@ class FrozenKernel(nnx.Module):
 
   @classmethod
   def quantize(cls, kernel: jax.Array, spec: QuantSpec, *,
-               n_in: int = 1) -> FrozenKernel:
+               n_in: int = 1, key: jax.Array | None = None,
+               sharding_names: tuple | None = None) -> FrozenKernel:
     """``kernel`` (``n_in`` leading input dims) quantized as ``spec`` says,
-    along its input (contraction) dims.
+    along its input (contraction) dims; ``key``: the PRNG key of a
+    stochastically rounding ``spec`` (required there, unused elsewhere);
+    ``sharding_names``: the kernel's mesh axis names per dim (its Param's
+    ``out_sharding``), which the stored payload and scales keep as
+    metadata.
 
     The GEMM quantizes the kernel it reads, the dequantized one: stored as
     the fixed point of that requantization, the codes are the ones the GEMM
@@ -132,15 +146,26 @@ class FrozenKernel(nnx.Module):
     block may halve its scale and double its codes); an NVFP4 block whose
     E4M3 scale is subnormal (a quiet block beside a large tensor amax)
     changes its values in it, once, where the GEMM would at every call."""
+    if spec.stochastic and key is None:
+      raise ValueError(
+          f"A kernel stored with stochastic rounding ({spec.format} "
+          f"{spec.granularity}, rounding='stochastic') draws its rounding "
+          "from a PRNG key: pass key=jax.random.key(...), or a spec that "
+          "rounds to nearest.")
     k = math.prod(kernel.shape[:n_in])
+    if k == 0 or kernel.size == 0:
+      raise ValueError(f"A kernel of shape {tuple(kernel.shape)} has no "
+                       "weights to quantize.")
     w = kernel.reshape(k, -1).T.astype(jnp.float32)
-    qt = scaling.quantize(w, spec, axis=1)
+    qt = scaling.quantize(w, spec, axis=1,
+                          key=key if spec.stochastic else None)
     if not spec.stochastic:
       for _ in range(2):
         qt = scaling.quantize(qt.dequantize(jnp.float32)[:w.shape[0],
                                                          :w.shape[1]],
                               spec, axis=1)
-    return cls(qt, spec, kernel.shape, n_in=n_in, dtype=kernel.dtype)
+    return cls(qt, spec, kernel.shape, n_in=n_in, dtype=kernel.dtype,
+               sharding_names=sharding_names)
 
   @classmethod
   def from_qtensor(cls, qt: QTensor, shape=None, *, n_in: int = 1,
@@ -190,12 +215,14 @@ class FrozenKernel(nnx.Module):
     (stop-gradient)."""
     return jax.lax.stop_gradient(self.dequantize())[index]
 
-  def requantize(self, kernel: jax.Array) -> None:
-    """Stores ``kernel`` (same shape) quantized with ``spec``, in place."""
+  def requantize(self, kernel: jax.Array, *,
+                 key: jax.Array | None = None) -> None:
+    """Stores ``kernel`` (same shape) quantized with ``spec``, in place
+    (``key``: as `quantize` takes it)."""
     if tuple(kernel.shape) != self.shape:
       raise ValueError(f"requantize: kernel shape {kernel.shape}, expected "
                        f"{self.shape}.")
-    new = FrozenKernel.quantize(kernel, self.spec, n_in=self.n_in)
+    new = FrozenKernel.quantize(kernel, self.spec, n_in=self.n_in, key=key)
     self.payload.set_value(new.payload[...])
     if (self.tensor_scale is None) == (new.tensor_scale is None):
       self.scale.set_value(new.scale[...])
@@ -214,6 +241,30 @@ class FrozenKernel(nnx.Module):
   def bytes_per_weight(self) -> float:
     """Stored bytes (payload + scales) per kernel element."""
     return self.nbytes / math.prod(self.shape)
+
+
+def _stored_names(names, n_in: int, ndim: int) -> tuple | None:
+  """A kernel's per-dim mesh axis names as its stored ``(N, K)`` payload's:
+  the output dims' axes, then the input dims' (several axes on one
+  flattened dim shard it major first, as the reshape lays it out)."""
+  names = tuple(names)
+  if len(names) != ndim:
+    return None
+
+  def flat(group):
+    axes = [a for n in group if n is not None
+            for a in (n if isinstance(n, tuple) else (n,))]
+    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+  stored = (flat(names[n_in:]), flat(names[:n_in]))
+  return None if stored == (None, None) else stored
+
+
+def _names_metadata(names) -> dict:
+  """A `FrozenWeight`'s metadata for sharding ``names`` (none: {}): kept
+  for `nnx.get_partition_spec`, not applied when it is made."""
+  if not names or all(n is None for n in names):
+    return {}
+  return {"out_sharding": tuple(names), "eager_sharding": False}
 
 
 def contracted_dims(layer, where: str) -> int | None:
@@ -278,11 +329,14 @@ def settle_delayed(node) -> None:
   gemm.w_amax.set_value(a.astype(gemm.w_amax[...].dtype))
 
 
-def _frozen(node, spec: QuantSpec, n_in: int) -> FrozenKernel:
-  """``node``'s kernel quantized as ``spec``; a kernel sharded over explicit
-  mesh axes that JAX cannot quantize in place is an error naming it."""
+def _frozen(node, spec: QuantSpec, n_in: int, key) -> FrozenKernel:
+  """``node``'s kernel quantized as ``spec``, keeping its sharding names; a
+  kernel sharded over explicit mesh axes that JAX cannot quantize in place
+  is an error naming it."""
   try:
-    return FrozenKernel.quantize(node.kernel[...], spec, n_in=n_in)
+    return FrozenKernel.quantize(
+        node.kernel[...], spec, n_in=n_in, key=key,
+        sharding_names=node.kernel.get_metadata("out_sharding", None))
   except Exception as e:  # JAX's ShardingTypeError is not public
     if type(e).__name__ != "ShardingTypeError":
       raise
@@ -301,7 +355,8 @@ def _frozen(node, spec: QuantSpec, n_in: int) -> FrozenKernel:
 FREEZABLE = (QuantDense, QuantLinearGeneral, QuantEinsum)
 
 
-def freeze(model: nnx.Module, *, spec: QuantSpec | None = None) -> int:
+def freeze(model: nnx.Module, *, spec: QuantSpec | None = None,
+           key: jax.Array | None = None) -> int:
   """Replaces the kernel Param of every `qlayers.QuantDense`,
   `qlayers.QuantLinearGeneral` and `qlayers.QuantEinsum` (whose contracted
   kernel dims lead, as in ``"btd,dnh->btnh"``) in ``model`` by a
@@ -311,14 +366,25 @@ def freeze(model: nnx.Module, *, spec: QuantSpec | None = None) -> int:
     model: a model with qlayers layers (`qlayers.quantize` makes them).
     spec: how to store the kernels; default: each layer's recipe's Fprop
       weight spec, so its base GEMM runs on the stored payload values.
+    key: a PRNG key, needed where a kernel is stored with stochastic
+      rounding (each layer draws from its own fold of it).
+
+  A kernel keeps its Param's sharding names (``out_sharding`` metadata),
+  as its stored ``(N, K)`` payload's, so `nnx.get_partition_spec` and a
+  restore into an abstract model place it as the kernel was placed.
 
   Raises:
-    ValueError: a layer's recipe quantizes no weight (``"bf16"``) and no
-      ``spec`` was given, a kernel is a stack, or a kernel sharded over
-      explicit mesh axes cannot be quantized in place (nothing is then
-      frozen). Other qlayers layers (an einsum contracting trailing kernel
-      dims, logits heads, experts) keep their weights, with a warning
-      naming them.
+    TypeError: ``model`` is not an ``nnx.Module``.
+    ValueError: the model has no qlayers layer (quantize it first), a
+      layer's recipe quantizes no weight (``"bf16"``) and no ``spec`` was
+      given, a kernel is a stack or has no weights, a ``spec`` rounds
+      stochastically and no ``key`` was given, ``spec`` differs from a
+      kernel already frozen in another (`qlayers.dequantize_model` first),
+      or a kernel sharded over explicit mesh axes cannot be quantized in
+      place (nothing is then frozen). Other qlayers layers (an einsum
+      contracting trailing kernel dims, logits heads, experts) keep their
+      weights, with a warning naming them; kernels already frozen stay as
+      they are.
 
   Example:
     >>> from flax import nnx
@@ -333,11 +399,22 @@ def freeze(model: nnx.Module, *, spec: QuantSpec | None = None) -> int:
     >>> layer.kernel.payload.dtype, layer.kernel.bytes_per_weight
     (dtype('uint8'), 0.53125)
   """
-  todo, left = [], []
+  if not isinstance(model, nnx.Module):
+    raise TypeError(f"freeze takes an nnx.Module, got "
+                    f"{type(model).__name__}.")
+  todo, left, layers = [], [], 0
   for path, node in nnx.iter_graph(model):
     where = "/".join(map(str, path)) or type(node).__name__
+    layers += isinstance(node, QuantLayer)
+    kernel = getattr(node, "kernel", None)
+    if (spec is not None and isinstance(node, FREEZABLE)
+        and isinstance(kernel, FrozenKernel) and kernel.spec != spec):
+      raise ValueError(
+          f"freeze: {where}'s kernel is frozen already as {kernel.spec}, "
+          f"not the {spec} asked for; qlayers.dequantize_model first to "
+          "store it anew.")
     n_in = (contracted_dims(node, where) if isinstance(node, FREEZABLE)
-            and isinstance(node.kernel, nnx.Param) else 0)
+            and isinstance(kernel, nnx.Param) else 0)
     if n_in is None or (isinstance(node, QuantLayer) and not isinstance(
         node, (*FREEZABLE, QuantEmbed))):
       left.append(f"{where} ({type(node).__name__})")
@@ -350,7 +427,20 @@ def freeze(model: nnx.Module, *, spec: QuantSpec | None = None) -> int:
     todo.append((node, s, n_in))
   left += [f"{p} (a stock layer running a QuantGemm)"
            for p in hand_made(model)]
-  made = [_frozen(node, s, n_in) for node, s, n_in in todo]
+  if not layers:
+    raise ValueError(
+        "freeze found no qlayers layer to freeze (quantize the model first: "
+        "qlayers.quantize)" + (f"; {', '.join(left)} keep their weights"
+                               if left else "") + ".")
+  if key is None and any(s.stochastic for _, s, _ in todo):
+    where = next(type(n).__name__ for n, s, _ in todo if s.stochastic)
+    raise ValueError(
+        f"freeze: a {where} kernel is stored with stochastic rounding, "
+        "which draws from a PRNG key: pass freeze(..., key=jax.random.key(...)"
+        "), or a spec that rounds to nearest.")
+  made = [_frozen(node, s, n_in, None if key is None
+                  else jax.random.fold_in(key, i))
+          for i, (node, s, n_in) in enumerate(todo)]
   for (node, _, _), kernel in zip(todo, made):  # all made: nothing half-done
     node.kernel = kernel
     settle_delayed(node)
