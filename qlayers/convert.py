@@ -468,13 +468,24 @@ def quantize(model: nnx.Module, recipe: Recipe | str | None,
 
 def _check_freezable(model: nnx.Module, plan) -> None:
   """``quantize(..., frozen=True)``'s check, before anything is swapped:
-  every kernel `freeze` will store needs a recipe that quantizes weights."""
+  every kernel `freeze` will store needs a recipe that quantizes weights
+  (rounded to nearest: `freeze` takes a key for stochastic rounding)."""
+  plan = list(plan)
   wide = [f"{site.path} ({r.name})" for site, r, *_ in plan
           if r.fprop.rhs is None and not swap_experts.is_experts(site.layer)]
   wide += [f"{'/'.join(map(str, path))} ({node.recipe.name})"
            for path, node in nnx.iter_graph(model)
            if isinstance(node, FREEZABLE) and node.recipe.fprop.rhs is None
            and isinstance(node.kernel, nnx.Param)]
+  drawn = [f"{site.path} ({r.name})" for site, r, *_ in plan
+           if r.fprop.rhs is not None and r.fprop.rhs.stochastic
+           and not swap_experts.is_experts(site.layer)]
+  if drawn:
+    raise ValueError(
+        f"quantize(..., frozen=True): {', '.join(drawn)} would store its "
+        "kernel with stochastic rounding, which draws from a PRNG key; "
+        "nothing was changed. Quantize without frozen= and then call "
+        "qlayers.freeze(model, key=jax.random.key(...)).")
   if wide:
     raise ValueError(
         f"quantize(..., frozen=True): {', '.join(wide)} would run a recipe "

@@ -573,6 +573,13 @@ def test_a_stochastically_rounded_kernel_freezes_with_a_key():
   with pytest.raises(ValueError, match="stochastic rounding.*key="):
     qlayers.merge_lora(m)
   assert qlayers.merge_lora(m, key=jax.random.key(4)) == 2
+  base = qlayers.recipe("mxfp4")
+  drawn = base.replace(fprop=dataclasses.replace(base.fprop, rhs=spec))
+  stock = nnx.Sequential(nnx.Linear(64, 32, rngs=nnx.Rngs(0)))
+  with pytest.raises(ValueError, match="stochastic rounding.*nothing was "
+                     "changed.*freeze\\(model, key="):
+    qlayers.quantize(stock, drawn, frozen=True)
+  assert type(stock.layers[0]) is nnx.Linear
 
 
 def test_a_frozen_kernel_keeps_its_sharding_names():
