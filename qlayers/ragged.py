@@ -17,7 +17,8 @@ on its own tokens:
   copied to the top of a zero buffer first, so a scaling block (tile, MX)
   never crosses a group boundary (the padding is inside the op);
 * delayed scaling keeps one amax history per expert and role (state with a
-  leading ``G`` axis, `init_state`).
+  leading ``G`` axis, `init_state`); an expert given no tokens leaves its
+  state as it was, as the dense op does for an empty batch.
 
 So each expert's quantized operands and scales are bit-identical to those
 of a loop over experts of ``ops.dot_general(recipe)`` on each expert's
@@ -226,6 +227,16 @@ def quantized_ragged_dot(lhs: jax.Array, rhs: jax.Array,
   with sharding.unpartitioned():
     y, new_state = jax.vmap(one)(to_groups(lhs, starts, sizes, rows), rhs,
                                  state, keys)
+  if state is not None:
+    # An expert with no tokens leaves its state as it was, as
+    # `quantized_matmul` of an empty batch does (its zero buffer's GEMM
+    # would record its weight's amax and an x amax of 0). Under shard_map,
+    # no tokens on any device whose amaxes its own are combined with.
+    busy = sharding.global_amax(sizes, sizes) > 0
+    new_state = jax.tree.map(
+        lambda new, old: jnp.where(
+            busy.reshape((-1,) + (1,) * (new.ndim - 1)), new, old),
+        new_state, state)
   return from_groups(y, starts, sizes, m), new_state
 
 

@@ -60,9 +60,11 @@ def test_delayed_state_per_expert_through_a_training_step():
   want_x = [float(jnp.max(jnp.abs(x[a:b]))) if b > a else 0.0
             for a, b in zip(starts[:-1], starts[1:])]
   np.testing.assert_array_equal(layer.quant.x_amax_history[:, 0], want_x)
+  # An expert given no tokens records nothing, as a QuantDense called on
+  # an empty batch (it recorded its weight's amax: found by audit).
   np.testing.assert_array_equal(
       layer.quant.w_amax_history[:, 0],
-      jnp.max(jnp.abs(layer.kernel[...]), axis=(1, 2)))
+      jnp.max(jnp.abs(layer.kernel[...]), axis=(1, 2)).at[1].set(0.0))
   np.testing.assert_array_equal(layer.quant.g_amax_history[:, 0],
                                 [3.0, 0.0, 3.0, 3.0])
   assert not np.asarray(layer.quant.x_amax[...]).any()  # cleared
