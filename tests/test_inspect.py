@@ -583,6 +583,42 @@ def test_sensitivity_errors():
     qlayers.inspect.sensitivity(model, loss_fn, [nan], "mxfp8")
 
 
+def test_sensitivity_names_layers_it_cannot_measure_under_the_recipe():
+  """Layers with no stock form (experts built directly, a stock layer
+  given a QuantGemm by hand) kept their own recipe and were measured and
+  ranked under it, in silence (found by audit)."""
+  loss_fn = lambda m, x: jnp.mean(m(x) ** 2)
+  x = jnp.ones((16, 32))
+
+  class Experts(nnx.Module):
+    def __init__(self, recipe):
+      self.a = nnx.Linear(32, 32, rngs=nnx.Rngs(0))
+      self.ex = qlayers.QuantExperts(2, 32, 32, recipe=recipe,
+                                     rngs=nnx.Rngs(1))
+    def __call__(self, x):
+      return self.ex(self.a(x), jnp.array([6, 10]))
+
+  class ByHand(nnx.Module):
+    def __init__(self, recipe):
+      self.lin = nnx.Linear(32, 32, rngs=nnx.Rngs(0),
+                            dot_general=qlayers.QuantGemm(recipe))
+    def __call__(self, x):
+      return self.lin(x)
+
+  with pytest.raises(ValueError, match=r"ex \(QuantExperts, already "
+                     r"quantized \(fp8_delayed\)\) cannot be converted back"):
+    qlayers.inspect.sensitivity(Experts("fp8_delayed"), loss_fn, [x],
+                                "mxfp4", gemms=False)
+  with pytest.raises(ValueError, match=r"lin \(a stock layer running "
+                     r"QuantGemm\('fp8_delayed'\)"):
+    qlayers.inspect.sensitivity(ByHand("fp8_delayed"), loss_fn, [x],
+                                "mxfp4", gemms=False)
+  # Built with the recipe measured: nothing to convert, measured as is.
+  result = qlayers.inspect.sensitivity(Experts("mxfp4"), loss_fn, [x],
+                                       "mxfp4", gemms=False)
+  assert [c.path for c in result.layers if c.path == "ex"] == ["ex"]
+
+
 def test_masked_matmul_refuses_a_mask_it_has_no_branch_for():
   """A mask outside ``masks`` is an error eagerly and NaN under a trace,
   never the first branch's value."""

@@ -41,6 +41,7 @@ from qlayers.inspect import _tap
 from qlayers.inspect import masked
 from qlayers.inspect import numerics
 from qlayers.inspect.report import _grid, dump_json, jsonable
+from qlayers.layers.core import QuantGemm, injected_op
 from qlayers.recipe import Recipe, recipe as load_recipe
 from qlayers.state import QuantGradState
 
@@ -347,7 +348,24 @@ def _working_copy(model, recipe, rules):
     convert.dequantize_model(work)
   rules = convert.DEFAULT_RULES if rules is None else tuple(
       [rules] if isinstance(rules, convert.Rule) else rules)
-  convert.quantize(work, recipe, rules)
+  report = convert.quantize(work, recipe, rules)
+  # Layers with no stock form keep the recipe they were built with: they
+  # would be measured (and ranked) under it, not under ``recipe``.
+  name = load_recipe(recipe).name
+  kept = [f"{s.path or '(model)'} ({s.layer_type}, "
+          f"{s.reason.split(';')[0]})"
+          for s in report.already_quantized if "not requantized" in s.reason]
+  kept += [f"{'/'.join(map(str, p)) or '(model)'} (a stock layer running "
+           f"QuantGemm({op.recipe.name!r}) given it by hand)"
+           for p, node in nnx.iter_graph(work)
+           for op in [getattr(node, injected_op(node) or "", None)]
+           if isinstance(op, QuantGemm) and op.recipe.name != name]
+  if kept:
+    raise ValueError(
+        f"sensitivity: {', '.join(kept)} cannot be converted back to a "
+        f"stock layer, so it would be measured under its own recipe, not "
+        f"{name!r}; build the model from stock layers (qlayers.quantize "
+        "converts them) to measure it, or measure it under that recipe.")
   return work, rules
 
 
@@ -363,7 +381,9 @@ def sensitivity(model: nnx.Module, loss_fn: Callable[..., jax.Array],
   Works on a converted copy of ``model`` (``model`` itself does not
   change): a model with stock layers is converted with
   ``qlayers.quantize(copy, recipe, rules)``; a quantized one is first
-  converted back. Delayed-scaling recipes start from an empty history
+  converted back (a ValueError names the layers that have no stock form,
+  experts built directly or a stock layer given a `QuantGemm` by hand,
+  where their recipe is not ``recipe``). Delayed-scaling recipes start from an empty history
   (current amaxes). See the module docstring for what is measured.
 
   Args:
