@@ -194,6 +194,8 @@ def quantized_ragged_dot(lhs: jax.Array, rhs: jax.Array,
     ((5, 32), 64.0)
   """
   recipe = load_recipe(recipe)
+  if isinstance(group_sizes, (list, tuple)):  # sizes given as Python ints
+    group_sizes = jnp.asarray(group_sizes, jnp.int32)
   _check(lhs, rhs, group_sizes, recipe, state)
   tap = gemm.interceptor(site)
   if tap is not None:

@@ -160,6 +160,15 @@ def test_delayed_keeps_one_history_per_expert():
   np.testing.assert_array_equal(dw[e], dwe)
 
 
+def test_group_sizes_as_a_python_list():
+  # Was: "Cannot determine dtype" from the shape check (found by audit).
+  x, w, _ = _data()
+  want, _ = ops.quantized_ragged_dot(x, w, jnp.array(SIZES, jnp.int32),
+                                     "mxfp8")
+  got, _ = ops.quantized_ragged_dot(x, w, list(SIZES), "mxfp8")
+  np.testing.assert_array_equal(got, want)
+
+
 def test_rows_past_the_groups_are_zero():
   x, w, _ = _data()
   gs = jnp.array([3, 0, 10], jnp.int32)
