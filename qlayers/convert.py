@@ -36,7 +36,7 @@ from flax import nnx
 from qlayers import dispatch, swap, swap_experts
 from qlayers.heads import output_heads
 from qlayers.layers.core import hand_made, seed_rounding
-from qlayers.layers.frozen import FREEZABLE, FrozenKernel, freeze
+from qlayers.layers.frozen import FREEZABLE, FrozenKernel, freeze_kernels
 from qlayers.recipe import Recipe, recipe as load_recipe
 
 __all__ = ["Rule", "DEFAULT_KEEP_WIDE", "KEEP_HEAD_WIDE", "DEFAULT_RULES",
@@ -462,7 +462,7 @@ def quantize(model: nnx.Module, recipe: Recipe | str | None,
   # layers left as they were keep theirs).
   seed_rounding(model, only=made)
   if frozen:
-    freeze(model)
+    freeze_kernels(model)
   return report
 
 
@@ -480,6 +480,11 @@ def _check_freezable(model: nnx.Module, plan) -> None:
   drawn = [f"{site.path} ({r.name})" for site, r, *_ in plan
            if r.fprop.rhs is not None and r.fprop.rhs.stochastic
            and not swap_experts.is_experts(site.layer)]
+  drawn += [f"{'/'.join(map(str, path))} ({node.recipe.name})"
+            for path, node in nnx.iter_graph(model)
+            if isinstance(node, FREEZABLE) and node.recipe.fprop.rhs
+            is not None and node.recipe.fprop.rhs.stochastic
+            and isinstance(node.kernel, nnx.Param)]
   if drawn:
     raise ValueError(
         f"quantize(..., frozen=True): {', '.join(drawn)} would store its "

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from qlayers.layers.frozen import (FrozenKernel, contracted_dims,
-                                    settle_delayed)
+                                    kernel_sharding, settle_delayed)
 from qlayers.scaling import QTensor
 
 __all__ = ["load_tensors"]
@@ -100,7 +100,8 @@ def load_tensors(model: nnx.Module, tensors: Mapping[str, object],
   for module, attr, var, t, n_in in todo:
     if isinstance(t, QTensor) and n_in is not None and frozen:
       setattr(module, attr, FrozenKernel.from_qtensor(
-          t, tuple(var.shape), n_in=n_in, dtype=_dtype(var)))
+          t, tuple(var.shape), n_in=n_in, dtype=_dtype(var),
+          sharding=kernel_sharding(var)))
       settle_delayed(module)
       continue
     x = t.dequantize() if isinstance(t, QTensor) else jnp.asarray(t)

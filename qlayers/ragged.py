@@ -234,11 +234,14 @@ def quantized_ragged_dot(lhs: jax.Array, rhs: jax.Array,
     # `quantized_matmul` of an empty batch does (its zero buffer's GEMM
     # would record its weight's amax and an x amax of 0). Under shard_map,
     # no tokens on any device whose amaxes its own are combined with.
+    # The forward roles only: the gradient's state passes through the
+    # forward unchanged, and a select on it would add (not max-combine) the
+    # cotangents of an idle expert's uses.
     busy = sharding.global_amax(sizes, sizes) > 0
-    new_state = jax.tree.map(
+    new_state = {role: st if role == "g" else jax.tree.map(
         lambda new, old: jnp.where(
             busy.reshape((-1,) + (1,) * (new.ndim - 1)), new, old),
-        new_state, state)
+        st, state[role]) for role, st in new_state.items()}
   return from_groups(y, starts, sizes, m), new_state
 
 

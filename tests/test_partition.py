@@ -356,7 +356,7 @@ def requantize_under_mesh():
         text = jax.jit(dx).trace(*args).lower(
             lowering_platforms=("cuda",)).as_text()
     return {"requantize_calls": len(re.findall(
-        r"func\.call @(mx|nvfp4)_requantize\(", text)),
+        r"\bcall @(mx|nvfp4)_requantize\(", text)),
             "same_bits": bool(np.array_equal(np.asarray(got),
                                              np.asarray(want)))}
 

@@ -160,6 +160,31 @@ def test_delayed_keeps_one_history_per_expert():
   np.testing.assert_array_equal(dw[e], dwe)
 
 
+def test_two_uses_max_combine_an_idle_experts_gradient_amax():
+  """Two uses in one step, the state's g amax already 0.25 (an earlier
+  micro-batch): an expert idle in the first use and busy in the second
+  gets the max of the amaxes, not their sum (an early form of the idle
+  experts' state select added them: found by review)."""
+  r = qlayers.recipe("fp8_delayed")
+  x, w, ct = _data(3)
+  state = {k: v._replace(amax=v.amax + 0.25)
+           for k, v in ragged.init_state(r, len(SIZES)).items()}
+  first, second = jnp.array([9, 31, 0]), jnp.array([9, 0, 31])
+
+  def loss(w, state):
+    y1, s1 = ops.quantized_ragged_dot(x, w, first, r, state,
+                                      out_dtype=jnp.float32)
+    y2, _ = ops.quantized_ragged_dot(x, w, second, r, s1,
+                                     out_dtype=jnp.float32)
+    return jnp.sum(y1 * ct) + jnp.sum(y2 * ct * 0.5)
+
+  dstate = jax.grad(loss, 1)(w, state)
+  a = np.abs(np.asarray(ct))
+  want = [max(a[:9].max(), 0.25), max(a[9:].max(), 0.25),
+          max(0.5 * a[9:].max(), 0.25)]
+  np.testing.assert_array_equal(dstate["g"].amax, np.float32(want))
+
+
 def test_group_sizes_as_a_python_list():
   # Was: "Cannot determine dtype" from the shape check (found by audit).
   x, w, _ = _data()

@@ -37,7 +37,7 @@ from flax import nnx
 import numpy as np
 
 from qlayers import scaling
-from qlayers.layers.core import QuantLayer, hand_made
+from qlayers.layers.core import QuantGemm, QuantLayer, hand_made
 from qlayers.layers.dense import QuantDense
 from qlayers.layers.embed import QuantEmbed
 from qlayers.layers.general import (QuantEinsum, QuantLinearGeneral,
@@ -45,7 +45,7 @@ from qlayers.layers.general import (QuantEinsum, QuantLinearGeneral,
 from qlayers.scaling import QTensor, QuantSpec
 
 __all__ = ["FrozenWeight", "FrozenKernel", "freeze", "frozen_kernels",
-           "CHECKPOINT_SPEC"]
+           "kernel_sharding", "CHECKPOINT_SPEC"]
 
 # The weight format of FP8-shipped checkpoints (DeepSeek-V3, Qwen3-FP8).
 CHECKPOINT_SPEC = QuantSpec(format="e4m3", granularity="block",
@@ -95,7 +95,7 @@ class FrozenKernel(nnx.Module):
   """
 
   def __init__(self, qt: QTensor, spec: QuantSpec, shape, *, n_in: int = 1,
-               dtype=jnp.float32, sharding_names: tuple | None = None):
+               dtype=jnp.float32, sharding: tuple = ()):
     if qt.ndim != 2 or qt.axis != 1 or qt.transposed:
       raise ValueError(f"FrozenKernel takes a 2-D (N, K) QTensor quantized "
                        f"along axis 1; got shape {qt.shape}, axis {qt.axis}.")
@@ -111,14 +111,15 @@ class FrozenKernel(nnx.Module):
     # and a restore into an abstract model; nothing is placed here): a
     # scale per row of K's blocks shares the payload's rows, 2-D blocks'
     # few scales are replicated.
-    names = (_stored_names(sharding_names, n_in, len(shape))
-             if sharding_names else None)
-    self.payload = FrozenWeight(payload, **_names_metadata(names))
+    self.sharding = tuple(sharding)
+    meta = dict(self.sharding)
+    names = _stored_names(meta.pop("out_sharding", None), n_in, len(shape))
+    self.payload = FrozenWeight(payload, **_names_metadata(names, meta))
     levels = qt.tensor_scale is not None
     scale = qt.block_scale if levels else qt.scale
     self.scale = FrozenWeight(scale, **_names_metadata(
         names and scale.ndim == 2 and scale.shape[0] == n
-        and (names[0], None)))
+        and (names[0], None), meta))
     # Data even when None: `requantize` may give it a value.
     self.tensor_scale = nnx.data(FrozenWeight(qt.tensor_scale) if levels
                                  else None)
@@ -132,13 +133,12 @@ class FrozenKernel(nnx.Module):
   @classmethod
   def quantize(cls, kernel: jax.Array, spec: QuantSpec, *,
                n_in: int = 1, key: jax.Array | None = None,
-               sharding_names: tuple | None = None) -> FrozenKernel:
+               sharding: tuple = ()) -> FrozenKernel:
     """``kernel`` (``n_in`` leading input dims) quantized as ``spec`` says,
     along its input (contraction) dims; ``key``: the PRNG key of a
     stochastically rounding ``spec`` (required there, unused elsewhere);
-    ``sharding_names``: the kernel's mesh axis names per dim (its Param's
-    ``out_sharding``), which the stored payload and scales keep as
-    metadata.
+    ``sharding``: its Param's sharding metadata (`kernel_sharding`), which
+    the stored payload and scales keep, as their ``(N, K)`` layout has it.
 
     The GEMM quantizes the kernel it reads, the dequantized one: stored as
     the fixed point of that requantization, the codes are the ones the GEMM
@@ -165,12 +165,12 @@ class FrozenKernel(nnx.Module):
                                                          :w.shape[1]],
                               spec, axis=1)
     return cls(qt, spec, kernel.shape, n_in=n_in, dtype=kernel.dtype,
-               sharding_names=sharding_names)
+               sharding=sharding)
 
   @classmethod
   def from_qtensor(cls, qt: QTensor, shape=None, *, n_in: int = 1,
                    spec: QuantSpec | None = None,
-                   dtype=jnp.float32) -> FrozenKernel:
+                   dtype=jnp.float32, sharding: tuple = ()) -> FrozenKernel:
     """A kernel from an ``(out, in)`` QTensor as `read_safetensors` gives
     one (``shape``: the kernel's, default ``(in, out)``); its payload is
     kept as it is (an FP8 checkpoint loads without requantizing).
@@ -180,10 +180,10 @@ class FrozenKernel(nnx.Module):
     QTensor's square block size and, where every scale is a power of two
     (UE8M0 scales), power-of-two scales; non-square blocks, and square
     ones a `QuantSpec` cannot take (8 x 8, 96 x 96), requantize in
-    128 x 128 blocks."""
+    128 x 128 blocks. ``sharding``: as `quantize` takes it."""
     shape = (qt.shape[1], qt.shape[0]) if shape is None else shape
     return cls(qt, spec or _checkpoint_spec(qt), shape, n_in=n_in,
-               dtype=dtype)
+               dtype=dtype, sharding=sharding)
 
   def qtensor(self) -> QTensor:
     """The stored `QTensor` (``(N, K)``, axis 1)."""
@@ -222,7 +222,8 @@ class FrozenKernel(nnx.Module):
     if tuple(kernel.shape) != self.shape:
       raise ValueError(f"requantize: kernel shape {kernel.shape}, expected "
                        f"{self.shape}.")
-    new = FrozenKernel.quantize(kernel, self.spec, n_in=self.n_in, key=key)
+    new = FrozenKernel.quantize(kernel, self.spec, n_in=self.n_in, key=key,
+                                sharding=self.sharding)
     self.payload.set_value(new.payload[...])
     if (self.tensor_scale is None) == (new.tensor_scale is None):
       self.scale.set_value(new.scale[...])
@@ -243,28 +244,49 @@ class FrozenKernel(nnx.Module):
     return self.nbytes / math.prod(self.shape)
 
 
+def kernel_sharding(var) -> tuple:
+  """The sharding metadata of a kernel Variable ``var`` a frozen copy keeps
+  (``out_sharding``: its per-dim names, as a tuple; ``sharding_rules``:
+  logical-to-mesh rules), as sorted ``(key, value)`` pairs."""
+  if not isinstance(var, nnx.Variable):
+    return ()
+  meta = var.get_metadata()
+  out = {k: meta[k] for k in ("out_sharding", "sharding_rules")
+         if meta.get(k) is not None}
+  names = out.get("out_sharding")
+  if isinstance(names, jax.sharding.NamedSharding):
+    names = names.spec
+  if names is not None:
+    out["out_sharding"] = tuple(names)
+  return tuple(sorted((k, _hashable(v)) for k, v in out.items()))
+
+
+def _hashable(v):
+  """``v`` with its lists as tuples (a module's static attributes hash)."""
+  return tuple(map(_hashable, v)) if isinstance(v, (list, tuple)) else v
+
+
 def _stored_names(names, n_in: int, ndim: int) -> tuple | None:
-  """A kernel's per-dim mesh axis names as its stored ``(N, K)`` payload's:
-  the output dims' axes, then the input dims' (several axes on one
-  flattened dim shard it major first, as the reshape lays it out)."""
-  names = tuple(names)
-  if len(names) != ndim:
+  """A kernel's per-dim axis names as its stored ``(N, K)`` payload's: of
+  its output dims, then its input dims, a flattened dim takes the name of
+  its leading dim where that alone is named (the flat dim is then split as
+  that dim was); else it is unnamed (replicated)."""
+  if names is None or len(names) != ndim:
     return None
 
   def flat(group):
-    axes = [a for n in group if n is not None
-            for a in (n if isinstance(n, tuple) else (n,))]
-    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+    return group[0] if group and all(n is None for n in group[1:]) else None
   stored = (flat(names[n_in:]), flat(names[:n_in]))
   return None if stored == (None, None) else stored
 
 
-def _names_metadata(names) -> dict:
-  """A `FrozenWeight`'s metadata for sharding ``names`` (none: {}): kept
-  for `nnx.get_partition_spec`, not applied when it is made."""
+def _names_metadata(names, meta: dict) -> dict:
+  """A `FrozenWeight`'s metadata for sharding ``names`` (none: {}) and the
+  kernel's other sharding metadata ``meta``: kept for
+  `nnx.get_partition_spec`, not applied when it is made."""
   if not names or all(n is None for n in names):
     return {}
-  return {"out_sharding": tuple(names), "eager_sharding": False}
+  return {"out_sharding": tuple(names), "eager_sharding": False, **meta}
 
 
 def contracted_dims(layer, where: str) -> int | None:
@@ -336,7 +358,7 @@ def _frozen(node, spec: QuantSpec, n_in: int, key) -> FrozenKernel:
   try:
     return FrozenKernel.quantize(
         node.kernel[...], spec, n_in=n_in, key=key,
-        sharding_names=node.kernel.get_metadata("out_sharding", None))
+        sharding=kernel_sharding(node.kernel))
   except Exception as e:  # JAX's ShardingTypeError is not public
     if type(e).__name__ != "ShardingTypeError":
       raise
@@ -402,10 +424,20 @@ def freeze(model: nnx.Module, *, spec: QuantSpec | None = None,
   if not isinstance(model, nnx.Module):
     raise TypeError(f"freeze takes an nnx.Module, got "
                     f"{type(model).__name__}.")
-  todo, left, layers = [], [], 0
+  if not any(isinstance(node, (QuantLayer, QuantGemm))
+             for _, node in nnx.iter_graph(model)):
+    raise ValueError("freeze found no qlayers layer to freeze (quantize the "
+                     "model first: qlayers.quantize).")
+  return freeze_kernels(model, spec=spec, key=key)
+
+
+def freeze_kernels(model: nnx.Module, *, spec: QuantSpec | None = None,
+                   key: jax.Array | None = None) -> int:
+  """`freeze` of a model that may hold no qlayers layer (none frozen:
+  0), as `qlayers.quantize(..., frozen=True)` calls it."""
+  todo, left = [], []
   for path, node in nnx.iter_graph(model):
     where = "/".join(map(str, path)) or type(node).__name__
-    layers += isinstance(node, QuantLayer)
     kernel = getattr(node, "kernel", None)
     if (spec is not None and isinstance(node, FREEZABLE)
         and isinstance(kernel, FrozenKernel) and kernel.spec != spec):
@@ -427,11 +459,6 @@ def freeze(model: nnx.Module, *, spec: QuantSpec | None = None,
     todo.append((node, s, n_in))
   left += [f"{p} (a stock layer running a QuantGemm)"
            for p in hand_made(model)]
-  if not layers:
-    raise ValueError(
-        "freeze found no qlayers layer to freeze (quantize the model first: "
-        "qlayers.quantize)" + (f"; {', '.join(left)} keep their weights"
-                               if left else "") + ".")
   if key is None and any(s.stochastic for _, s, _ in todo):
     where = next(type(n).__name__ for n, s, _ in todo if s.stochastic)
     raise ValueError(

@@ -405,7 +405,7 @@ def frozen_lora_on_explicit_shards():
     out[recipe] = {
         "same_bits": bool(np.array_equal(np.asarray(got), np.asarray(want))),
         "requantize_calls": len(re.findall(
-            r"func\.call @(mx|nvfp4)_requantize\(", text))}
+            r"\bcall @(mx|nvfp4)_requantize\(", text))}
   return out
 
 
