@@ -321,44 +321,10 @@ def test_the_nvfp4_kernels_cast_each_shard_with_its_draws(results):
 
 
 def requantize_under_mesh():
-  import re  # pylint: disable=g-import-not-at-top
-  from flax import nnx  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh  # pylint: disable=g-import-not-at-top
-  import qlayers  # pylint: disable=g-import-not-at-top
-  from qlayers import table  # pylint: disable=g-import-not-at-top
+  from _support import cast_kernels  # pylint: disable=g-import-not-at-top
   mesh = Mesh(np.array(jax.devices()), ("fsdp",))
-
-  def case(recipe, n):
-    layer = qlayers.QuantDense(256, n, recipe=recipe, rngs=nnx.Rngs(0))
-    qlayers.freeze(layer)
-    qlayers.add_lora(layer, 4, rngs=nnx.Rngs(1))
-    graph, state = nnx.split(layer)
-    x = jax.random.normal(jax.random.key(2), (64, 256), jnp.float32)
-
-    def dx(state, x):  # nnx.grad: NVFP4's rounding counter is state
-      return nnx.grad(lambda m, x: jnp.sum(jnp.sin(m(x))), argnums=1)(
-          nnx.merge(graph, state), x)
-
-    def place(path, a):  # the codes and scales along K, x's rows
-      name = jax.tree_util.keystr(path)
-      along_k = ("payload" in name or "scale" in name) and a.ndim == 2
-      spec = (P(None, "fsdp") if along_k and a.shape[1] % 8 == 0
-              else P("fsdp") if "lora" not in name and a.ndim == 2
-              and a.shape[0] % 8 == 0 else P())
-      return jax.device_put(a, NamedSharding(mesh, spec))
-
-    with table.target_arch("sm_100"):
-      want = jax.jit(dx)(state, x)
-      with jax.set_mesh(mesh):
-        args = (jax.tree_util.tree_map_with_path(place, state),
-                jax.device_put(x, NamedSharding(mesh, P("fsdp"))))
-        got = jax.jit(dx)(*args)
-        text = jax.jit(dx).trace(*args).lower(
-            lowering_platforms=("cuda",)).as_text()
-    return {"requantize_calls": len(re.findall(
-        r"\bcall @(mx|nvfp4)_requantize\(", text)),
-            "same_bits": bool(np.array_equal(np.asarray(got),
-                                             np.asarray(want)))}
+  case = lambda r, n: cast_kernels.frozen_lora_dgrad_under(mesh, r, n)  # noqa: E731
 
   out = {r: case(r, 512) for r in ("mxfp8", "mxfp4", "nvfp4")}
   out["mxfp8_n128"] = case("mxfp8", 128)

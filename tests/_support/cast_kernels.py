@@ -72,3 +72,44 @@ def paired_against_unpaired(monkeypatch, recipe, arch, kernel, record):
   with table.target_arch(arch):
     got = jax.jit(grad)(x, w)
   return want, got
+
+
+def frozen_lora_dgrad_under(mesh, recipe: str, n: int = 512) -> dict:
+  """A LoRA step's input gradient on a frozen ``recipe`` kernel (256 -> n)
+  under ``mesh`` (one axis, "fsdp"; auto or explicit), its codes and
+  scales sharded along K and x's rows over the mesh, planned for B200:
+  how many requantize calls (`qlayers.cast_transpose.mx_requantize`,
+  `nvfp4_requantize`) its CUDA lowering holds, and whether it keeps the
+  single-device gradient on CPU."""
+  import re  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  layer = qlayers.QuantDense(256, n, recipe=recipe, rngs=nnx.Rngs(0))
+  qlayers.freeze(layer)
+  qlayers.add_lora(layer, 4, rngs=nnx.Rngs(1))
+  graph, state = nnx.split(layer)
+  x = jax.random.normal(jax.random.key(2), (64, 256), jnp.float32)
+
+  def dx(state, x):  # nnx.grad: NVFP4's rounding counter is state
+    return nnx.grad(lambda m, x: jnp.sum(jnp.sin(m(x))), argnums=1)(
+        nnx.merge(graph, state), x)
+
+  def place(path, a):
+    name = jax.tree_util.keystr(path)
+    along_k = ("payload" in name or "scale" in name) and a.ndim == 2
+    return jax.device_put(a, NamedSharding(
+        mesh, P(None, "fsdp") if along_k and a.shape[1] % 8 == 0 else P()))
+
+  with table.target_arch("sm_100"):
+    want = jax.jit(dx)(state, x)
+    with jax.set_mesh(mesh):
+      args = (jax.tree_util.tree_map_with_path(place, state),
+              jax.device_put(x, NamedSharding(mesh, P("fsdp"))))
+      got = jax.jit(dx)(*args)
+      text = jax.jit(dx).trace(*args).lower(
+          lowering_platforms=("cuda",)).as_text()
+  # jax 0.10 prints `func.call @f(`, jax 0.12 `call @f(`.
+  return {"requantize_calls": len(re.findall(
+      r"\bcall @(mx|nvfp4)_requantize\(", text)),
+          "same_bits": bool(np.array_equal(np.asarray(got),
+                                           np.asarray(want)))}

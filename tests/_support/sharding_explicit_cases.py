@@ -372,40 +372,11 @@ def frozen_lora_on_explicit_shards():
   input gradient, and planned for B200 the GEMM reads the codes and makes
   Dgrad's copy from them (was: NVFP4's 16 x 16 blocks failed to
   dequantize, a reshape JAX cannot shard; the codes were ignored)."""
-  import re  # pylint: disable=g-import-not-at-top
-  from jax.sharding import AxisType, NamedSharding  # pylint: disable=g-import-not-at-top
-  from qlayers import table  # pylint: disable=g-import-not-at-top
+  from jax.sharding import AxisType  # pylint: disable=g-import-not-at-top
+  import cast_kernels  # pylint: disable=g-import-not-at-top
   mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Explicit,))
-  out = {}
-  for recipe in ("mxfp8", "nvfp4"):
-    layer = qlayers.QuantDense(256, 512, recipe=recipe, rngs=nnx.Rngs(0))
-    qlayers.freeze(layer)
-    qlayers.add_lora(layer, 4, rngs=nnx.Rngs(1))
-    graph, state = nnx.split(layer)
-    x = jax.random.normal(jax.random.key(2), (64, 256), jnp.float32)
-
-    def dx(state, x, graph=graph):
-      return nnx.grad(lambda m, x: jnp.sum(jnp.sin(m(x))), argnums=1)(
-          nnx.merge(graph, state), x)
-
-    def place(path, a):
-      name = jax.tree_util.keystr(path)
-      along_k = ("payload" in name or "scale" in name) and a.ndim == 2
-      return jax.device_put(a, NamedSharding(
-          mesh, P(None, "fsdp") if along_k and a.shape[1] % 8 == 0 else P()))
-
-    with table.target_arch("sm_100"):
-      want = jax.jit(dx)(state, x)
-      with jax.set_mesh(mesh):
-        args = (jax.tree_util.tree_map_with_path(place, state),
-                jax.device_put(x, NamedSharding(mesh, P("fsdp"))))
-        got = jax.jit(dx)(*args)
-        text = jax.jit(dx).trace(*args).lower(
-            lowering_platforms=("cuda",)).as_text()
-    out[recipe] = {
-        "same_bits": bool(np.array_equal(np.asarray(got), np.asarray(want))),
-        "requantize_calls": len(re.findall(
-            r"\bcall @(mx|nvfp4)_requantize\(", text))}
+  out = {r: cast_kernels.frozen_lora_dgrad_under(mesh, r)
+         for r in ("mxfp8", "nvfp4")}
   return out
 
 
