@@ -470,21 +470,17 @@ def _check_freezable(model: nnx.Module, plan) -> None:
   """``quantize(..., frozen=True)``'s check, before anything is swapped:
   every kernel `freeze` will store needs a recipe that quantizes weights
   (rounded to nearest: `freeze` takes a key for stochastic rounding)."""
-  plan = list(plan)
-  wide = [f"{site.path} ({r.name})" for site, r, *_ in plan
-          if r.fprop.rhs is None and not swap_experts.is_experts(site.layer)]
-  wide += [f"{'/'.join(map(str, path))} ({node.recipe.name})"
-           for path, node in nnx.iter_graph(model)
-           if isinstance(node, FREEZABLE) and node.recipe.fprop.rhs is None
-           and isinstance(node.kernel, nnx.Param)]
-  drawn = [f"{site.path} ({r.name})" for site, r, *_ in plan
-           if r.fprop.rhs is not None and r.fprop.rhs.stochastic
-           and not swap_experts.is_experts(site.layer)]
-  drawn += [f"{'/'.join(map(str, path))} ({node.recipe.name})"
-            for path, node in nnx.iter_graph(model)
-            if isinstance(node, FREEZABLE) and node.recipe.fprop.rhs
-            is not None and node.recipe.fprop.rhs.stochastic
-            and isinstance(node.kernel, nnx.Param)]
+  # (label, recipe) of every kernel freeze will store: the layers about
+  # to be swapped, and the qlayers layers already there.
+  kernels = [(site.path, r) for site, r, *_ in plan
+             if not swap_experts.is_experts(site.layer)]
+  kernels += [("/".join(map(str, path)), node.recipe)
+              for path, node in nnx.iter_graph(model)
+              if isinstance(node, FREEZABLE)
+              and isinstance(node.kernel, nnx.Param)]
+  wide = [f"{p} ({r.name})" for p, r in kernels if r.fprop.rhs is None]
+  drawn = [f"{p} ({r.name})" for p, r in kernels
+           if r.fprop.rhs is not None and r.fprop.rhs.stochastic]
   if drawn:
     raise ValueError(
         f"quantize(..., frozen=True): {', '.join(drawn)} would store its "

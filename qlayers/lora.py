@@ -34,7 +34,7 @@ from qlayers import safetensors
 from qlayers.fields import positive_int
 from qlayers.layers.core import QuantLayer, hand_made
 from qlayers.layers.dense import QuantDense
-from qlayers.layers.frozen import (FrozenKernel, contracted_dims,
+from qlayers.layers.frozen import (FrozenKernel, check_key, contracted_dims,
                                     settle_delayed)
 from qlayers.layers.general import QuantEinsum, QuantLinearGeneral
 
@@ -165,13 +165,10 @@ def merge_lora(model: nnx.Module, *, key: jax.Array | None = None) -> int:
     (1, False)
   """
   found = list(lora_layers(model))
-  drawn = [("/".join(map(str, p)) or type(n).__name__) for p, n in found
-           if isinstance(n.kernel, FrozenKernel) and n.kernel.spec.stochastic]
-  if drawn and key is None:  # before any is merged: nothing half-done
-    raise ValueError(
-        f"merge_lora: {', '.join(drawn)} store their kernels with stochastic "
-        "rounding, which draws from a PRNG key: pass merge_lora(..., "
-        "key=jax.random.key(...)).")
+  check_key("merge_lora", [  # before any is merged: nothing half-done
+      "/".join(map(str, p)) or type(n).__name__ for p, n in found
+      if isinstance(n.kernel, FrozenKernel) and n.kernel.spec.stochastic],
+            key)
   for i, (_, node) in enumerate(found):
     lora = node.lora
     delta = (lora.lora_a[...].astype(jnp.float32)

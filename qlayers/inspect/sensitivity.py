@@ -383,8 +383,9 @@ def sensitivity(model: nnx.Module, loss_fn: Callable[..., jax.Array],
   ``qlayers.quantize(copy, recipe, rules)``; a quantized one is first
   converted back (a ValueError names the layers that have no stock form,
   experts built directly or a stock layer given a `QuantGemm` by hand,
-  where their recipe is not ``recipe``). Delayed-scaling recipes start from an empty history
-  (current amaxes). See the module docstring for what is measured.
+  where their recipe is not ``recipe``). Delayed-scaling recipes start
+  from an empty history (current amaxes). See the module docstring for
+  what is measured.
 
   Args:
     model: the model, ideally trained (an untrained model's loss says little).

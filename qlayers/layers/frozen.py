@@ -351,6 +351,17 @@ def settle_delayed(node) -> None:
   gemm.w_amax.set_value(a.astype(gemm.w_amax[...].dtype))
 
 
+def check_key(call: str, stochastic: list[str], key) -> None:
+  """Before ``call`` stores any kernel: the ``stochastic`` ones (their
+  paths) round stochastically, which needs a PRNG ``key``."""
+  if stochastic and key is None:
+    raise ValueError(
+        f"{call}: {', '.join(stochastic)} would store kernels with "
+        f"stochastic rounding, which draws from a PRNG key: pass "
+        f"{call}(..., key=jax.random.key(...)), or a spec that rounds to "
+        "nearest.")
+
+
 def _frozen(node, spec: QuantSpec, n_in: int, key) -> FrozenKernel:
   """``node``'s kernel quantized as ``spec``, keeping its sharding names; a
   kernel sharded over explicit mesh axes that JAX cannot quantize in place
@@ -435,7 +446,7 @@ def freeze_kernels(model: nnx.Module, *, spec: QuantSpec | None = None,
                    key: jax.Array | None = None) -> int:
   """`freeze` of a model that may hold no qlayers layer (none frozen:
   0), as `qlayers.quantize(..., frozen=True)` calls it."""
-  todo, left = [], []
+  todo, paths, left = [], [], []
   for path, node in nnx.iter_graph(model):
     where = "/".join(map(str, path)) or type(node).__name__
     kernel = getattr(node, "kernel", None)
@@ -457,14 +468,11 @@ def freeze_kernels(model: nnx.Module, *, spec: QuantSpec | None = None,
       raise ValueError(f"{where}: recipe {node.recipe.name!r} quantizes no "
                        "weight; pass freeze(..., spec=QuantSpec(...)).")
     todo.append((node, s, n_in))
+    paths.append(where)
   left += [f"{p} (a stock layer running a QuantGemm)"
            for p in hand_made(model)]
-  if key is None and any(s.stochastic for _, s, _ in todo):
-    where = next(type(n).__name__ for n, s, _ in todo if s.stochastic)
-    raise ValueError(
-        f"freeze: a {where} kernel is stored with stochastic rounding, "
-        "which draws from a PRNG key: pass freeze(..., key=jax.random.key(...)"
-        "), or a spec that rounds to nearest.")
+  check_key("freeze", [w for w, s in zip(paths, todo) if s[1].stochastic],
+            key)
   made = [_frozen(node, s, n_in, None if key is None
                   else jax.random.fold_in(key, i))
           for i, (node, s, n_in) in enumerate(todo)]
