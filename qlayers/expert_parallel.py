@@ -66,7 +66,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from qlayers import scaling
 from qlayers import sharding
@@ -380,7 +380,9 @@ def run(fn: Callable, params, x: jax.Array, expert_ids: jax.Array,
   Tokens ``x [n, d]``, ``expert_ids``/``gates [n, k]`` are split over
   ``axis`` (``n`` must divide by its size), ``params`` over their leading
   (expert) dim unless ``param_specs`` (a pytree of ``PartitionSpec``) says
-  otherwise; other mesh axes stay automatic inside. Without a mesh (or
+  otherwise (on a mesh of explicit axes, inputs laid out otherwise are
+  resharded to these specs first); other mesh axes stay automatic inside.
+  Without a mesh (or
   with one device on ``axis``) it is `dispatch`, ``fn``, `combine` on one
   device. The experts' amaxes are their own device's (`qlayers.sharding.
   local_scales`): per-expert scales, as on one device.
@@ -436,6 +438,13 @@ def run(fn: Callable, params, x: jax.Array, expert_ids: jax.Array,
         params)
   _check_fsdp_specs(param_specs, fsdp)
   tokens = P((*fsdp, axis) if fsdp else axis)
+  if sharding.explicit_axes(mesh):
+    # Explicit axes: inputs laid out otherwise move to the specs shard_map
+    # takes (under automatic axes XLA moves them itself).
+    placed = lambda a, spec: jax.sharding.reshard(a, NamedSharding(  # noqa: E731
+        mesh, spec))
+    params = jax.tree.map(placed, params, param_specs)
+    x, expert_ids, gates = (placed(a, tokens) for a in (x, expert_ids, gates))
   return jax.shard_map(
       body, mesh=mesh, axis_names={axis, *fsdp},
       in_specs=(param_specs, tokens, tokens, tokens),

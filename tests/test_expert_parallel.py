@@ -60,8 +60,9 @@ def cases(tmp_path_factory):
 
 def test_eight_devices_match_one(cases):
   r = multidevice.result(cases, "matches_single_device")
-  one, eight = r["loss"]
+  one, eight, explicit = r["loss"]  # explicit axes, unsharded inputs
   assert abs(one - eight) <= 1e-5 * abs(one)
+  assert abs(one - explicit) <= 1e-5 * abs(one)
   assert r["dw"] <= 1e-6 and r["dx"] <= 1e-6
 
 
