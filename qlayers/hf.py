@@ -5,8 +5,9 @@ Hugging Face names are the model's business, so the caller maps them:
 ``names`` takes a Variable's dotted path in the model (``"blocks.0.mlp.
 up_proj.kernel"``) to a tensor name (``"model.layers.0.mlp.up_proj.
 weight"``). Linear weights are stored ``(out, in)``, kernels are ``(in,
-out)``: a 2-D tensor loaded into a 2-D ``kernel`` is transposed (reshape
-others, e.g. ``LinearGeneral`` kernels, into the tensors first).
+out)``: a 2-D tensor loaded into a 2-D ``kernel`` is transposed (an
+einsum's kernel only where its contracted dim leads: one stored ``(out,
+in)``, ``"bd,fd->bf"``, loads as it is); N-D kernels see `load_tensors`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from flax import nnx
 
 from qlayers.layers.frozen import (FrozenKernel, contracted_dims,
                                     kernel_sharding, settle_delayed)
+from qlayers.layers.general import einsum_gemm_plan
 from qlayers.scaling import QTensor
 
 __all__ = ["load_tensors"]
@@ -56,7 +58,10 @@ def load_tensors(model: nnx.Module, tensors: Mapping[str, object],
   dtype; shapes must match (after the kernel transpose). A 2-D ``(out, in)``
   tensor loads into an N-D kernel of a layer with ``in_features``
   (``nnx.LinearGeneral``, `qlayers.QuantAttentionProj`'s projections:
-  ``(in..., out...)`` flattened to ``(in, out)``). Every name is checked
+  ``(in..., out...)`` flattened to ``(in, out)``) or of an einsum whose
+  contracted dims lead its kernel. An einsum kernel with them elsewhere
+  (``"bd,fd->bf"``) takes the tensor as it is, its shape, dequantized (it
+  is not frozen, as `qlayers.freeze` leaves it). Every name is checked
   before anything changes.
 
   Example:
@@ -101,7 +106,8 @@ def load_tensors(model: nnx.Module, tensors: Mapping[str, object],
     if isinstance(t, QTensor) and n_in is not None and frozen:
       setattr(module, attr, FrozenKernel.from_qtensor(
           t, tuple(var.shape), n_in=n_in, dtype=_dtype(var),
-          sharding=kernel_sharding(var)))
+          sharding=(var.sharding if isinstance(var, FrozenKernel)
+                    else kernel_sharding(var))))
       settle_delayed(module)
       continue
     x = t.dequantize() if isinstance(t, QTensor) else jnp.asarray(t)
@@ -120,11 +126,21 @@ def _inputs(module, var) -> int | None:
   """How many leading (input) dims of kernel ``var`` a 2-D ``(out, in)``
   tensor flattens: 1 for a 2-D kernel, the layer's input features for an
   N-D one (``nnx.LinearGeneral``, `qlayers.QuantAttentionProj`'s
-  projections); None where the layer does not say."""
-  if len(var.shape) == 2:
-    return 1
+  projections), an einsum's contracted dims where they lead its kernel;
+  None where the layer does not say, or an einsum's kernel has them
+  elsewhere (``"bd,fd->bf"`` is stored ``(out, in)`` already: the tensor
+  loads as it is)."""
   if isinstance(var, FrozenKernel):
     return var.n_in
+  equation = getattr(module, "einsum_str", None)
+  if isinstance(equation, str):  # QuantEinsum, nnx.Einsum
+    try:
+      _, rhs, _, contracted, _ = einsum_gemm_plan(equation)
+    except ValueError:  # not one GEMM (a batched kernel)
+      return None
+    return len(contracted) if rhs[:len(contracted)] == contracted else None
+  if len(var.shape) == 2:
+    return 1
   try:
     return contracted_dims(module, "load_tensors")
   except (AttributeError, ValueError):  # no features; a batched kernel

@@ -1,6 +1,7 @@
 """qlayers.hf.load_tensors: Hugging Face tensors into a model, FP8 weights
 as frozen kernels."""
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -200,3 +201,51 @@ def test_loading_a_delayed_embedding_table_settles_its_history():
                frozen=False)
   history = model.layers[0].quant.w_amax_history[...]
   np.testing.assert_array_equal(history, np.full_like(history, 5.0))
+
+
+@pytest.mark.parametrize("frozen", [True, False])
+def test_an_einsum_kernel_stored_out_in_loads_as_it_is(tmp_path, frozen):
+  # "bd,fd->bf" keeps its kernel (out, in), as the checkpoint does: it was
+  # transposed (a square one in silence, another refused as transposed),
+  # while "bd,df->bf" is (in, out) and a stock nnx.Einsum the same.
+  rng = np.random.default_rng(0)
+  w = rng.standard_normal((16, 32)).astype(np.float32)
+  d = checkpoint.write_safetensors(tmp_path / "c", {"p.weight": w},
+                                   fp8_block=(16, 16))  # an FP8 QTensor
+  q, wide = (checkpoint.read_safetensors(d, quantized=True),
+             checkpoint.read_safetensors(d)["p.weight"])
+  out_in = qlayers.QuantEinsum("bd,fd->bf", (16, 32), recipe="fp8_current",
+                               rngs=nnx.Rngs(0))
+  in_out = qlayers.QuantEinsum("bd,df->bf", (32, 16), recipe="fp8_current",
+                               rngs=nnx.Rngs(0))
+  stock = nnx.Einsum("bd,fd->bf", (16, 32), rngs=nnx.Rngs(0))
+  for layer, want in ((out_in, wide), (in_out, wide.T), (stock, wide)):
+    load_tensors(layer, q, {"kernel": "p.weight"}, frozen=frozen)
+    np.testing.assert_array_equal(np.asarray(layer.kernel[...]), want)
+  assert isinstance(in_out.kernel, qlayers.FrozenKernel) == frozen
+  assert isinstance(out_in.kernel, nnx.Param)  # not frozen: as freeze
+  square = qlayers.QuantEinsum("bd,fd->bf", (32, 32), recipe="bf16",
+                               rngs=nnx.Rngs(0))
+  w2 = rng.standard_normal((32, 32)).astype(np.float32)
+  load_tensors(square, {"w": w2}, {"kernel": "w"})
+  x = rng.standard_normal((2, 32)).astype(np.float32)
+  np.testing.assert_allclose(np.asarray(square(jnp.asarray(x))), x @ w2.T,
+                             rtol=2e-2, atol=2e-2)
+
+
+def test_reloading_a_frozen_kernel_keeps_its_sharding_names(tmp_path):
+  # A second load (or one after quantize(frozen=True)) read the names off
+  # the FrozenKernel as if a Param, found none, and stored it replicated.
+  d = checkpoint.write_safetensors(tmp_path / "c", {
+      "fc.weight": np.ones((128, 128), np.float32)})
+  q = checkpoint.read_safetensors(d, quantized=True)
+  layer = qlayers.QuantDense(128, 128, recipe="fp8_current",
+                             kernel_metadata={"out_sharding": ("data",
+                                                               "model"),
+                                              "eager_sharding": False},
+                             rngs=nnx.Rngs(0))
+  for _ in range(2):
+    load_tensors(layer, q, {"kernel": "fc.weight"})
+    assert dict(layer.kernel.sharding)["out_sharding"] == ("data", "model")
+    assert nnx.get_partition_spec(nnx.state(layer.kernel)).payload.get_value(
+    ) == jax.sharding.PartitionSpec("model", "data")
