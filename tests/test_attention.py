@@ -75,6 +75,19 @@ def test_attention_quantized_sqnr(name, floor):
   assert sqnr_db(mha_ref(mha, x, mask), attn_apply_jit(p, x, mask)) >= floor
 
 
+def test_from_multihead_seeds_each_projection_from_its_own_weights():
+  # Built on zero kernels, all four projections were seeded alike: q and k
+  # of one shape drew the same NVFP4 rounding bits at every step.
+  mha = nnx.MultiHeadAttention(2, 32, decode=False, rngs=nnx.Rngs(0))
+  p = qlayers.QuantAttentionProj.from_multihead(mha, recipe="nvfp4")
+  seeds = [int(getattr(p, n).quant.sr_seed[...])
+           for n in ("query", "key", "value", "out")]
+  assert len(set(seeds)) == 4, seeds
+  key = qlayers.QuantGemm("nvfp4")
+  key.seed_from(mha.key.kernel[...])
+  assert seeds[1] == int(key.sr_seed[...])
+
+
 def test_attention_fused_equals_separate():
   sep = qlayers.QuantAttentionProj(32, 4, 8, num_kv_heads=2, use_bias=True,
                                    bias_init=nnx.initializers.normal(1.0),

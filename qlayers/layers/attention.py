@@ -251,4 +251,7 @@ class QuantAttentionProj(nnx.Module):
       dst.kernel = src.kernel
       if src.bias is not None:
         dst.bias = src.bias
+      # Seeded from the zeros it was built with, every projection would
+      # draw the same stochastic rounding bits.
+      dst.quant.seed_from(dst.kernel[...])
     return proj
