@@ -25,6 +25,7 @@ import math
 import operator
 import os
 import pathlib
+import re
 import struct
 from typing import Callable, Mapping
 
@@ -43,6 +44,8 @@ SCALE_SUFFIX = "_scale_inv"
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 CONFIG = "config.json"
+# The shard names write_safetensors gives (model-0000i-of-0000n).
+SHARD = re.compile(r"model-\d{5,}-of-\d{5,}\.safetensors")
 
 DTYPES = {
     "BOOL": np.dtype(np.bool_), "U8": np.dtype(np.uint8),
@@ -70,7 +73,8 @@ class SafetensorsError(ValueError):
 
 def read_file(path: str | os.PathLike) -> dict[str, np.ndarray]:
   """Every tensor of one ``.safetensors`` file as stored (no FP8 handling),
-  checked against the file's size; see `write_file` for an example."""
+  checked against the file's size (each tensor's bytes within the data, no
+  two tensors' bytes overlapping); see `write_file` for an example."""
   path = pathlib.Path(path)
   size = path.stat().st_size
   with open(path, "rb") as f:
@@ -92,7 +96,7 @@ def read_file(path: str | os.PathLike) -> dict[str, np.ndarray]:
                            "tensors.")
   data = np.memmap(path, np.uint8, "r", offset=8 + n) if size > 8 + n else (
       np.zeros(0, np.uint8))
-  out = {}
+  out, spans = {}, []
   for name, info in header.items():
     if name == "__metadata__":
       continue
@@ -120,7 +124,14 @@ def read_file(path: str | os.PathLike) -> dict[str, np.ndarray]:
       raise SafetensorsError(f"{path}: truncated file: tensor {name!r} ends "
                              f"at byte {end} of the data, which has "
                              f"{data.size}.")
+    spans.append((begin, end, name))
     out[name] = np.array(data[begin:end]).view(dtype).reshape(shape)
+  spans.sort()
+  for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
+    if b1 < e0:
+      raise SafetensorsError(f"{path}: tensors {n0!r} (bytes {b0}..{e0}) and "
+                             f"{n1!r} (bytes {b1}..{e1}) overlap in the data; "
+                             "each tensor needs bytes of its own.")
   return out
 
 
@@ -150,6 +161,10 @@ def _files(path: pathlib.Path) -> list[pathlib.Path]:
     return [path]
   if (path / INDEX).is_file():
     names = sorted(set(_index(path).values()))
+    if (path / SINGLE).is_file() and names != [SINGLE]:
+      raise SafetensorsError(f"{path}: both {SINGLE} and {INDEX} (of other "
+                             "shards) are here; which checkpoint is meant is "
+                             "ambiguous (remove the stale one).")
     missing = [n for n in names if not (path / n).is_file()]
     if missing:
       raise SafetensorsError(f"{path / INDEX} names shards that are "
@@ -163,11 +178,29 @@ def _files(path: pathlib.Path) -> list[pathlib.Path]:
 
 def read_config(path: str | os.PathLike) -> dict:
   """``config.json`` of the checkpoint at ``path`` (a folder, or a file in
-  it); ``{}`` if there is none."""
+  it); ``{}`` if there is none.
+
+  Raises:
+    SafetensorsError: the file is not JSON, not a JSON object, or its
+      ``quantization_config`` is not an object.
+  """
   path = pathlib.Path(path)
   folder = path if path.is_dir() else path.parent
   f = folder / CONFIG
-  return json.loads(f.read_text()) if f.is_file() else {}
+  if not f.is_file():
+    return {}
+  try:
+    config = json.loads(f.read_text())
+  except ValueError as e:
+    raise SafetensorsError(f"{f} is not JSON ({e}).") from None
+  if not isinstance(config, dict):
+    raise SafetensorsError(f"{f} is a JSON {type(config).__name__}, not an "
+                           "object.")
+  q = config.get("quantization_config")
+  if q is not None and not isinstance(q, dict):
+    raise SafetensorsError(f"{f}: quantization_config is a JSON "
+                           f"{type(q).__name__} ({q!r}), not an object.")
+  return config
 
 
 def _block(config: Mapping) -> tuple[int, int]:
@@ -186,7 +219,8 @@ def _block(config: Mapping) -> tuple[int, int]:
 
 
 def _scale_grid(name, w, s, block, where) -> np.ndarray:
-  """The FP32 scale grid of FP8 weight ``name``, checked."""
+  """The FP32 scale grid of FP8 weight ``name``, checked: finite and
+  non-negative (a zero scale is allowed: an all-zero block)."""
   want = tuple(-(-n // b) for n, b in zip(w.shape, block))
   if s.dtype not in (DTYPES["F32"], _E8M0):
     raise SafetensorsError(f"{where}: {name}{SCALE_SUFFIX} has dtype "
@@ -196,7 +230,15 @@ def _scale_grid(name, w, s, block, where) -> np.ndarray:
     raise SafetensorsError(
         f"{where}: {name}{SCALE_SUFFIX} has shape {s.shape}; weight {name} "
         f"{w.shape} in {block[0]}x{block[1]} blocks needs {want}.")
-  return s.astype(np.float32)  # E8M0 decodes exactly (powers of two)
+  s = s.astype(np.float32)  # E8M0 decodes exactly (powers of two)
+  bad = ~np.isfinite(s) | (s < 0)
+  if bad.any():
+    i = tuple(int(v) for v in np.argwhere(bad)[0])
+    raise SafetensorsError(
+        f"{where}: {name}{SCALE_SUFFIX} has {s[i]} at block {i}; block "
+        "scales must be finite and non-negative (zero for an all-zero "
+        "block).")
+  return s
 
 
 def _dequantize(w: np.ndarray, s: np.ndarray, block) -> np.ndarray:
@@ -228,9 +270,13 @@ def read_safetensors(path: str | os.PathLike, quantized: bool = False
 
   Raises:
     SafetensorsError: an FP8 weight without its scale (or a scale without
-      its weight), a scale of the wrong shape or dtype, an unknown dtype, a
-      truncated file, a malformed header, block size or shard index (one
-      placing a tensor in a shard that does not hold it).
+      its weight), a scale of the wrong shape or dtype, or with a NaN,
+      infinite or negative block (zero is allowed), an unknown dtype, a
+      truncated file, a malformed header (tensors' bytes overlapping among
+      them), ``config.json``, block size or shard index (one placing a
+      tensor in a shard that does not hold it, or not listing a tensor a
+      shard holds), a tensor in two files, or a folder with both
+      ``model.safetensors`` and the index (ambiguous).
 
   Example:
     >>> import tempfile, numpy as np
@@ -248,19 +294,30 @@ def read_safetensors(path: str | os.PathLike, quantized: bool = False
   raw, where = {}, {}
   for f in _files(path):
     for name, t in read_file(f).items():
+      if name in where:
+        raise SafetensorsError(f"tensor {name!r} is in both {where[name]} "
+                               f"and {f}.")
       raw[name], where[name] = t, f
   if path.is_dir() and (path / INDEX).is_file():
     # Each tensor from the shard the index names, and none it does not.
+    index = _index(path)
+    extra = [n for n in raw if n not in index]
+    if extra:
+      raise SafetensorsError(
+          f"{path / INDEX} does not list tensors its shards hold: "
+          + ", ".join(f"{n} in {where[n].relative_to(path)}"
+                      for n in extra[:5])
+          + (f" and {len(extra) - 5} more" if len(extra) > 5 else "") + ".")
     stray = {}
-    for name, shard in _index(path).items():
+    for name, shard in index.items():
       if name not in raw or where[name] != path / shard:
         stray[name] = shard
     if stray:
       raise SafetensorsError(
           f"{path / INDEX} places tensors in shards that do not hold them "
-          f"(or hold them elsewhere too): "
+          f"(held elsewhere or nowhere): "
           + ", ".join(f"{n} -> {s}" for n, s in list(stray.items())[:5])
-          + ".")
+          + (f" and {len(stray) - 5} more" if len(stray) > 5 else "") + ".")
   out = {}
   for name, t in raw.items():
     if name.endswith(SCALE_SUFFIX):
@@ -414,7 +471,18 @@ def write_safetensors(path: str | os.PathLike,
   Writes ``model.safetensors``, or with ``max_shard_bytes`` the shards
   ``model-0000i-of-0000n.safetensors`` and ``model.safetensors.index.json``
   (a weight and its scale in one shard), and ``config.json``: ``config``
-  with the ``quantization_config`` when any weight is FP8.
+  with the ``quantization_config`` when any weight is FP8, without an FP8
+  one (``quant_method`` ``"fp8"``) when none is. Then it removes what an
+  earlier write of the other layout left in ``path`` under the names it
+  gives (the index and ``model-*-of-*`` shards, or ``model.safetensors``),
+  and shards of another count, so that the folder reads back as written.
+
+  Raises:
+    ValueError: a bad ``scale_format`` or ``fp8_block`` value, a name
+      ending in ``_scale_inv``, a plain E4M3 array or a dtype safetensors
+      cannot name, a `QTensor` with ``fp8_block=None`` or of another block
+      or format (nothing is written then).
+    TypeError: an ``fp8_block`` that is no int nor pair of ints.
 
   Example:
     >>> import tempfile, numpy as np
@@ -457,19 +525,32 @@ def write_safetensors(path: str | os.PathLike,
   path = pathlib.Path(path)
   path.mkdir(parents=True, exist_ok=True)
   shards = _shards(groups, max_shard_bytes)
+  written = set()
   if len(shards) == 1:
     write_file(path / SINGLE, shards[0])
+    written.add(SINGLE)
   else:
     weight_map, total = {}, 0
     for i, shard in enumerate(shards):
       fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
       write_file(path / fname, shard)
+      written.add(fname)
       weight_map.update({n: fname for n in shard})
       total += sum(t.nbytes for t in shard.values())
     (path / INDEX).write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": weight_map},
         indent=2))
+    written.add(INDEX)
+  # A stale layout beside the new one would be read instead of it (or make
+  # the folder ambiguous): only our own names go.
+  for f in path.iterdir():
+    if f.name not in written and f.is_file() and (
+        f.name in (SINGLE, INDEX) or SHARD.fullmatch(f.name)):
+      f.unlink()
   config = dict(config or {})
+  q = config.get("quantization_config")
+  if not fp8 and isinstance(q, Mapping) and q.get("quant_method") == "fp8":
+    del config["quantization_config"]  # a source FP8 model's, now stale
   if fp8:
     q = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
          "weight_block_size": list(fp8_block)}

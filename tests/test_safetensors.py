@@ -373,3 +373,111 @@ def test_the_default_filter_quantizes_bf16_and_fp16_weights(tmp_path, dtype):
   assert isinstance(back, QTensor) and back.format == "e4m3"
   config = json.loads((pathlib.Path(d) / "config.json").read_text())
   assert "quantization_config" in config
+
+
+def test_rewriting_a_folder_in_the_other_layout_drops_the_stale_one(tmp_path):
+  """A folder once sharded, rewritten as one file (and back), reads back the
+  new weights: the old layout's files (our names only) are removed; both
+  layouts present at once is an error naming both."""
+  old = {"a.bias": np.zeros(64, np.float32), "b.bias": np.zeros(64, np.float32)}
+  new = {k: v + 1 for k, v in old.items()}
+  d = checkpoint.write_safetensors(tmp_path / "d", old, max_shard_bytes=256)
+  (d / "notes.safetensors").write_bytes(b"")  # not ours: kept
+  checkpoint.write_safetensors(d, new)
+  assert not (d / "model.safetensors.index.json").exists()
+  assert not list(d.glob("model-*-of-*.safetensors"))
+  assert (d / "notes.safetensors").exists()
+  np.testing.assert_array_equal(checkpoint.read_safetensors(d)["a.bias"],
+                                new["a.bias"])
+  checkpoint.write_safetensors(d, old, max_shard_bytes=256)
+  assert not (d / "model.safetensors").exists()
+  np.testing.assert_array_equal(checkpoint.read_safetensors(d)["a.bias"],
+                                old["a.bias"])
+  st_write(d / "model.safetensors", new)
+  with pytest.raises(checkpoint.SafetensorsError,
+                     match=r"both model.safetensors and model.safetensors."
+                           r"index.json.*ambiguous"):
+    checkpoint.read_safetensors(d)
+  # An index of the one file itself (some published checkpoints) is fine.
+  (d / "model.safetensors.index.json").write_text(json.dumps(
+      {"weight_map": {k: "model.safetensors" for k in new}}))
+  np.testing.assert_array_equal(checkpoint.read_safetensors(d)["b.bias"],
+                                new["b.bias"])
+
+
+def test_a_malformed_config_is_named(tmp_path):
+  for i, (text, match) in enumerate((
+      ('{"quantization_config": ', "is not JSON"),
+      ("[1, 2]", "is a JSON list, not an object"),
+      ('{"quantization_config": "fp8"}',
+       "quantization_config is a JSON str"))):
+    d = _single(tmp_path / str(i), {"a": np.ones(2, np.float32)})
+    (d / "config.json").write_text(text)
+    with pytest.raises(checkpoint.SafetensorsError,
+                       match=rf"{i}/config.json.*{match}"):
+      checkpoint.read_safetensors(d)
+
+
+def test_non_finite_or_negative_scales_are_named(tmp_path):
+  q = np.ones((256, 256), FP8)
+  for i, bad in enumerate((np.nan, np.inf, -1.0)):
+    s = np.ones((2, 2), np.float32)
+    s[1, 0] = bad
+    d = _single(tmp_path / str(i), {"w.weight": q, "w.weight_scale_inv": s})
+    with pytest.raises(checkpoint.SafetensorsError,
+                       match=rf"w.weight_scale_inv has {bad} at block "
+                             r"\(1, 0\).*finite and non-negative"):
+      checkpoint.read_safetensors(d)
+  # A zero scale is an all-zero block.
+  s = np.ones((2, 2), np.float32)
+  s[0, 1] = 0
+  d = _single(tmp_path / "z", {"w.weight": q, "w.weight_scale_inv": s})
+  got = checkpoint.read_safetensors(d)["w.weight"]
+  assert not got[:B, B:].any() and got[:B, :B].all()
+
+
+def test_duplicated_unlisted_and_overlapping_tensors_are_named(tmp_path):
+  d = tmp_path / "dup"
+  d.mkdir()
+  st_write(d / "s1.safetensors", {"a": np.zeros(2, np.float32),
+                                  "b": np.zeros(2, np.float32)})
+  st_write(d / "s2.safetensors", {"a": np.ones(2, np.float32)})
+  (d / "model.safetensors.index.json").write_text(json.dumps(
+      {"weight_map": {"a": "s2.safetensors", "b": "s1.safetensors"}}))
+  with pytest.raises(checkpoint.SafetensorsError,
+                     match=r"'a' is in both .*s1.safetensors and "
+                           r".*s2.safetensors"):
+    checkpoint.read_safetensors(d)
+  d = tmp_path / "unlisted"
+  d.mkdir()
+  st_write(d / "s1.safetensors", {"a": np.zeros(2, np.float32),
+                                  "stray": np.ones(2, np.float32)})
+  (d / "model.safetensors.index.json").write_text(json.dumps(
+      {"weight_map": {"a": "s1.safetensors"}}))
+  with pytest.raises(checkpoint.SafetensorsError,
+                     match=r"index.json does not list .*stray in "
+                           r"s1.safetensors"):
+    checkpoint.read_safetensors(d)
+  a = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
+  f = _raw(tmp_path / "o.safetensors",
+           {"x": a, "y": {**a, "shape": [1], "data_offsets": [4, 8]}})
+  with pytest.raises(checkpoint.SafetensorsError,
+                     match=r"o.safetensors: tensors 'x' \(bytes 0..8\) and "
+                           r"'y' \(bytes 4..8\) overlap"):
+    checkpoint.read_safetensors(f)
+
+
+def test_writing_nothing_as_fp8_drops_an_fp8_quantization_config(tmp_path):
+  src = checkpoint.write_safetensors(
+      tmp_path / "src", {"l.weight": np.ones((B, B), np.float32)},
+      config={"model_type": "qwen3"})
+  config = checkpoint.read_config(src)
+  w = checkpoint.read_safetensors(src)["l.weight"].astype(ml_dtypes.bfloat16)
+  out = checkpoint.write_safetensors(tmp_path / "out", {"l.weight": w},
+                                     fp8_block=None, config=config)
+  assert checkpoint.read_config(out) == {"model_type": "qwen3"}
+  # Another method's quantization_config is not ours to drop.
+  other = {"quantization_config": {"quant_method": "gptq"}}
+  out = checkpoint.write_safetensors(tmp_path / "o", {"l.weight": w},
+                                     fp8_block=None, config=other)
+  assert checkpoint.read_config(out) == other
