@@ -20,7 +20,6 @@ from flax import nnx
 
 from qlayers.layers.frozen import (FrozenKernel, contracted_dims,
                                     kernel_sharding, settle_delayed)
-from qlayers.layers.general import einsum_gemm_plan
 from qlayers.scaling import QTensor
 
 __all__ = ["load_tensors"]
@@ -132,19 +131,12 @@ def _inputs(module, var) -> int | None:
   loads as it is)."""
   if isinstance(var, FrozenKernel):
     return var.n_in
-  equation = getattr(module, "einsum_str", None)
-  if isinstance(equation, str):  # QuantEinsum, nnx.Einsum
-    try:
-      _, rhs, _, contracted, _ = einsum_gemm_plan(equation)
-    except ValueError:  # not one GEMM (a batched kernel)
-      return None
-    return len(contracted) if rhs[:len(contracted)] == contracted else None
-  if len(var.shape) == 2:
+  if len(var.shape) == 2 and not isinstance(module, nnx.Einsum):
     return 1
   try:
     return contracted_dims(module, "load_tensors")
-  except (AttributeError, ValueError):  # no features; a batched kernel
-    return None
+  except (AttributeError, ValueError):  # no features; a batched kernel, a
+    return None  # stack, an einsum that is not one GEMM
 
 
 def _flat(shape, n_in: int) -> tuple[int, int]:

@@ -614,6 +614,43 @@ def test_a_stochastically_rounded_kernel_freezes_with_a_key():
   assert type(stock.layers[1]) is nnx.Linear
 
 
+def test_stacks_of_kernels_are_refused_before_anything_changes():
+  # quantize(..., frozen=True) of a model with nnx.vmap-stacked layers
+  # swapped every layer, then raised in freeze; a stacked QuantEinsum was
+  # "frozen" as if its stack dim were its input (one scale for all).
+  class Block(nnx.Module):
+    def __init__(self, rngs):
+      self.up = nnx.Linear(64, 128, rngs=rngs)
+
+  @nnx.split_rngs(splits=3)
+  @nnx.vmap(in_axes=0, out_axes=0)
+  def stack(rngs):
+    return Block(rngs)
+
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.blocks = stack(rngs)
+      self.first = nnx.Linear(64, 64, rngs=rngs)
+
+  model = Model(nnx.Rngs(1))
+  with pytest.raises(ValueError, match=r"blocks/up \(3, 64, 128\) hold a "
+                     "stack.*nothing was changed"):
+    qlayers.quantize(model, "fp8_current", frozen=True)
+  assert type(model.first) is nnx.Linear and type(model.blocks.up) is (
+      nnx.Linear)
+  @nnx.split_rngs(splits=3)
+  @nnx.vmap(in_axes=0, out_axes=0)
+  def einsum_stack(rngs):
+    return qlayers.QuantEinsum("bd,df->bf", (64, 32), recipe="fp8_current",
+                               rngs=rngs)
+
+  einsums = einsum_stack(nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"kernel \(3, 64, 32\) is not the "
+                     r"einsum's kernel_shape \(64, 32\)"):
+    qlayers.freeze(einsums)
+  assert isinstance(einsums.kernel, nnx.Param)
+
+
 def test_a_frozen_kernel_keeps_its_sharding_names(tmp_path):
   """The payload (N, K) and a scale per row of K's blocks carry the
   kernel's mesh axis names, reversed (they had none: a sharding-guide

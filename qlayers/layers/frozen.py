@@ -291,17 +291,24 @@ def _names_metadata(names, meta: dict) -> dict:
 
 def contracted_dims(layer, where: str) -> int | None:
   """The number of leading input (contracted) dims of ``layer``'s kernel;
-  None for an einsum whose contracted dims do not lead; ValueError for a
-  kernel of another shape (a stack of layers made under ``nnx.vmap``)."""
-  if isinstance(layer, QuantEinsum):
+  None for an einsum (``QuantEinsum``, ``nnx.Einsum``) whose contracted
+  dims do not lead; ValueError for a kernel of another shape (a stack of
+  layers made under ``nnx.vmap``)."""
+  shape = tuple(layer.kernel.shape)
+  if isinstance(layer, nnx.Einsum):
+    if shape != tuple(layer.kernel_shape):
+      raise ValueError(
+          f"{where}: kernel {shape} is not the einsum's kernel_shape "
+          f"{tuple(layer.kernel_shape)} (a stack of layers?); freeze takes "
+          "single layers.")
     _, rhs, _, contracted, _ = einsum_gemm_plan(layer.einsum_str)
     return len(contracted) if rhs[:len(contracted)] == contracted else None
   ins, outs = layer.in_features, layer.out_features
   ins = ins if isinstance(ins, tuple) else (ins,)
   outs = outs if isinstance(outs, tuple) else (outs,)
-  if tuple(layer.kernel.shape) != ins + outs:
+  if shape != ins + outs:
     raise ValueError(
-        f"{where}: kernel {tuple(layer.kernel.shape)} is not (in, out) = "
+        f"{where}: kernel {shape} is not (in, out) = "
         f"{ins + outs} (a stack of layers?); freeze takes single layers.")
   return len(ins)
 
