@@ -60,7 +60,8 @@ class Rule:
     pattern: a regular expression searched (``re.search``) in the module path,
       its parts joined by ``/``: ``"blocks/0/mlp/up"``. Anchor it
       (``^...$``, ``(^|/)name($|/)``) to match whole components. The
-      default ``""`` matches every path.
+      default ``""`` matches every path. A layer held under several paths
+      (a shared or tied layer) matches where any of them does.
     recipe: a recipe name, path or `Recipe`; ``None`` keeps the layer wide.
       A rule with a recipe that matches an ``nnx.Embed`` quantizes its
       ``attend`` (a tied output head; see `qlayers.layers.QuantEmbed`);
@@ -421,7 +422,9 @@ def quantize(model: nnx.Module, recipe: Recipe | str | None,
   plan, used, stale = [], set(), []
   for site in sites + experts:
     head = heads.get(id(site.layer), "")
-    rule = next((r for r in rules if r.matches(site.path, head)), None)
+    # A layer shared under several names: a rule naming any of them.
+    rule = next((r for r in rules if any(r.matches(p, head)
+                                         for p in site.paths)), None)
     used.add(id(rule))
     r = default if rule is None else resolved[id(rule)]
     if rule is None and id(site.layer) in routers:
@@ -440,8 +443,8 @@ def quantize(model: nnx.Module, recipe: Recipe | str | None,
                             and r not in DEFAULT_RULES]
   if strict and report.unmatched_rules:
     raise strict_error(report.unmatched_rules, [
-        s.path for s in swap.sites(model, lambda m: isinstance(
-            m, swap.STOCK))])
+        p for s in swap.sites(model, lambda m: isinstance(m, swap.STOCK))
+        for p in s.paths])
   if frozen:
     _check_freezable(model, filter(None, plan))
   made = []  # the GEMMs this call creates
@@ -456,7 +459,7 @@ def quantize(model: nnx.Module, recipe: Recipe | str | None,
       swap.replace(site, q)
     report.converted.append(Converted(
         site.path, type(site.layer).__name__, new, shape, r.name,
-        None if rule is None else _rule_name(rule), _aliases(site)))
+        None if rule is None else _rule_name(rule), site.paths[1:]))
   report.skipped.extend(Skipped(*s) for s in swap.unconverted_matmuls(
       model, _TABLE_NAME, {id(s.layer) for s in experts}))
   # Step-keyed stochastic rounding: a seed per GEMM converted here (the
@@ -511,10 +514,6 @@ def _check_freezable(model: nnx.Module, plan) -> None:
         "None), or quantize without frozen= and then call qlayers.freeze("
         "model, spec=QuantSpec(...)), which stores every kernel in that "
         "spec.")
-
-
-def _aliases(site) -> tuple[str, ...]:
-  return tuple(p for _, _, p in site.refs if p != site.path)
 
 
 def dequantize_model(model: nnx.Module, *,
@@ -572,7 +571,7 @@ def dequantize_model(model: nnx.Module, *,
     swap.replace(site, stock)
     report.converted.append(Converted(
         site.path, type(layer).__name__, swap.STOCK_OF[type(layer)].__name__,
-        swap.dims(layer), layer.recipe.name, None, _aliases(site)))
+        swap.dims(layer), layer.recipe.name, None, site.paths[1:]))
   report.skipped.extend(Skipped(
       p, "stock layer", "runs a QuantGemm given it by hand: set its "
       "dot_general / einsum_op back to jax's") for p in hand_made(model))

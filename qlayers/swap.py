@@ -52,6 +52,11 @@ class Site:
   layer: nnx.Module
   refs: list
 
+  @property
+  def paths(self) -> tuple[str, ...]:
+    """Every path of the layer, its first one first."""
+    return (self.path, *(p for _, _, p in self.refs if p != self.path))
+
 
 def path_str(path) -> str:
   return "/".join(str(p) for p in path)

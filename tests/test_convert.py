@@ -331,6 +331,26 @@ def test_containers_shared_and_unswappable():
   assert "(model)" in str(report)
 
 
+def test_a_rule_naming_any_path_of_a_shared_layer_decides_it():
+  # Rules saw only a shared layer's first path (sorted): one naming the
+  # other was "matched nothing" (strict: an error), and a layer tied as
+  # lm_head under another name was quantized by the default rules.
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.decoder_proj = nnx.Linear(D, D, rngs=rngs)
+      self.encoder_proj = self.decoder_proj
+      self.in_proj = nnx.Linear(D, D, rngs=rngs)
+      self.lm_head = self.in_proj
+
+  net = Net(nnx.Rngs(0))
+  report = qlayers.quantize(net, "fp8_current", strict=True, rules=[
+      qlayers.Rule(pattern=r"^encoder_proj$", recipe=None),
+      *qlayers.convert.DEFAULT_RULES])
+  assert type(net.encoder_proj) is nnx.Linear  # kept wide by its rule
+  assert type(net.lm_head) is nnx.Linear  # kept wide by DEFAULT_KEEP_WIDE
+  assert not report.converted and not report.unmatched_rules
+
+
 class Stacked(nnx.Module):
   """Three Linear layers made under nnx.vmap, applied with nnx.scan."""
 

@@ -278,7 +278,8 @@ def quantize(model: nnx.Module, recipe: Recipe | str | None, rules=None, *,
     layer, kind = site.layer, type(site.layer).__name__
     moe = tunix_moe.is_tunix_moe(layer)
     new_cls = tunix_moe.QuantTunixMoE if moe else QuantTunixEinsum
-    rule = next((r for r in rules if r.matches(site.path)), None)
+    rule = next((r for r in rules if any(r.matches(p)
+                                         for p in site.paths)), None)
     r = default if rule is None else (
         None if rule.recipe is None else load_recipe(rule.recipe))
     name = None if rule is None else rule.pattern
@@ -325,12 +326,13 @@ def _check_strict(model, rules, tunix_sites, example_input) -> None:
   used = set()
   for site in tunix_sites + sites + swap_experts.sites(model):
     head = heads.get(id(site.layer), "")
-    used.add(id(next((r for r in rules if r.matches(site.path, head)),
-                     None)))
+    used.add(id(next((r for r in rules if any(r.matches(p, head)
+                                              for p in site.paths)), None)))
   bad = [r for r in rules if id(r) not in used
          and r not in convert.DEFAULT_RULES]
   if bad:
-    raise convert.strict_error(bad, [s.path for s in tunix_sites + sites])
+    raise convert.strict_error(bad, [p for s in tunix_sites + sites
+                                     for p in s.paths])
 
 
 def _check(layer, recipe: Recipe) -> tuple[int, int]:
