@@ -51,7 +51,7 @@ class Optimizer(nnx.Optimizer):
   replaces its master: `resync_masters`); then ends the step of every
   quantized GEMM with `qlayers.update_scales` (the gradient amaxes returned
   by `qlayers.value_and_grad` are written, by max and never through ``tx``,
-  and every amax history rolls once). Masters and moments are Variables
+  and every amax history rolls once; see ``end_step``). Masters and moments are Variables
   with their Params' metadata, so they follow the Params' shardings.
 
   ``tx`` is kept as given (a static attribute, as in ``nnx.Optimizer``: a
@@ -66,6 +66,10 @@ class Optimizer(nnx.Optimizer):
     master_dtype, moment_dtype, skip_nonfinite: see `mixed_precision`.
     loss_scaling: ``"dynamic"``, ``"none"``, or ``None`` to follow the
       model's recipes (FP16 recipes ask for dynamic loss scaling).
+    end_step: end the step of every quantized GEMM in ``update`` (the
+      model's, whatever ``wrt``). With several Optimizers on one model
+      (parameter groups), pass ``False`` to all but one, or each update
+      rolls every amax history again.
     **loss_scale_kwargs: ``init_loss_scale``, ``growth_interval``, ...
 
   Example:
@@ -85,7 +89,8 @@ class Optimizer(nnx.Optimizer):
   def __init__(self, model, tx: optax.GradientTransformation, *,
                wrt=nnx.Param, master_dtype=jnp.float32, moment_dtype=None,
                skip_nonfinite: bool = True,
-               loss_scaling: str | None = None, **loss_scale_kwargs):
+               loss_scaling: str | None = None, end_step: bool = True,
+               **loss_scale_kwargs):
     if not isinstance(model, nnx.Module):
       raise TypeError(f"qlayers.Optimizer(model, tx): model must be an "
                       f"nnx.Module, got {type(model).__name__}.")
@@ -125,6 +130,7 @@ class Optimizer(nnx.Optimizer):
     self.tx = tx  # as given: static, compared by identity as in nnx
     self.wrapping = wrapping
     self.loss_scaling = loss_scaling
+    self.end_step = bool(end_step)
 
   @property
   def wrapped_tx(self) -> optax.GradientTransformationExtraArgs:
@@ -172,5 +178,6 @@ class Optimizer(nnx.Optimizer):
     nnx.update(model, new_params)
     nnx.update(self.opt_state, nnx.state(new_state))
     self.step[...] += 1
-    update_scales(model, grads)
+    if self.end_step:
+      update_scales(model, grads)
     return updates

@@ -144,6 +144,35 @@ def test_quant_state_bypasses_adam():
   assert float(got["g"].amax_history[0]) == 1e3
 
 
+def test_parameter_groups_end_the_step_once():
+  # Two Optimizers over one model (parameter groups): each update rolled
+  # every amax history, so a step left a zero between real entries and
+  # wrote each gradient amax twice. end_step=False on one ends it once.
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.body = qlayers.QuantDense(8, 8, recipe=delayed(), rngs=rngs)
+      self.head = qlayers.QuantDense(8, 4, recipe=delayed(), rngs=rngs)
+
+    def __call__(self, x):
+      return self.head(jnp.tanh(self.body(x)))
+
+  def history_after_two_steps(**kwargs):
+    m = Net(nnx.Rngs(0))
+    body = nnx.All(nnx.Param, nnx.PathContains("body"))
+    head = nnx.All(nnx.Param, nnx.PathContains("head"))
+    groups = (qlayers.Optimizer(m, optax.sgd(0.1), wrt=body, **kwargs),
+              qlayers.Optimizer(m, optax.adam(1e-3), wrt=head))
+    for x in (jnp.ones((2, 8)), 2 * jnp.ones((2, 8))):
+      _, grads = qlayers.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(m)
+      for opt in groups:
+        opt.update(m, grads)
+    return np.asarray(m.body.quant.x_amax_history[...][:3])
+
+  np.testing.assert_array_equal(history_after_two_steps(end_step=False),
+                                [2, 1, 0])
+  np.testing.assert_array_equal(history_after_two_steps(), [0, 2, 0])
+
+
 def test_wrong_arguments_are_refused_by_name():
   """Arguments swapped or of the wrong kind raise, naming them, before
   anything changes; a wrt taking quantization state is refused."""
