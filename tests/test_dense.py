@@ -116,6 +116,18 @@ def test_dense_rank0_input_is_the_type_error_linear_gives():
       qd(x)
 
 
+def test_complex_inputs_are_refused_naming_the_layer():
+  # nnx.Linear computes them; the quantized layers said only "x must be
+  # floating point" from deep in the GEMM.
+  x = jnp.ones((2, 8), jnp.complex64)
+  for layer in (qlayers.QuantDense(8, 4, rngs=nnx.Rngs(0)),
+                qlayers.QuantLinearGeneral(8, 4, rngs=nnx.Rngs(0)),
+                qlayers.QuantEinsum("bd,df->bf", (8, 4), rngs=nnx.Rngs(0))):
+    with pytest.raises(TypeError, match=rf"{type(layer).__name__} expects "
+                       r"real inputs, got complex64 of shape \(2, 8\)"):
+      layer(x)
+
+
 # A row-parallel layer inside jax.shard_map: kernel split along K over "tp",
 # input split along its last dim, partial products summed with psum. Run in
 # a subprocess with 4 CPU devices (JAX fixes the device count at start).

@@ -14,7 +14,8 @@ __all__ = ["QuantDense"]
 
 
 def check_last_dim(where: str, x, features: int, what: str = "inputs"):
-  """Raises if ``x`` is not ``(..., features)``, naming ``where`` (a layer).
+  """Raises if ``x`` is not ``(..., features)`` of a real dtype, naming
+  ``where`` (a layer).
 
   A scalar gets the TypeError ``nnx.Linear`` users meet (``lax.dot_general``
   raises one); a wrong last dim a ValueError. ``features`` is read from the
@@ -36,6 +37,16 @@ def check_last_dim(where: str, x, features: int, what: str = "inputs"):
   if shape[-1] != features:
     raise ValueError(f"{where} expects {what} with last dim {features}, got "
                      f"shape {shape}.")
+  check_real(where, x, what)
+
+
+def check_real(where: str, x, what: str = "inputs"):
+  """Raises for complex ``x`` (which ``nnx.Linear`` computes), naming
+  ``where`` (a layer) and its shape."""
+  if jnp.iscomplexobj(x):
+    raise TypeError(f"{where} expects real {what}, got {jnp.result_type(x)} "
+                    f"of shape {jnp.shape(x)}: a quantized GEMM has no "
+                    "complex form (keep the layer stock).")
 
 
 class QuantDense(QuantLayer, nnx.Linear):

@@ -19,6 +19,7 @@ from flax import nnx
 
 from qlayers import ops
 from qlayers.layers.core import QuantGemm, QuantLayer
+from qlayers.layers.dense import check_real
 from qlayers.recipe import Recipe
 
 __all__ = ["QuantLinearGeneral", "QuantEinsum", "einsum_gemm_plan"]
@@ -76,6 +77,7 @@ class QuantLinearGeneral(QuantLayer, nnx.LinearGeneral):
 
   def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
     """Contracts ``inputs`` over ``axis``; output ``(*rest, *out_features)``."""
+    check_real(type(self).__name__, inputs)
     kernel, as_read = self.gemm_kernel()
     axis = self._contracted_axes(inputs, kernel)
     bias = self.bias[...] if self.bias is not None else None
@@ -243,6 +245,7 @@ class QuantEinsum(QuantLayer, nnx.Einsum):
   def __call__(self, inputs: jax.Array, einsum_str: str | None = None,
                out_sharding=None) -> jax.Array:
     """Applies the equation (``einsum_str`` overrides the stored one)."""
+    check_real(type(self).__name__, inputs)
     eq = (einsum_str or self.einsum_str).replace(" ", "")
     lhs, rhs, out, contracted, _ = einsum_gemm_plan(eq)
     lhs, out = _expand_ellipsis(eq, lhs, out, inputs.ndim)
