@@ -36,8 +36,8 @@ from flax import nnx
 from qlayers import dispatch, swap, swap_experts
 from qlayers.heads import output_heads
 from qlayers.layers.core import hand_made, seed_rounding
-from qlayers.layers.frozen import (FREEZABLE, FrozenKernel, contracted_dims,
-                                    freeze_kernels)
+from qlayers.layers.frozen import (FREEZABLE, FrozenKernel, freeze_kernels,
+                                    single_kernel_shape)
 from qlayers.recipe import Recipe, recipe as load_recipe
 
 __all__ = ["Rule", "DEFAULT_KEEP_WIDE", "KEEP_HEAD_WIDE", "DEFAULT_RULES",
@@ -483,12 +483,12 @@ def _check_freezable(model: nnx.Module, plan) -> None:
               for path, node in nnx.iter_graph(model)
               if isinstance(node, FREEZABLE)
               and isinstance(node.kernel, nnx.Param)]
-  stacks = []
-  for p, layer, _ in kernels:
-    try:
-      contracted_dims(layer, p)
-    except ValueError:
-      stacks.append(f"{p} {tuple(layer.kernel.shape)}")
+  # Of the kernels freeze stores (linear layers and einsums, not the
+  # experts'), those of another shape than one layer's are stacks.
+  stacks = [f"{p} {tuple(layer.kernel.shape)}" for p, layer, _ in kernels
+            if isinstance(layer, (nnx.Linear, nnx.LinearGeneral, nnx.Einsum))
+            and not swap.experts_einsum(layer)
+            and tuple(layer.kernel.shape) != single_kernel_shape(layer)]
   if stacks:
     raise ValueError(
         f"quantize(..., frozen=True): {', '.join(stacks)} hold a stack of "

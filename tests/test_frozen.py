@@ -649,6 +649,21 @@ def test_stacks_of_kernels_are_refused_before_anything_changes():
                      r"einsum's kernel_shape \(64, 32\)"):
     qlayers.freeze(einsums)
   assert isinstance(einsums.kernel, nnx.Param)
+  # Not stacks: an embedding a rule quantizes (no kernel), the experts'
+  # batched einsum (freeze leaves both as they are).
+  class Other(nnx.Module):
+    def __init__(self, rngs):
+      self.embed = nnx.Embed(256, 64, rngs=rngs)
+      self.experts = nnx.Einsum("ecd,edf->ecf", (4, 64, 64), rngs=rngs)
+      self.up = nnx.Linear(64, 64, rngs=rngs)
+
+  other = Other(nnx.Rngs(0))
+  with pytest.warns(UserWarning, match="experts .*keep their wide weights"):
+    qlayers.quantize(other, "fp8_current", frozen=True, rules=[
+        qlayers.Rule(pattern="embed", recipe="fp8_current")])
+  assert isinstance(other.up.kernel, qlayers.FrozenKernel)
+  assert type(other.embed).__name__ == "QuantEmbed"
+  assert type(other.experts).__name__ == "QuantExpertsEinsum"
 
 
 def test_a_frozen_kernel_keeps_its_sharding_names(tmp_path):

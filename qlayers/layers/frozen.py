@@ -294,23 +294,30 @@ def contracted_dims(layer, where: str) -> int | None:
   None for an einsum (``QuantEinsum``, ``nnx.Einsum``) whose contracted
   dims do not lead; ValueError for a kernel of another shape (a stack of
   layers made under ``nnx.vmap``)."""
-  shape = tuple(layer.kernel.shape)
+  shape, single = tuple(layer.kernel.shape), single_kernel_shape(layer)
+  if shape != single:
+    what = ("the einsum's kernel_shape" if isinstance(layer, nnx.Einsum)
+            else "(in, out) =")
+    raise ValueError(
+        f"{where}: kernel {shape} is not {what} {single} (a stack of "
+        "layers?); freeze takes single layers.")
   if isinstance(layer, nnx.Einsum):
-    if shape != tuple(layer.kernel_shape):
-      raise ValueError(
-          f"{where}: kernel {shape} is not the einsum's kernel_shape "
-          f"{tuple(layer.kernel_shape)} (a stack of layers?); freeze takes "
-          "single layers.")
     _, rhs, _, contracted, _ = einsum_gemm_plan(layer.einsum_str)
     return len(contracted) if rhs[:len(contracted)] == contracted else None
-  ins, outs = layer.in_features, layer.out_features
-  ins = ins if isinstance(ins, tuple) else (ins,)
-  outs = outs if isinstance(outs, tuple) else (outs,)
-  if shape != ins + outs:
-    raise ValueError(
-        f"{where}: kernel {shape} is not (in, out) = "
-        f"{ins + outs} (a stack of layers?); freeze takes single layers.")
-  return len(ins)
+  return len(single) - len(_features(layer.out_features))
+
+
+def _features(n) -> tuple:
+  return n if isinstance(n, tuple) else (n,)
+
+
+def single_kernel_shape(layer) -> tuple[int, ...]:
+  """The kernel shape of one ``layer`` (a linear layer's ``(in..., out...)``,
+  an einsum's ``kernel_shape``): a kernel of another shape is a stack of
+  layers made under ``nnx.vmap`` (or a batched ``LinearGeneral``)."""
+  if isinstance(layer, nnx.Einsum):
+    return tuple(layer.kernel_shape)
+  return _features(layer.in_features) + _features(layer.out_features)
 
 
 def frozen_kernels(model: nnx.Module) -> Iterator[tuple[tuple, nnx.Module]]:
