@@ -438,13 +438,16 @@ def run(fn: Callable, params, x: jax.Array, expert_ids: jax.Array,
         params)
   _check_fsdp_specs(param_specs, fsdp)
   tokens = P((*fsdp, axis) if fsdp else axis)
-  if sharding.explicit_axes(mesh):
+  if {axis, *fsdp} <= set(sharding.explicit_axes(mesh)):
     # Explicit axes: inputs laid out otherwise move to the specs shard_map
-    # takes (under automatic axes XLA moves them itself).
-    placed = lambda a, spec: jax.sharding.reshard(a, NamedSharding(  # noqa: E731
-        mesh, spec))
-    params = jax.tree.map(placed, params, param_specs)
-    x, expert_ids, gates = (placed(a, tokens) for a in (x, expert_ids, gates))
+    # takes (under automatic axes XLA moves them itself); a spec may stand
+    # for a subtree of params, as shard_map takes it.
+    def placed(spec, tree):
+      return jax.tree.map(lambda a: jax.sharding.reshard(
+          a, NamedSharding(mesh, spec)), tree)
+    params = jax.tree.map(placed, param_specs, params,
+                          is_leaf=lambda s: isinstance(s, P))
+    x, expert_ids, gates = (placed(tokens, a) for a in (x, expert_ids, gates))
   return jax.shard_map(
       body, mesh=mesh, axis_names={axis, *fsdp},
       in_specs=(param_specs, tokens, tokens, tokens),

@@ -66,6 +66,13 @@ def test_eight_devices_match_one(cases):
   assert r["dw"] <= 1e-6 and r["dx"] <= 1e-6
 
 
+def test_explicit_axes_take_prefix_specs_and_mixed_meshes(cases):
+  one, prefix, mixed = multidevice.result(
+      cases, "explicit_axes_take_prefix_specs_and_mixed_meshes")
+  assert abs(prefix - one) <= 1e-5 * abs(one), (one, prefix)
+  assert abs(mixed - one) <= 1e-5 * abs(one), (one, mixed)
+
+
 def test_fsdp_experts_gather_quantized_kernel_shards(cases):
   """Experts over ``expert`` (4 devices), each kernel also over ``fsdp`` (2)
   along K: the step equals one device's, each GEMM gathers its kernel

@@ -80,6 +80,30 @@ def matches_single_device():
 
 
 @cases
+def explicit_axes_take_prefix_specs_and_mixed_meshes():
+  """`run` on explicit axes with params a dict under one spec (a prefix, as
+  shard_map takes it), and on a mesh whose other axis alone is explicit
+  (no reshard there): both as one device."""
+  x, w, ids, gates = _inputs()
+  params = {"w": w, "scale": jnp.full((G, 1, 1), 0.5)}
+  # No ragged_dot: jax infers no sharding for it under an explicit axis.
+  fn = lambda p, xs, sizes: xs * p["scale"][0, 0, 0]  # noqa: E731
+  def loss(mesh, **kw):
+    return jax.jit(lambda p, x, i, g: jnp.sum(ep.run(
+        fn, p, x, i, g, n_experts=G, mesh=mesh, **kw)))
+  one = float(loss(None)(params, x, ids, gates))
+  explicit = jax.make_mesh((8,), ("expert",), axis_types=(AxisType.Explicit,))
+  with jax.set_mesh(explicit):
+    prefix = float(loss(explicit, param_specs=P("expert"))(
+        params, x, ids, gates))
+  mixed = jax.make_mesh((2, 4), ("data", "expert"),
+                        axis_types=(AxisType.Explicit, AxisType.Auto))
+  with jax.set_mesh(mixed):
+    auto_expert = float(loss(mixed)(params, x, ids, gates))
+  return [one, prefix, auto_expert]
+
+
+@cases
 def fsdp_gathers_quantized_kernels():
   """Experts over ``expert`` (4) and their kernels over ``fsdp`` (2) along
   K: each quantized GEMM gathers its kernel shard as payload + scales
