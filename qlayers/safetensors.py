@@ -25,8 +25,8 @@ import math
 import operator
 import os
 import pathlib
-import re
 import struct
+import warnings
 from typing import Callable, Mapping
 
 import jax.numpy as jnp
@@ -44,8 +44,6 @@ SCALE_SUFFIX = "_scale_inv"
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 CONFIG = "config.json"
-# The shard names write_safetensors gives (model-0000i-of-0000n).
-SHARD = re.compile(r"model-\d{5,}-of-\d{5,}\.safetensors")
 
 DTYPES = {
     "BOOL": np.dtype(np.bool_), "U8": np.dtype(np.uint8),
@@ -159,12 +157,8 @@ def _index(path: pathlib.Path) -> dict[str, str]:
 def _files(path: pathlib.Path) -> list[pathlib.Path]:
   if path.is_file():
     return [path]
-  if (path / INDEX).is_file():
+  if (path / INDEX).is_file() and not _single_wins(path):
     names = sorted(set(_index(path).values()))
-    if (path / SINGLE).is_file() and names != [SINGLE]:
-      raise SafetensorsError(f"{path}: both {SINGLE} and {INDEX} (of other "
-                             "shards) are here; which checkpoint is meant is "
-                             "ambiguous (remove the stale one).")
     missing = [n for n in names if not (path / n).is_file()]
     if missing:
       raise SafetensorsError(f"{path / INDEX} names shards that are "
@@ -174,6 +168,21 @@ def _files(path: pathlib.Path) -> list[pathlib.Path]:
     return [path / SINGLE]
   raise FileNotFoundError(f"{path}: no {SINGLE} or {INDEX} (nor a "
                           ".safetensors file at that path).")
+
+
+def _single_wins(path: pathlib.Path) -> bool:
+  """Whether folder ``path`` is read from ``model.safetensors`` though it
+  holds an index too: where the index names other shards, the single file
+  is read, as Hugging Face's loaders read such a folder (with a warning)."""
+  if not (path / SINGLE).is_file():
+    return False
+  names = set(_index(path).values())
+  if names == {SINGLE}:
+    return False
+  warnings.warn(f"{path} holds both {SINGLE} and {INDEX} (shards "
+                f"{', '.join(sorted(names)[:2])}, ...); reading {SINGLE}, as "
+                "Hugging Face's loaders do.", stacklevel=4)
+  return True
 
 
 def read_config(path: str | os.PathLike) -> dict:
@@ -274,9 +283,11 @@ def read_safetensors(path: str | os.PathLike, quantized: bool = False
       infinite or negative block (zero is allowed), an unknown dtype, a
       truncated file, a malformed header (tensors' bytes overlapping among
       them), ``config.json``, block size or shard index (one placing a
-      tensor in a shard that does not hold it, or not listing a tensor a
-      shard holds), a tensor in two files, or a folder with both
-      ``model.safetensors`` and the index (ambiguous).
+      tensor in a shard that does not hold it). With an index each tensor
+      is read from the shard it names (others' copies and tensors it does
+      not list are not read); a folder holding ``model.safetensors`` and an
+      index of other shards is read from ``model.safetensors`` (with a
+      warning), as Hugging Face's loaders read it.
 
   Example:
     >>> import tempfile, numpy as np
@@ -291,31 +302,23 @@ def read_safetensors(path: str | os.PathLike, quantized: bool = False
   """
   path = pathlib.Path(path)
   block = _block(read_config(path))
+  files = _files(path)
+  index = (_index(path) if path.is_dir() and (path / INDEX).is_file()
+           and files != [path / SINGLE] else None)
   raw, where = {}, {}
-  for f in _files(path):
+  for f in files:
     for name, t in read_file(f).items():
-      if name in where:
-        raise SafetensorsError(f"tensor {name!r} is in both {where[name]} "
-                               f"and {f}.")
-      raw[name], where[name] = t, f
-  if path.is_dir() and (path / INDEX).is_file():
-    # Each tensor from the shard the index names, and none it does not.
-    index = _index(path)
-    extra = [n for n in raw if n not in index]
-    if extra:
-      raise SafetensorsError(
-          f"{path / INDEX} does not list tensors its shards hold: "
-          + ", ".join(f"{n} in {where[n].relative_to(path)}"
-                      for n in extra[:5])
-          + (f" and {len(extra) - 5} more" if len(extra) > 5 else "") + ".")
-    stray = {}
-    for name, shard in index.items():
-      if name not in raw or where[name] != path / shard:
-        stray[name] = shard
+      # With an index, each tensor from the shard it names (a copy in
+      # another shard, or a tensor it does not list, is not read: Hugging
+      # Face's loaders go by the index too).
+      if index is None or path / index.get(name, "") == f:
+        raw[name], where[name] = t, f
+  if index is not None:
+    stray = {n: s for n, s in index.items() if n not in raw}
     if stray:
       raise SafetensorsError(
-          f"{path / INDEX} places tensors in shards that do not hold them "
-          f"(held elsewhere or nowhere): "
+          f"{path / INDEX} places tensors in shards that do not hold "
+          f"them: "
           + ", ".join(f"{n} -> {s}" for n, s in list(stray.items())[:5])
           + (f" and {len(stray) - 5} more" if len(stray) > 5 else "") + ".")
   out = {}
@@ -472,12 +475,13 @@ def write_safetensors(path: str | os.PathLike,
   ``model-0000i-of-0000n.safetensors`` and ``model.safetensors.index.json``
   (a weight and its scale in one shard), and ``config.json``: ``config``
   with the ``quantization_config`` when any weight is FP8, without an FP8
-  one (``quant_method`` ``"fp8"``) when none is. Then it removes what an
-  earlier write of the other layout left in ``path`` under the names it
-  gives (the index and ``model-*-of-*`` shards, or ``model.safetensors``),
-  and shards of another count, so that the folder reads back as written.
+  one (``quant_method`` ``"fp8"``) when none is. Files of the same layout
+  are overwritten; nothing else is deleted.
 
   Raises:
+    SafetensorsError: ``path`` holds the other layout already (an index
+      where one file is to be written, or ``model.safetensors`` where
+      shards are): two checkpoints in one folder; nothing is written.
     ValueError: a bad ``scale_format`` or ``fp8_block`` value, a name
       ending in ``_scale_inv``, a plain E4M3 array or a dtype safetensors
       cannot name, a `QTensor` with ``fp8_block=None`` or of another block
@@ -523,30 +527,30 @@ def write_safetensors(path: str | os.PathLike,
                          + (f"; {fix} to E4M3." if narrow else "."))
       groups.append({name: t})
   path = pathlib.Path(path)
-  path.mkdir(parents=True, exist_ok=True)
   shards = _shards(groups, max_shard_bytes)
-  written = set()
+  # The other layout's files beside the new ones would make two checkpoints
+  # in one folder (a reader takes one of them): refused, nothing deleted.
+  other = ([INDEX] if len(shards) == 1 else [SINGLE])
+  other = [n for n in other if (path / n).is_file()]
+  if other:
+    raise SafetensorsError(
+        f"{path} holds {', '.join(other)}: writing a "
+        f"{'single-file' if len(shards) == 1 else 'sharded'} checkpoint "
+        "beside it would leave two checkpoints in one folder; write to "
+        "another folder, or remove the old one's files first.")
+  path.mkdir(parents=True, exist_ok=True)
   if len(shards) == 1:
     write_file(path / SINGLE, shards[0])
-    written.add(SINGLE)
   else:
     weight_map, total = {}, 0
     for i, shard in enumerate(shards):
       fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
       write_file(path / fname, shard)
-      written.add(fname)
       weight_map.update({n: fname for n in shard})
       total += sum(t.nbytes for t in shard.values())
     (path / INDEX).write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": weight_map},
         indent=2))
-    written.add(INDEX)
-  # A stale layout beside the new one would be read instead of it (or make
-  # the folder ambiguous): only our own names go.
-  for f in path.iterdir():
-    if f.name not in written and f.is_file() and (
-        f.name in (SINGLE, INDEX) or SHARD.fullmatch(f.name)):
-      f.unlink()
   config = dict(config or {})
   q = config.get("quantization_config")
   if not fp8 and isinstance(q, Mapping) and q.get("quant_method") == "fp8":
