@@ -55,13 +55,25 @@ def _data_key(t):
   return jax.random.key(lax.bitcast_convert_type(total, jnp.uint32))
 
 
+def _device_key(key, t):
+  """``key`` for stochastic rounding of ``t``: inside ``shard_map``, where
+  ``t`` is this device's part, folded with the device's index over the
+  manual axes ``t`` varies over. The bits are drawn by each element's place
+  in the array rounded (`qlayers.threefry`), and every device's part starts
+  at place 0: with one key the devices would draw the same bits (rounding
+  errors alike across data-parallel shards, not independent)."""
+  axes = sharding.varying_axes(t)
+  return jax.random.fold_in(key, lax.axis_index(axes)) if axes else key
+
+
 def operand(t: jax.Array, op: Operand, *, amax=None, key=None,
             dtype=jnp.float32, gather: tuple[str, ...] = ()):
   """The GEMM operand ``op`` (from a `dispatch.Plan`) made of ``t (..., C)``.
 
   The rows ``(M, C)`` of ``t``, Hadamard-transformed and quantized with
   `scaling.quantize` as ``op`` says (``amax``: the per-tensor amax to scale
-  by; ``key``: stochastic rounding, derived from the data when omitted), or
+  by; ``key``: stochastic rounding, derived from the data when omitted;
+  inside ``shard_map`` folded with the device's index, `_device_key`), or
   cast to ``dtype`` where ``op`` has no spec. Inside ``shard_map`` a
   per-tensor scale is the whole tensor's. ``gather``: manual axes over
   which 2-D ``t`` is a shard along dim 0 (an FSDP weight,
@@ -81,6 +93,8 @@ def operand(t: jax.Array, op: Operand, *, amax=None, key=None,
     (6, 64)
   """
   spec = op.spec
+  if key is not None and spec is not None and spec.stochastic:
+    key = _device_key(key, t)
   if gather:
     return _gathered(t, op, gather, amax=amax, key=key, dtype=dtype)
   if spec is None:

@@ -23,7 +23,9 @@ The hash is Threefry-2x32 with 20 rounds (Salmon et al., "Parallel random
 numbers: as easy as 1, 2, 3", SC 2011), its rotation distances and key
 schedule as JAX implements them (`jax.extend.random.threefry2x32_p`); the
 counter makes the bits a function of the element's place alone, so any
-layout, shard or reshape of an array draws the same bits for it.
+layout, shard or reshape of an array draws the same bits for it (inside
+``jax.shard_map`` a device sees only its part, numbered from 0: there
+`qlayers.operands` folds the device's index into the key instead).
 """
 
 from __future__ import annotations

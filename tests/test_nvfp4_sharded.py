@@ -29,3 +29,9 @@ def test_the_data_derived_key_is_not_layout_independent(results):
 def test_shard_map_scales_under_the_whole_tensors_amax(results):
   r = multidevice.result(results, "shard_map_operand")
   assert r["shard_map"] == r["single"]
+
+
+def test_shard_map_devices_draw_their_own_bits(results):
+  r = multidevice.result(results, "shard_map_step_keys")
+  assert not any(r["split_alike"]), r  # each device its own bits
+  assert all(r["replicated_alike"]), r  # one replicated tensor, one rounding

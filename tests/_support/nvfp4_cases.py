@@ -67,5 +67,30 @@ def shard_map_operand():
                             np.uint32).tolist()}}
 
 
+@case
+def shard_map_step_keys():
+  """Inside shard_map every device's part is numbered from place 0: with
+  one step key, data-parallel shards of identical rows drew the same bits
+  (their rounding errors alike). Each device now folds its index into the
+  key; a replicated tensor (a weight) rounds alike on every device."""
+  spec = qlayers.recipe("nvfp4").dgrad.lhs  # g, rounded stochastically
+  op = Operand(spec, 1)
+  rows = jax.random.normal(jax.random.key(2), (8, 64))
+  g = jnp.tile(rows, (8, 1))  # 8 identical row blocks, one per device
+  key = formats.rounding_key(jnp.uint32(7), jnp.uint32(3))
+  mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
+  def payload(in_spec):
+    return np.asarray(jax.jit(jax.shard_map(
+        lambda g: operands.operand(g, op, key=key).payload, mesh=mesh,
+        in_specs=in_spec, out_specs=P("d")))(g if in_spec == P("d")
+                                               else rows)).reshape(8, -1)
+  split, replicated = payload(P("d")), payload(P())
+  return {"split_alike": [bool(np.array_equal(split[0], split[i]))
+                          for i in range(1, 8)],
+          "replicated_alike": [bool(np.array_equal(replicated[0],
+                                                   replicated[i]))
+                               for i in range(1, 8)]}
+
+
 if __name__ == "__main__":
   case.main()
