@@ -13,9 +13,11 @@ Rules (``amax`` = max |x| over the unit, see `qlayers.blocks`):
 * ``deepseek`` (DeepSeek-V3 / DeepGEMM): stored scale
   ``max(amax, 1e-4) / max``, correctly rounded; payload ``sat(x * (1 /
   scale))``; ``pow2`` rounds the scale up to a power of two (UE8M0). With
-  the 1e-4 floor a unit whose amax is below 1e-4 keeps only E4M3's
-  subnormal steps of 1e-4 / 448 * 2**-9, and values below half of one
-  (about 2.2e-10 for E4M3) quantize to zero.
+  the 1e-4 floor a unit whose amax is below 1e-4 keeps the scale 1e-4 /
+  448: its values keep E4M3's 3 mantissa bits down to about 3.5e-9
+  (E4M3's smallest normal, 2**-6, times the scale), E4M3's subnormal steps
+  of 1e-4 / 448 * 2**-9 below that, and values below half of one (about
+  2.2e-10) quantize to zero.
 * ``mx_floor``: OCP MX v1.0 sec. 6.3: ``2**(floor(log2 amax) - emax_elem)``.
 * ``mx_rceil``: ``2**ceil(log2(amax / max))`` (the exponent of ``amax / max``
   rounded up when its mantissa is non-zero; the rule of TE/cuBLAS).
