@@ -31,6 +31,7 @@ import numpy as np
 from flax import nnx
 
 from qlayers import safetensors
+from qlayers import swap
 from qlayers.fields import positive_int
 from qlayers.layers.core import QuantLayer, hand_made
 from qlayers.layers.dense import QuantDense
@@ -114,8 +115,14 @@ def add_lora(model: nnx.Module, rank: int, *, rngs: nnx.Rngs,
   elif where is not None and not callable(where):
     raise TypeError(f"where must be a function of the dotted path or a "
                     f"regular expression, got {where!r}.")
+  # A layer held under several paths (shared, tied) is taken where
+  # ``where`` accepts any of them, as a Rule decides it.
+  paths = {id(s.layer): [p.replace("/", ".") for p in s.paths]
+           for s in swap.sites(model, lambda m: isinstance(m, QuantLayer),
+                               root=True)}
   found = [(_path(p), n) for p, n in nnx.iter_graph(model)
-           if isinstance(n, QuantLayer) and (where is None or where(_path(p)))]
+           if isinstance(n, QuantLayer) and (where is None or any(
+               map(where, paths.get(id(n), [_path(p)]))))]
   todo = []
   refused = [f"{p} (a stock layer running a QuantGemm)"
              for p in (p.replace("/", ".") for p in hand_made(model))

@@ -120,12 +120,16 @@ def test_complex_inputs_are_refused_naming_the_layer():
   # nnx.Linear computes them; the quantized layers said only "x must be
   # floating point" from deep in the GEMM.
   x = jnp.ones((2, 8), jnp.complex64)
-  for layer in (qlayers.QuantDense(8, 4, rngs=nnx.Rngs(0)),
-                qlayers.QuantLinearGeneral(8, 4, rngs=nnx.Rngs(0)),
-                qlayers.QuantEinsum("bd,df->bf", (8, 4), rngs=nnx.Rngs(0))):
+  experts = qlayers.layers.QuantExperts(2, 8, 4, rngs=nnx.Rngs(0))
+  for layer, call in (
+      (qlayers.QuantDense(8, 4, rngs=nnx.Rngs(0)), lambda l: l(x)),
+      (qlayers.QuantLinearGeneral(8, 4, rngs=nnx.Rngs(0)), lambda l: l(x)),
+      (qlayers.QuantEinsum("bd,df->bf", (8, 4), rngs=nnx.Rngs(0)),
+       lambda l: l(x)),
+      (experts, lambda l: l(x, jnp.array([1, 1], jnp.int32)))):
     with pytest.raises(TypeError, match=rf"{type(layer).__name__} expects "
                        r"real inputs, got complex64 of shape \(2, 8\)"):
-      layer(x)
+      call(layer)
 
 
 # A row-parallel layer inside jax.shard_map: kernel split along K over "tp",

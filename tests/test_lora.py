@@ -253,6 +253,11 @@ def test_add_lora_takes_a_pattern_and_names_a_bad_rank():
       qlayers.add_lora(model, bad, rngs=nnx.Rngs(2))
   with pytest.raises(ValueError, match="that `where` accepts"):
     qlayers.add_lora(model, 2, rngs=nnx.Rngs(2), where=re.compile("nope"))
+  # A shared layer is taken where `where` names any of its paths, as a Rule
+  # decides it (it saw only the first path).
+  model.tied = model.layers[0]  # after "layers": its second path
+  assert qlayers.add_lora(model, 2, rngs=nnx.Rngs(2), where=r"^tied$") == 1
+  assert model.layers[0].lora is not None
 
 
 def test_merge_into_a_delayed_param_kernel_settles_its_weight_history():

@@ -52,6 +52,7 @@ from qlayers.heads import output_heads
 from qlayers.integrations import tunix_moe
 from qlayers.layers.core import (QuantGemm, QuantLayer, gemms, seed_rounding,
                                  update_scales)
+from qlayers.layers.dense import check_real
 from qlayers.layers.general import _expand_ellipsis, einsum_gemm_plan
 from qlayers.recipe import Recipe, recipe as load_recipe
 from qlayers.state import QuantGradState
@@ -155,6 +156,7 @@ class QuantTunixEinsum(QuantLayer, nnx.Module):
     return einsum_gemm_plan(self.einsum_str)
 
   def __call__(self, x: jax.Array) -> jax.Array:
+    check_real(type(self).__name__, x)
     lhs, rhs, out, contracted, free = self.gemm_plan()
     lhs, out = _expand_ellipsis(self.einsum_str.replace(" ", ""), lhs, out,
                                 x.ndim)
@@ -217,8 +219,8 @@ def add_lora(model: nnx.Module, rank: int, *, rngs: nnx.Rngs,
   layers = ([model] if isinstance(model, QuantTunixEinsum) else
             [s.layer for s in swap.sites(
                 model, lambda m: isinstance(m, QuantTunixEinsum))
-             if filter is None or convert.Rule(
-                 pattern=filter, recipe=None).matches(s.path)])
+             if filter is None or any(convert.Rule(
+                 pattern=filter, recipe=None).matches(p) for p in s.paths)])
   if not layers:
     raise ValueError(
         "qlayers.integrations.tunix.add_lora found no QuantTunixEinsum"

@@ -27,6 +27,7 @@ from qlayers import ops
 from qlayers import ragged
 from qlayers import sharding
 from qlayers.layers.core import QuantGemm, QuantLayer
+from qlayers.layers.dense import check_real
 from qlayers.layers.general import einsum_gemm_plan
 from qlayers.recipe import Recipe
 
@@ -135,6 +136,7 @@ class QuantRaggedDot(QuantGemm):
     """`lax.ragged_dot`, quantized; ``precision`` is ignored (the recipe sets
     operand precision) and ``group_offset`` refused (pass the local groups)."""
     del precision
+    check_real(type(self).__name__, lhs)
     if group_offset is not None:
       raise NotImplementedError(
           "QuantRaggedDot does not take group_offset (a shard of the groups); "
@@ -249,6 +251,7 @@ class QuantExpertsEinsum(QuantLayer, nnx.Einsum):
   def __call__(self, inputs: jax.Array, einsum_str: str | None = None,
                out_sharding=None) -> jax.Array:
     """Applies the equation, quantized per expert."""
+    check_real(type(self).__name__, inputs)
     eq = (einsum_str or self.einsum_str).replace(" ", "")
     e = expert_einsum(eq)
     inputs, kernel, bias = self.promote_dtype(
@@ -347,6 +350,7 @@ class QuantExperts(QuantLayer, nnx.Module):
   def __call__(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """``x [m, in_features]`` (sorted by expert), ``group_sizes
     [num_experts]`` -> ``[m, out_features]``; rows past the groups give 0."""
+    check_real(type(self).__name__, x)
     kernel = self.kernel[...]
     k = sharding.weight_shards(kernel, 1)[1][1]  # an FSDP shard's whole K
     if x.ndim != 2 or x.shape[1] != k:
