@@ -493,9 +493,8 @@ def _check_freezable(model: nnx.Module, plan) -> None:
     raise ValueError(
         f"quantize(..., frozen=True): {', '.join(stacks)} hold a stack of "
         "kernels (nnx.vmap, or batch_axis), which freeze does not store; "
-        "nothing was "
-        "changed. Quantize without frozen= (the stack trains as it is), or "
-        "keep those layers stock with a Rule.")
+        "nothing was changed. Quantize without frozen= (the stack trains as "
+        "it is), or keep those layers stock with a Rule.")
   kernels = [(p, r) for p, _, r in kernels]
   wide = [f"{p} ({r.name})" for p, r in kernels if r.fprop.rhs is None]
   drawn = [f"{p} ({r.name})" for p, r in kernels

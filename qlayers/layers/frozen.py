@@ -304,7 +304,7 @@ def contracted_dims(layer, where: str) -> int | None:
   if isinstance(layer, nnx.Einsum):
     _, rhs, _, contracted, _ = einsum_gemm_plan(layer.einsum_str)
     return len(contracted) if rhs[:len(contracted)] == contracted else None
-  return len(single) - len(_features(layer.out_features))
+  return len(_features(layer.in_features))
 
 
 def _features(n) -> tuple:
