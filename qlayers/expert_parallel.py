@@ -382,10 +382,9 @@ def run(fn: Callable, params, x: jax.Array, expert_ids: jax.Array,
   (expert) dim unless ``param_specs`` (a pytree of ``PartitionSpec``) says
   otherwise (on a mesh of explicit axes, inputs laid out otherwise are
   resharded to these specs first); other mesh axes stay automatic inside.
-  Without a mesh (or
-  with one device on ``axis``) it is `dispatch`, ``fn``, `combine` on one
-  device. The experts' amaxes are their own device's (`qlayers.sharding.
-  local_scales`): per-expert scales, as on one device.
+  Without a mesh (or with one device on ``axis``) it is `dispatch`, ``fn``,
+  `combine` on one device. The experts' amaxes are their own device's
+  (`qlayers.sharding.local_scales`): per-expert scales, as on one device.
 
   ``fsdp`` names a second mesh axis (FSDP of the experts): the tokens are
   split over ``(fsdp, axis)``, and every rank-3 parameter (a stacked
