@@ -142,12 +142,14 @@ class Converted:
 class KeptWide:
   """A layer left unquantized by a rule (``rule=None``: no rule matched, and
   there was no default recipe or the layer is an embedding, which only a rule
-  quantizes); ``why`` says how an output head was found."""
+  quantizes); ``why`` says how an output head was found; ``aliases``
+  further paths of the same (shared) layer."""
 
   path: str
   layer_type: str
   rule: str | None
   why: str = ""
+  aliases: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,7 +211,9 @@ class ConversionReport:
             f"{c.old_type} -> {c.new_type}", c.shape, c.recipe,
             _rule_str(c.rule, self.operation)] for c in self.converted])
     table("kept wide", ["path", "layer", "rule"],
-          [[k.path or "(model)", k.layer_type,
+          [[(k.path or "(model)")
+            + (f" (= {', '.join(k.aliases)})" if k.aliases else ""),
+            k.layer_type,
             ("no rule matched" if k.rule is None
              else _rule_str(k.rule, self.operation))
             + (f": {k.why}" if k.why else "")] for k in self.kept_wide])
@@ -292,10 +296,12 @@ def _decide(site, rule, r, head, backend, report, stale, stacked):
     return None
   if isinstance(layer, nnx.Embed) and (rule is None or rule.recipe is None):
     if head:  # a tied output head: listed; embeddings are silent otherwise
-      report.kept_wide.append(KeptWide(site.path, kind, name, head))
+      report.kept_wide.append(KeptWide(site.path, kind, name, head,
+                                       site.paths[1:]))
     return None
   if r is None:
-    report.kept_wide.append(KeptWide(site.path, kind, name, head))
+    report.kept_wide.append(KeptWide(site.path, kind, name, head,
+                                     site.paths[1:]))
     return None
   try:
     moe = swap_experts.is_experts(layer)

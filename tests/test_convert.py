@@ -349,6 +349,9 @@ def test_a_rule_naming_any_path_of_a_shared_layer_decides_it():
   assert type(net.encoder_proj) is nnx.Linear  # kept wide by its rule
   assert type(net.lm_head) is nnx.Linear  # kept wide by DEFAULT_KEEP_WIDE
   assert not report.converted and not report.unmatched_rules
+  # The report names the path the rule matched too.
+  assert "in_proj (= lm_head)" in str(report)
+  assert "decoder_proj (= encoder_proj)" in str(report)
 
 
 class Stacked(nnx.Module):

@@ -286,7 +286,8 @@ def quantize(model: nnx.Module, recipe: Recipe | str | None, rules=None, *,
         None if rule.recipe is None else load_recipe(rule.recipe))
     name = None if rule is None else rule.pattern
     if r is None:
-      wide.append(convert.KeptWide(site.path, kind, name))
+      wide.append(convert.KeptWide(site.path, kind, name,
+                                   aliases=site.paths[1:]))
       continue
     try:
       shape = (tunix_moe.check if moe else _check)(layer, r)
