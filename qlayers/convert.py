@@ -113,6 +113,13 @@ class Rule:
     return re.search(self.pattern, path) is not None
 
 
+def rule_for(rules, paths, head: str = "") -> Rule | None:
+  """The first of ``rules`` matching any of ``paths`` (a layer held under
+  several: shared, tied), or None."""
+  return next((r for r in rules if any(r.matches(p, head) for p in paths)),
+              None)
+
+
 KEEP_HEAD_WIDE = Rule(head=True, recipe=None)
 """Keeps the model's output head wide, whatever its name (see `Rule.head`)."""
 
@@ -428,9 +435,7 @@ def quantize(model: nnx.Module, recipe: Recipe | str | None,
   plan, used, stale = [], set(), []
   for site in sites + experts:
     head = heads.get(id(site.layer), "")
-    # A layer shared under several names: a rule naming any of them.
-    rule = next((r for r in rules if any(r.matches(p, head)
-                                         for p in site.paths)), None)
+    rule = rule_for(rules, site.paths, head)
     used.add(id(rule))
     r = default if rule is None else resolved[id(rule)]
     if rule is None and id(site.layer) in routers:

@@ -122,7 +122,7 @@ def add_lora(model: nnx.Module, rank: int, *, rngs: nnx.Rngs,
                                root=True)}
   found = [(_path(p), n) for p, n in nnx.iter_graph(model)
            if isinstance(n, QuantLayer) and (where is None or any(
-               map(where, paths.get(id(n), [_path(p)]))))]
+               map(where, paths[id(n)])))]
   todo = []
   refused = [f"{p} (a stock layer running a QuantGemm)"
              for p in (p.replace("/", ".") for p in hand_made(model))

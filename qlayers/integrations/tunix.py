@@ -219,8 +219,8 @@ def add_lora(model: nnx.Module, rank: int, *, rngs: nnx.Rngs,
   layers = ([model] if isinstance(model, QuantTunixEinsum) else
             [s.layer for s in swap.sites(
                 model, lambda m: isinstance(m, QuantTunixEinsum))
-             if filter is None or any(convert.Rule(
-                 pattern=filter, recipe=None).matches(p) for p in s.paths)])
+             if filter is None or convert.rule_for(
+                 [convert.Rule(pattern=filter, recipe=None)], s.paths)])
   if not layers:
     raise ValueError(
         "qlayers.integrations.tunix.add_lora found no QuantTunixEinsum"
@@ -280,8 +280,7 @@ def quantize(model: nnx.Module, recipe: Recipe | str | None, rules=None, *,
     layer, kind = site.layer, type(site.layer).__name__
     moe = tunix_moe.is_tunix_moe(layer)
     new_cls = tunix_moe.QuantTunixMoE if moe else QuantTunixEinsum
-    rule = next((r for r in rules if any(r.matches(p)
-                                         for p in site.paths)), None)
+    rule = convert.rule_for(rules, site.paths)
     r = default if rule is None else (
         None if rule.recipe is None else load_recipe(rule.recipe))
     name = None if rule is None else rule.pattern
@@ -329,8 +328,7 @@ def _check_strict(model, rules, tunix_sites, example_input) -> None:
   used = set()
   for site in tunix_sites + sites + swap_experts.sites(model):
     head = heads.get(id(site.layer), "")
-    used.add(id(next((r for r in rules if any(r.matches(p, head)
-                                              for p in site.paths)), None)))
+    used.add(id(convert.rule_for(rules, site.paths, head)))
   bad = [r for r in rules if id(r) not in used
          and r not in convert.DEFAULT_RULES]
   if bad:
