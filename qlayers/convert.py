@@ -36,8 +36,7 @@ from flax import nnx
 from qlayers import dispatch, swap, swap_experts
 from qlayers.heads import output_heads
 from qlayers.layers.core import hand_made, seed_rounding
-from qlayers.layers.frozen import (FREEZABLE, FrozenKernel, freeze_kernels,
-                                    single_kernel_shape)
+from qlayers.layers.frozen import FREEZABLE, FrozenKernel, freeze_kernels
 from qlayers.recipe import Recipe, recipe as load_recipe
 
 __all__ = ["Rule", "DEFAULT_KEEP_WIDE", "KEEP_HEAD_WIDE", "DEFAULT_RULES",
@@ -483,30 +482,16 @@ def quantize(model: nnx.Module, recipe: Recipe | str | None,
 
 def _check_freezable(model: nnx.Module, plan) -> None:
   """``quantize(..., frozen=True)``'s check, before anything is swapped:
-  every kernel `freeze` will store needs a recipe that quantizes weights
-  (rounded to nearest: `freeze` takes a key for stochastic rounding) and
-  must be a single layer's (not a stack made under ``nnx.vmap``)."""
-  # (label, layer, recipe) of every kernel freeze will store: the layers
-  # about to be swapped, and the qlayers layers already there.
-  kernels = [(site.path, site.layer, r) for site, r, *_ in plan
+  every kernel `freeze` will store needs a recipe that quantizes weights,
+  rounded to nearest (`freeze` takes a key for stochastic rounding)."""
+  # (label, recipe) of every kernel freeze will store: the layers about to
+  # be swapped, and the qlayers layers already there.
+  kernels = [(site.path, r) for site, r, *_ in plan
              if not swap_experts.is_experts(site.layer)]
-  kernels += [("/".join(map(str, path)), node, node.recipe)
+  kernels += [("/".join(map(str, path)), node.recipe)
               for path, node in nnx.iter_graph(model)
               if isinstance(node, FREEZABLE)
               and isinstance(node.kernel, nnx.Param)]
-  # Of the kernels freeze stores (linear layers and einsums, not the
-  # experts'), those of another shape than one layer's are stacks.
-  stacks = [f"{p} {tuple(layer.kernel.shape)}" for p, layer, _ in kernels
-            if isinstance(layer, (nnx.Linear, nnx.LinearGeneral, nnx.Einsum))
-            and not swap.experts_einsum(layer)
-            and tuple(layer.kernel.shape) != single_kernel_shape(layer)]
-  if stacks:
-    raise ValueError(
-        f"quantize(..., frozen=True): {', '.join(stacks)} hold a stack of "
-        "kernels (nnx.vmap, or batch_axis), which freeze does not store; "
-        "nothing was changed. Quantize without frozen= (the stack trains as "
-        "it is), or keep those layers stock with a Rule.")
-  kernels = [(p, r) for p, _, r in kernels]
   wide = [f"{p} ({r.name})" for p, r in kernels if r.fprop.rhs is None]
   drawn = [f"{p} ({r.name})" for p, r in kernels
            if r.fprop.rhs is not None and r.fprop.rhs.stochastic]

@@ -129,8 +129,8 @@ def _inputs(module, var) -> int | None:
   None where the layer does not say, or an einsum's kernel has them
   elsewhere (``"bd,fd->bf"`` is stored ``(out, in)`` already: the tensor
   loads as it is)."""
-  if isinstance(var, FrozenKernel):
-    return var.n_in
+  if isinstance(var, FrozenKernel):  # a stack's: one tensor per layer
+    return None if var.stack else var.n_in
   if len(var.shape) == 2 and not isinstance(module, nnx.Einsum):
     return 1
   try:

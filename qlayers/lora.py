@@ -36,7 +36,7 @@ from qlayers.fields import positive_int
 from qlayers.layers.core import QuantLayer, hand_made
 from qlayers.layers.dense import QuantDense
 from qlayers.layers.frozen import (FrozenKernel, check_key, contracted_dims,
-                                    settle_delayed)
+                                    layer_stack, settle_delayed)
 from qlayers.layers.general import QuantEinsum, QuantLinearGeneral
 
 __all__ = ["add_lora", "lora_layers", "merge_lora", "save_adapters",
@@ -58,18 +58,17 @@ def lora_layers(model: nnx.Module) -> Iterator[tuple[tuple, nnx.Module]]:
       yield path, node
 
 
-def _gemm_dims(layer) -> tuple[int, int] | str | None:
-  """``(K, N)`` of the GEMM an adapter sits beside: the kernel's leading
-  (contracted) dims and the rest; None where the contracted dims of an
-  einsum's kernel do not lead, ``"stack"`` for a stack of layers."""
-  try:
-    n_in = contracted_dims(layer, "add_lora")
-  except ValueError:  # a stack of layers (nnx.vmap)
-    return "stack"
+def _gemm_dims(layer) -> tuple[tuple[int, ...], int, int] | None:
+  """``(stack, K, N)`` of the GEMM an adapter sits beside: the dims of a
+  stack of layers (``nnx.vmap``; ``()`` for one layer), and of each
+  layer's kernel the leading (contracted) dims and the rest; None where
+  the contracted dims of an einsum's kernel do not lead."""
+  n_in = contracted_dims(layer, "add_lora", stacks=True)
   if n_in is None:
     return None
-  shape = tuple(layer.kernel.shape)
-  return math.prod(shape[:n_in]), math.prod(shape[n_in:])
+  stack = layer_stack(layer)
+  shape = tuple(layer.kernel.shape)[len(stack):]
+  return stack, math.prod(shape[:n_in]), math.prod(shape[n_in:])
 
 
 def add_lora(model: nnx.Module, rank: int, *, rngs: nnx.Rngs,
@@ -87,9 +86,11 @@ def add_lora(model: nnx.Module, rank: int, *, rngs: nnx.Rngs,
   zero, so the model's outputs do not change until it trains. ``dtype``: the
   adapter GEMMs' dtype (default ``param_dtype``). A layer that has one
   keeps it. A quantized layer that cannot take one (an einsum whose kernel
-  does not lead with its contracted dims, a stack of general layers, the
-  experts' grouped GEMMs, a tied embedding) is named in a warning; a model
-  with no quantized layer (where ``where`` accepts) is a ValueError.
+  does not lead with its contracted dims, the experts' grouped GEMMs, a tied embedding) is named in a warning; a model
+  with no quantized layer (where ``where`` accepts) is a ValueError. A
+  stack of layers made under ``nnx.vmap`` gets a stack of adapters (each
+  layer its own ``lora_a``, drawn on its own), which ``nnx.scan`` over the
+  stack hands each layer as it hands it its kernel.
 
   Example:
     >>> import jax.numpy as jnp
@@ -129,11 +130,7 @@ def add_lora(model: nnx.Module, rank: int, *, rngs: nnx.Rngs,
              if where is None or where(p)]
   for path, node in found:
     dims = _gemm_dims(node) if isinstance(node, _ADAPTABLE) else None
-    if dims == "stack":
-      refused.append(f"{path or '(model)'} (a stack of "
-                     f"{type(node).__name__} layers: its kernel "
-                     f"{tuple(node.kernel.shape)} has a leading layer dim)")
-    elif dims is None:
+    if dims is None:
       refused.append(f"{path or '(model)'} ({type(node).__name__})")
     elif getattr(node, "lora", None) is None:
       todo.append((node, dims))
@@ -150,10 +147,29 @@ def add_lora(model: nnx.Module, rank: int, *, rngs: nnx.Rngs,
         "QuantDense, QuantLinearGeneral and QuantEinsum layers whose kernel "
         "leads with its contracted dims); pass where= to leave them out "
         "and silence this.", stacklevel=2)
-  for node, (k, n) in todo:
-    node.lora = nnx.LoRA(k, rank, n, dtype=dtype or param_dtype,
+  for node, (stack, k, n) in todo:
+    node.lora = _adapter(stack, k, rank, n, dtype=dtype or param_dtype,
                          param_dtype=param_dtype, rngs=rngs)
   return len(todo)
+
+
+def _adapter(stack: tuple[int, ...], k: int, rank: int, n: int, *,
+             rngs: nnx.Rngs, **kw) -> nnx.LoRA:
+  """An ``nnx.LoRA`` of one layer, or (``stack``) one per stacked layer
+  made under ``nnx.vmap``, its Params' stack dims flattened by it and
+  restored here."""
+  if not stack:
+    return nnx.LoRA(k, rank, n, rngs=rngs, **kw)
+
+  @nnx.split_rngs(splits=math.prod(stack))
+  @nnx.vmap(in_axes=0, out_axes=0)
+  def make(rngs):
+    return nnx.LoRA(k, rank, n, rngs=rngs, **kw)
+
+  lora = make(rngs)
+  for var in (lora.lora_a, lora.lora_b):
+    var.set_value(var.get_value().reshape(*stack, *var.shape[1:]))
+  return lora
 
 
 def merge_lora(model: nnx.Module, *, key: jax.Array | None = None) -> int:
@@ -178,7 +194,7 @@ def merge_lora(model: nnx.Module, *, key: jax.Array | None = None) -> int:
             key)
   for i, (_, node) in enumerate(found):
     lora = node.lora
-    delta = (lora.lora_a[...].astype(jnp.float32)
+    delta = (lora.lora_a[...].astype(jnp.float32)  # per stacked layer
              @ lora.lora_b[...].astype(jnp.float32))
     delta = delta.reshape(node.kernel.shape)
     if isinstance(node.kernel, FrozenKernel):

@@ -16,6 +16,8 @@ import qlayers
 from qlayers import checkpoint, scaling
 from qlayers.layers.frozen import CHECKPOINT_SPEC
 
+from _support.helpers import Scanned
+
 
 def _bits(x):
   x = np.asarray(x)
@@ -178,9 +180,7 @@ def test_freeze_errors_and_checkpoint_round_trip(tmp_path):
   with pytest.warns(UserWarning, match=r"freeze: QuantEinsum \(QuantEinsum\)"
                                        r" keep their wide weights"):
     assert qlayers.freeze(einsum) == 0
-  with pytest.raises(ValueError, match=r"kernel \(3, 64, 32\) is not \(in, "
-                                       r"out\) = \(64, 32\)"):
-    qlayers.freeze(stack)
+  assert qlayers.freeze(stack) == 1 and stack.kernel.stack == (3,)
   layer = qlayers.QuantDense(64, 32, recipe="mxfp8", rngs=nnx.Rngs(0))
   qlayers.freeze(layer)
   with pytest.raises(ValueError, match=r"kernel shape \(3, 3\), expected"):
@@ -614,10 +614,9 @@ def test_a_stochastically_rounded_kernel_freezes_with_a_key():
   assert type(stock.layers[1]) is nnx.Linear
 
 
-def test_stacks_of_kernels_are_refused_before_anything_changes():
-  # quantize(..., frozen=True) of a model with nnx.vmap-stacked layers
-  # swapped every layer, then raised in freeze; a stacked QuantEinsum was
-  # "frozen" as if its stack dim were its input (one scale for all).
+def test_quantize_frozen_stores_stacks_and_leaves_batched_kernels():
+  # A model with nnx.vmap-stacked layers was refused; a batched
+  # LinearGeneral (batch_axis) is no stack: it stays stock, as unfrozen.
   class Block(nnx.Module):
     def __init__(self, rngs):
       self.up = nnx.Linear(64, 128, rngs=rngs)
@@ -630,25 +629,16 @@ def test_stacks_of_kernels_are_refused_before_anything_changes():
   class Model(nnx.Module):
     def __init__(self, rngs):
       self.blocks = stack(rngs)
-      self.first = nnx.Linear(64, 64, rngs=rngs)
+      self.batched = nnx.LinearGeneral(64, 128, batch_axis={0: 3},
+                                       rngs=rngs)
 
   model = Model(nnx.Rngs(1))
-  with pytest.raises(ValueError, match=r"blocks/up \(3, 64, 128\) hold a "
-                     "stack.*nothing was changed"):
-    qlayers.quantize(model, "fp8_current", frozen=True)
-  assert type(model.first) is nnx.Linear and type(model.blocks.up) is (
-      nnx.Linear)
-  @nnx.split_rngs(splits=3)
-  @nnx.vmap(in_axes=0, out_axes=0)
-  def einsum_stack(rngs):
-    return qlayers.QuantEinsum("bd,df->bf", (64, 32), recipe="fp8_current",
-                               rngs=rngs)
-
-  einsums = einsum_stack(nnx.Rngs(0))
-  with pytest.raises(ValueError, match=r"kernel \(3, 64, 32\) is not the "
-                     r"einsum's kernel_shape \(64, 32\)"):
-    qlayers.freeze(einsums)
-  assert isinstance(einsums.kernel, nnx.Param)
+  report = qlayers.quantize(model, "fp8_current", frozen=True)
+  assert [c.path for c in report.converted] == ["blocks/up"]
+  assert "batch_axis" in str(report)
+  assert model.blocks.up.kernel.shape == (3, 64, 128)
+  assert model.blocks.up.kernel.payload.shape == (3, 128, 64)
+  assert type(model.batched) is nnx.LinearGeneral
   # Not stacks: an embedding a rule quantizes (no kernel), the experts'
   # batched einsum (freeze leaves both as they are).
   class Other(nnx.Module):
@@ -664,6 +654,85 @@ def test_stacks_of_kernels_are_refused_before_anything_changes():
   assert isinstance(other.up.kernel, qlayers.FrozenKernel)
   assert type(other.embed).__name__ == "QuantEmbed"
   assert type(other.experts).__name__ == "QuantExpertsEinsum"
+
+
+@pytest.mark.parametrize("recipe, make", [
+    ("mxfp4", lambda rngs: nnx.Linear(64, 64, rngs=rngs)),
+    ("nvfp4", lambda rngs: nnx.Linear(64, 64, rngs=rngs)),
+    ("fp8_delayed", lambda rngs: nnx.Einsum("bd,df->bf", (64, 64), (64,),
+                                            rngs=rngs))])
+def test_a_stack_of_layers_freezes_layer_by_layer(recipe, make):
+  """A model scanned over its layers (was refused; a stacked einsum was
+  once frozen with its stack dim as its input): each layer's codes and
+  scales are what freezing it alone stores, and nnx.scan runs each layer's
+  GEMM on its own codes, bit for bit the GEMM of their dequantized
+  values."""
+  model = Scanned(make, nnx.Rngs(0))
+  wide = np.asarray(model.layers.kernel[...])
+  qlayers.quantize(model, recipe, frozen=True)
+  kernel = model.layers.kernel
+  assert isinstance(kernel, qlayers.FrozenKernel)
+  assert kernel.stack == (3,) and kernel.shape == (3, 64, 64)
+  levels = [v for v in (kernel.payload, kernel.scale, kernel.tensor_scale)
+            if v is not None]
+  for i in range(3):
+    alone = qlayers.FrozenKernel.quantize(wide[i], kernel.spec)
+    assert alone.bytes_per_weight == kernel.bytes_per_weight
+    mine = [alone.payload, alone.scale, alone.tensor_scale]
+    for got, want in zip(levels, mine):
+      np.testing.assert_array_equal(_bits(got[...][i]), _bits(want[...]))
+  stored = kernel.dequantize(jnp.float32)
+  assert stored.shape == (3, 64, 64)
+  with pytest.raises(ValueError, match=r"stack of layers \(3, 64, 64\)"):
+    kernel.qtensor()
+  if recipe == "fp8_delayed":  # each layer's weight amax, its own
+    np.testing.assert_array_equal(model.layers.quant.w_amax[...],
+                                  jnp.max(jnp.abs(stored), axis=(1, 2)))
+  # The scan, against the same stack with its dequantized kernel as Params.
+  reference = Scanned(make, nnx.Rngs(0))
+  qlayers.quantize(reference, recipe)
+  reference.layers.kernel[...] = stored
+  np.testing.assert_array_equal(_bits(apply(model, X)),
+                                _bits(apply(reference, X)))
+  # Its own codes are a fixed point: requantized, nothing changes.
+  before = [np.asarray(v[...]) for v in levels]
+  kernel.requantize(stored)
+  for v, b in zip(levels, before):
+    np.testing.assert_array_equal(_bits(v[...]), _bits(b))
+  back = qlayers.dequantize_model(model)
+  assert back.converted and isinstance(model.layers.kernel, nnx.Param)
+  np.testing.assert_array_equal(model.layers.kernel[...], stored)
+
+
+def test_a_stack_rounded_stochastically_draws_per_layer():
+  """Three equal layers stored with stochastic rounding draw their own
+  bits each (one key per layer), and the stack's names lead its codes'."""
+  spec = scaling.QuantSpec(format="e2m1", granularity="mx",
+                           rounding="stochastic")
+  mesh = jax.make_mesh((1, 1), ("layers", "model"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+  @nnx.split_rngs(splits=3)
+  @nnx.vmap(in_axes=0, out_axes=0,
+            transform_metadata={nnx.PARTITION_NAME: "layers"})
+  def make(rngs):
+    return qlayers.QuantDense(
+        64, 64, recipe="mxfp4", rngs=nnx.Rngs(0),
+        kernel_metadata={"out_sharding": (None, "model")})
+
+  with jax.set_mesh(mesh):
+    stack = make(nnx.Rngs(0))
+  same = np.asarray(stack.kernel[...])
+  np.testing.assert_array_equal(same[0], same[1])
+  with pytest.raises(ValueError, match="PRNG key"):
+    qlayers.freeze(stack, spec=spec)
+  qlayers.freeze(stack, spec=spec, key=jax.random.key(7))
+  codes = _bits(stack.kernel.payload[...])
+  assert not np.array_equal(codes[0], codes[1])
+  assert not np.array_equal(codes[1], codes[2])
+  specs = nnx.get_partition_spec(nnx.state(stack))["kernel"]
+  assert specs["payload"].get_value() == jax.P("layers", "model", None)
+  assert specs["scale"].get_value() == jax.P("layers", "model", None)
 
 
 def test_a_frozen_kernel_keeps_its_sharding_names(tmp_path):

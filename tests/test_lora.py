@@ -14,6 +14,8 @@ import qlayers
 from qlayers import checkpoint, safetensors
 from qlayers.layers.frozen import CHECKPOINT_SPEC, FrozenKernel
 
+from _support.helpers import Scanned
+
 
 class Net(nnx.Module):
   def __init__(self, recipe, rngs):
@@ -219,23 +221,55 @@ def test_dequantize_model_keeps_a_layer_whose_adapter_is_not_merged():
   np.testing.assert_array_equal(net(X), before)
 
 
-def test_add_lora_names_a_stack_of_dense_layers_and_leaves_it():
-  # A stack made under nnx.vmap got an unstacked adapter: the scan over it
-  # and merge_lora then failed far from the cause.
-  @nnx.split_rngs(splits=3)
-  @nnx.vmap(in_axes=(0,), out_axes=0)
-  def stack(rngs):
-    return qlayers.QuantDense(16, 16, recipe="fp8_current", rngs=rngs)
+def _linear(rngs):
+  return nnx.Linear(64, 64, rngs=rngs)
 
-  model = nnx.Dict(blocks=stack(nnx.Rngs(0)),
-                   head=qlayers.QuantDense(16, 8, rngs=nnx.Rngs(1)))
-  with pytest.warns(UserWarning, match=r"blocks \(a stack of QuantDense "
-                   r"layers: its kernel \(3, 16, 16\) has a leading layer"):
-    assert qlayers.add_lora(model, 2, rngs=nnx.Rngs(2)) == 1
-  assert getattr(model.blocks, "lora", None) is None
-  with pytest.raises(TypeError, match="rngs must be an nnx.Rngs"):
-    qlayers.add_lora(model, 2, rngs=None)
-  assert model.head.lora is not None
+
+def test_qlora_of_a_model_scanned_over_its_layers(tmp_path):
+  """A stack made under nnx.vmap gets an adapter per layer (it got one
+  unstacked adapter, then was refused), trained under nnx.scan beside the
+  frozen codes, saved and loaded exactly, and merged layer by layer."""
+  model = Scanned(_linear, nnx.Rngs(0))
+  qlayers.quantize(model, "fp8_current", frozen=True)
+  before = model(X)
+  assert qlayers.add_lora(model, 2, rngs=nnx.Rngs(1)) == 1
+  lora = model.layers.lora
+  assert lora.lora_a.shape == (3, 64, 2) and lora.lora_b.shape == (3, 2, 64)
+  a = np.asarray(lora.lora_a[...], np.float32)
+  assert not np.array_equal(a[0], a[1]) and not np.array_equal(a[1], a[2])
+  np.testing.assert_array_equal(_bits(model(X)), _bits(before))
+  codes = np.asarray(model.layers.kernel.payload[...])
+  opt = qlayers.Optimizer(model, optax.adam(1e-2), wrt=nnx.LoRAParam)
+
+  @nnx.jit
+  def step(model, opt):
+    loss, grads = qlayers.value_and_grad(
+        lambda m: jnp.mean((m(X) - 0.5) ** 2), wrt=nnx.LoRAParam)(model)
+    opt.update(model, grads)
+    return loss
+
+  losses = [float(step(model, opt)) for _ in range(3)]
+  assert losses[-1] < losses[0]
+  b = np.asarray(lora.lora_b[...], np.float32)
+  assert all(np.abs(b[i]).max() > 0 for i in range(3))
+  np.testing.assert_array_equal(_bits(model.layers.kernel.payload[...]),
+                                _bits(codes))
+  trained = model(X)
+  path = qlayers.lora.save_adapters(tmp_path / "a.safetensors", model)
+  other = Scanned(_linear, nnx.Rngs(0))
+  qlayers.quantize(other, "fp8_current", frozen=True)
+  qlayers.add_lora(other, 2, rngs=nnx.Rngs(7))
+  qlayers.lora.load_adapters(path, other)
+  np.testing.assert_array_equal(_bits(other(X)), _bits(trained))
+  # Merged: layer i's codes are its own kernel plus its own adapter's.
+  stored = model.layers.kernel.dequantize(jnp.float32)
+  a = lora.lora_a[...].astype(jnp.float32)
+  assert qlayers.merge_lora(model) == 1
+  for i in range(3):
+    want = FrozenKernel.quantize(stored[i] + a[i] @ b[i],
+                                 model.layers.kernel.spec)
+    np.testing.assert_array_equal(
+        _bits(model.layers.kernel.payload[...][i]), _bits(want.payload[...]))
 
 
 def test_add_lora_takes_a_pattern_and_names_a_bad_rank():
@@ -251,6 +285,8 @@ def test_add_lora_takes_a_pattern_and_names_a_bad_rank():
   for bad in (2.0, True):
     with pytest.raises(ValueError, match="rank must be a positive int"):
       qlayers.add_lora(model, bad, rngs=nnx.Rngs(2))
+  with pytest.raises(TypeError, match="rngs must be an nnx.Rngs"):
+    qlayers.add_lora(model, 2, rngs=None)
   with pytest.raises(ValueError, match="that `where` accepts"):
     qlayers.add_lora(model, 2, rngs=nnx.Rngs(2), where=re.compile("nope"))
   # A shared layer is taken where `where` names any of its paths, as a Rule

@@ -74,14 +74,20 @@ class FrozenWeight(nnx.Variable):
 
 class FrozenKernel(nnx.Module):
   """A kernel of shape ``shape`` held as a `QTensor` of its 2-D ``(N, K)``
-  transpose (``K``: the first ``n_in`` dims of ``shape``).
+  transpose (``K``: the first ``n_in`` dims of one layer's kernel).
+
+  A stack of layers made under ``nnx.vmap`` (kernel ``(L, K, N)``) stores
+  each layer's codes and scales along the leading ``L``, quantized on its
+  own; ``nnx.scan`` / ``nnx.vmap`` over the stack hand each layer its own,
+  as they hand it its slice of a Param.
 
   Attributes:
     payload, scale: `FrozenWeight` Variables (the QTensor's arrays; for
       NVFP4, ``scale`` holds the E4M3 block scales and ``tensor_scale``
       the per-tensor FP32 scale, the two levels its GEMM takes apart).
     spec: the `QuantSpec` it was quantized with (`requantize` uses it).
-    shape: the kernel's shape; ``dtype``: the dtype ``[...]`` returns.
+    shape: the kernel's shape (a stack's leading dims, then one layer's);
+      ``dtype``: the dtype ``[...]`` returns.
 
   Example:
     >>> import jax.numpy as jnp
@@ -99,33 +105,40 @@ class FrozenKernel(nnx.Module):
     if qt.ndim != 2 or qt.axis != 1 or qt.transposed:
       raise ValueError(f"FrozenKernel takes a 2-D (N, K) QTensor quantized "
                        f"along axis 1; got shape {qt.shape}, axis {qt.axis}.")
-    shape = tuple(shape)
-    k, n = math.prod(shape[:n_in]), math.prod(shape[n_in:])
-    if qt.shape != (n, k):
+    # A stack's QTensor (`quantize(..., stacked=)`) carries the stack's
+    # dims ahead of each array's own.
+    shape, stack = tuple(shape), qt.payload.shape[:qt.payload.ndim - 2]
+    layer = shape[len(stack):]
+    k, n = math.prod(layer[:n_in]), math.prod(layer[n_in:])
+    if qt.shape != (n, k) or shape[:len(stack)] != stack:
       raise ValueError(f"A kernel of shape {shape} ({n_in} input dims) needs "
-                       f"an (N, K) = {(n, k)} QTensor, got {qt.shape}.")
+                       f"an (N, K) = {(n, k)} QTensor"
+                       + (f" per layer of a {stack} stack" if stack else "")
+                       + f", got {qt.shape}.")
     payload = qt.payload
     if qt.block is not None and not qt.fmt.packed:
-      payload = payload[:n, :k]  # the rest is zero padding: not stored
+      payload = payload[..., :n, :k]  # the rest is zero padding: not stored
     # The kernel's sharding names, as (N, K) (for `nnx.get_partition_spec`
     # and a restore into an abstract model; nothing is placed here): a
     # scale per row of K's blocks shares the payload's rows, 2-D blocks'
     # few scales are replicated.
     self.sharding = tuple(sharding)
     meta = dict(self.sharding)
-    names = _stored_names(meta.pop("out_sharding", None), n_in, len(shape))
+    names = _stored_names(meta.pop("out_sharding", None), n_in, len(shape),
+                          len(stack))
     self.payload = FrozenWeight(payload, **_names_metadata(names, meta))
     levels = qt.tensor_scale is not None
     scale = qt.block_scale if levels else qt.scale
+    s = len(stack)
     self.scale = FrozenWeight(scale, **_names_metadata(
-        names and scale.ndim == 2 and scale.shape[0] == n
-        and (names[0], None), meta))
+        names and scale.ndim == s + 2 and scale.shape[s] == n
+        and (*names[:s + 1], None), meta))
     # Data even when None: `requantize` may give it a value.
     self.tensor_scale = nnx.data(FrozenWeight(qt.tensor_scale) if levels
                                  else None)
-    self._padded = tuple(qt.payload.shape)
+    self._padded = tuple(qt.payload.shape[-2:])  # one layer's
     self.spec = spec
-    self.shape = shape
+    self.layer_shape = layer
     self.n_in = n_in
     self.dtype = jnp.dtype(dtype)
     self._layout = (qt.format, qt.granularity, qt.block)
@@ -133,12 +146,15 @@ class FrozenKernel(nnx.Module):
   @classmethod
   def quantize(cls, kernel: jax.Array, spec: QuantSpec, *,
                n_in: int = 1, key: jax.Array | None = None,
-               sharding: tuple = ()) -> FrozenKernel:
+               sharding: tuple = (), stacked: int = 0) -> FrozenKernel:
     """``kernel`` (``n_in`` leading input dims) quantized as ``spec`` says,
     along its input (contraction) dims; ``key``: the PRNG key of a
     stochastically rounding ``spec`` (required there, unused elsewhere);
     ``sharding``: its Param's sharding metadata (`kernel_sharding`), which
-    the stored payload and scales keep, as their ``(N, K)`` layout has it.
+    the stored payload and scales keep, as their ``(N, K)`` layout has it;
+    ``stacked``: how many leading dims of ``kernel`` are a stack of layers
+    (``nnx.vmap``), each quantized on its own (with its own fold of
+    ``key``).
 
     The GEMM quantizes the kernel it reads, the dequantized one: stored as
     the fixed point of that requantization, the codes are the ones the GEMM
@@ -152,18 +168,31 @@ class FrozenKernel(nnx.Module):
           f"{spec.granularity}, rounding='stochastic') draws its rounding "
           "from a PRNG key: pass key=jax.random.key(...), or a spec that "
           "rounds to nearest.")
-    k = math.prod(kernel.shape[:n_in])
+    stack = tuple(kernel.shape[:stacked])
+    k = math.prod(kernel.shape[stacked:stacked + n_in])
     if k == 0 or kernel.size == 0:
       raise ValueError(f"A kernel of shape {tuple(kernel.shape)} has no "
                        "weights to quantize.")
-    w = kernel.reshape(k, -1).T.astype(jnp.float32)
-    qt = scaling.quantize(w, spec, axis=1,
-                          key=key if spec.stochastic else None)
-    if not spec.stochastic:
-      for _ in range(2):
-        qt = scaling.quantize(qt.dequantize(jnp.float32)[:w.shape[0],
-                                                         :w.shape[1]],
-                              spec, axis=1)
+
+    def one(w, key):
+      w = w.reshape(k, -1).T.astype(jnp.float32)
+      qt = scaling.quantize(w, spec, axis=1, key=key)
+      if not spec.stochastic:
+        for _ in range(2):
+          qt = scaling.quantize(qt.dequantize(jnp.float32)[:w.shape[0],
+                                                           :w.shape[1]],
+                                spec, axis=1)
+      return qt
+
+    key = key if spec.stochastic else None
+    if not stack:
+      qt = one(kernel, key)
+    else:
+      layers = math.prod(stack)
+      flat = kernel.reshape(layers, *kernel.shape[stacked:])
+      keys = None if key is None else jax.random.split(key, layers)
+      qt = jax.vmap(one)(flat, keys)
+      qt = jax.tree.map(lambda a: a.reshape(*stack, *a.shape[1:]), qt)
     return cls(qt, spec, kernel.shape, n_in=n_in, dtype=kernel.dtype,
                sharding=sharding)
 
@@ -185,18 +214,40 @@ class FrozenKernel(nnx.Module):
     return cls(qt, spec or _checkpoint_spec(qt), shape, n_in=n_in,
                dtype=dtype, sharding=sharding)
 
+  @property
+  def stack(self) -> tuple[int, ...]:
+    """The leading dims of a stack of layers (``nnx.vmap``); ``()`` for one
+    layer's kernel, and for a layer's slice inside ``nnx.scan``."""
+    payload = self.payload.get_value()
+    return tuple(payload.shape[:payload.ndim - 2])
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return self.stack + self.layer_shape
+
   def qtensor(self) -> QTensor:
-    """The stored `QTensor` (``(N, K)``, axis 1)."""
-    n_in, shape = self.n_in, self.shape
+    """The stored `QTensor` (``(N, K)``, axis 1) of one layer's kernel
+    (of a stack: inside ``nnx.scan`` / ``nnx.vmap``, which slice it)."""
+    if self.stack:
+      raise ValueError(
+          f"FrozenKernel.qtensor: this kernel is a stack of layers "
+          f"{self.shape}; a GEMM reads one layer's, inside nnx.scan or "
+          "nnx.vmap over the stack (dequantize() reads them all).")
+    tensor_scale = (None if self.tensor_scale is None
+                    else self.tensor_scale[...])
+    return self._layer_qtensor(self.payload[...], self.scale[...],
+                               tensor_scale)
+
+  def _layer_qtensor(self, payload, scale, tensor_scale) -> QTensor:
+    n_in, shape = self.n_in, self.layer_shape
     k, n = math.prod(shape[:n_in]), math.prod(shape[n_in:])
-    payload = self.payload[...]
     if payload.shape != self._padded:  # zero padding to whole blocks
       payload = jnp.pad(payload, [(0, p - s) for p, s in
                                   zip(self._padded, payload.shape)])
-    scale, levels = self.scale[...], {}
-    if self.tensor_scale is not None:  # NVFP4: f32(block) * tensor, exactly
-      levels = dict(block_scale=scale, tensor_scale=self.tensor_scale[...])
-      scale = scale.astype(jnp.float32) * levels["tensor_scale"]
+    levels = {}
+    if tensor_scale is not None:  # NVFP4: f32(block) * tensor, exactly
+      levels = dict(block_scale=scale, tensor_scale=tensor_scale)
+      scale = scale.astype(jnp.float32) * tensor_scale
     return QTensor(payload, scale, *self._layout, 1, (n, k), **levels)
 
   @property
@@ -207,7 +258,19 @@ class FrozenKernel(nnx.Module):
 
   def dequantize(self, dtype=None) -> jax.Array:
     """The kernel, in its shape, in ``dtype`` (default: ``self.dtype``)."""
-    w = self.qtensor().dequantize(jnp.float32).T.reshape(self.shape)
+    def one(payload, scale, tensor_scale):
+      qt = self._layer_qtensor(payload, scale, tensor_scale)
+      return qt.dequantize(jnp.float32).T.reshape(self.layer_shape)
+
+    arrays = [None if v is None else v[...]
+              for v in (self.payload, self.scale, self.tensor_scale)]
+    stack = self.stack
+    if stack:  # each layer on its own, the stack's dims flattened
+      flat = [None if a is None else a.reshape(-1, *a.shape[len(stack):])
+              for a in arrays]
+      w = jax.vmap(one)(*flat).reshape(self.shape)
+    else:
+      w = one(*arrays)
     return w.astype(dtype or self.dtype)
 
   def __getitem__(self, index) -> jax.Array:
@@ -223,7 +286,8 @@ class FrozenKernel(nnx.Module):
       raise ValueError(f"requantize: kernel shape {kernel.shape}, expected "
                        f"{self.shape}.")
     new = FrozenKernel.quantize(kernel, self.spec, n_in=self.n_in, key=key,
-                                sharding=self.sharding)
+                                sharding=self.sharding,
+                                stacked=len(self.stack))
     self.payload.set_value(new.payload[...])
     if (self.tensor_scale is None) == (new.tensor_scale is None):
       self.scale.set_value(new.scale[...])
@@ -266,18 +330,21 @@ def _hashable(v):
   return tuple(map(_hashable, v)) if isinstance(v, (list, tuple)) else v
 
 
-def _stored_names(names, n_in: int, ndim: int) -> tuple | None:
-  """A kernel's per-dim axis names as its stored ``(N, K)`` payload's: of
-  its output dims, then its input dims, a flattened dim takes the name of
-  its leading dim where that alone is named (the flat dim is then split as
+def _stored_names(names, n_in: int, ndim: int, stacked: int = 0
+                  ) -> tuple | None:
+  """A kernel's per-dim axis names as its stored ``(N, K)`` payload's
+  (behind the names of a stack's ``stacked`` leading dims): of one layer's
+  output dims, then its input dims, a flattened dim takes the name of its
+  leading dim where that alone is named (the flat dim is then split as
   that dim was); else it is unnamed (replicated)."""
   if names is None or len(names) != ndim:
     return None
 
   def flat(group):
     return group[0] if group and all(n is None for n in group[1:]) else None
-  stored = (flat(names[n_in:]), flat(names[:n_in]))
-  return None if stored == (None, None) else stored
+  stack, layer = tuple(names[:stacked]), names[stacked:]
+  stored = stack + (flat(layer[n_in:]), flat(layer[:n_in]))
+  return None if all(n is None for n in stored) else stored
 
 
 def _names_metadata(names, meta: dict) -> dict:
@@ -289,22 +356,34 @@ def _names_metadata(names, meta: dict) -> dict:
   return {"out_sharding": tuple(names), "eager_sharding": False, **meta}
 
 
-def contracted_dims(layer, where: str) -> int | None:
-  """The number of leading input (contracted) dims of ``layer``'s kernel;
+def contracted_dims(layer, where: str, *, stacks: bool = False
+                    ) -> int | None:
+  """The number of leading input (contracted) dims of ``layer``'s kernel
+  (of each layer's, in a stack made under ``nnx.vmap`` where ``stacks``);
   None for an einsum (``QuantEinsum``, ``nnx.Einsum``) whose contracted
-  dims do not lead; ValueError for a kernel of another shape (a stack of
-  layers made under ``nnx.vmap``)."""
+  dims do not lead; ValueError for a kernel of another shape (a stack,
+  unless ``stacks``)."""
   shape, single = tuple(layer.kernel.shape), single_kernel_shape(layer)
-  if shape != single:
+  stack = layer_stack(layer)
+  if shape[len(stack):] != single or (stack and not stacks):
     what = ("the einsum's kernel_shape" if isinstance(layer, nnx.Einsum)
             else "(in, out) =")
     raise ValueError(
         f"{where}: kernel {shape} is not {what} {single} (a stack of "
-        "layers?); freeze takes single layers.")
+        "layers made under nnx.vmap, or batch dims?); it takes single "
+        "layers.")
   if isinstance(layer, nnx.Einsum):
     _, rhs, _, contracted, _ = einsum_gemm_plan(layer.einsum_str)
     return len(contracted) if rhs[:len(contracted)] == contracted else None
   return len(_features(layer.in_features))
+
+
+def layer_stack(layer) -> tuple[int, ...]:
+  """The leading dims of ``layer``'s kernel ahead of one layer's
+  (`single_kernel_shape`): ``()`` for one layer, the stack's dims for
+  layers made under ``nnx.vmap``."""
+  shape, single = tuple(layer.kernel.shape), single_kernel_shape(layer)
+  return shape[:max(len(shape) - len(single), 0)]
 
 
 def _features(n) -> tuple:
@@ -383,7 +462,8 @@ def _frozen(node, spec: QuantSpec, n_in: int, key) -> FrozenKernel:
   try:
     return FrozenKernel.quantize(
         node.kernel[...], spec, n_in=n_in, key=key,
-        sharding=kernel_sharding(node.kernel))
+        sharding=kernel_sharding(node.kernel),
+        stacked=len(layer_stack(node)))
   except Exception as e:  # JAX's ShardingTypeError is not public
     if type(e).__name__ != "ShardingTypeError":
       raise
@@ -416,16 +496,19 @@ def freeze(model: nnx.Module, *, spec: QuantSpec | None = None,
     key: a PRNG key, needed where a kernel is stored with stochastic
       rounding (each layer draws from its own fold of it).
 
-  A kernel keeps its Param's sharding names (``out_sharding`` metadata),
-  as its stored ``(N, K)`` payload's, so `nnx.get_partition_spec` and a
-  restore into an abstract model place it as the kernel was placed.
+  A stack of layers made under ``nnx.vmap`` (a model scanned over its
+  layers) is stored layer by layer, each with its own scales; ``nnx.scan``
+  over it hands each layer its own codes. A kernel keeps its Param's
+  sharding names (``out_sharding`` metadata), as its stored ``(N, K)``
+  payload's, so `nnx.get_partition_spec` and a restore into an abstract
+  model place it as the kernel was placed.
 
   Raises:
     TypeError: ``model`` is not an ``nnx.Module``.
     ValueError: the model has no qlayers layer (quantize it first), a
       layer's recipe quantizes no weight (``"bf16"``) and no ``spec`` was
-      given, a kernel is a stack or has no weights, a ``spec`` rounds
-      stochastically and no ``key`` was given, ``spec`` differs from a
+      given, a kernel has no weights, a ``spec`` rounds stochastically
+      and no ``key`` was given, ``spec`` differs from a
       kernel already frozen in another (`qlayers.dequantize_model` first),
       or a kernel sharded over explicit mesh axes cannot be quantized in
       place (nothing is then frozen). Other qlayers layers (an einsum
@@ -470,8 +553,9 @@ def freeze_kernels(model: nnx.Module, *, spec: QuantSpec | None = None,
           f"freeze: {where}'s kernel is frozen already as {kernel.spec}, "
           f"not the {spec} asked for; qlayers.dequantize_model first to "
           "store it anew.")
-    n_in = (contracted_dims(node, where) if isinstance(node, FREEZABLE)
-            and isinstance(kernel, nnx.Param) else 0)
+    n_in = (contracted_dims(node, where, stacks=True)
+            if isinstance(node, FREEZABLE) and isinstance(kernel, nnx.Param)
+            else 0)
     if n_in is None or (isinstance(node, QuantLayer) and not isinstance(
         node, (*FREEZABLE, QuantEmbed))):
       left.append(f"{where} ({type(node).__name__})")

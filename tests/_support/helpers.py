@@ -50,3 +50,18 @@ def train_step(loss_fn):
 def weighted_sum(y, c):
   """sum(y * c): its gradient w.r.t. ``y`` is exactly ``c``."""
   return jnp.sum(y.astype(jnp.float32) * c)
+
+
+class Scanned(nnx.Module):
+  """Layers made by ``make(rngs)`` under nnx.vmap (``layers`` of them),
+  applied with nnx.scan through tanh: a model scanned over its layers."""
+
+  def __init__(self, make, rngs, layers=3):
+    self.layers = nnx.split_rngs(splits=layers)(
+        nnx.vmap(make, in_axes=0, out_axes=0))(rngs)
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+    def body(layer, x):
+      return jnp.tanh(layer(x))
+    return body(self.layers, x)
