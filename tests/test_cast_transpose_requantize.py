@@ -18,6 +18,7 @@ from qlayers import table
 from qlayers.dispatch import Operand
 from qlayers.operands import operand, requantized_operand
 from _support import cast_kernels as ck
+from _support.helpers import Scanned
 
 
 def _every_code_copy(fmt: str, rule: str) -> scaling.QTensor:
@@ -164,6 +165,31 @@ def test_a_frozen_kernels_dgrad_copy_is_made_from_its_codes(recipe, arch):
         state, x).lower(lowering_platforms=("cuda",)).as_text()
   kernel = "nvfp4" if recipe == "nvfp4" else "mx"
   assert text.count(f'name = "qlayers_{kernel}_requantize"') == 1
+  np.testing.assert_array_equal(ck.bits(got), ck.bits(want))
+
+
+def test_a_scanned_stack_of_frozen_kernels_reads_each_layers_codes():
+  # A model scanned over its frozen layers: planned for B200, each layer's
+  # GEMM takes its own codes (the scan body holds one requantize kernel,
+  # for Dgrad's copy, and no FP32 pass over a kernel), with the bits of
+  # the program run on CPU.
+  model = Scanned(lambda rngs: nnx.Linear(256, 256, rngs=rngs),
+                  nnx.Rngs(0))
+  qlayers.quantize(model, "mxfp8", frozen=True)
+  qlayers.add_lora(model, 4, rngs=nnx.Rngs(1))
+  x = jax.random.normal(jax.random.key(2), (64, 256), jnp.float32)
+  graph, state = nnx.split(model)
+
+  def dx(state, x):
+    return nnx.grad(lambda m, x: jnp.sum(jnp.sin(m(x))), argnums=1)(
+        nnx.merge(graph, state), x)
+  want = jax.jit(dx)(state, x)
+  with table.target_arch("sm_100"):
+    got = jax.jit(dx)(state, x)
+    text = jax.jit(dx).trace(state, x).lower(
+        lowering_platforms=("cuda",)).as_text()
+  assert text.count('name = "qlayers_mx_requantize"') == 1
+  assert "stablehlo.while" in text
   np.testing.assert_array_equal(ck.bits(got), ck.bits(want))
 
 
