@@ -11,8 +11,8 @@ Param; ``[*stack, E, K, N]`` for a stack of such modules made under
 sets that attribute to a `QuantRaggedDot` (recipe, backend, one
 delayed-scaling history per expert and stacked layer) and leaves the
 module, its Params and its code as they were; `dequantize` puts
-``jax.lax.ragged_dot`` back. The router of such experts (a linear layer beside them with ``E``
-outputs) is kept wide. Stacked expert weights used any other way are
+``jax.lax.ragged_dot`` back. The router of such experts (a linear layer
+beside them mapping their ``K`` inputs to ``E`` scores) is kept wide. Stacked expert weights used any other way are
 reported with what to do (`swap.unconverted_matmuls`).
 """
 
@@ -46,11 +46,7 @@ def is_experts_layer(m) -> bool:
   over its kernel's leading (expert) dim, such as ``"ecd,edf->ecf"``."""
   if isinstance(m, QuantLayer):
     return isinstance(getattr(m, "quant", None), QuantRaggedDot)
-  if not isinstance(m, nnx.Einsum) or len(m.kernel_shape) != 3:
-    return False
-  ins, _, out = m.einsum_str.replace(" ", "").partition("->")
-  lhs, _, rhs = ins.partition(",")
-  return bool(rhs) and rhs[0] in lhs and rhs[0] in out
+  return swap.experts_einsum(m)
 
 
 def is_quantized(m) -> bool:
@@ -62,23 +58,30 @@ def sites(model: nnx.Module) -> list[swap.Site]:
   return swap.sites(model, is_experts, root=True)
 
 
+def _stacked(m) -> dict[str, tuple[int, ...]]:
+  """The shapes of ``m``'s Params of rank >= 3, by name: the stacked
+  weights its grouped GEMM may multiply by."""
+  return {k: tuple(np.shape(v.get_value())) for k, v in vars(m).items()
+          if isinstance(v, nnx.Param) and np.ndim(v.get_value()) >= 3}
+
+
 def _kernel(m) -> tuple[str, tuple[int, ...]] | None:
   """``(name, shape)`` of the stacked kernel ``[*stack, E, K, N]`` (the
   stack: layers made under ``nnx.vmap``): ``kernel`` if it is a Param of
   rank >= 3, else the only such Param, else None."""
-  stacked = {k: tuple(np.shape(v.get_value())) for k, v in vars(m).items()
-             if isinstance(v, nnx.Param) and np.ndim(v.get_value()) >= 3}
+  stacked = _stacked(m)
   if "kernel" in stacked:
     return "kernel", stacked["kernel"]
   return next(iter(stacked.items())) if len(stacked) == 1 else None
 
 
 def _beside(e: swap.Site, linear: list[swap.Site]):
-  """The linear layers of ``linear`` under the module that holds ``e``:
-  where its router would be."""
+  """The linear layers of ``linear`` where the router of ``e`` would be:
+  beside it (children of the module that holds it) or in it (a layer of
+  experts holding its router)."""
   parent = e.path.rpartition("/")[0]
-  return [s for s in linear if s.path.startswith(parent + "/" if parent
-                                                  else "")
+  return [s for s in linear
+          if s.path.rpartition("/")[0] in (parent, e.path) and s.path
           and isinstance(s.layer, (nnx.Linear, nnx.LinearGeneral))]
 
 
@@ -112,6 +115,17 @@ def check(m, recipe: Recipe, stacked: bool = False) -> tuple[int, int]:
   if vars(m)[ATTR] is not jax.lax.ragged_dot:
     raise swap.Skip(f"a custom {ATTR} is injected; replacing it would drop "
                     "it")
+  weights = _stacked(m)
+  if len(weights) > 1 and (recipe.delayed or recipe.sr_key == "step"):
+    # One QuantRaggedDot for several weights: one amax history (rounding
+    # seed) for all, each weight scaled by the others' amaxes.
+    state = "delayed-scaling" if recipe.delayed else "rounding"
+    raise swap.Skip(
+        f"holds several stacked weights ({', '.join(weights)}) that its one "
+        f"{ATTR} would serve with one {state} state; recipe {recipe.name!r} "
+        "keeps state per GEMM, so give each weight an experts module of its "
+        f"own (its kernel and its {ATTR}), or use a recipe without it "
+        "(fp8_current, mxfp8)")
   found = _kernel(m)
   if found is None:
     raise swap.Skip(f"holds {ATTR} but no single stacked kernel nnx.Param "
@@ -121,12 +135,14 @@ def check(m, recipe: Recipe, stacked: bool = False) -> tuple[int, int]:
         f"kernel {found[1]} has dims before [E, K, N], and no router beside "
         "it stacked alike (kernel [*stack, D, E]) shows them to be a stack "
         "of layers made under nnx.vmap")
-  _, (*_, k, n) = found
   block, gran = swap.min_block(recipe)
-  if min(k, n) < block:
-    raise swap.Skip(f"K={k}, N={n}: smaller than one {block}-element {gran} "
-                    f"scaling block of recipe {recipe.name!r}")
-  return k, n
+  for name, (*_, k, n) in weights.items():  # any of them may be multiplied
+    if min(k, n) < block:
+      raise swap.Skip(f"{name + ': ' if len(weights) > 1 else ''}K={k}, "
+                      f"N={n}: smaller than one "
+                      f"{block}-element {gran} scaling block of recipe "
+                      f"{recipe.name!r}")
+  return found[1][-2:]
 
 
 def dims(m) -> tuple[int, int]:
@@ -151,20 +167,28 @@ def dequantize(m) -> None:
 def routers(linear: list[swap.Site], experts: list[swap.Site],
             stacked: set[int] = frozenset()) -> dict[int, str]:
   """``{id(layer): why}`` for the routers of ``experts``: a linear layer
-  with ``E`` outputs under the module that holds an experts module
-  (``stacked``: the ids `stacks` gives, whose kernels' leading dims are a
-  stack)."""
+  beside an experts module (or in a layer of experts) that maps its
+  experts' input features to their ``E`` scores (``stacked``: the ids
+  `stacks` gives, whose kernels' leading dims are a stack)."""
   out = {}
   for e in experts:
-    found = _kernel(e.layer)
-    if found and (len(found[1]) == 3 or id(e.layer) in stacked):
-      num = found[1][-3]
-    else:
-      num = getattr(e.layer, "num_experts", None)
+    num, k = _count_and_features(e.layer, id(e.layer) in stacked)
     if not isinstance(num, int):
       continue
     for s in _beside(e, linear):
-      if swap.dims(s.layer)[1] == num:
+      if swap.dims(s.layer)[1] == num and k in (None, swap.dims(s.layer)[0]):
         out.setdefault(id(s.layer), f"router of the {num} experts at "
                        f"{e.path or '(model)'} (kept wide)")
   return out
+
+
+def _count_and_features(m, stacked: bool) -> tuple[int | None, int | None]:
+  """``(E, K)`` of experts module or layer ``m``: how many experts, and the
+  input features each takes (None where it does not say)."""
+  if isinstance(m, nnx.Einsum):  # batched over its kernel's leading dim
+    return m.kernel_shape[0], swap.dims(m)[0]
+  found = _kernel(m) if is_experts(m) else None
+  if found and (len(found[1]) == 3 or stacked):
+    return found[1][-3], found[1][-2]
+  k = swap.dims(m)[0] if isinstance(m, QuantLayer) else None
+  return getattr(m, "num_experts", None), k

@@ -65,7 +65,7 @@ def test_experts_converted_router_kept_wide_raw_reported():
   converted, kept, skipped = _kinds(qlayers.quantize(moe, "fp8_current"))
   assert converted == {"up": "QuantRaggedDot at .ragged_dot",
                        "down": "QuantRaggedDot at .ragged_dot"}
-  assert kept == {"router": "router of the 4 experts at down (kept wide)"}
+  assert kept == {"router": "router of the 4 experts at up (kept wide)"}
   assert "stacked expert weights 'w1' (4, 64, 64)" in skipped["raw"]
   assert "self.ragged_dot = jax.lax.ragged_dot" in skipped["raw"]
   assert type(moe.router) is nnx.Linear  # pylint: disable=unidiomatic-typecheck
@@ -230,3 +230,54 @@ def test_an_unstacked_kernel_of_rank_four_is_skipped_with_the_reason():
   report = qlayers.quantize(model, "fp8_delayed")
   assert "dims before [E, K, N]" in _kinds(report)[2]["up"]
   assert model.up.ragged_dot is jax.lax.ragged_dot
+
+
+def test_one_ragged_dot_for_two_weights_keeps_no_shared_state():
+  # An experts module running both its weights through its one ragged_dot
+  # was converted (once one was named 'kernel', as the skip said) with one
+  # delayed history for both: each weight scaled by the other's amax.
+  class TwoWeights(nnx.Module):
+    def __init__(self, rngs):
+      self.kernel = nnx.Param(jnp.full((E, D, H), 1e-3))
+      self.wo = nnx.Param(jnp.full((E, H, D), 30.0))
+      self.ragged_dot = jax.lax.ragged_dot
+
+  model = nnx.Dict(experts=TwoWeights(nnx.Rngs(0)))
+  _, _, skipped = _kinds(qlayers.quantize(model, "fp8_delayed"))
+  assert skipped["experts"].startswith(
+      "holds several stacked weights (kernel, wo) that its one ragged_dot "
+      "would serve with one delayed-scaling state")
+  assert model.experts.ragged_dot is jax.lax.ragged_dot
+  # Without state, one GEMM may serve both; each must fit the blocks.
+  converted, _, _ = _kinds(qlayers.quantize(model, "fp8_current"))
+  assert converted == {"experts": "QuantRaggedDot at .ragged_dot"}
+  small = nnx.Dict(experts=TwoWeights(nnx.Rngs(0)))
+  small.experts.wo = nnx.Param(jnp.ones((E, H, 16)))
+  _, _, skipped = _kinds(qlayers.quantize(small, "mxfp8"))
+  assert skipped["experts"].startswith("wo: K=128, N=16: smaller than one")
+
+
+def test_routers_are_the_layers_beside_experts_that_score_their_inputs():
+  # Any linear layer under the experts' parent with E outputs was kept wide
+  # as a router (attention projections of width E, a block elsewhere), and
+  # a rank-4 einsum's router was quantized (its expert count read as D).
+  class Block(nnx.Module):
+    def __init__(self, rngs):
+      self.router = nnx.Linear(D, E, rngs=rngs)
+      self.up = Experts(D, H, rngs)
+      self.attn = nnx.Dict(k=nnx.Linear(D, E, rngs=rngs))
+      self.other = nnx.Linear(H, E, rngs=rngs)  # E outputs, not D inputs
+
+  class Einsum4(nnx.Module):
+    def __init__(self, rngs):
+      self.router = nnx.Linear(D, E, rngs=rngs)
+      self.up = nnx.Einsum("ecd,edhf->echf", (E, D, 2, 16), rngs=rngs)
+
+  converted, kept, _ = _kinds(qlayers.quantize(Block(nnx.Rngs(0)),
+                                               "fp8_current"))
+  assert set(kept) == {"router"}
+  assert {"attn/k", "other", "up"} <= set(converted)
+  converted, kept, _ = _kinds(qlayers.quantize(Einsum4(nnx.Rngs(0)),
+                                               "fp8_current"))
+  assert converted == {"up": "QuantExpertsEinsum"}
+  assert kept == {"router": "router of the 4 experts at up (kept wide)"}
