@@ -46,6 +46,7 @@ import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from qlayers import gemm
 from qlayers import sharding
@@ -126,6 +127,13 @@ def from_groups(b: jax.Array, starts: jax.Array, sizes: jax.Array, m: int
   return jnp.where(valid[:, None], b[gid, pos], jnp.zeros((), b.dtype))
 
 
+def _known(x) -> bool:
+  """Whether array ``x``'s values can be read here (not traced, and on
+  this process)."""
+  return not isinstance(x, jax.core.Tracer) and getattr(
+      x, "is_fully_addressable", True)
+
+
 def _check(lhs, rhs, group_sizes, recipe: Recipe, state):
   if lhs.ndim != 2 or rhs.ndim != 3:
     raise ValueError(f"ragged_dot expects lhs [m, k] and rhs [g, k, n]; got "
@@ -140,6 +148,10 @@ def _check(lhs, rhs, group_sizes, recipe: Recipe, state):
                      f"({rhs.shape[0]},) (one per group of rhs {rhs.shape}); "
                      f"got {jnp.shape(group_sizes)} "
                      f"{jnp.result_type(group_sizes)}.")
+  if _known(group_sizes) and np.any(np.asarray(group_sizes) < 0):
+    # (traced sizes, unknown until run, are clipped to 0)
+    raise ValueError(f"ragged_dot: group_sizes must not be negative; got "
+                     f"{np.asarray(group_sizes).tolist()}.")
   if not recipe.delayed:
     return
   if state is None:
@@ -166,7 +178,9 @@ def quantized_ragged_dot(lhs: jax.Array, rhs: jax.Array,
   Args:
     lhs: tokens ``[M, K]``, sorted by group.
     rhs: stacked expert weights ``[G, K, N]``.
-    group_sizes: ``[G]`` integers, the number of rows of each group.
+    group_sizes: ``[G]`` integers, the number of rows of each group; a
+      negative one is a ValueError where the sizes are known when called
+      (under ``jax.jit`` they are not, and count as 0).
     recipe: a `Recipe` or a recipe name.
     state: delayed-scaling state with one history per expert (`init_state`);
       required for delayed recipes, ignored otherwise.

@@ -280,3 +280,8 @@ def test_refusals():
   with pytest.raises(ValueError, match=r"group_sizes must be integers of "
                      r"shape \(3,\)"):
     ops.ragged_dot("mxfp8")(x, w, jnp.array([1.0, 2.0, 3.0]))
+  # Negative sizes were clipped to 0 in silence (a bookkeeping bug's
+  # output looked plausible).
+  with pytest.raises(ValueError, match=r"must not be negative; got "
+                     r"\[4, -1, 3\]"):
+    ops.ragged_dot("fp8_current")(x, w, jnp.array([4, -1, 3]))
