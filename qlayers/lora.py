@@ -32,6 +32,7 @@ from flax import nnx
 
 from qlayers import safetensors
 from qlayers import swap
+from qlayers import swap_experts
 from qlayers.fields import positive_int
 from qlayers.layers.core import QuantLayer, hand_made
 from qlayers.layers.dense import QuantDense
@@ -128,6 +129,10 @@ def add_lora(model: nnx.Module, rank: int, *, rngs: nnx.Rngs,
   refused = [f"{p} (a stock layer running a QuantGemm)"
              for p in (p.replace("/", ".") for p in hand_made(model))
              if where is None or where(p)]
+  refused += [f"{s.path.replace('/', '.') or '(model)'} (experts: a "
+              "grouped GEMM)" for s in swap_experts.sites(model)
+              if swap_experts.is_quantized(s.layer) and (where is None or any(
+                  where(p.replace("/", ".")) for p in s.paths))]
   for path, node in found:
     dims = _gemm_dims(node) if isinstance(node, _ADAPTABLE) else None
     if dims is None:
@@ -139,8 +144,8 @@ def add_lora(model: nnx.Module, rank: int, *, rngs: nnx.Rngs,
             "(QuantDense, or a stock layer that qlayers.quantize converts)"
             if refused else "")
     raise ValueError("add_lora found no quantized layer to adapt" + (
-        " that `where` accepts" if where is not None else
-        " (quantize the model first: qlayers.quantize)") + hand + ".")
+        " that `where` accepts" if where is not None else "" if refused
+        else " (quantize the model first: qlayers.quantize)") + hand + ".")
   if refused:
     warnings.warn(
         f"add_lora left without an adapter: {', '.join(refused)} (it takes "

@@ -206,6 +206,24 @@ def test_attention_and_einsum_projections_take_adapters():
   with pytest.raises(ValueError, match="no quantized layer to adapt"):
     qlayers.add_lora(nnx.Dict(plain=nnx.Linear(4, 4, rngs=rngs)), 2,
                      rngs=nnx.Rngs(1))
+  # Experts modules holding their grouped GEMM (quantize converts their
+  # ragged_dot) were named neither here nor by freeze: they kept their
+  # wide weights and no adapter in silence.
+  class Experts(nnx.Module):
+    def __init__(self):
+      self.kernel = nnx.Param(jnp.ones((4, 32, 32)))
+      self.ragged_dot = jax.lax.ragged_dot
+
+  moe = nnx.Dict(up=Experts(), dense=nnx.Linear(32, 32, rngs=rngs))
+  with pytest.warns(UserWarning, match=r"freeze: up \(experts: a grouped "
+                    r"GEMM\) keep their wide weights"):
+    qlayers.quantize(moe, "fp8_current", frozen=True)
+  with pytest.warns(UserWarning, match=r"left without an adapter: up "
+                    r"\(experts: a grouped GEMM\)"):
+    assert qlayers.add_lora(moe, 2, rngs=nnx.Rngs(1)) == 1
+  with pytest.raises(ValueError, match=r"no quantized layer to adapt; up "
+                     r"\(experts: a grouped GEMM\)"):
+    qlayers.add_lora(nnx.Dict(up=moe.up), 2, rngs=nnx.Rngs(1))
 
 
 def test_dequantize_model_keeps_a_layer_whose_adapter_is_not_merged():

@@ -40,6 +40,7 @@ from qlayers import scaling
 from qlayers.layers.core import QuantGemm, QuantLayer, hand_made
 from qlayers.layers.dense import QuantDense
 from qlayers.layers.embed import QuantEmbed
+from qlayers.layers.experts import QuantRaggedDot
 from qlayers.layers.general import (QuantEinsum, QuantLinearGeneral,
                                     einsum_gemm_plan)
 from qlayers.scaling import QTensor, QuantSpec
@@ -559,6 +560,8 @@ def freeze_kernels(model: nnx.Module, *, spec: QuantSpec | None = None,
     if n_in is None or (isinstance(node, QuantLayer) and not isinstance(
         node, (*FREEZABLE, QuantEmbed))):
       left.append(f"{where} ({type(node).__name__})")
+    elif isinstance(getattr(node, "ragged_dot", None), QuantRaggedDot):
+      left.append(f"{where} (experts: a grouped GEMM)")
     if not n_in:
       continue
     s = spec or node.recipe.fprop.rhs
