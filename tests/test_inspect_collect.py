@@ -210,3 +210,39 @@ def test_an_empty_batch_is_named_in_the_reason_nothing_was_measured():
                                 jnp.ones((0, 40)))
   assert not rep.rows
   assert "empty batch" in dict(rep.skipped)["(model)"]
+
+
+@nnx.jit
+def _jitted_forward(m, x):
+  return m(x)
+
+
+def _loss_through_a_jit(m, x):
+  return jnp.mean(_jitted_forward(m, x).astype(jnp.float32) ** 2)
+
+
+def test_a_loss_function_calling_its_own_jit_is_measured_on_every_call():
+  # The labelled model looked the same to the loss function's nnx.jit on
+  # every call, so it replayed the first call's trace: later collects
+  # measured nothing (their taps were the first's), a sensitivity after a
+  # collect ran the collect's forward under every mask.
+  model = nnx.Sequential(
+      nnx.Linear(64, 64, rngs=nnx.Rngs(0)), nnx.relu,
+      nnx.Linear(64, 32, rngs=nnx.Rngs(1)))
+  measured = nnx.clone(model)
+  qlayers.quantize(measured, "mxfp4")
+  x = jax.random.normal(jax.random.key(0), (8, 64))
+  for scale in (1.0, 3.0):
+    rep = qlayers.inspect.collect(measured, _loss_through_a_jit, x * scale)
+    assert rep.row("layers/0", "x").amax == pytest.approx(
+        float(jnp.abs(x * scale).max()))
+  plain = lambda m, x: jnp.mean(m(x).astype(jnp.float32) ** 2)
+  want = qlayers.inspect.sensitivity(model, plain, [x], "mxfp4",
+                                     gemms=False, grads=False)
+  got = qlayers.inspect.sensitivity(model, _loss_through_a_jit, [x],
+                                    "mxfp4", gemms=False, grads=False)
+  assert got.wide_loss == pytest.approx(want.wide_loss)
+  assert got.wide_loss != pytest.approx(got.all_loss)
+  assert [c.path for c in got.layers] == [c.path for c in want.layers]
+  assert [c.loss_delta_pct for c in got.layers] == pytest.approx(
+      [c.loss_delta_pct for c in want.layers])

@@ -21,6 +21,7 @@ from qlayers.layers import core
 from qlayers.layers.experts import ExpertSite
 
 _ATTR = "_inspect_path"
+_CALL = "_inspect_call"  # a token per inspection: see `label`
 
 
 def layer_path(path: tuple) -> str:
@@ -58,10 +59,15 @@ def label(model: nnx.Module) -> list[str]:
 
   Only for a model merged inside the trace being inspected: the label is a
   static attribute, so on the caller's model it would change its graph.
+  Each call's labels carry a token of their own, so that an ``nnx.jit``
+  the loss function calls traces anew for each inspection rather than
+  replaying an earlier one's trace (its taps, its masks).
   """
   paths = gemm_paths(model)
+  token = object()
   for path, gemm in paths.items():
     setattr(gemm, _ATTR, path)
+    setattr(gemm, _CALL, token)
   return list(paths)
 
 

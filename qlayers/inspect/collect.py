@@ -206,8 +206,10 @@ def collect(model: nnx.Module, loss_fn: Callable[..., jax.Array], *args,
   are dense GEMMs of its own rows, with its own scales; one compilation of
   the statistics per distinct token count). A layer run inside a loop
   transform (``nnx.scan`` over a stack of layers, ``lax.map``) is measured
-  once per iteration, as ``path[i]`` for iteration ``i`` (layer ``i`` of
-  the stack; experts ``path[i][e]``), each from its own x, w and g. The
+  once per iteration, as ``path[i]`` for the ``i``-th iteration run
+  (layer ``i`` of the stack; layer ``L - 1 - i`` of one scanned with
+  ``reverse=True``; experts ``path[i][e]``), each from its own x, w and g.
+  The
   operands of every quantized GEMM (x, w, g) are copied to host memory
   until they are measured: about the model's weights plus two activations
   per layer.
@@ -230,7 +232,9 @@ def collect(model: nnx.Module, loss_fn: Callable[..., jax.Array], *args,
   run = jax.jit(functools.partial(_pass, graphdef, loss_fn, collector))
   loss = float(run(state, args, kwargs))
   jax.effects_barrier()
-  return _report(model, *_measure(collector.records), loss)
+  # Emptied here: a trace of the loss function's own jit may hold the tap.
+  records, collector.records = collector.records, []
+  return _report(model, *_measure(records), loss)
 
 
 # ----------------------------------------------------------------------------
