@@ -147,6 +147,17 @@ def test_sqnr_of_an_exactly_representable_tensor_is_infinite():
   assert math.isfinite(rep.row("(model)", "g").sqnr_db)
 
 
+def test_a_nan_in_an_operand_reads_as_an_infinite_amax():
+  # XLA:CPU's vectorized max dropped the NaN: the x row read the max of
+  # the rest, an all-NaN gradient -inf; the GEMM's own amax reads +Inf.
+  layer = qlayers.QuantDense(128, 64, recipe="fp8_current", rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(0), (64, 128)).at[3, 5].set(jnp.nan)
+  rep = qlayers.inspect.collect(layer, mse, x)
+  for role in "xg":
+    assert rep.row("(model)", role).amax == math.inf, role
+    assert math.isnan(rep.row("(model)", role).scale), role
+
+
 def test_sqnr_of_uniform_rounding_noise():
   # x ~ U[1, 2) under MXFP8 (E4M3, RCEIL) lands on a grid of spacing 1/8
   # (scale 2**-7 or 2**-8, see the docstring of mx_scale_codes), so the

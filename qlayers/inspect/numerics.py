@@ -145,8 +145,11 @@ def operand_stats(t: jax.Array, q: QTensor) -> dict[str, jax.Array]:
   deq = _cropped(q.dequantize(jnp.float32), q)
   f32 = jnp.float32
   return {
-      "amax": jnp.max(jnp.abs(tq)).astype(f32),
-      "scale": jnp.max(s).astype(f32),
+      # NaN-propagating (XLA:CPU's vectorized max drops NaN): +Inf where
+      # the data holds any, as the GEMM's own amax reads it.
+      "amax": scaling.amax(tq),
+      "scale": jnp.where(jnp.any(jnp.isnan(s)), jnp.nan,
+                         jnp.max(s)).astype(f32),
       "scale_min": jnp.min(jnp.where(nonzero, s, jnp.inf)).astype(f32),
       # A block scale of 0 (NVFP4's E4M3 scale underflowed) flushes its
       # block whatever its payload: underflow, not saturation.
