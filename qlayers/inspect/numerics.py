@@ -81,10 +81,14 @@ def quantized_copy(t: jax.Array, use: Use, amax, recipe: Recipe,
   ``use`` says, quantized exactly as `qlayers.gemm` quantizes it for that GEMM
   (``use.spec`` must not be None)."""
   del recipe
+  # Made from ``t`` as the GEMM makes it (a stochastic rounding key drawn
+  # from the untransformed data); the statistics read the transformed one.
+  op = dispatch.Operand.make(use.spec, use.axis, use.hadamard,
+                             backend=backend)
+  q = ops.operand(t, op, amax=amax)
   if use.hadamard:
     t = hadamard.transform(t, use.hadamard, axis=use.axis)
-  op = dispatch.Operand.make(use.spec, use.axis, backend=backend)
-  return t, ops.operand(t, op, amax=amax)
+  return t, q
 
 
 def _cropped(v: jax.Array, q: QTensor) -> jax.Array:
