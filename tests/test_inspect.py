@@ -174,6 +174,20 @@ def test_a_transformed_stochastic_copy_is_the_gemms():
                                   np.asarray(want.payload))
 
 
+def test_a_frozen_kernel_has_no_weight_gradient_to_measure():
+  # Its layer runs no Wgrad GEMM, yet its Wgrad was measured, and
+  # noise_fallback proposed keeping it wide for that noise.
+  model = Two("mxfp4")
+  qlayers.freeze(model.b)  # its Dgrad runs: a's weight takes a gradient
+  rep = qlayers.inspect.collect(model, mse, jnp.ones((8, 128)))
+  assert [(o.path, o.gemm) for o in rep.outputs] == [
+      ("a", "fprop"), ("a", "dgrad"), ("a", "wgrad"), ("b", "fprop"),
+      ("b", "dgrad")]
+  assert sorted(rep.row("b", "x").gemms) == ["fprop"]
+  assert sorted(rep.row("b", "g").gemms) == ["dgrad"]
+  assert list(qlayers.inspect.gradient_noise(rep)) == ["a"]
+
+
 def test_sqnr_of_uniform_rounding_noise():
   # x ~ U[1, 2) under MXFP8 (E4M3, RCEIL) lands on a grid of spacing 1/8
   # (scale 2**-7 or 2**-8, see the docstring of mx_scale_codes), so the

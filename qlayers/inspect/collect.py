@@ -42,6 +42,7 @@ from qlayers.inspect import _tap
 from qlayers.inspect import numerics
 from qlayers.inspect.report import Output, Report, Row
 from qlayers.layers.core import QuantGemm
+from qlayers.layers.frozen import frozen_kernels
 from qlayers.recipe import Recipe
 from qlayers.state import QuantGradState
 
@@ -377,18 +378,25 @@ def _nan_last(v: float) -> float:
 
 def _report(model, sites: dict, by_site: dict, loss: float) -> Report:
   rows, outputs = [], []
+  # A frozen kernel gets no gradient: its layer runs no Wgrad GEMM.
+  frozen = {"/".join(map(str, p)) or "(model)"
+            for p, _ in frozen_kernels(model)}
   for key in sorted(by_site, key=lambda k: sites[k].order):
     site, got = sites[key], by_site[key]
+    ran = lambda gemm: not (gemm == "wgrad"
+                            and _tap.rule_path(site.path) in frozen)
     for kind, roles in (("fwd", ("x", "w")), ("bwd", ("g",))):
       if kind not in got:
         continue
       stats = got[kind]
       for role in roles:
-        if stats[role]:
-          rows.append(_row(site, role, stats[role],
+        per_gemm = {k: v for k, v in stats[role].items() if ran(k)}
+        if per_gemm:
+          rows.append(_row(site, role, per_gemm,
                            stats["history"].get(role)))
       for gemm, v in stats["out"].items():
-        outputs.append(Output(site.path, gemm, _f(v), site.use))
+        if ran(gemm):
+          outputs.append(Output(site.path, gemm, _f(v), site.use))
   rank = {key: sites[key].order for key in sites}
   rows.sort(key=lambda r: (rank[r.path, r.use], "xwg".index(r.role)))
   outputs.sort(key=lambda o: (rank[o.path, o.use],

@@ -75,8 +75,9 @@ def gradient_noise(reports: Report | Iterable[Report], *,
       power.setdefault(path, []).append(ratio ** 2)
   if not power:
     raise ValueError(f"No layer has a {gemm!r} output in the reports (the "
-                     "loss did not reach a quantized layer, or no layer was "
-                     "quantized).")
+                     "loss did not reach a quantized layer, no layer was "
+                     "quantized, or, for wgrad, every quantized layer's "
+                     "kernel is frozen: no weight gradient).")
   return {p: math.sqrt(sum(v) / len(v)) for p, v in power.items()}
 
 
