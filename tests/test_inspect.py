@@ -619,6 +619,9 @@ def test_sensitivity_errors():
   with pytest.raises(TypeError, match="batches is one array"):
     qlayers.inspect.sensitivity(model, lambda m, a: loss_fn(m, a, a),
                                 jnp.ones((4, 64)), "mxfp8")
+  with pytest.raises(TypeError, match=r"tuple of 2 arrays; pass a list: "
+                     r"\[\(x, y\)\]"):  # was: missing argument 'y'
+    qlayers.inspect.sensitivity(model, loss_fn, batch, "mxfp8")
   nan = (batch[0].at[0, 0].set(jnp.nan), batch[1])
   with pytest.raises(ValueError, match="loss is not finite"):
     qlayers.inspect.sensitivity(model, loss_fn, [nan], "mxfp8")

@@ -210,10 +210,11 @@ def collect(model: nnx.Module, loss_fn: Callable[..., jax.Array], *args,
   once per iteration, as ``path[i]`` for the ``i``-th iteration run
   (layer ``i`` of the stack; layer ``L - 1 - i`` of one scanned with
   ``reverse=True``; experts ``path[i][e]``), each from its own x, w and g.
-  The
-  operands of every quantized GEMM (x, w, g) are copied to host memory
+  The operands of every quantized GEMM (x, w, g) are copied to host memory
   until they are measured: about the model's weights plus two activations
-  per layer.
+  per layer. Under dynamic loss scaling a delayed layer's gradient history
+  holds the scaled gradient's amaxes: measure the loss times the
+  optimizer's loss scale for ``g`` to compare with it.
 
   Example:
     >>> import jax.numpy as jnp

@@ -187,8 +187,9 @@ def output_sqnr(a, b, qa, qb, axes) -> jax.Array:
 
 def history_stats(st: ScaleState, current, algo: str) -> dict[str, jax.Array]:
   """Delayed scaling of one role: the amax its scale came from (``used``),
-  the current amax over it (``ratio``: > 1 saturates), how many steps the
-  history holds (``filled``), its max and its most recent entry."""
+  the current amax over it (``ratio``: > 1 saturates), how many of its
+  entries hold an amax (``filled``: a step that recorded 0 is not
+  counted), its max and its most recent entry."""
   used, _ = scaling.delayed_amax(st, current, algo)
   hist = st.amax_history
   return {

@@ -48,8 +48,10 @@ class Row:
     gemms: ``{gemm: {stat: value, "format": ..., "granularity": ...}}`` for
       every GEMM that quantizes this role.
     history: delayed scaling only: ``used`` (the amax the scale came from),
-      ``ratio`` (current amax / used: above 1 saturates), ``filled`` (steps
-      in the history), ``max``, ``recent`` (its most recent entry).
+      ``ratio`` (current amax / used: above 1 saturates), ``filled`` (the
+      history's entries holding an amax: a step that recorded 0, an idle
+      expert's or a non-finite one, is not counted), ``max``, ``recent``
+      (its most recent entry).
   """
 
   path: str
@@ -173,7 +175,7 @@ class Report:
           _use_path(r.path, r.use), r.role, r.gemm,
           f"{r.format}/{r.granularity}", _g(r.amax), _g(r.scale),
           _pct(r.saturated), _pct(r.underflow), _db(r.sqnr_db),
-          f"{h['ratio']:.3g} ({int(h['filled'])} steps)" if h else "-"])
+          f"{h['ratio']:.3g} ({int(h['filled'])} amaxes)" if h else "-"])
     out = [f"qlayers.inspect: loss {self.loss:.6g}, "
            f"{len(rep.paths)} layers"]
     out += _grid(head, lines)

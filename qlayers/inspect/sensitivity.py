@@ -335,6 +335,12 @@ def _as_batches(batches) -> list[tuple]:
   if hasattr(batches, "shape"):  # an array iterates over its rows
     raise TypeError(f"batches is one array of shape {batches.shape}; pass a "
                     "list of batches (one batch: [x], or [(x, y)]).")
+  if isinstance(batches, tuple) and batches and all(
+      hasattr(b, "shape") for b in batches):
+    raise TypeError(
+        f"batches is a tuple of {len(batches)} arrays; pass a list: "
+        "[(x, y)] for one batch of several arrays, [x1, x2] for batches of "
+        "one array each.")
   out = [b if isinstance(b, tuple) else (b,) for b in batches]
   if not out:
     raise ValueError("sensitivity needs at least one batch.")
