@@ -21,15 +21,17 @@ import optax
 from flax import nnx
 
 from qlayers.grad import check_wrt
-from qlayers.layers.core import check_gemm_sharing, gemms, update_scales
+from qlayers.layers.core import (check_gemm_sharing, gemms,
+                                 merge_grad_amaxes, update_scales)
 from qlayers.layers.frozen import FrozenWeight
 from qlayers.optim_wrappers import (CastMomentsState, LossScaleState,
                                     MasterWeightsState, SkipState,
-                                    cast_moments, dynamic_loss_scaling,
-                                    find_state, finite_norm, master_weights,
+                                    all_finite, cast_moments,
+                                    dynamic_loss_scaling, find_state,
+                                    finite_norm, master_weights,
                                     mixed_precision, needs_master,
-                                    resync_masters,
-                                    skip_if_nonfinite)
+                                    resync_masters, skip_if_nonfinite)
+from qlayers.state import QuantGradState
 
 __all__ = ["Optimizer", "mixed_precision", "master_weights", "cast_moments",
            "skip_if_nonfinite", "dynamic_loss_scaling", "MasterWeightsState",
@@ -69,9 +71,14 @@ class Optimizer(nnx.Optimizer):
       model's recipes (FP16 recipes ask for dynamic loss scaling).
     end_step: end the step of every quantized GEMM in ``update`` (the
       model's, whatever ``wrt``). With several Optimizers on one model
-      (parameter groups), pass ``False`` to all but one, or each update
-      rolls every amax history again.
-    **loss_scale_kwargs: ``init_loss_scale``, ``growth_interval``, ...
+      (parameter groups), pass ``False`` to all but one and update that one
+      last: the others write their gradients' amaxes without ending the
+      step, where each update would roll every amax history again. Groups
+      decide together: a step whose gradients are not all finite (any
+      group's, in the ``grads`` passed) is skipped by every group, so
+      groups made with the same settings keep one loss scale.
+    **loss_scale_kwargs: ``init_loss_scale``, ``growth_interval``, ... (of
+      dynamic loss scaling only: an error without it).
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -118,6 +125,12 @@ class Optimizer(nnx.Optimizer):
     if loss_scaling not in ("dynamic", "none"):
       raise ValueError(f"loss_scaling must be 'dynamic', 'none' or None, got "
                        f"{loss_scaling!r}.")
+    if loss_scale_kwargs and loss_scaling == "none":
+      raise ValueError(
+          f"qlayers.Optimizer: {', '.join(sorted(loss_scale_kwargs))} set "
+          "the dynamic loss scale, and loss scaling is off (no FP16 recipe "
+          "in the model, or loss_scaling='none'); pass "
+          "loss_scaling='dynamic' to scale the loss.")
     if master_dtype is not None and not any(
         needs_master(p, master_dtype)
         for p in jax.tree.leaves(nnx.state(model, wrt))):
@@ -129,6 +142,8 @@ class Optimizer(nnx.Optimizer):
         **loss_scale_kwargs).items()))
     super().__init__(model, mixed_precision(tx, **dict(wrapping)), wrt=wrt)
     self.tx = tx  # as given: static, compared by identity as in nnx
+    self.wrt_structure = jax.tree.structure(
+        nnx.as_pure(nnx.state(model, wrt)))
     self.wrapping = wrapping
     self.loss_scaling = loss_scaling
     self.end_step = bool(end_step)
@@ -164,9 +179,21 @@ class Optimizer(nnx.Optimizer):
       raise ValueError(
           "grads do not match the model's optimized Variables; compute them "
           "with qlayers.value_and_grad (or nnx.grad) using the same `wrt`.")
+    if self.wrt_structure != jax.tree.structure(params):
+      raise ValueError(
+          "Optimizer.update: the model's optimized Variables changed since "
+          "this Optimizer was made (qlayers.freeze, add_lora or merge_lora "
+          "after it?); make the Optimizer after changing the model.")
+    kwargs = nnx.as_pure(kwargs)
+    # Other parameter groups' gradients in ``grads``: a step is skipped by
+    # every group or none (and their loss scales move together).
+    others = nnx.as_pure(nnx.state(grads, nnx.All(
+        nnx.Not(self.wrt), nnx.Not(QuantGradState))))
+    if jax.tree.leaves(others):
+      kwargs["grads_finite"] = all_finite(others)
     opt_state = resync_masters(nnx.as_pure(self.opt_state), params)
     updates, new_state = self.wrapped_tx.update(
-        param_grads, opt_state, params, **nnx.as_pure(kwargs))
+        param_grads, opt_state, params, **kwargs)
     masters = find_state(new_state, MasterWeightsState)
     masked = lambda x: isinstance(x, optax.MaskedNode)
     if masters is None:
@@ -181,4 +208,6 @@ class Optimizer(nnx.Optimizer):
     self.step[...] += 1
     if self.end_step:
       update_scales(model, grads)
+    else:
+      merge_grad_amaxes(model, grads)
     return updates

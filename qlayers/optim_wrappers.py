@@ -23,6 +23,7 @@ int step counts and float decays, which strict promotion refuses.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -71,6 +72,22 @@ def needs_master(x, dtype) -> bool:
   """Whether the Param (or array) ``x`` is floating and narrower than
   ``dtype``, i.e. gets a master in `master_weights`."""
   return _floating(x) and jnp.finfo(x.dtype).bits < jnp.finfo(dtype).bits
+
+
+def all_finite(tree) -> jax.Array:
+  """True iff every element of ``tree``'s floating leaves is finite (for
+  gradients of unknown scale: a loss-scaled gradient's norm may overflow
+  FP32 where its elements do not)."""
+  checks = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+            if _floating(x) and x.size]
+  return functools.reduce(jnp.logical_and, checks, jnp.array(True))
+
+
+def _step_finite(grads, extra) -> jax.Array:
+  """A step's verdict: ``grads`` (unscaled) have a finite norm, and the
+  ``grads_finite`` extra argument, where given (other parameter groups'
+  gradients: `qlayers.Optimizer`), is True."""
+  return finite_norm(grads) & jnp.asarray(extra.get("grads_finite", True))
 
 
 def finite_norm(tree) -> jax.Array:
@@ -321,7 +338,9 @@ def skip_if_nonfinite(
   ``optax.clip_by_global_norm`` inside ``inner`` shares. On a skipped step
   the updates are ``-0.0`` (``p + -0.0 == p`` bit for bit for every ``p``,
   signed zeros included: IEEE 754-2019 section 6.3), the inner state is
-  returned as it was, and ``skipped`` counts the step. Traced (under
+  returned as it was, and ``skipped`` counts the step; an extra argument
+  ``grads_finite=False`` (other parameter groups' gradients were not:
+  `qlayers.Optimizer` passes it) skips it too. Traced (under
   ``jit``), the step is computed either way and a ``where`` per array
   keeps the old values (XLA fuses it into the step's own kernels); called
   eagerly, a Python ``if`` chooses, so an eager update compiles nothing new
@@ -342,7 +361,7 @@ def skip_if_nonfinite(
     return SkipState(inner_init(params), jnp.zeros((), jnp.int32))
 
   def update_fn(updates, state: SkipState, params=None, **extra):
-    finite = finite_norm(updates)
+    finite = _step_finite(updates, extra)
 
     def step():
       return inner_update(updates, state.inner_state, params, **extra)
@@ -413,7 +432,11 @@ def dynamic_loss_scaling(
   a row multiply it by ``growth_factor`` (the FP16 recipe of Micikevicius et
   al., arXiv:1710.03740 section 3.2), up to 2**64 (gradients that need more
   are not narrow; past 2**126 the scale's reciprocal would leave FP32's
-  normal range and unscale to 0). Wrap a `skip_if_nonfinite` inside so
+  normal range and unscale to 0). The scale and its factors are powers of
+  two, so that scaling and unscaling are exact in any float format (a loss
+  scale of 3000 in a BF16 loss is 3008). An extra argument
+  ``grads_finite=False`` backs off as a non-finite step does. Wrap a
+  `skip_if_nonfinite` inside so
   that the overflowing step itself is not applied. The gradients are passed
   on in FP32, so narrow Params need `master_weights` inside it.
 
@@ -427,6 +450,11 @@ def dynamic_loss_scaling(
   """
   if not 1.0 <= init_scale <= _MAX_LOSS_SCALE:
     raise ValueError(f"init_scale must be in [1, 2**64], got {init_scale}.")
+  for name, v in (("init_scale", init_scale), ("growth_factor", growth_factor),
+                  ("backoff_factor", backoff_factor)):
+    if math.frexp(v)[0] != 0.5:
+      raise ValueError(f"{name} must be a power of two (scaling by it is "
+                       f"then exact), got {v}.")
   if int(growth_interval) != growth_interval or growth_interval < 1:
     raise ValueError(f"growth_interval must be an integer >= 1, got "
                      f"{growth_interval}.")
@@ -452,7 +480,7 @@ def dynamic_loss_scaling(
   def update_fn(updates, state: LossScaleState, params=None, **extra):
     inv = 1.0 / state.loss_scale
     grads = jax.tree.map(lambda g: unscale(g, inv), updates)
-    finite = finite_norm(grads)
+    finite = _step_finite(grads, extra)
     upd, inner_state = inner_update(grads, state.inner_state, params,
                                     **extra)
     good = jnp.where(finite, state.good_steps + 1, 0)

@@ -173,6 +173,76 @@ def test_parameter_groups_end_the_step_once():
   np.testing.assert_array_equal(history_after_two_steps(), [0, 2, 0])
 
 
+class _Groups(nnx.Module):
+  def __init__(self, recipe, rngs):
+    self.body = qlayers.QuantDense(8, 8, recipe=recipe, rngs=rngs)
+    self.head = qlayers.QuantDense(8, 4, recipe=recipe, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(jnp.tanh(self.body(x)))
+
+
+_BODY = nnx.All(nnx.Param, nnx.PathContains("body"))
+_HEAD = nnx.All(nnx.Param, nnx.PathContains("head"))
+
+
+def test_parameter_groups_skip_a_nonfinite_step_together():
+  # Each group decided from its own gradients: with the head's overflowing
+  # the body's update was applied and its loss scale kept, the head's
+  # halved; the next step's one loss scale then unscaled a group wrongly
+  # (its updates 2x, in silence).
+  m = _Groups("fp16", nnx.Rngs(0))
+  body = qlayers.Optimizer(m, optax.sgd(0.1), wrt=_BODY, end_step=False,
+                           init_loss_scale=8.0)
+  head = qlayers.Optimizer(m, optax.sgd(0.1), wrt=_HEAD, init_loss_scale=8.0)
+  loss_fn = lambda m: jnp.sum(m(jnp.ones((2, 8))))
+  _, grads = qlayers.value_and_grad(loss_fn, loss_scale=body.loss_scale)(m)
+  grads["head"]["kernel"] = nnx.Param(
+      jnp.full_like(grads["head"]["kernel"][...], jnp.inf))
+  before = np.asarray(m.body.kernel[...])
+  for opt in (body, head):
+    opt.update(m, grads)
+  np.testing.assert_array_equal(m.body.kernel[...], before)
+  assert [int(o.skipped_steps) for o in (body, head)] == [1, 1]
+  assert [float(o.loss_scale) for o in (body, head)] == [4.0, 4.0]
+
+
+def test_a_group_not_ending_the_step_keeps_its_gradient_amaxes():
+  # Groups differentiating losses of their own: the end_step=False group
+  # dropped its grads' gradient amaxes, so a layer only its loss reaches
+  # kept an empty gradient history (its delayed scale current for good).
+  m = _Groups(delayed(), nnx.Rngs(0))
+  head = qlayers.Optimizer(m, optax.sgd(0.1), wrt=_HEAD, end_step=False)
+  body = qlayers.Optimizer(m, optax.sgd(0.1), wrt=_BODY)
+  x = jnp.ones((2, 8))
+  _, g_head = qlayers.value_and_grad(lambda m: jnp.sum(m(x) ** 2),
+                                     wrt=_HEAD)(m)
+  head.update(m, g_head)
+  _, g_body = qlayers.value_and_grad(lambda m: jnp.sum(m.body(x) ** 2),
+                                     wrt=_BODY)(m)
+  body.update(m, g_body)
+  assert float(m.head.quant.g_amax_history[0]) == float(
+      g_head["head"]["quant"]["g_amax"][...]) > 0
+
+
+def test_an_optimizer_names_a_model_changed_after_it_and_unused_settings():
+  m = _Groups("fp8_current", nnx.Rngs(0))
+  opt = qlayers.Optimizer(m, optax.adam(1e-3))
+  qlayers.freeze(m.body)  # was: a pytree structure error from optax
+  qlayers.add_lora(m.body, 2, rngs=nnx.Rngs(1))
+  _, grads = qlayers.value_and_grad(lambda m: jnp.sum(m(jnp.ones((2, 8)))))(m)
+  with pytest.raises(ValueError, match="changed since this Optimizer was "
+                     "made"):
+    opt.update(m, grads)
+  with pytest.raises(ValueError, match="takes frozen kernels' codes"):
+    qlayers.Optimizer(m, optax.adamw(1e-3), wrt=nnx.Variable)  # decayed them
+  with pytest.raises(ValueError, match="init_loss_scale set the dynamic "
+                     "loss scale, and loss scaling is off"):  # was ignored
+    qlayers.Optimizer(m, optax.adam(1e-3), init_loss_scale=1024.0)
+  # A stateless recipe's GEMMs hold no history: none updated.
+  assert qlayers.update_scales(m) == 0
+
+
 def test_wrong_arguments_are_refused_by_name():
   """Arguments swapped or of the wrong kind raise, naming them, before
   anything changes; a wrt taking quantization state is refused."""

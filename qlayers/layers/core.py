@@ -44,6 +44,7 @@ from qlayers import formats
 from qlayers import history_roll
 from qlayers import ops
 from qlayers import sharding
+from qlayers.delayed import merge_amax
 from qlayers.recipe import Recipe, recipe as load_recipe
 from qlayers.scaling import QTensor, ScaleState
 from qlayers.state import QuantGradState, QuantState
@@ -485,7 +486,8 @@ def update_scales(model: nnx.Module, grads: nnx.State | None = None) -> int:
   then warns: a trained GEMM whose histories are all 0).
 
   Returns:
-    The number of `QuantGemm` modules updated.
+    The number of `QuantGemm` modules updated (those holding amax
+    histories: a stateless recipe's have none).
 
   Raises:
     TypeError: ``model`` is not an ``nnx.Module`` or ``grads`` neither None
@@ -514,12 +516,13 @@ def update_scales(model: nnx.Module, grads: nnx.State | None = None) -> int:
     raise TypeError(f"update_scales(model, grads) takes the model, then its "
                     f"gradients (an nnx.State or None); got "
                     f"{type(model).__name__}, {type(grads).__name__}.")
-  found = list(gemms(model))
   updates = _grad_amaxes(model, grads)
-  for path, gemm in found:
+  n = 0
+  for path, gemm in gemms(model):
     states = gemm.read()
     if not states:
       continue
+    n += 1
     # The gradient amax (by max; a non-finite one carries no information),
     # then the roll: one kernel per GEMM on NVIDIA GPUs.
     new = history_roll.end_step(
@@ -528,7 +531,20 @@ def update_scales(model: nnx.Module, grads: nnx.State | None = None) -> int:
     for role, st in zip(states, new):
       getattr(gemm, f"{role}_amax_history").set_value(st.amax_history)
       getattr(gemm, f"{role}_amax").set_value(st.amax)
-  return len(found)
+  return n
+
+
+def merge_grad_amaxes(model: nnx.Module, grads: nnx.State) -> None:
+  """Writes the gradient amaxes in ``grads`` into ``model``'s running
+  amaxes (by max, as `update_scales` writes them) without ending the step:
+  for the gradients of a loss whose step another call ends (parameter
+  groups: ``qlayers.Optimizer(..., end_step=False)``)."""
+  updates = _grad_amaxes(model, grads)
+  state = nnx.state(model, QuantGradState)
+  flat = dict(nnx.to_flat_state(state))
+  for path, value in updates.items():
+    flat[path].set_value(merge_amax(flat[path].get_value(), value))
+  nnx.update(model, state)
 
 
 def _grad_amaxes(model: nnx.Module, grads: nnx.State | None
