@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from qlayers.fields import positive_int
+from qlayers.layers.frozen import FrozenWeight
 from qlayers.state import QuantGradState, QuantVariable
 
 __all__ = ["value_and_grad", "grad", "accumulate_grads", "average_grads"]
@@ -140,16 +141,20 @@ def _in_model(path, _) -> bool:
 
 
 def check_wrt(model: nnx.Module, wrt, where: str) -> None:
-  """Refuses a ``wrt`` filter that takes quantization state: its values are
-  written by the layers and `qlayers.update_scales`, never differentiated or
-  run through an optimizer (that silently corrupts them)."""
-  taken = nnx.state(model, nnx.All(wrt, QuantVariable))
-  if jax.tree.leaves(taken):
-    paths = [".".join(map(str, p)) for p, _ in nnx.to_flat_state(taken)][:3]
-    raise ValueError(
-        f"{where}: wrt={wrt!r} takes quantization state ({', '.join(paths)}"
-        ", ...); differentiate and optimize the Params only (the default "
-        "wrt=nnx.Param).")
+  """Refuses a ``wrt`` filter that takes quantization state (its values are
+  written by the layers and `qlayers.update_scales`) or a frozen kernel's
+  codes and scales: never differentiated or run through an optimizer (that
+  silently corrupts them)."""
+  for kind, what in ((QuantVariable, "quantization state"),
+                     (FrozenWeight, "frozen kernels' codes and scales")):
+    taken = nnx.state(model, nnx.All(wrt, kind))
+    if jax.tree.leaves(taken):
+      paths = [".".join(map(str, p))
+               for p, _ in nnx.to_flat_state(taken)][:3]
+      raise ValueError(
+          f"{where}: wrt={wrt!r} takes {what} ({', '.join(paths)}, ...); "
+          "differentiate and optimize the Params only (the default "
+          "wrt=nnx.Param; nnx.LoRAParam for adapters).")
 
 
 def _typed(template: nnx.State, values) -> nnx.State:

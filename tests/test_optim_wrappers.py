@@ -475,6 +475,13 @@ def test_loss_scale_stops_growing_at_its_cap():
   assert float(state.loss_scale) == 2.0**64
   with pytest.raises(ValueError, match="init_scale"):
     ow.dynamic_loss_scaling(optax.sgd(1.0), init_scale=2.0**65)
+  # A scale of 3000 in a BF16 loss is 3008, unscaled by 1 / 3000: every
+  # update 0.27% off. Scales and factors are powers of two.
+  for bad in (dict(init_scale=3000.0), dict(growth_factor=1.5),
+              dict(backoff_factor=0.75)):
+    with pytest.raises(ValueError, match=f"{next(iter(bad))} must be a "
+                       "power of two"):
+      ow.dynamic_loss_scaling(optax.sgd(1.0), **bad)
 
 
 def test_loss_scaling_without_masters_refuses_narrow_params():
