@@ -7,13 +7,14 @@ from its own ``__call__`` cannot be reached. What it can reach is the way
 GEMM as an attribute, ``self.ragged_dot = jax.lax.ragged_dot``, next to a
 stacked kernel ``nnx.Param [E, K, N]`` (``kernel``, or its only rank-3
 Param; ``[*stack, E, K, N]`` for a stack of such modules made under
-``nnx.vmap``, which a router beside it stacked alike confirms). `quantize`
+``nnx.vmap``, which a router near it stacked alike confirms). `quantize`
 sets that attribute to a `QuantRaggedDot` (recipe, backend, one
 delayed-scaling history per expert and stacked layer) and leaves the
 module, its Params and its code as they were; `dequantize` puts
-``jax.lax.ragged_dot`` back. The router of such experts (a linear layer
-beside them mapping their ``K`` inputs to ``E`` scores) is kept wide. Stacked expert weights used any other way are
-reported with what to do (`swap.unconverted_matmuls`).
+``jax.lax.ragged_dot`` back. The router of such experts (the linear layer
+nearest them mapping their ``K`` inputs to ``E`` scores) is kept wide.
+Stacked expert weights used any other way are reported with what to do
+(`swap.unconverted_matmuls`).
 """
 
 from __future__ import annotations
@@ -59,38 +60,56 @@ def sites(model: nnx.Module) -> list[swap.Site]:
 
 
 def _stacked(m) -> dict[str, tuple[int, ...]]:
-  """The shapes of ``m``'s Params of rank >= 3, by name: the stacked
-  weights its grouped GEMM may multiply by."""
-  return {k: tuple(np.shape(v.get_value())) for k, v in vars(m).items()
-          if isinstance(v, nnx.Param) and np.ndim(v.get_value()) >= 3}
+  """The shapes of ``m``'s stacked weights by name: Params of rank >= 3
+  and of its kernel's rank (a stacked bias ``[*stack, E, N]`` is not one),
+  the weights its grouped GEMM may multiply by."""
+  shapes = {k: tuple(np.shape(v.get_value())) for k, v in vars(m).items()
+            if isinstance(v, nnx.Param) and np.ndim(v.get_value()) >= 3}
+  rank = len(shapes["kernel"]) if "kernel" in shapes else max(
+      map(len, shapes.values()), default=0)
+  return {k: v for k, v in shapes.items() if len(v) == rank}
 
 
 def _kernel(m) -> tuple[str, tuple[int, ...]] | None:
   """``(name, shape)`` of the stacked kernel ``[*stack, E, K, N]`` (the
   stack: layers made under ``nnx.vmap``): ``kernel`` if it is a Param of
-  rank >= 3, else the only such Param, else None."""
+  rank >= 3, else the only such Param of the highest rank, else None."""
   stacked = _stacked(m)
   if "kernel" in stacked:
     return "kernel", stacked["kernel"]
   return next(iter(stacked.items())) if len(stacked) == 1 else None
 
 
-def _beside(e: swap.Site, linear: list[swap.Site]):
-  """The linear layers of ``linear`` where the router of ``e`` would be:
-  beside it (children of the module that holds it) or in it (a layer of
-  experts holding its router)."""
+def _near(e: swap.Site, linear: list[swap.Site], fits) -> list[swap.Site]:
+  """The linear layers of ``linear`` that ``fits`` accepts nearest to
+  experts module ``e``, where its router would be: beside it (children of
+  the module holding it) or in it; else anywhere under that module (a
+  router wrapped in a module of its own); else anywhere under the module
+  above it (a router beside a container of experts, as Mixtral's gate
+  beside its ``experts``)."""
   parent = e.path.rpartition("/")[0]
-  return [s for s in linear
-          if s.path.rpartition("/")[0] in (parent, e.path) and s.path
-          and isinstance(s.layer, (nnx.Linear, nnx.LinearGeneral))]
+  grandparent = parent.rpartition("/")[0]
+  def under(path, top):
+    return path.startswith(top + "/") if top else True
+  levels = (lambda s: s.path.rpartition("/")[0] in (parent, e.path),
+            lambda s: under(s.path, parent),
+            lambda s: bool(parent) and under(s.path, grandparent))
+  candidates = [s for s in linear if s.path
+                and isinstance(s.layer, (nnx.Linear, nnx.LinearGeneral))
+                and fits(s.layer)]
+  for level in levels:
+    found = [s for s in candidates if level(s)]
+    if found:
+      return found
+  return []
 
 
 def stacks(linear: list[swap.Site], experts: list[swap.Site]) -> set[int]:
   """Ids of the experts modules of ``experts`` whose kernel has dims before
   ``[E, K, N]`` that are a stack of layers made under ``nnx.vmap``: a
-  router beside them (a linear layer under the same parent) has a kernel
-  ``[*stack, D, E]`` with the same leading dims. Einsum experts declare
-  their kernel's shape, so their stack is known without one."""
+  router near them (`_near`) has a kernel ``[*stack, D, E]`` with the same
+  leading dims. Einsum experts declare their kernel's shape, so their stack
+  is known without one."""
   out = set()
   for e in experts:
     found = _kernel(e.layer)
@@ -100,12 +119,13 @@ def stacks(linear: list[swap.Site], experts: list[swap.Site]) -> set[int]:
     if len(shape) == 3 or isinstance(e.layer, nnx.Einsum):
       out.add(id(e.layer))
       continue
-    for s in _beside(e, linear):
-      k = getattr(s.layer, "kernel", None)
-      if (isinstance(k, nnx.Variable) and len(k.shape) == len(shape) - 1
-          and tuple(k.shape[:-2]) == shape[:-3]
-          and k.shape[-1] == shape[-3]):
-        out.add(id(e.layer))
+    def fits(layer, shape=shape):
+      k = getattr(layer, "kernel", None)
+      return (isinstance(k, nnx.Variable) and len(k.shape) == len(shape) - 1
+              and tuple(k.shape[:-2]) == shape[:-3]
+              and k.shape[-1] == shape[-3])
+    if _near(e, linear, fits):
+      out.add(id(e.layer))
   return out
 
 
@@ -132,7 +152,7 @@ def check(m, recipe: Recipe, stacked: bool = False) -> tuple[int, int]:
                     "[E, K, N] (name it 'kernel')")
   if len(found[1]) > 3 and not stacked:
     raise swap.Skip(
-        f"kernel {found[1]} has dims before [E, K, N], and no router beside "
+        f"kernel {found[1]} has dims before [E, K, N], and no router near "
         "it stacked alike (kernel [*stack, D, E]) shows them to be a stack "
         "of layers made under nnx.vmap")
   block, gran = swap.min_block(recipe)
@@ -166,19 +186,20 @@ def dequantize(m) -> None:
 
 def routers(linear: list[swap.Site], experts: list[swap.Site],
             stacked: set[int] = frozenset()) -> dict[int, str]:
-  """``{id(layer): why}`` for the routers of ``experts``: a linear layer
-  beside an experts module (or in a layer of experts) that maps its
-  experts' input features to their ``E`` scores (``stacked``: the ids
+  """``{id(layer): why}`` for the routers of ``experts``: the linear
+  layers nearest an experts module (`_near`) that map its experts' input
+  features to their ``E`` scores (``stacked``: the ids
   `stacks` gives, whose kernels' leading dims are a stack)."""
   out = {}
   for e in experts:
     num, k = _count_and_features(e.layer, id(e.layer) in stacked)
     if not isinstance(num, int):
       continue
-    for s in _beside(e, linear):
-      if swap.dims(s.layer)[1] == num and k in (None, swap.dims(s.layer)[0]):
-        out.setdefault(id(s.layer), f"router of the {num} experts at "
-                       f"{e.path or '(model)'} (kept wide)")
+    def fits(layer):
+      return swap.dims(layer)[1] == num and k in (None, swap.dims(layer)[0])
+    for s in _near(e, linear, fits):
+      out.setdefault(id(s.layer), f"router of the {num} experts at "
+                     f"{e.path or '(model)'} (kept wide)")
   return out
 
 

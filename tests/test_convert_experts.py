@@ -281,3 +281,43 @@ def test_routers_are_the_layers_beside_experts_that_score_their_inputs():
                                                "fp8_current"))
   assert converted == {"up": "QuantExpertsEinsum"}
   assert kept == {"router": "router of the 4 experts at up (kept wide)"}
+
+
+def test_routers_wrapped_or_beside_a_container_and_stacked_biases():
+  # A router wrapped in a module of its own, or beside a container of
+  # experts (Mixtral's gate beside its experts), was quantized; stacked
+  # under nnx.vmap its experts were skipped ("no router beside"); and a
+  # stacked per-expert bias [L, E, N] was taken for a second weight.
+  class BiasedExperts(Experts):
+    def __init__(self, k, n, rngs):
+      super().__init__(k, n, rngs)
+      self.bias = nnx.Param(jnp.zeros((E, n)))
+
+  class Wrapped(nnx.Module):
+    def __init__(self, rngs):
+      self.router = nnx.Dict(proj=nnx.Linear(D, E, rngs=rngs))
+      self.up = BiasedExperts(D, H, rngs)
+
+  class Mixtral(nnx.Module):
+    def __init__(self, rngs):
+      self.gate = nnx.Linear(D, E, rngs=rngs)
+      self.experts = nnx.Dict(w1=Experts(D, H, rngs), w2=Experts(H, D, rngs))
+
+  @nnx.split_rngs(splits=2)
+  @nnx.vmap(in_axes=0, out_axes=0)
+  def stack(rngs):
+    return Wrapped(rngs)
+
+  converted, kept, _ = _kinds(qlayers.quantize(Wrapped(nnx.Rngs(0)),
+                                               "fp8_current"))
+  assert set(converted) == {"up"} and set(kept) == {"router/proj"}
+  converted, kept, _ = _kinds(qlayers.quantize(Mixtral(nnx.Rngs(0)),
+                                               "fp8_current"))
+  assert set(converted) == {"experts/w1", "experts/w2"}
+  assert set(kept) == {"gate"}
+  for recipe in ("mxfp8", "fp8_delayed"):
+    model = nnx.Dict(layers=stack(nnx.Rngs(0)))
+    converted, kept, skipped = _kinds(qlayers.quantize(model, recipe))
+    assert set(converted) == {"layers/up"} and not skipped
+    assert set(kept) == {"layers/router/proj"}
+  assert model.layers.up.ragged_dot.x_amax.shape == (2, E)  # fp8_delayed
