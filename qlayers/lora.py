@@ -213,6 +213,12 @@ def merge_lora(model: nnx.Module, *, key: jax.Array | None = None) -> int:
           kernel.dtype)
       settle_delayed(node)
     del node.lora
+  left = sorted(_adapters(model))
+  if left:
+    warnings.warn(
+        f"merge_lora left adapters it does not fold: {', '.join(left)} "
+        "(it folds those add_lora put beside qlayers layers; a Tunix "
+        "model's: qlayers.integrations.tunix.merge_lora).", stacklevel=2)
   return len(found)
 
 

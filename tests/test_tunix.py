@@ -76,6 +76,35 @@ def test_lora_starts_at_zero_and_adds_x_a_b(eq, shape):
   np.testing.assert_allclose(q(x), expect, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("eq,shape", EQUATIONS + (("BTD,NDH->BTNH",
+                                                     (2, 32, 16)),))
+def test_merged_adapters_fold_into_w_laid_out_as_it_is(eq, shape):
+  # qlayers.merge_lora skipped these adapters in silence (none merged, none
+  # named), and no function merged them.
+  q = qtunix.QuantTunixEinsum.from_tunix(_tunix_einsum(eq, shape),
+                                         "fp8_delayed")
+  model = nnx.Dict(attn=nnx.Dict(q_proj=q))
+  qtunix.add_lora(model, 4, rngs=nnx.Rngs(2))
+  q.lora_b.set_value(jax.random.normal(jax.random.key(3), q.lora_b.shape))
+  x = _input(eq)
+  q.eval()
+  before, w, b = q(x), q.w[...], q.lora_b[...]
+  q.lora_b.set_value(jnp.zeros_like(b))
+  adapter = before - q(x)  # x @ a @ b as the forward adds it
+  q.lora_b.set_value(b)
+  with pytest.warns(UserWarning, match=r"attn\.q_proj\.lora_a.*tunix"):
+    assert qlayers.merge_lora(model) == 0
+  assert qtunix.merge_lora(model) == 1 and q.lora_a is None
+  assert not nnx.state(model, nnx.LoRAParam)
+  np.testing.assert_allclose(jnp.einsum(eq, x, q.w[...]),
+                             jnp.einsum(eq, x, w) + adapter,
+                             rtol=1e-5, atol=1e-4)
+  np.testing.assert_array_equal(q.quant.w_amax[...],
+                                jnp.max(jnp.abs(q.w[...])))
+  err = jnp.linalg.norm(q(x) - before) / jnp.linalg.norm(before)
+  assert err < 0.1  # the same function, quantized from the merged w
+
+
 def _qwen3(seed=0):
   cfg = qwen3.ModelConfig(
       num_layers=1, vocab_size=64, embed_dim=32, hidden_dim=64, num_heads=2,

@@ -53,6 +53,7 @@ from qlayers.integrations import tunix_moe
 from qlayers.layers.core import (QuantGemm, QuantLayer, gemms, seed_rounding,
                                  update_scales)
 from qlayers.layers.dense import check_real
+from qlayers.layers.frozen import settle_delayed
 from qlayers.layers.general import _expand_ellipsis, einsum_gemm_plan
 from qlayers.recipe import Recipe, recipe as load_recipe
 from qlayers.state import QuantGradState
@@ -62,7 +63,7 @@ try:
 except ImportError:  # the extra is not installed
   _peft = None
 
-__all__ = ["QuantTunixEinsum", "quantize", "add_lora", "PeftTrainer",
+__all__ = ["QuantTunixEinsum", "quantize", "add_lora", "merge_lora", "PeftTrainer",
            "is_tunix_einsum"]
 
 INSTALL = "pip install 'qlayers[tunix]'"
@@ -233,6 +234,40 @@ def add_lora(model: nnx.Module, rank: int, *, rngs: nnx.Rngs,
                                        out_axis=-1)
     layer.lora_a = nnx.LoRAParam(init(rngs.params(), (*k, rank), param_dtype))
     layer.lora_b = nnx.LoRAParam(jnp.zeros((rank, *n), param_dtype))
+  return len(layers)
+
+
+def merge_lora(model: nnx.Module) -> int:
+  """Folds the adapters `add_lora` put on ``model``'s `QuantTunixEinsum`
+  layers into their ``w`` (``w + lora_a @ lora_b`` in FP32, laid out as
+  ``w``) and removes them, in place; returns how many.
+
+  Example:
+    >>> from flax import nnx
+    >>> from qlayers.integrations import tunix as qtunix
+    >>> q = qtunix.QuantTunixEinsum("BTD,DNH->BTNH", (64, 4, 16),
+    ...                             recipe="fp8_current", rngs=nnx.Rngs(0))
+    >>> qtunix.add_lora(q, 8, rngs=nnx.Rngs(1)), qtunix.merge_lora(q)
+    (1, 1)
+    >>> q.lora_a is None
+    True
+  """
+  layers = ([model] if isinstance(model, QuantTunixEinsum) else
+            [s.layer for s in swap.sites(
+                model, lambda m: isinstance(m, QuantTunixEinsum))])
+  layers = [layer for layer in layers if layer.lora_a is not None]
+  for layer in layers:
+    _, rhs, _, contracted, free = layer.gemm_plan()
+    r = next(c for c in string.ascii_letters if c not in rhs)
+    delta = jnp.einsum(f"{''.join(contracted)}{r},{r}{''.join(free)}"
+                       f"->{''.join(rhs)}",
+                       layer.lora_a[...].astype(jnp.float32),
+                       layer.lora_b[...].astype(jnp.float32))
+    w = layer.w[...]
+    layer.w[...] = (w.astype(jnp.float32) + delta).astype(w.dtype)
+    settle_delayed(layer, layer.w)
+    layer.lora_a = nnx.data(None)
+    layer.lora_b = nnx.data(None)
   return len(layers)
 
 

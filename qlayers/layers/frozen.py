@@ -418,7 +418,7 @@ def frozen_kernels(model: nnx.Module) -> Iterator[tuple[tuple, nnx.Module]]:
       yield path, node
 
 
-def settle_delayed(node) -> None:
+def settle_delayed(node, kernel=None) -> None:
   """Fills a delayed GEMM's weight amax history with its kernel's amax
   (per stacked layer; 0 if not finite, as a step records it), after the
   kernel (a `QuantEmbed`'s table) was replaced: the old amaxes in the
@@ -426,9 +426,10 @@ def settle_delayed(node) -> None:
   and in eval mode for good (a merged adapter's larger amax saturates). A
   frozen kernel's amax no step changes again (a GEMM that requantizes a
   kernel stored in another format scales by it). `freeze`,
-  `qlayers.merge_lora` and `qlayers.hf.load_tensors` call it."""
+  `qlayers.merge_lora` and `qlayers.hf.load_tensors` call it; ``kernel``:
+  the weight where it is not ``node.kernel``."""
   gemm = getattr(node, "quant", None)
-  kernel = getattr(node, "kernel", None)
+  kernel = getattr(node, "kernel", None) if kernel is None else kernel
   if isinstance(node, QuantEmbed):  # its tied head quantizes the table
     kernel = node.embedding
   if gemm is None or not gemm.delayed or not isinstance(
