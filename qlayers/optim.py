@@ -192,6 +192,7 @@ class Optimizer(nnx.Optimizer):
     if jax.tree.leaves(others):
       kwargs["grads_finite"] = all_finite(others)
     opt_state = resync_masters(nnx.as_pure(self.opt_state), params)
+    skip = find_state(opt_state, SkipState)
     updates, new_state = self.wrapped_tx.update(
         param_grads, opt_state, params, **kwargs)
     masters = find_state(new_state, MasterWeightsState)
@@ -206,8 +207,9 @@ class Optimizer(nnx.Optimizer):
     nnx.update(model, new_params)
     nnx.update(self.opt_state, nnx.state(new_state))
     self.step[...] += 1
-    if self.end_step:
-      update_scales(model, grads)
+    if self.end_step:  # a skipped step enters the histories as 0
+      update_scales(model, grads, applied=True if skip is None else (
+          find_state(new_state, SkipState).skipped == skip.skipped))
     else:
       merge_grad_amaxes(model, grads)
     return updates

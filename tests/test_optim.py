@@ -289,6 +289,37 @@ def test_nonfinite_step_changes_only_skipped():
   assert np.array_equal(pure(nnx.state(m))["w"], before_p["w"])
 
 
+@pytest.mark.parametrize("jit", [True, False])
+def test_a_skipped_step_enters_every_history_as_zero(jit):
+  # A batch skipped for a NaN target recorded its finite x amax (1e20
+  # times the usual): the next 1024 steps scaled x by it, the layer's
+  # output about 0.
+  m = qlayers.QuantDense(64, 32, recipe="fp8_delayed", rngs=nnx.Rngs(0))
+  opt = qlayers.Optimizer(m, optax.adam(1e-3))
+
+  def step(m, opt, x, t):
+    loss = lambda m: jnp.mean((m(x) - t) ** 2)
+    _, grads = qlayers.value_and_grad(loss)(m)
+    opt.update(m, grads)
+
+  step = nnx.jit(step) if jit else step
+  x = jax.random.normal(jax.random.key(1), (8, 64))
+  t = jnp.zeros((8, 32))
+  step(m, opt, x, t)
+  before = {r: np.asarray(getattr(m.quant, f"{r}_amax_history")[...])
+            for r in ("x", "w", "g")}
+  assert all(h[0] > 0 for h in before.values())
+  step(m, opt, x * 1e20, t.at[0, 0].set(jnp.nan))
+  assert int(opt.skipped_steps) == 1
+  for r, h in before.items():
+    got = np.asarray(getattr(m.quant, f"{r}_amax_history")[...])
+    np.testing.assert_array_equal(got, np.concatenate([[0], h[:-1]]), r)
+    assert float(getattr(m.quant, f"{r}_amax")[...]) == 0
+  m.eval()
+  want = x @ m.kernel[...] + m.bias[...][None]
+  assert sqnr_db(want, m(x)) > 25
+
+
 def test_optimizer_keeps_no_reference_to_tx():
   """The wrapped transformation belongs to the Optimizer: once both are
   gone, nothing (no cache keyed on ``tx``) keeps the user's ``tx`` alive."""

@@ -472,7 +472,8 @@ def seed_rounding(model: nnx.Module, seed: int = 0, *,
   return n
 
 
-def update_scales(model: nnx.Module, grads: nnx.State | None = None) -> int:
+def update_scales(model: nnx.Module, grads: nnx.State | None = None, *,
+                  applied: bool | jax.Array = True) -> int:
   """Ends a training step for every quantized GEMM of ``model``.
 
   Writes the gradient amaxes from ``grads`` (where it holds `QuantGradState`
@@ -484,6 +485,13 @@ def update_scales(model: nnx.Module, grads: nnx.State | None = None) -> int:
   `qlayers.Optimizer.update` calls it; with another optimizer, call it once
   per step after the update, or delayed scales never move (``model.eval()``
   then warns: a trained GEMM whose histories are all 0).
+
+  ``applied``: whether the optimizer applied this step (a traced bool
+  too). A step it skipped (non-finite gradients) enters every history as
+  0, "no information", as a non-finite amax does: its batch's finite
+  amaxes (a huge ``x`` beside a NaN target) would otherwise set the
+  scales of the next ``amax_history_len`` steps. `qlayers.Optimizer`
+  passes it.
 
   Returns:
     The number of `QuantGemm` modules updated (those holding amax
@@ -525,9 +533,13 @@ def update_scales(model: nnx.Module, grads: nnx.State | None = None) -> int:
     n += 1
     # The gradient amax (by max; a non-finite one carries no information),
     # then the roll: one kernel per GEMM on NVIDIA GPUs.
-    new = history_roll.end_step(
-        list(states.values()),
-        [updates.get((*path, f"{role}_amax")) for role in states])
+    grad_amaxes = [updates.get((*path, f"{role}_amax")) for role in states]
+    if applied is not True:  # a skipped step's amaxes carry no information
+      states = {role: st._replace(amax=jnp.where(applied, st.amax, 0.0))
+                for role, st in states.items()}
+      grad_amaxes = [None if u is None else jnp.where(applied, u, 0.0)
+                     for u in grad_amaxes]
+    new = history_roll.end_step(list(states.values()), grad_amaxes)
     for role, st in zip(states, new):
       getattr(gemm, f"{role}_amax_history").set_value(st.amax_history)
       getattr(gemm, f"{role}_amax").set_value(st.amax)
