@@ -36,8 +36,9 @@ from qlayers import swap_experts
 from qlayers.fields import positive_int
 from qlayers.layers.core import QuantLayer, hand_made
 from qlayers.layers.dense import QuantDense
-from qlayers.layers.frozen import (FrozenKernel, check_key, contracted_dims,
-                                    layer_stack, settle_delayed)
+from qlayers.layers.frozen import (FrozenKernel, check_finite, check_key,
+                                    contracted_dims, layer_stack,
+                                    settle_delayed)
 from qlayers.layers.general import QuantEinsum, QuantLinearGeneral
 
 __all__ = ["add_lora", "lora_layers", "merge_lora", "save_adapters",
@@ -177,6 +178,17 @@ def _adapter(stack: tuple[int, ...], k: int, rank: int, n: int, *,
   return lora
 
 
+def _merged(node) -> jax.Array:
+  """``node``'s kernel plus its adapter's ``lora_a @ lora_b``, in FP32."""
+  lora = node.lora
+  delta = (lora.lora_a[...].astype(jnp.float32)  # per stacked layer
+           @ lora.lora_b[...].astype(jnp.float32))
+  kernel = (node.kernel.dequantize(jnp.float32)
+            if isinstance(node.kernel, FrozenKernel)
+            else node.kernel[...].astype(jnp.float32))
+  return kernel + delta.reshape(node.kernel.shape)
+
+
 def merge_lora(model: nnx.Module, *, key: jax.Array | None = None) -> int:
   """Folds each adapter into its layer's kernel and removes it, in place:
   ``kernel + lora_a @ lora_b`` (in FP32), a frozen kernel requantized in
@@ -197,21 +209,19 @@ def merge_lora(model: nnx.Module, *, key: jax.Array | None = None) -> int:
       "/".join(map(str, p)) or type(n).__name__ for p, n in found
       if isinstance(n.kernel, FrozenKernel) and n.kernel.spec.stochastic],
             key)
+  # Checked before any is merged (nothing half-done), made again to merge:
+  # one merged FP32 kernel held at a time.
+  check_finite("merge_lora", (
+      ("/".join(map(str, p)) or type(n).__name__, _merged(n))
+      for p, n in found))
   for i, (_, node) in enumerate(found):
-    lora = node.lora
-    delta = (lora.lora_a[...].astype(jnp.float32)  # per stacked layer
-             @ lora.lora_b[...].astype(jnp.float32))
-    delta = delta.reshape(node.kernel.shape)
     if isinstance(node.kernel, FrozenKernel):
       node.kernel.requantize(
-          node.kernel.dequantize(jnp.float32) + delta,
+          _merged(node),
           key=None if key is None else jax.random.fold_in(key, i))
-      settle_delayed(node)
     else:
-      kernel = node.kernel[...]
-      node.kernel[...] = (kernel.astype(jnp.float32) + delta).astype(
-          kernel.dtype)
-      settle_delayed(node)
+      node.kernel[...] = _merged(node).astype(node.kernel.dtype)
+    settle_delayed(node)
     del node.lora
   left = sorted(_adapters(model))
   if left:

@@ -328,3 +328,32 @@ def test_merge_into_a_delayed_param_kernel_settles_its_weight_history():
                                 np.full_like(layer.quant.w_amax_history[...],
                                              amax))
   assert float(layer.quant.w_amax[...]) == amax
+
+
+@pytest.mark.parametrize("recipe", ["fp8_current", "nvfp4"])
+def test_non_finite_kernels_are_refused_before_anything_is_stored(recipe):
+  # freeze and merge_lora stored NaN scales or codes for a kernel holding
+  # an Inf (or an adapter making one): the weights, and with them the
+  # frozen base, were gone in silence.
+  model = nnx.Dict(a=qlayers.QuantDense(64, 32, recipe=recipe,
+                                        rngs=nnx.Rngs(0)),
+                   b=qlayers.QuantDense(64, 32, recipe=recipe,
+                                        rngs=nnx.Rngs(1)))
+  model.b.kernel[...] = model.b.kernel[...].at[3, 4].set(jnp.inf)
+  kernels = [np.asarray(m.kernel[...]) for m in (model.a, model.b)]
+  with pytest.raises(ValueError, match=r"freeze: NaN or Inf .* b \(1 of "
+                     r"2048 values\)"):
+    qlayers.freeze(model, key=jax.random.key(0))
+  for m, want in zip((model.a, model.b), kernels):
+    assert isinstance(m.kernel, nnx.Param)
+    np.testing.assert_array_equal(m.kernel[...], want)
+  model.b.kernel[...] = jnp.asarray(kernels[0])
+  qlayers.freeze(model, key=jax.random.key(0))
+  qlayers.add_lora(model, 4, rngs=nnx.Rngs(2))
+  model.b.lora.lora_b[...] = model.b.lora.lora_b[...].at[0, 5].set(jnp.nan)
+  codes = [np.asarray(m.kernel.payload) for m in (model.a, model.b)]
+  with pytest.raises(ValueError, match=r"merge_lora: .* b \(64 of 2048"):
+    qlayers.merge_lora(model, key=jax.random.key(1))
+  for m, want in zip((model.a, model.b), codes):
+    np.testing.assert_array_equal(m.kernel.payload, want)
+    assert m.lora is not None

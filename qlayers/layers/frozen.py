@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -457,6 +457,23 @@ def check_key(call: str, stochastic: list[str], key) -> None:
         "nearest.")
 
 
+def check_finite(call: str, kernels: Iterable[tuple[str, jax.Array]]
+                 ) -> None:
+  """Before ``call`` stores any kernel: each of ``kernels`` (path, value;
+  read one at a time) holds no NaN or Inf, which would store NaN scales or codes in place of
+  the weights (a traced or not fully addressable value is not read)."""
+  bad = [f"{where} ({n} of {np.size(value)} values)"
+         for where, value in kernels
+         if not isinstance(value, jax.core.Tracer)
+         and getattr(value, "is_fully_addressable", True)
+         and (n := int(jnp.sum(~jnp.isfinite(value))))]
+  if bad:
+    raise ValueError(
+        f"{call}: NaN or Inf in the kernels it would store for "
+        f"{', '.join(bad)}: they would store NaN codes or scales in place "
+        "of the weights. Nothing was stored.")
+
+
 def _frozen(node, spec: QuantSpec, n_in: int, key) -> FrozenKernel:
   """``node``'s kernel quantized as ``spec``, keeping its sharding names; a
   kernel sharded over explicit mesh axes that JAX cannot quantize in place
@@ -512,8 +529,8 @@ def freeze(model: nnx.Module, *, spec: QuantSpec | None = None,
       given, a kernel has no weights, a ``spec`` rounds stochastically
       and no ``key`` was given, ``spec`` differs from a
       kernel already frozen in another (`qlayers.dequantize_model` first),
-      or a kernel sharded over explicit mesh axes cannot be quantized in
-      place (nothing is then frozen). Other qlayers layers (an einsum
+      a kernel holds NaN or Inf, or a kernel sharded over explicit mesh
+      axes cannot be quantized in place (nothing is then frozen). Other qlayers layers (an einsum
       contracting trailing kernel dims, logits heads, experts) keep their
       weights, with a warning naming them; kernels already frozen stay as
       they are.
@@ -575,6 +592,8 @@ def freeze_kernels(model: nnx.Module, *, spec: QuantSpec | None = None,
            for p in hand_made(model)]
   check_key("freeze", [w for w, s in zip(paths, todo) if s[1].stochastic],
             key)
+  check_finite("freeze", [(w, node.kernel[...])
+                          for w, (node, _, _) in zip(paths, todo)])
   made = [_frozen(node, s, n_in, None if key is None
                   else jax.random.fold_in(key, i))
           for i, (node, s, n_in) in enumerate(todo)]
