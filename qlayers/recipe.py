@@ -401,9 +401,12 @@ def recipe(name_or_path: "str | os.PathLike | Recipe", **changes) -> Recipe:
     raise ValueError(f"Unknown recipe {text!r};{hint} available: {names} "
                      "(or pass a .toml path).")
   if not path.is_file():
-    raise FileNotFoundError(f"Recipe file {path} does not exist.")
+    raise FileNotFoundError(f"Recipe file {path} " + (
+        "is not a file." if path.exists() else "does not exist."))
   try:
-    data = tomllib.loads(path.read_text())
+    data = tomllib.loads(path.read_bytes().decode("utf-8"))
+  except UnicodeDecodeError as e:
+    raise ValueError(f"{path}: not valid TOML (TOML is UTF-8): {e}") from None
   except tomllib.TOMLDecodeError as e:
     raise ValueError(f"{path}: not valid TOML: {e}") from None
   data.setdefault("name", path.stem)

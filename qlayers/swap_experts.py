@@ -145,7 +145,8 @@ def check(m, recipe: Recipe, stacked: bool = False) -> tuple[int, int]:
         f"{ATTR} would serve with one {state} state; recipe {recipe.name!r} "
         "keeps state per GEMM, so give each weight an experts module of its "
         f"own (its kernel and its {ATTR}), or use a recipe without it "
-        "(fp8_current, mxfp8)")
+        "(fp8_current, mxfp8)" + ("" if "kernel" in weights else
+                                  ", naming one of them 'kernel'"))
   found = _kernel(m)
   if found is None:
     raise swap.Skip(f"holds {ATTR} but no single stacked kernel nnx.Param "

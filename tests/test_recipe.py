@@ -71,6 +71,14 @@ def test_validation_errors(tmp_path):
   bad.write_text("scaling = [")
   with pytest.raises(ValueError, match="not valid TOML"):
     qlayers.recipe(bad)
+  latin1 = tmp_path / "latin1.toml"  # a bare UnicodeDecodeError before
+  latin1.write_bytes('name = "caf\u00e9"\n'.encode("latin-1"))
+  with pytest.raises(ValueError, match=r"latin1.toml: not valid TOML \(TOML "
+                     "is UTF-8"):
+    qlayers.recipe(latin1)
+  (tmp_path / "dir.toml").mkdir()
+  with pytest.raises(FileNotFoundError, match="dir.toml is not a file"):
+    qlayers.recipe(tmp_path / "dir.toml")
   unknown = tmp_path / "unknown.toml"
   unknown.write_text('[fprop]\nx = { format = "e4m3", colour = 1 }\n'
                      'w = { format = "e4m3" }\n')
