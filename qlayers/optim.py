@@ -53,7 +53,8 @@ class Optimizer(nnx.Optimizer):
   replaces its master: `resync_masters`); then ends the step of every
   quantized GEMM with `qlayers.update_scales` (the gradient amaxes returned
   by `qlayers.value_and_grad` are written, by max and never through ``tx``,
-  and every amax history rolls once; see ``end_step``). Masters and
+  and every amax history rolls once, recording 0 for a step skipped for
+  non-finite gradients; see ``end_step``). Masters and
   moments are Variables with their Params' metadata, so they follow the
   Params' shardings.
 
