@@ -227,8 +227,9 @@ def merge_lora(model: nnx.Module, *, key: jax.Array | None = None) -> int:
   if left:
     warnings.warn(
         f"merge_lora left adapters it does not fold: {', '.join(left)} "
-        "(it folds those add_lora put beside qlayers layers; a Tunix "
-        "model's: qlayers.integrations.tunix.merge_lora).", stacklevel=2)
+        "(it folds those qlayers.add_lora put beside qlayers layers; "
+        "those of qlayers.integrations.tunix.add_lora: its merge_lora).",
+        stacklevel=2)
   return len(found)
 
 

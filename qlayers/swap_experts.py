@@ -83,22 +83,26 @@ def _kernel(m) -> tuple[str, tuple[int, ...]] | None:
 def _near(e: swap.Site, linear: list[swap.Site], fits) -> list[swap.Site]:
   """The linear layers of ``linear`` that ``fits`` accepts nearest to
   experts module ``e``, where its router would be: beside it (children of
-  the module holding it) or in it; else anywhere under that module (a
-  router wrapped in a module of its own); else anywhere under the module
-  above it (a router beside a container of experts, as Mixtral's gate
-  beside its ``experts``)."""
+  the module holding it) or in it; else one module down from there (a
+  router wrapped in a module of its own); else beside the module holding
+  it (a router beside a container of experts, as Mixtral's gate beside its
+  ``experts``). Never further: a block's other layers (attention's gates)
+  may map the same widths."""
   parent = e.path.rpartition("/")[0]
-  grandparent = parent.rpartition("/")[0]
-  def under(path, top):
-    return path.startswith(top + "/") if top else True
-  levels = (lambda s: s.path.rpartition("/")[0] in (parent, e.path),
-            lambda s: under(s.path, parent),
-            lambda s: bool(parent) and under(s.path, grandparent))
+  def depth_below(path, top):  # 1: a child of top; 0: not under it
+    if top and not path.startswith(top + "/"):
+      return 0
+    return path[len(top):].strip("/").count("/") + 1
+  levels = (lambda p: depth_below(p, parent) == 1 or depth_below(p, e.path)
+            == 1,
+            lambda p: depth_below(p, parent) == 2,
+            lambda p: bool(parent) and depth_below(
+                p, parent.rpartition("/")[0]) == 1)
   candidates = [s for s in linear if s.path
                 and isinstance(s.layer, (nnx.Linear, nnx.LinearGeneral))
                 and fits(s.layer)]
   for level in levels:
-    found = [s for s in candidates if level(s)]
+    found = [s for s in candidates if level(s.path)]
     if found:
       return found
   return []

@@ -303,6 +303,12 @@ def test_routers_wrapped_or_beside_a_container_and_stacked_biases():
       self.gate = nnx.Linear(D, E, rngs=rngs)
       self.experts = nnx.Dict(w1=Experts(D, H, rngs), w2=Experts(H, D, rngs))
 
+  class GatedAttention(nnx.Module):  # a per-head gate as wide as E
+    def __init__(self, rngs):
+      self.attn = nnx.Dict(gate=nnx.Linear(D, E, rngs=rngs))
+      self.moe = nnx.Dict(router=nnx.Param(jnp.zeros((D, E))),
+                          up=Experts(D, H, rngs))
+
   @nnx.split_rngs(splits=2)
   @nnx.vmap(in_axes=0, out_axes=0)
   def stack(rngs):
@@ -315,6 +321,9 @@ def test_routers_wrapped_or_beside_a_container_and_stacked_biases():
                                                "fp8_current"))
   assert set(converted) == {"experts/w1", "experts/w2"}
   assert set(kept) == {"gate"}
+  converted, kept, _ = _kinds(qlayers.quantize(
+      nnx.Dict(block=GatedAttention(nnx.Rngs(0))), "fp8_current"))
+  assert set(converted) == {"block/attn/gate", "block/moe/up"} and not kept
   for recipe in ("mxfp8", "fp8_delayed"):
     model = nnx.Dict(layers=stack(nnx.Rngs(0)))
     converted, kept, skipped = _kinds(qlayers.quantize(model, recipe))

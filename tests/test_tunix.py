@@ -386,3 +386,23 @@ def test_keep_wide_rules_of_inspect_match_a_moe_layer(tunix_numpy):
   rules = qlayers.inspect.noise_fallback(report, 1e-9)  # every layer wide
   converted = qtunix.quantize(moe(), "mxfp8", rules).converted
   assert not converted, [c.path for c in converted]
+
+
+def test_merged_adapters_of_a_stack_of_layers_fold_per_layer():
+  # Under nnx.vmap, w [L, D, N, H] and the adapters gain the stack dim: the
+  # merge's einsum had too few indices (and layers before it stayed merged).
+  @nnx.split_rngs(splits=3)
+  @nnx.vmap(in_axes=0, out_axes=0)
+  def make(rngs):
+    q = qtunix.QuantTunixEinsum("BTD,DNH->BTNH", (32, 2, 16),
+                                recipe="fp8_current", rngs=rngs)
+    qtunix.add_lora(q, 4, rngs=rngs)
+    return q
+
+  q = make(nnx.Rngs(0))
+  q.lora_b.set_value(jax.random.normal(jax.random.key(3), q.lora_b.shape))
+  w, a, b = (np.asarray(v[...], np.float64) for v in (q.w, q.lora_a,
+                                                       q.lora_b))
+  assert qtunix.merge_lora(q) == 1
+  np.testing.assert_allclose(q.w[...], w + np.einsum("ldr,lrnh->ldnh", a, b),
+                             rtol=1e-6, atol=1e-6)

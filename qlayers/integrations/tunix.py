@@ -53,7 +53,7 @@ from qlayers.integrations import tunix_moe
 from qlayers.layers.core import (QuantGemm, QuantLayer, gemms, seed_rounding,
                                  update_scales)
 from qlayers.layers.dense import check_real
-from qlayers.layers.frozen import settle_delayed
+from qlayers.layers.frozen import check_finite, settle_delayed
 from qlayers.layers.general import _expand_ellipsis, einsum_gemm_plan
 from qlayers.recipe import Recipe, recipe as load_recipe
 from qlayers.state import QuantGradState
@@ -237,6 +237,18 @@ def add_lora(model: nnx.Module, rank: int, *, rngs: nnx.Rngs,
   return len(layers)
 
 
+def _merged(layer: QuantTunixEinsum) -> jax.Array:
+  """``w + lora_a @ lora_b`` in FP32, laid out as ``w`` (leading dims: a
+  stack of layers made under ``nnx.vmap``)."""
+  _, rhs, _, contracted, free = layer.gemm_plan()
+  r = next(c for c in string.ascii_letters if c not in rhs)
+  delta = jnp.einsum(f"...{''.join(contracted)}{r},...{r}{''.join(free)}"
+                     f"->...{''.join(rhs)}",
+                     layer.lora_a[...].astype(jnp.float32),
+                     layer.lora_b[...].astype(jnp.float32))
+  return layer.w[...].astype(jnp.float32) + delta
+
+
 def merge_lora(model: nnx.Module) -> int:
   """Folds the adapters `add_lora` put on ``model``'s `QuantTunixEinsum`
   layers into their ``w`` (``w + lora_a @ lora_b`` in FP32, laid out as
@@ -256,15 +268,11 @@ def merge_lora(model: nnx.Module) -> int:
             [s.layer for s in swap.sites(
                 model, lambda m: isinstance(m, QuantTunixEinsum))])
   layers = [layer for layer in layers if layer.lora_a is not None]
+  # Checked before any is merged (nothing half-done), made again to merge.
+  check_finite("qtunix.merge_lora", ((type(layer).__name__, _merged(layer))
+                                     for layer in layers))
   for layer in layers:
-    _, rhs, _, contracted, free = layer.gemm_plan()
-    r = next(c for c in string.ascii_letters if c not in rhs)
-    delta = jnp.einsum(f"{''.join(contracted)}{r},{r}{''.join(free)}"
-                       f"->{''.join(rhs)}",
-                       layer.lora_a[...].astype(jnp.float32),
-                       layer.lora_b[...].astype(jnp.float32))
-    w = layer.w[...]
-    layer.w[...] = (w.astype(jnp.float32) + delta).astype(w.dtype)
+    layer.w[...] = _merged(layer).astype(layer.w.dtype)
     settle_delayed(layer, layer.w)
     layer.lora_a = nnx.data(None)
     layer.lora_b = nnx.data(None)
