@@ -140,6 +140,15 @@ def _qmm(plan: Plan, dtypes, x, w, stored, state, key):
   return y, new_state
 
 
+# A residual that is the input itself: the jitted forward returns this
+# (an empty pytree) in its place and `_qmm_fwd` saves the input.
+AS_GIVEN = ()
+
+
+def _as_given(saved) -> bool:
+  return isinstance(saved, tuple) and not saved
+
+
 def _qmm_forward(plan: Plan, gather, x, w, stored, state, key):
   recipe, fprop = plan.recipe, plan.fprop
   kx, kw, kwx, _, _ = _keys(key)
@@ -157,7 +166,7 @@ def _qmm_forward(plan: Plan, gather, x, w, stored, state, key):
   # the copies made as BF16 values).
   if plan.save_x == "wide":
     qx, x_saved = operand(x, fprop.lhs, amax=ax, key=kx,
-                          dtype=recipe.dtype), x
+                          dtype=recipe.dtype), AS_GIVEN
   else:
     qx, x_saved, *run = operand_pair(
         x, fprop.lhs, plan.wgrad.lhs if plan.save_x == "wgrad" else None,
@@ -187,17 +196,13 @@ def _qmm_forward(plan: Plan, gather, x, w, stored, state, key):
   else:
     qw = operand(w, fprop.rhs, amax=aw, key=kw, dtype=recipe.dtype,
                  gather=gather)
-    w_saved = qw if plan.share_w else w
+    w_saved = qw if plan.share_w else AS_GIVEN
   if plan.share_w and fprop.partitioned and plan.dgrad.partitioned:
     # One uint8 value for Fprop and the Dgrad residual: gathered once.
     qw = w_saved = partition.wire(qw)
   y = dispatch.run(fprop, qx, qw)
   y = y.reshape(*x.shape[:-1], y.shape[-1])
 
-  # What Wgrad needs of x is named, so a remat policy
-  # (save_only_these_names) can keep just this.
-  x_saved = jax.tree.map(lambda t: checkpoint_name(t, WGRAD_INPUT_NAME),
-                         x_saved)
   g_state, new_state = None, state
   if recipe.delayed:
     g_state = state["g"]
@@ -209,14 +214,22 @@ def _qmm_forward(plan: Plan, gather, x, w, stored, state, key):
 def _qmm_fwd(plan: Plan, dtypes, x, w, stored, state, key):
   if state is not None:
     _warn_if_gradient_amax_lost(plan.recipe, x, w, state)
-  x, w = x.value, w.value
+  x0, w0 = x, w = x.value, w.value
   # An outer derivative reaches the rules through x and w (a wide recipe,
-  # bf16 or fp16, keeps its second derivatives: the wide dots').
+  # bf16 or fp16, keeps its second derivatives: the wide dots'; the
+  # backward rule guards its residuals).
   if plan.recipe.quantized:
     x, w = _guarded((x, w))
-  y, new_state, res = _forward(plan, dtypes[4], x, w, _values(stored),
-                               _values(state), _values(key))
-  return (y, new_state), res
+  y, new_state, (x_saved, w_saved, *res) = _forward(
+      plan, dtypes[4], x, w, _values(stored), _values(state), _values(key))
+  # An input saved as it is is saved from here, not as an output of the
+  # jitted body (which would read as a copy of it). What Wgrad needs of x
+  # is named, so a remat policy (save_only_these_names) can keep just this;
+  # named here, where jax.ad_checkpoint.print_saved_residuals sees it.
+  x_saved = jax.tree.map(lambda t: checkpoint_name(t, WGRAD_INPUT_NAME),
+                         x0 if _as_given(x_saved) else x_saved)
+  w_saved = w0 if _as_given(w_saved) else w_saved
+  return (y, new_state), (x_saved, w_saved, *res)
 
 
 @jax.custom_jvp
