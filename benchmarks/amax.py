@@ -41,7 +41,10 @@ def main(argv=None) -> int:
                  help="comma-separated 2-D shape (last dim a multiple of 32)")
   p.add_argument("--runs", type=int, default=20)
   args = p.parse_args(argv)
-  shape = tuple(int(v) for v in args.shape.split(","))
+  try:
+    shape = tuple(int(v) for v in args.shape.split(","))
+  except ValueError:
+    p.error(f"--shape takes whole numbers, got {args.shape!r}")
   if len(shape) != 2 or shape[1] % 32 or min(shape) <= 0:
     p.error(f"--shape must be 2-D with a last dim divisible by 32, got {shape}")
   if args.runs < 1:

@@ -707,8 +707,14 @@ def _run(args: argparse.Namespace) -> int:
                                       "qlayers/fp8_current")
   names = (args.variants.split(",") if args.variants
            else variant_names(_recipes(args.recipes)))
-  for n in names:
-    _parse_variant(n)
+  for n in names:  # every name before anything compiles
+    try:
+      _, recipe = _parse_variant(n)
+      if recipe:
+        import qlayers
+        qlayers.recipe(recipe)
+    except (ValueError, FileNotFoundError) as e:
+      raise SystemExit(f"compile.py: {e}") from None
   if "stock" not in names:
     names.insert(0, "stock")
   if args.cpus is not None:
@@ -834,6 +840,17 @@ def _add_optimizer(p: argparse.ArgumentParser) -> None:
                  "clipping + AdamW under warmup/cosine)")
 
 
+def _at_least_one(text: str) -> int:
+  """``--repeat``'s value: a whole number, at least 1."""
+  try:
+    n = int(text)
+  except ValueError:
+    n = 0
+  if n < 1:
+    raise argparse.ArgumentTypeError(f"expected a number >= 1, got {text!r}")
+  return n
+
+
 def _cpu_set(text: str) -> frozenset[int]:
   """``--cpus``' value: comma-separated CPU numbers, none negative."""
   try:
@@ -862,7 +879,7 @@ def _parser() -> argparse.ArgumentParser:
                  help="gpt-d64 with 2 blocks, fp8_current only")
   r.add_argument("--isolate", action=argparse.BooleanOptionalAction,
                  default=True, help="each variant in a fresh process")
-  r.add_argument("--repeat", type=int, default=1, metavar="N",
+  r.add_argument("--repeat", type=_at_least_one, default=1, metavar="N",
                  help="measure every variant N times, interleaved, and "
                  "report each timing's median (default 1)")
   r.add_argument("--cpus", type=_cpu_set, default=None, metavar="LIST",

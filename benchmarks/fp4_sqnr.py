@@ -57,6 +57,13 @@ def main():
   p.add_argument("--recipes", default=RECIPES)
   p.add_argument("--seeds", type=int, default=3)
   args = p.parse_args()
+  if args.seeds < 1:
+    p.error(f"--seeds must be >= 1, got {args.seeds}")
+  for name in args.recipes.split(","):  # every name before any run
+    try:
+      qlayers.recipe(name)
+    except (ValueError, FileNotFoundError) as e:
+      p.error(str(e))
   print("| recipe | data | Fprop y | Dgrad dx | Wgrad dw |")
   print("|---|---|---|---|---|")
   for name in args.recipes.split(","):

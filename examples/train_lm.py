@@ -597,7 +597,7 @@ def merge_runs(cfg: Config) -> tuple[Config, dict[str, Any],
   printed.
   """
   fields = {f.name for f in dataclasses.fields(Config)}
-  settings = model = first = None
+  settings = model = first = wide_setting = wide_first = None
   found: dict[tuple[str, int], tuple[Run, str]] = {}
   sources = []
   for path in cfg.merge:
@@ -623,6 +623,25 @@ def merge_runs(cfg: Config) -> tuple[Config, dict[str, Any],
       raise ValueError(f"--merge: {path} was trained with other settings "
                        f"than {first} ({what}); only runs of the same "
                        "training settings can share a table.")
+    # RECIPE+wide runs pool only under one keep_wide (and, where it is
+    # measured, the same layers kept wide per run name).
+    wide = {r.recipe for r in file_runs if r.recipe.endswith(WIDE)}
+    if wide:
+      rules = data.get("keep_wide_rules") or {}
+      mine_wide = (file_cfg.get("keep_wide"),
+                   {n: rules.get(n) for n in wide})
+      if wide_first is None:
+        wide_setting, wide_first = mine_wide, path
+      elif mine_wide[0] != wide_setting[0] or any(
+          wide_setting[1].get(n, v) != v for n, v in mine_wide[1].items()):
+        raise ValueError(
+            f"--merge: {path}'s {', '.join(sorted(wide))} runs kept other "
+            f"layers wide than {wide_first}'s (--keep-wide "
+            f"{mine_wide[0]!r} here, {wide_setting[0]!r} there, or other "
+            "measured rules); only runs keeping the same layers wide can "
+            "share a table.")
+      else:
+        wide_setting[1].update(mine_wide[1])
     reproduced, differing = [], []
     for run in file_runs:
       key = (run.recipe, run.seed)

@@ -142,6 +142,9 @@ def parse(argv=None) -> Config:
   if args["experts"] % ep:
     p.error(f"--experts {args['experts']} do not split over "
             f"--expert-parallel {ep}")
+  # BF16 is the baseline, run for every seed: a "bf16" recipe run would
+  # replace it under the same name.
+  args["recipes"] = tuple(r for r in args["recipes"] if r != "bf16")
   return Config(**args)
 
 

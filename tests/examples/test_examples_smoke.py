@@ -165,6 +165,16 @@ def test_train_lm_merge(tmp_path):
   e = _results_file(tmp_path / "e.json", [("mxfp8", 7, 2.0)])
   with pytest.raises(ValueError, match="no bf16 run for mxfp8 seed 7"):
     train_lm.main(["--merge", f"{a},{e}", "--out", str(tmp_path / "x")])
+  # RECIPE+wide runs keeping other layers wide were pooled in silence.
+  f = _results_file(tmp_path / "f.json", [("bf16", 0, 2.0),
+                                          ("mxfp4+wide", 0, 2.1)],
+                    keep_wide="mlp/down")
+  g = _results_file(tmp_path / "g.json", [("bf16", 1, 2.5),
+                                          ("mxfp4+wide", 1, 2.6)],
+                    keep_wide="attn")
+  with pytest.raises(ValueError, match=r"g.json's mxfp4\+wide runs kept "
+                     r"other layers wide.*'attn' here, 'mlp/down' there"):
+    train_lm.main(["--merge", f"{f},{g}", "--out", str(tmp_path / "x")])
   (tmp_path / "bad.json").write_text('{"config": ')
   with pytest.raises(ValueError, match="bad.json is not a readable"):
     train_lm.main(["--merge", f"{a},{tmp_path / 'bad.json'}",
