@@ -47,18 +47,21 @@ def supported(states: Sequence[ScaleState]) -> bool:
       for st in states)
 
 
-def _kernel(*refs, merges: tuple[bool, ...], load):
+def _kernel(*refs, merges: tuple[bool, ...], gated: bool, load):
   n = len(merges)
   amax_refs, history_refs = refs[:n], refs[n:2 * n]
   out_refs, cleared_refs = refs[-2 * n:-n], refs[-n:]
-  update_refs = iter(refs[2 * n:-2 * n])
+  inputs = refs[2 * n:-2 * n]
+  update_refs = iter(inputs[:len(inputs) - gated])
+  applied = inputs[-1][...] != 0 if gated else True
   for merge, amax_ref, history_ref, out_ref, cleared_ref in zip(
       merges, amax_refs, history_refs, out_refs, cleared_refs):
     a = amax_ref[...]
     if merge:  # `delayed.merge_amax`
       u = next(update_refs)[...]
       a = jnp.maximum(a, jnp.where(jnp.isfinite(u), u, 0.0))
-    a = jnp.where(jnp.isfinite(a), a, 0.0)  # `delayed.update_scales`
+    a = jnp.where(jnp.isfinite(a) & applied, a, 0.0)  # `_gate`, then
+    # `delayed.update_scales`
     i = lax.broadcasted_iota(jnp.int32, history_ref.shape, 0)
     shifted = load(history_ref.at[jnp.maximum(i - 1, 0)])  # h[i - 1]
     out_ref[...] = jnp.where(i == 0, a, shifted)
@@ -70,7 +73,8 @@ def _kernel(*refs, merges: tuple[bool, ...], load):
 # one per call.
 @functools.partial(jax.jit, static_argnames=("interpret",))
 def roll(states: Sequence[ScaleState],
-         updates: Sequence[jax.Array | None] | None = None, *,
+         updates: Sequence[jax.Array | None] | None = None,
+         applied: jax.Array | None = None, *,
          interpret: bool = False) -> list[ScaleState]:
   """``states`` after `delayed.update_scales`, in one kernel: each role's
   running amax, max-combined first with its entry of ``updates`` where one
@@ -82,6 +86,8 @@ def roll(states: Sequence[ScaleState],
   Args:
     states: the roles of one GEMM (`supported`).
     updates: per role, an amax to merge into the running one, or None.
+    applied: whether the step was applied (None: it was); where not, each
+      history records 0 for it (`end_step`).
     interpret: run in Pallas' interpreter (any platform; for tests).
       Otherwise the kernel is lowered for NVIDIA GPUs only.
   """
@@ -98,8 +104,9 @@ def roll(states: Sequence[ScaleState],
     return jnp.reshape(jnp.asarray(a, jnp.float32), (1,))
 
   merges = tuple(u is not None for u in updates)
+  gated = applied is not None
   out = pl.pallas_call(
-      functools.partial(_kernel, merges=merges, load=plt.load),
+      functools.partial(_kernel, merges=merges, gated=gated, load=plt.load),
       out_shape=[jax.ShapeDtypeStruct(st.amax_history.shape, jnp.float32)
                  for st in states] + [jax.ShapeDtypeStruct((1,), jnp.float32)
                                       for st in states],
@@ -107,7 +114,8 @@ def roll(states: Sequence[ScaleState],
       interpret=interpret, name="qlayers_history_roll",
   )(*(scalar(st.amax) for st in states),
     *(jnp.asarray(st.amax_history, jnp.float32) for st in states),
-    *(scalar(u) for u in updates if u is not None))
+    *(scalar(u) for u in updates if u is not None),
+    *([scalar(applied)] if gated else []))
   n = len(states)
   return [ScaleState(h, a.reshape(())) for h, a in zip(out[:n], out[n:])]
 
@@ -123,25 +131,34 @@ def _under_mesh(mesh) -> bool:
 
 
 def end_step(states: Sequence[ScaleState],
-             updates: Sequence[jax.Array | None] | None = None
-             ) -> list[ScaleState]:
+             updates: Sequence[jax.Array | None] | None = None,
+             applied: jax.Array | None = None) -> list[ScaleState]:
   """``states`` (one GEMM's roles) at the end of a step: each entry of
   ``updates`` (or None) merged into its role's running amax
-  (`delayed.merge_amax`), then `delayed.update_scales`. One `roll` kernel
+  (`delayed.merge_amax`), then `delayed.update_scales`; where ``applied``
+  (a bool, None: True) is False, a step the optimizer skipped, each history
+  records 0 instead (`_gate`). One `roll` kernel
   where the program may run on an NVIDIA GPU, on one device or under a
   mesh where it pays (`_under_mesh`); XLA's ops elsewhere, with the same
   values. Jitted as a trace cache: the GEMMs of a model share a few
   signatures, each traced and lowered once (inlined into the caller's
   program)."""
-  return _end_step(list(states), list(updates or [None] * len(states)))
+  return _end_step(list(states), list(updates or [None] * len(states)),
+                   None if applied is None else jnp.asarray(applied, bool))
+
+
+def _gate(amax: jax.Array, applied: jax.Array | None) -> jax.Array:
+  """A skipped step's running amax: 0, "no information" (its batch's
+  finite amaxes would set the next scales)."""
+  return amax if applied is None else jnp.where(applied, amax, 0.0)
 
 
 @jax.jit
-def _end_step(states: list[ScaleState], updates: list[jax.Array | None]
-              ) -> list[ScaleState]:
+def _end_step(states: list[ScaleState], updates: list[jax.Array | None],
+              applied: jax.Array | None) -> list[ScaleState]:
   def xla(states):
-    return [delayed.update_scales(
-        st if u is None else st._replace(amax=delayed.merge_amax(st.amax, u)))
+    return [delayed.update_scales(st._replace(amax=_gate(
+        st.amax if u is None else delayed.merge_amax(st.amax, u), applied)))
             for st, u in zip(states, updates)]
 
   mesh = sharding.context_mesh()
@@ -150,6 +167,6 @@ def _end_step(states: list[ScaleState], updates: list[jax.Array | None]
     return xla(states)
 
   def cuda(states):
-    return roll(states, updates)
+    return roll(states, updates, applied)
 
   return lax.platform_dependent(list(states), cuda=cuda, default=xla)

@@ -51,6 +51,18 @@ def test_roll_is_merge_then_update_scales_bit_for_bit(length):
                                   _bits(want.amax_history))
     assert new.amax.shape == () and new.amax.dtype == jnp.float32
     np.testing.assert_array_equal(_bits(new.amax), _bits(want.amax))
+  # A step the optimizer skipped: every history records 0 for it.
+  for applied in (True, False):
+    got = history_roll.roll(states, updates, jnp.asarray(applied),
+                            interpret=True)
+    want = history_roll.end_step(states, updates, applied)  # XLA's ops
+    for new, ref, st in zip(got, want, states, strict=True):
+      np.testing.assert_array_equal(_bits(new.amax_history),
+                                    _bits(ref.amax_history))
+      if not applied:
+        np.testing.assert_array_equal(
+            new.amax_history, jnp.concatenate([jnp.zeros(1),
+                                               st.amax_history[:-1]]))
 
 
 def test_roll_refuses_what_it_cannot_take():

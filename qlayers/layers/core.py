@@ -533,13 +533,10 @@ def update_scales(model: nnx.Module, grads: nnx.State | None = None, *,
     n += 1
     # The gradient amax (by max; a non-finite one carries no information),
     # then the roll: one kernel per GEMM on NVIDIA GPUs.
-    grad_amaxes = [updates.get((*path, f"{role}_amax")) for role in states]
-    if applied is not True:  # a skipped step's amaxes carry no information
-      states = {role: st._replace(amax=jnp.where(applied, st.amax, 0.0))
-                for role, st in states.items()}
-      grad_amaxes = [None if u is None else jnp.where(applied, u, 0.0)
-                     for u in grad_amaxes]
-    new = history_roll.end_step(list(states.values()), grad_amaxes)
+    new = history_roll.end_step(
+        list(states.values()),
+        [updates.get((*path, f"{role}_amax")) for role in states],
+        None if applied is True else applied)
     for role, st in zip(states, new):
       getattr(gemm, f"{role}_amax_history").set_value(st.amax_history)
       getattr(gemm, f"{role}_amax").set_value(st.amax)
