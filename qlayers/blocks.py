@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qlayers import sharding
+
 
 __all__ = ["normalize_axis", "block_shape", "padded_shape", "pad_to",
            "apply_blocks", "block_amax", "amax"]
@@ -231,7 +233,9 @@ def _max_magnitude(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
     n = mags.shape[last]
     if not isinstance(n, int):  # a symbolic dim (jax.export): no chunks
       return default(mags)
-    k = _chunk(n)
+    # Chunks within each device's part where explicit axes split the dim
+    # (a reshape across parts has no sharding JAX can infer).
+    k = _chunk(n // sharding.explicit_shards(mags, last))
     split = mags.reshape(*mags.shape[:last], n // k, k, *mags.shape[last + 1:])
     part = amax_from_bits(jnp.max(split, axis=last + 1), dtype)
     return jnp.max(part, axis=axes)

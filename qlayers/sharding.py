@@ -164,6 +164,14 @@ def spec_of(x) -> tuple:
   return tuple(keep(e) for e in spec)
 
 
+def explicit_shards(x, dim: int) -> int:
+  """How many parts dim ``dim`` of ``x`` is split into over explicit mesh
+  axes (1: none)."""
+  names = _names(spec_of(x)[dim])
+  mesh = _abstract_mesh()
+  return math.prod(mesh.shape[n] for n in names) if names else 1
+
+
 def _names(entry) -> tuple[str, ...]:
   if entry is None:
     return ()

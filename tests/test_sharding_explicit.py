@@ -120,6 +120,7 @@ def test_freeze_names_shards_its_blocks_cannot_take_and_abstract_restores(
   assert "sharded over explicit mesh axes" in r["freeze"]
   assert r["still_param"]
   assert r["in_place_deepseek_v3"] and r["in_place_nvfp4"], r
+  assert r["in_place_fp8_current"], r
   assert r["same_state"]
   assert r["specs"]["up/kernel"] == "P('fsdp', 'model')"
 

@@ -351,6 +351,25 @@ def freeze_and_abstract_restore():
           bool(np.array_equal(np.asarray(a).reshape(-1).view(np.uint8),
                               np.asarray(b).reshape(-1).view(np.uint8)))
           for a, b in zip(jax.tree.leaves(nnx.state(sharded)), whole[recipe]))
+  # A per-tensor amax over any split: 16 of K = 128 per device (its
+  # 32-element chunks crossed devices: refused as "cannot be quantized in
+  # place").
+  from jax.sharding import AxisType  # pylint: disable=g-import-not-at-top
+  layer = qlayers.QuantDense(128, 64, recipe="fp8_current", rngs=nnx.Rngs(0))
+  qlayers.freeze(layer)
+  whole["fp8_current"] = jax.tree.leaves(nnx.state(layer))
+  with jax.set_mesh(jax.make_mesh((8,), ("fsdp",),
+                                  axis_types=(AxisType.Explicit,))):
+    sharded = qlayers.QuantDense(
+        128, 64, recipe="fp8_current", rngs=nnx.Rngs(0),
+        kernel_metadata={"out_sharding": ("fsdp", None)})
+    qlayers.freeze(sharded)
+    out["in_place_fp8_current"] = all(
+        bool(np.array_equal(np.asarray(a).reshape(-1).view(np.uint8),
+                            np.asarray(b).reshape(-1).view(np.uint8)))
+        for a, b in zip(jax.tree.leaves(nnx.state(sharded)),
+                        whole["fp8_current"]))
+  with jax.set_mesh(st.mesh_for("fsdp_tp", explicit=True)):
     model = st.MLP("fp8_delayed", rngs=nnx.Rngs(0), layout="fsdp_tp")
     path = tempfile.mkdtemp() + "/ckpt"
     qlayers.checkpoint.save(path, model)
