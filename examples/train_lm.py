@@ -597,7 +597,8 @@ def merge_runs(cfg: Config) -> tuple[Config, dict[str, Any],
   printed.
   """
   fields = {f.name for f in dataclasses.fields(Config)}
-  settings = model = first = wide_setting = wide_first = None
+  settings = model = first = None
+  wide_seen: dict[str, tuple[tuple, str]] = {}
   found: dict[tuple[str, int], tuple[Run, str]] = {}
   sources = []
   for path in cfg.merge:
@@ -623,25 +624,25 @@ def merge_runs(cfg: Config) -> tuple[Config, dict[str, Any],
       raise ValueError(f"--merge: {path} was trained with other settings "
                        f"than {first} ({what}); only runs of the same "
                        "training settings can share a table.")
-    # RECIPE+wide runs pool only under one keep_wide (and, where it is
-    # measured, the same layers kept wide per run name).
-    wide = {r.recipe for r in file_runs if r.recipe.endswith(WIDE)}
-    if wide:
-      rules = data.get("keep_wide_rules") or {}
-      mine_wide = (file_cfg.get("keep_wide"),
-                   {n: rules.get(n) for n in wide})
-      if wide_first is None:
-        wide_setting, wide_first = mine_wide, path
-      elif mine_wide[0] != wide_setting[0] or any(
-          wide_setting[1].get(n, v) != v for n, v in mine_wide[1].items()):
+    # RECIPE+wide runs pool only where they kept the same layers wide: the
+    # rules each file records per run name (a replay of measured rules
+    # from their file keeps the same), else the same --keep-wide.
+    rules = data.get("keep_wide_rules") or {}
+    for name in sorted({r.recipe for r in file_runs
+                        if r.recipe.endswith(WIDE)}):
+      mine_wide = (rules.get(name), file_cfg.get("keep_wide"))
+      if name not in wide_seen:
+        wide_seen[name] = (mine_wide, path)
+        continue
+      theirs, there = wide_seen[name]
+      same = (theirs[0] == mine_wide[0] if theirs[0] is not None
+              and mine_wide[0] is not None else theirs[1] == mine_wide[1])
+      if not same:
         raise ValueError(
-            f"--merge: {path}'s {', '.join(sorted(wide))} runs kept other "
-            f"layers wide than {wide_first}'s (--keep-wide "
-            f"{mine_wide[0]!r} here, {wide_setting[0]!r} there, or other "
-            "measured rules); only runs keeping the same layers wide can "
-            "share a table.")
-      else:
-        wide_setting[1].update(mine_wide[1])
+            f"--merge: {path}'s {name} runs kept other layers wide than "
+            f"{there}'s (--keep-wide {mine_wide[1]!r} here, "
+            f"{theirs[1]!r} there); only runs keeping the same layers "
+            "wide can share a table.")
     reproduced, differing = [], []
     for run in file_runs:
       key = (run.recipe, run.seed)

@@ -161,9 +161,9 @@ def test_delayed_keeps_one_history_per_expert():
     return jnp.sum(ye * ct[a:b]), ye
   (_, ye), (dxe, dwe, _) = jax.jit(jax.value_and_grad(
       one, (0, 1, 2), has_aux=True))(x[a:b], w[e], st)
-  np.testing.assert_array_equal(y[a:b], ye)
-  np.testing.assert_array_equal(dx[a:b], dxe)
-  np.testing.assert_array_equal(dw[e], dwe)
+  _same_sums(y[a:b], ye)
+  _same_sums(dx[a:b], dxe)
+  _same_sums(dw[e], dwe)
 
 
 def test_two_uses_max_combine_an_idle_experts_gradient_amax():
@@ -226,6 +226,15 @@ def test_groups_past_the_rows_are_clipped():
   assert (err[30:] < 0.1 * scale[30:]).all(), err[30:] / scale[30:]
 
 
+def _same_sums(a, b):
+  """GEMM outputs of the same quantized operands from GEMMs of other
+  shapes (an expert's buffer, its dense rows): XLA:CPU's BF16 GEMM sums
+  them in an order its shape picks on CPUs with AMX-BF16, so the last FP32
+  bit may differ; the operands' bits are checked where made."""
+  np.testing.assert_allclose(a, b, rtol=0,
+                             atol=2**-20 * float(np.abs(b).max()))
+
+
 def test_capacity_bounds_the_buffers():
   """``capacity``: buffers [G, capacity, K]; a capacity every group fits
   changes no bit, a smaller one drops each group's rows past it."""
@@ -239,13 +248,13 @@ def test_capacity_bounds_the_buffers():
     return _run(f, x, w, ct)
   full, fits, small = run(None), run(max(SIZES)), run(5)
   for a, b in zip(full, fits):
-    np.testing.assert_array_equal(a, b)
+    _same_sums(a, b)
   kept = np.r_[0:5, 9:14]
   dropped = np.r_[5:9, 14:40]
-  np.testing.assert_array_equal(small[0][kept], full[0][kept])
+  _same_sums(small[0][kept], full[0][kept])
   assert not np.asarray(small[0][dropped]).any()
   assert not np.asarray(small[1][dropped]).any()
-  np.testing.assert_array_equal(small[1][kept], full[1][kept])
+  _same_sums(small[1][kept], full[1][kept])
   with pytest.raises(ValueError, match="capacity must be a positive int"):
     ops.ragged_dot("mxfp8", capacity=0)(x, w, jnp.array(SIZES, jnp.int32))
   np_small = run(np.int64(5))  # a NumPy integer is an int
