@@ -598,7 +598,7 @@ def merge_runs(cfg: Config) -> tuple[Config, dict[str, Any],
   """
   fields = {f.name for f in dataclasses.fields(Config)}
   settings = model = first = None
-  wide_seen: dict[str, tuple[tuple, str]] = {}
+  wide_seen: dict[str, list[tuple[tuple, str]]] = {}
   found: dict[tuple[str, int], tuple[Run, str]] = {}
   sources = []
   for path in cfg.merge:
@@ -631,18 +631,16 @@ def merge_runs(cfg: Config) -> tuple[Config, dict[str, Any],
     for name in sorted({r.recipe for r in file_runs
                         if r.recipe.endswith(WIDE)}):
       mine_wide = (rules.get(name), file_cfg.get("keep_wide"))
-      if name not in wide_seen:
-        wide_seen[name] = (mine_wide, path)
-        continue
-      theirs, there = wide_seen[name]
-      same = (theirs[0] == mine_wide[0] if theirs[0] is not None
-              and mine_wide[0] is not None else theirs[1] == mine_wide[1])
-      if not same:
+      for theirs, there in wide_seen.setdefault(name, []):  # every file
+        if (theirs[0] == mine_wide[0] if theirs[0] is not None
+            and mine_wide[0] is not None else theirs[1] == mine_wide[1]):
+          continue
         raise ValueError(
             f"--merge: {path}'s {name} runs kept other layers wide than "
             f"{there}'s (--keep-wide {mine_wide[1]!r} here, "
-            f"{theirs[1]!r} there); only runs keeping the same layers "
-            "wide can share a table.")
+            f"{theirs[1]!r} there, or other recorded rules); only runs "
+            "keeping the same layers wide can share a table.")
+      wide_seen[name].append((mine_wide, path))
     reproduced, differing = [], []
     for run in file_runs:
       key = (run.recipe, run.seed)
